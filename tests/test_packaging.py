@@ -1,0 +1,159 @@
+"""Packaging: the repo's top-level ``integrations/`` folder is shipped as ``trie_decode.integrations``.
+
+pyproject.toml maps it with ``package-dir``; that mapping has to work both for the editable install that
+``make venv`` creates and for a normal wheel install (what users get), and the console script must exist.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata as md
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DIST = "trie-decode"
+
+# Things in a work tree that are not sources: never copied into the build.
+_NOT_SOURCES = shutil.ignore_patterns(
+    ".git", ".venv", "venv", "build", "dist", "*.egg-info", "__pycache__", "*.pyc", ".hypothesis",
+    ".pytest_cache", ".cache", "bench-results", "*.safetensors", "*.gguf",
+)
+
+
+def _is_under(path: str | os.PathLike[str], folder: Path) -> bool:
+    return Path(path).resolve().is_relative_to(folder.resolve())
+
+
+# --- (a) the editable install of the current environment -------------------------------------------------
+
+
+def _installed_dist() -> md.Distribution:
+    """The distribution pip installed into this environment's site-packages.
+
+    Not ``md.distribution(DIST)``: with ``python -m pytest`` the repo is on sys.path, and a stale
+    ``trie_decode.egg-info`` left there by a build would be found first.
+    """
+    purelib = sysconfig.get_paths()["purelib"]
+    found = list(md.distributions(name=DIST, path=[purelib]))
+    assert len(found) == 1, f"expected one {DIST} in {purelib}, found {len(found)}"
+    return found[0]
+
+
+def test_current_env_has_an_editable_install_of_this_repo():
+    direct_url = _installed_dist().read_text("direct_url.json")
+    assert direct_url, f"{DIST} was not installed by pip from a local folder (no direct_url.json)"
+    info = json.loads(direct_url)
+    assert info.get("dir_info", {}).get("editable") is True, f"{DIST} is not an editable install: {info}"
+    assert info["url"].startswith("file://")
+    assert Path(info["url"][len("file://"):]).resolve() == REPO.resolve(), (
+        f"{DIST} is installed editable from {info['url']}, not from this repo {REPO}"
+    )
+
+
+def test_editable_install_maps_integrations_folder():
+    trie_decode = importlib.import_module("trie_decode")
+    integrations = importlib.import_module("trie_decode.integrations")
+    smollm2 = importlib.import_module("trie_decode.integrations.smollm2")
+
+    assert _is_under(trie_decode.__file__, REPO / "trie_decode")
+    assert Path(integrations.__file__).resolve() == (REPO / "integrations" / "__init__.py").resolve()
+    assert Path(smollm2.__file__).resolve() == (REPO / "integrations" / "smollm2.py").resolve()
+    assert callable(smollm2.smollm2_path)
+
+
+def test_import_trie_decode_does_not_import_frameworks():
+    """integrations/__init__.py promises that ``import trie_decode`` never pulls in transformers or vLLM."""
+    code = (
+        "import sys, trie_decode, trie_decode.integrations\n"
+        "bad = sorted(m for m in ('transformers', 'vllm') if m in sys.modules)\n"
+        "assert not bad, f'import trie_decode imported {bad}'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, timeout=300)
+
+
+# --- (b) a normal, non-editable install ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def built_wheel(tmp_path_factory) -> Path:
+    """A wheel built from a copy of the work tree (building in place would write build/ into the repo)."""
+    tmp = tmp_path_factory.mktemp("wheel")
+    src = tmp / "src"
+    shutil.copytree(REPO, src, ignore=_NOT_SOURCES)
+    out = tmp / "dist"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--wheel-dir", str(out), str(src)],
+        check=True, cwd=tmp, timeout=600,
+    )
+    wheels = list(out.glob("trie_decode-*.whl"))
+    assert len(wheels) == 1, wheels
+    return wheels[0]
+
+
+def test_wheel_contents_map_integrations(built_wheel):
+    names = set(zipfile.ZipFile(built_wheel).namelist())
+    assert "trie_decode/__init__.py" in names
+    assert "trie_decode/integrations/__init__.py" in names
+    assert "trie_decode/integrations/smollm2.py" in names
+    assert "trie_decode/py.typed" in names
+    # Shipped only under its package name, never as a top-level `integrations` package.
+    assert not any(n.startswith("integrations/") for n in names), sorted(n for n in names if n.startswith("integ"))
+    # No test, venv or repo files leaking into the wheel.
+    assert not any(n.startswith(("tests/", ".venv/", "scripts/")) for n in names)
+    entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
+    text = zipfile.ZipFile(built_wheel).read(entry_points).decode()
+    assert "trie-decode = trie_decode.cli:main" in text
+
+
+def test_normal_install_imports_integrations_from_install_dir(built_wheel, tmp_path):
+    target = tmp_path / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--target", str(target), str(built_wheel)],
+        check=True, cwd=tmp_path, timeout=600,
+    )
+    assert (target / "trie_decode" / "integrations" / "smollm2.py").is_file()
+    assert not (target / "integrations").exists()
+
+    code = (
+        "import json, trie_decode, trie_decode.integrations, trie_decode.integrations.smollm2 as m\n"
+        "print(json.dumps([trie_decode.__file__, trie_decode.integrations.__file__, m.__file__,"
+        " callable(m.smollm2_path)]))\n"
+    )
+    # cwd and PYTHONPATH are the install dir, so the repo is not on sys.path; the venv's editable finder still
+    # is (it sits in site-packages), which is exactly why the files must be checked to come from `target`.
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=target, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr
+    pkg_file, integrations_file, smollm2_file, has_fn = json.loads(proc.stdout.strip().splitlines()[-1])
+    for f in (pkg_file, integrations_file, smollm2_file):
+        assert _is_under(f, target), f"{f} imported from outside the install dir {target}"
+    assert Path(smollm2_file).resolve() == (target / "trie_decode" / "integrations" / "smollm2.py").resolve()
+    assert has_fn
+
+
+# --- (c) the console script ------------------------------------------------------------------------------
+
+
+def test_console_script_entry_point_declared():
+    eps = [ep for ep in _installed_dist().entry_points if ep.group == "console_scripts" and ep.name == "trie-decode"]
+    assert [ep.value for ep in eps] == ["trie_decode.cli:main"]
+
+
+def test_console_script_help_runs():
+    # sys.executable is the venv's python (not resolved: resolving would leave the venv); scripts sit beside it.
+    script = Path(sys.executable).parent / "trie-decode"
+    assert script.is_file(), f"console script missing: {script}"
+    proc = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, f"trie-decode --help exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    assert "usage" in proc.stdout.lower(), proc.stdout
