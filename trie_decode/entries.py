@@ -1,0 +1,65 @@
+"""Entry payloads: the name and the optional external key of every trie entry, in flat UTF-8 arrays.
+
+Why this exists: an entry's tokens say what the model generated; users want back *which* entry it was (an
+entity name, a document id, an enum value). Storing a million Python strings would defeat memory-mapping, so the
+strings live in one UTF-8 byte blob with offsets, decoded only when an entry is looked up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+
+__all__ = ["Entry", "StringTable"]
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One entry of a trie.
+
+    Attributes:
+        index: the entry's index in the trie (entries are numbered by first appearance in the input).
+        name: the entry's text (the string it was built from, or the descriptor's leaf name), or None.
+        key: the entry's external id (e.g. the ``id`` field of a JSONL line), or None.
+        tokens: the entry's token ids.
+    """
+
+    index: int
+    name: Optional[str]
+    key: Optional[str]
+    tokens: tuple[int, ...]
+
+
+class StringTable:
+    """An immutable table of strings in one UTF-8 blob.
+
+    Args:
+        blob: the concatenated UTF-8 bytes. Shape: (bytes,), dtype uint8.
+        offsets: start of each string in ``blob``, plus the end. Shape: (K+1,), dtype int64.
+    """
+
+    __slots__ = ("blob", "offsets")
+
+    def __init__(self, blob: np.ndarray, offsets: np.ndarray) -> None:
+        self.blob = blob
+        self.offsets = offsets
+
+    @classmethod
+    def from_strings(cls, strings: Sequence[str]) -> "StringTable":
+        encoded = [s.encode("utf-8") for s in strings]
+        offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
+        np.cumsum(np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded)), out=offsets[1:])
+        blob = np.frombuffer(b"".join(encoded), dtype=np.uint8)
+        return cls(blob, offsets)
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, i: int) -> str:
+        start, end = int(self.offsets[i]), int(self.offsets[i + 1])
+        return self.blob[start:end].tobytes().decode("utf-8")
+
+    def to_list(self) -> list[str]:
+        return [self[i] for i in range(len(self))]

@@ -1,0 +1,51 @@
+"""Named errors of trie_decode.
+
+Why this exists: a constraint that is built wrong gives wrong answers silently, so every bad input is rejected
+early with an error that names the argument, the entry and the value. All errors subclass both ``TrieDecodeError``
+(catch-all for this package) and the built-in ``ValueError`` or ``TypeError`` users already catch.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "TrieDecodeError",
+    "EmptyTrieError",
+    "InvalidTokenError",
+    "InvalidEntryError",
+    "DescriptorError",
+    "TrieFileError",
+    "TokenizerMismatchError",
+    "ConstraintConfigError",
+]
+
+
+class TrieDecodeError(Exception):
+    """Base class of every error raised by trie_decode."""
+
+
+class EmptyTrieError(TrieDecodeError, ValueError):
+    """The set of entries is empty (nothing could ever be generated)."""
+
+
+class InvalidTokenError(TrieDecodeError, ValueError):
+    """A token id is negative, not below the vocabulary size, or not an integer."""
+
+
+class InvalidEntryError(TrieDecodeError, TypeError):
+    """An entry is not a sequence of integer token ids (or a string where one is needed), or is empty."""
+
+
+class DescriptorError(TrieDecodeError, ValueError):
+    """A JSON descriptor (TokenTreePayload, RTP-LLM prefix dict, JSONL entries) is malformed or incomplete."""
+
+
+class TrieFileError(TrieDecodeError, ValueError):
+    """A trie file is missing, truncated, corrupted, or of an unknown format version."""
+
+
+class TokenizerMismatchError(TrieDecodeError, ValueError):
+    """A trie was built for another tokenizer than the one it is used with."""
+
+
+class ConstraintConfigError(TrieDecodeError, ValueError):
+    """A decoding constraint's options are invalid (unknown on_complete mode, bad end token, ...)."""
