@@ -19,7 +19,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from trie_decode.constraint import DONE, FREE, IN_ENTRY, SEPARATOR, RowState, SpanRules, TrieConstraint
+from trie_decode.constraint import DONE, RowState, SpanRules, TrieConstraint
 from trie_decode.entries import Entry
 from trie_decode.errors import ConstraintConfigError
 from trie_decode.trie import TokenTrie
@@ -228,7 +228,7 @@ class TrieLogitsProcessor(LogitsProcessor):
         parent = order[pos]
         state = self.constraint(device).advance(self._state.select(parent), ids[:, -1], self._trigger_tails(ids))
         # A row whose prefix was never seen (impossible in generate's own loops) may only end.
-        state.phase = torch.where(found, state.phase, torch.full_like(state.phase, DONE))
+        state.node = torch.where(found, state.node, torch.full_like(state.node, DONE))
         self._state = state
         self._hashes = prev + ids[:, -1].long() * self._hasher.weights(cur - self._start, device)[-1]
         return True
@@ -262,16 +262,19 @@ class TrieLogitsProcessor(LogitsProcessor):
         ]
 
 
+_IN_ENTRY, _FREE, _SEPARATOR = "entry", "free", "separator"
+
+
 def replay_entries(trie: TokenTrie, rules: SpanRules, generated: Sequence[int], prompt_tail: Sequence[int] = ()) -> list[Entry]:
     """Host-side replay of the span rules over a generated row: the entries it completed, in order."""
     trigger = list(rules.trigger)
     t = len(trigger)
     history = list(prompt_tail[-t:]) if t else []
-    phase = IN_ENTRY if not t or history[-t:] == trigger else FREE
+    phase = _IN_ENTRY if not t or history[-t:] == trigger else _FREE
     node, sep_pos = 0, 0
     found: list[Entry] = []
     for tok in generated:
-        if phase == IN_ENTRY:
+        if phase == _IN_ENTRY:
             child = trie.step(node, tok)
             if child >= 0:
                 node = child
@@ -280,22 +283,22 @@ def replay_entries(trie: TokenTrie, rules: SpanRules, generated: Sequence[int], 
                 if entry is not None:
                     found.append(entry)
                 if entry is not None and rules.on_complete == "release":
-                    phase = FREE
+                    phase = _FREE
                 elif entry is not None and rules.on_complete == "repeat" and tok == rules.separator[0]:
-                    phase, node, sep_pos = (IN_ENTRY, 0, 0) if len(rules.separator) == 1 else (SEPARATOR, -1, 1)
+                    phase, node, sep_pos = (_IN_ENTRY, 0, 0) if len(rules.separator) == 1 else (_SEPARATOR, -1, 1)
                 else:
                     return found
-        elif phase == SEPARATOR:
+        elif phase == _SEPARATOR:
             if tok != rules.separator[sep_pos]:
                 return found
             sep_pos += 1
             if sep_pos == len(rules.separator):
-                phase, node = IN_ENTRY, 0
+                phase, node = _IN_ENTRY, 0
         if t:
             history = (history + [tok])[-t:]
-            if phase == FREE and history == trigger:
-                phase, node = IN_ENTRY, 0
-    if phase == IN_ENTRY:
+            if phase == _FREE and history == trigger:
+                phase, node = _IN_ENTRY, 0
+    if phase == _IN_ENTRY:
         entry = trie.entry_at(node)
         if entry is not None:
             found.append(entry)

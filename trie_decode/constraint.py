@@ -1,16 +1,16 @@
-"""Per-row constraint state and its vectorized transitions: which trie node a row is at, and what is allowed.
+"""Per-row constraint state and its vectorized transitions: which trie node each row is at, and what it may emit.
 
 Why this exists: the transformers processor, the fast-forward loop and the vLLM processors all need the same
 thing: a batch of rows, each constrained by one of several tries, each at some point of a span (inside an entry,
-after it, waiting for a trigger), advanced by one token per step and masked accordingly. Keeping that logic here,
-in tensor operations over all rows at once, makes the integrations thin and identical in behaviour.
+after it, waiting for a trigger), advanced by one token per step and masked accordingly. That logic lives here,
+as array operations over all rows at once, so the integrations stay thin and behave identically.
 
-A row's state is three int64 numbers (kept as tensors on the logits' device, see :class:`RowState`):
+A row's state is one int64 ``node`` (plus the index of its trie):
 
-    phase  IN_ENTRY (inside the trie, at ``node``), FREE (unconstrained: released, or waiting for the trigger),
-           DONE (only the end token), SEPARATOR (emitting separator token number ``aux``, repeat mode)
-    node   the trie node (IN_ENTRY), else -1
-    tree   which trie of the constraint the row uses
+    node >= 0     inside an entry, at that trie node
+    DONE (-1)     only the end token may follow
+    FREE (-2)     unconstrained: released after an entry, or waiting for the trigger
+    -2 - k        (k >= 1, repeat mode) emitting separator token number k
 
 End of an entry (``on_complete``):
     "eos"     the end token is allowed at terminal nodes (with the children, if the entry prefixes another);
@@ -19,42 +19,50 @@ End of an entry (``on_complete``):
               and the row is unconstrained (or waits for the trigger again).
     "repeat"  lists of entries: at a terminal node the separator's first token starts the separator (its remaining
               tokens are forced), after which a new entry starts at the root; the end token ends the list.
-A trigger (a token sequence) makes the constraint start only after it appears; the row is FREE until then.
+With a trigger (a token sequence) the constraint starts only after the trigger appears; the row is FREE until then.
+
+Each (trie, rules) pair gets a *step table*: per node and per negative code, the row's child range, dense slot, a
+token it surely keeps (the padding anchor) and its extra tokens (end, separator). Masking a batch is then one table
+gather plus the kernel of :mod:`trie_decode.masking`; rows whose anchor is -1 are unconstrained.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
+import numpy as np
 import torch
 
+from ._backend import NUMPY, TORCH, Ops
 from .device import DeviceTrie
 from .errors import ConstraintConfigError, InvalidTokenError
-from .masking import RowMaskPlan, allowed_mask, apply_plans_, pack_bitmask, plan_rows
+from .masking import MaskPlan, apply_plans_, pack_bitmask, plans_to_bool
 from .trie import TokenTrie
 
-__all__ = ["SpanRules", "RowState", "TrieConstraint", "IN_ENTRY", "FREE", "DONE", "SEPARATOR"]
+__all__ = ["SpanRules", "RowState", "TrieConstraint", "DONE", "FREE"]
 
-IN_ENTRY, FREE, DONE, SEPARATOR = 0, 1, 2, 3
+DONE, FREE = -1, -2
 ON_COMPLETE_MODES = ("eos", "release", "repeat")
+# Step table columns.
+_START, _COUNT, _SLOT, _ANCHOR, _EXTRA0, _EXTRA1 = range(6)
 
 
 def _token_tuple(value: Any, what: str) -> tuple[int, ...]:
     if value is None:
         return ()
-    if isinstance(value, (int,)) and not isinstance(value, bool):
-        return (int(value),)
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = (value,)
     try:
         out = tuple(value)
     except TypeError as exc:
         raise ConstraintConfigError(f"{what} must be a token id or a sequence of token ids, got {value!r}") from exc
     for tok in out:
-        if isinstance(tok, bool) or not isinstance(tok, int):
+        if isinstance(tok, bool) or not isinstance(tok, (int, np.integer)):
             raise ConstraintConfigError(f"{what} must hold integer token ids, got {tok!r}")
         if tok < 0:
             raise ConstraintConfigError(f"{what} holds a negative token id {tok}")
-    return out
+    return tuple(int(t) for t in out)
 
 
 @dataclass(frozen=True)
@@ -75,8 +83,10 @@ class SpanRules:
     trigger: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if isinstance(self.end_token_id, bool) or not isinstance(self.end_token_id, int) or self.end_token_id < 0:
-            raise ConstraintConfigError(f"end_token_id must be a non-negative token id, got {self.end_token_id!r}")
+        end = self.end_token_id
+        if isinstance(end, bool) or not isinstance(end, (int, np.integer)) or end < 0:
+            raise ConstraintConfigError(f"end_token_id must be a non-negative token id, got {end!r}")
+        object.__setattr__(self, "end_token_id", int(end))
         if self.on_complete not in ON_COMPLETE_MODES:
             raise ConstraintConfigError(f"on_complete must be one of {ON_COMPLETE_MODES}, got {self.on_complete!r}")
         object.__setattr__(self, "separator", _token_tuple(self.separator, "separator"))
@@ -87,7 +97,7 @@ class SpanRules:
             raise ConstraintConfigError(f'a separator is only used with on_complete="repeat", not {self.on_complete!r}')
 
     def check_vocab(self, width: int) -> None:
-        """Raise if a configured token is outside ``[0, width)``."""
+        """Raise :class:`InvalidTokenError` if a configured token is outside ``[0, width)``."""
         for what, toks in (("end_token_id", (self.end_token_id,)), ("separator", self.separator), ("trigger", self.trigger)):
             for tok in toks:
                 if tok >= width:
@@ -96,33 +106,73 @@ class SpanRules:
 
 @dataclass
 class RowState:
-    """The state of R rows, each field Shape: (R,), int64, on the logits' device."""
+    """The state of R rows: ``node`` (see the module docstring) and ``tree`` (trie index); Shape: (R,), int64."""
 
-    phase: torch.Tensor
     node: torch.Tensor
-    aux: torch.Tensor
     tree: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.node.numel()
 
     def select(self, index: torch.Tensor) -> "RowState":
         """Rows ``index`` of this state (a gather: used when rows are reordered, e.g. by beam search)."""
-        return RowState(self.phase[index], self.node[index], self.aux[index], self.tree[index])
-
-    def __len__(self) -> int:
-        return self.phase.numel()
+        return RowState(self.node[index], self.tree[index])
 
     def clone(self) -> "RowState":
-        return RowState(self.phase.clone(), self.node.clone(), self.aux.clone(), self.tree.clone())
+        return RowState(self.node.clone(), self.tree.clone())
 
-    def assign(self, index: torch.Tensor, other: "RowState") -> None:
+    def assign(self, index: Any, other: "RowState") -> None:
         """Write ``other``'s rows into rows ``index`` of this state (in place)."""
-        self.phase[index] = other.phase
         self.node[index] = other.node
-        self.aux[index] = other.aux
         self.tree[index] = other.tree
 
     @staticmethod
     def cat(states: Sequence["RowState"]) -> "RowState":
-        return RowState(*(torch.cat([getattr(s, f) for s in states]) for f in ("phase", "node", "aux", "tree")))
+        return RowState(torch.cat([s.node for s in states]), torch.cat([s.tree for s in states]))
+
+    @property
+    def done(self) -> torch.Tensor:
+        """Rows that may only emit the end token. Shape: (R,), bool."""
+        return self.node == DONE
+
+
+class _StepTable:
+    """The step table of one (trie, rules) pair on one device. Shape: (N + K, 6), int32 (K code rows at the end,
+    so that a negative code indexes its own row)."""
+
+    def __init__(self, dtrie: DeviceTrie, rules: SpanRules) -> None:
+        trie = dtrie.trie
+        n = trie.num_nodes
+        sep = rules.separator
+        fanout = trie.fanout.astype(np.int64)
+        slot = dtrie.tensors.dense_slot.cpu().numpy().astype(np.int64)
+        terminal = trie.node_entry >= 0
+        end = rules.end_token_id
+        table = np.full((n, 6), -1, dtype=np.int64)
+        table[:, _START] = trie.child_ptr[:-1]
+        table[:, _COUNT] = np.where(slot >= 0, 0, fanout)
+        table[:, _SLOT] = slot
+        first_child = trie.token[np.minimum(trie.child_ptr[:-1], n - 1)]
+        table[:, _ANCHOR] = np.where(fanout > 0, first_child, end)
+        if rules.on_complete == "release":
+            table[terminal, _ANCHOR] = -1  # an entry is complete: the row is unconstrained
+        else:
+            table[terminal, _EXTRA0] = end
+            if rules.on_complete == "repeat":
+                table[terminal, _EXTRA1] = sep[0]
+        # Code rows, for codes -K .. -1 in this order (so that table[code] is the code's row).
+        codes = {DONE: (0, 0, -1, end, end, -1), FREE: (0, 0, -1, -1, -1, -1)}
+        for k in range(1, len(sep)):
+            codes[-2 - k] = (0, 0, -1, sep[k], sep[k], -1)
+        self.num_codes = len(codes)
+        code_rows = np.array([codes[c] for c in range(-self.num_codes, 0)], dtype=np.int64)
+        full = np.concatenate([table, code_rows]).astype(np.int32)
+        self.tensor = torch.from_numpy(full).to(dtrie.device)
+        self.array = self.tensor.numpy() if dtrie.device.type == "cpu" else None
+        self.max_width = int(table[:, _COUNT].max()) if n else 0
+
+    def on(self, ops: Ops) -> Any:
+        return self.array if ops is NUMPY else self.tensor
 
 
 class TrieConstraint:
@@ -159,9 +209,11 @@ class TrieConstraint:
         self.rules = rules
         self.device = torch.device(device)
         self.vocab_size = max(t.vocab_size for t in tries)
-        rules.check_vocab(max(self.vocab_size, rules.end_token_id + 1))
+        rules.check_vocab(self.vocab_size)
         self.dtries = [DeviceTrie.get(t, self.device) for t in tries]
-        self._sep = torch.tensor(rules.separator or (0,), dtype=torch.long, device=self.device)
+        self.tables = [_StepTable(d, rules) for d in self.dtries]
+        # Index arithmetic runs in numpy on CPU (10x less dispatch overhead than torch), in torch elsewhere.
+        self._ops = NUMPY if self.device.type == "cpu" else TORCH
         self._trigger = torch.tensor(rules.trigger, dtype=torch.long, device=self.device)
 
     # ------------------------------------------------------------------ state
@@ -171,20 +223,17 @@ class TrieConstraint:
         Args:
             num_rows: R.
             tree: each row's trie index (default 0). Shape: (R,), int64.
-            tails: the last tokens before generation (the prompt's tail, at least ``len(trigger)`` columns), used
-                only with a trigger: a prompt that ends with the trigger starts inside the entry.
+            tails: the rows' last tokens before generation (at least ``len(trigger)`` columns); used only with a
+                trigger: a prompt that already ends with the trigger starts inside the entry.
         """
         dev = self.device
         tree = torch.zeros(num_rows, dtype=torch.long, device=dev) if tree is None else tree.to(dev, torch.long)
         if tree.numel() and (int(tree.min()) < 0 or int(tree.max()) >= len(self.tries)):
             raise ConstraintConfigError(f"row trie indices must be in [0, {len(self.tries)})")
-        phase = torch.full((num_rows,), IN_ENTRY, dtype=torch.long, device=dev)
         node = torch.zeros(num_rows, dtype=torch.long, device=dev)
         if self.rules.trigger:
-            triggered = self._tail_is_trigger(tails, num_rows)
-            phase = torch.where(triggered, phase, torch.full_like(phase, FREE))
-            node = torch.where(triggered, node, torch.full_like(node, -1))
-        return RowState(phase, node, torch.zeros_like(node), tree)
+            node = torch.where(self._tail_is_trigger(tails, num_rows), node, torch.full_like(node, FREE))
+        return RowState(node, tree)
 
     def _tail_is_trigger(self, tails: Optional[torch.Tensor], num_rows: int) -> torch.Tensor:
         t = len(self.rules.trigger)
@@ -192,28 +241,15 @@ class TrieConstraint:
             return torch.zeros(num_rows, dtype=torch.bool, device=self.device)
         return (tails[:, -t:].to(self.device) == self._trigger).all(dim=1)
 
-    def _step_nodes(self, state: RowState, tokens: torch.Tensor) -> torch.Tensor:
-        if len(self.dtries) == 1:
-            return self.dtries[0].step(state.node, tokens)
-        child = torch.full_like(state.node, -1)
-        for i, dt in enumerate(self.dtries):
-            rows = (state.tree == i).nonzero().squeeze(1)
-            if rows.numel():
-                child[rows] = dt.step(state.node[rows], tokens[rows])
-        return child
-
-    def _terminal(self, state: RowState) -> torch.Tensor:
-        if len(self.dtries) == 1:
-            return self.dtries[0].is_terminal(state.node)
-        out = torch.zeros_like(state.node, dtype=torch.bool)
-        for i, dt in enumerate(self.dtries):
-            rows = (state.tree == i).nonzero().squeeze(1)
-            if rows.numel():
-                out[rows] = dt.is_terminal(state.node[rows])
-        return out
+    def _groups(self, tree: torch.Tensor) -> list[tuple[int, Optional[torch.Tensor]]]:
+        """(trie index, row positions or None for all rows) for every trie that has rows."""
+        if len(self.tries) == 1:
+            return [(0, None)]
+        present = torch.unique(tree).tolist()
+        return [(i, (tree == i).nonzero().squeeze(1)) for i in present]
 
     def advance(self, state: RowState, tokens: torch.Tensor, tails: Optional[torch.Tensor] = None) -> RowState:
-        """The state after each row appends ``tokens`` (a new RowState; ``state`` is not modified).
+        """The state after each row appends ``tokens`` (a new RowState; ``state`` is unchanged).
 
         Args:
             state: the rows' state before the tokens.
@@ -221,127 +257,164 @@ class TrieConstraint:
             tails: the rows' last tokens *including* ``tokens`` (at least ``len(trigger)`` columns); needed only
                 with a trigger.
         """
-        rules = self.rules
         tokens = tokens.to(self.device, torch.long)
-        phase, node, aux = state.phase, state.node, state.aux
-        in_entry = phase == IN_ENTRY
-        child = self._step_nodes(state, tokens)
-        moved = in_entry & (child >= 0)
-        terminal = in_entry & self._terminal(state) & ~moved
-        left = in_entry & ~moved  # the token is not a child: the entry ended here (or the row is junk)
-
-        new_phase = torch.where(left, torch.full_like(phase, DONE), phase)
-        new_node = torch.where(moved, child, torch.where(left, torch.full_like(node, -1), node))
-        new_aux = aux.clone()
-        mode = rules.on_complete
-        if mode == "release":
-            new_phase = torch.where(terminal, torch.full_like(phase, FREE), new_phase)
-        elif mode == "repeat":
-            sep = self._sep
-            starts_sep = terminal & (tokens == sep[0])
-            if len(rules.separator) == 1:
-                new_phase = torch.where(starts_sep, torch.full_like(phase, IN_ENTRY), new_phase)
-                new_node = torch.where(starts_sep, torch.zeros_like(node), new_node)
+        node = state.node
+        ops = self._ops
+        new = torch.full_like(node, DONE)
+        for i, rows in self._groups(state.tree):
+            n = node if rows is None else node[rows]
+            t = tokens if rows is None else tokens[rows]
+            if ops is NUMPY:
+                out = torch.from_numpy(self._advance_group(i, n.numpy(), t.numpy(), ops))
             else:
-                new_phase = torch.where(starts_sep, torch.full_like(phase, SEPARATOR), new_phase)
-                new_aux = torch.where(starts_sep, torch.ones_like(aux), new_aux)
-            in_sep = phase == SEPARATOR
-            expected = sep[aux.clamp(0, len(rules.separator) - 1)]
-            ok = in_sep & (tokens == expected)
-            finished_sep = ok & (aux + 1 >= len(rules.separator))
-            new_phase = torch.where(in_sep & ~ok, torch.full_like(phase, DONE), new_phase)
-            new_phase = torch.where(finished_sep, torch.full_like(phase, IN_ENTRY), new_phase)
-            new_node = torch.where(finished_sep, torch.zeros_like(node), new_node)
-            new_aux = torch.where(ok & ~finished_sep, aux + 1, torch.where(finished_sep, torch.zeros_like(aux), new_aux))
-        # eos mode: any token that is not a child (the end token or junk) leaves the row DONE, as set above.
-        if rules.trigger:
-            fires = (new_phase == FREE) & self._tail_is_trigger(tails, len(tokens))
-            new_phase = torch.where(fires, torch.full_like(phase, IN_ENTRY), new_phase)
-            new_node = torch.where(fires, torch.zeros_like(node), new_node)
-        return RowState(new_phase, new_node, new_aux, state.tree)
+                out = self._advance_group(i, n, t, ops)
+            if rows is None:
+                new = out
+            else:
+                new[rows] = out
+        if self.rules.trigger:
+            fires = (new == FREE) & self._tail_is_trigger(tails, len(tokens))
+            new = torch.where(fires, torch.zeros_like(new), new)
+        return RowState(new, state.tree)
+
+    def _advance_group(self, i: int, node: Any, tok: Any, ops: Ops) -> Any:
+        rules = self.rules
+        child = self.dtries[i].step(node, tok, ops)  # -1 for non-children and for every negative code
+        mode = rules.on_complete
+        if mode == "eos" and not rules.trigger:
+            return child
+        table = self.tables[i].on(ops)
+        row = table[node]
+        left = child < 0
+        if mode == "eos":
+            child[left & (node == FREE)] = FREE
+        elif mode == "release":
+            released = left & (((node >= 0) & (row[:, _ANCHOR] < 0)) | (node == FREE))
+            child[released] = FREE
+        else:  # repeat
+            sep = rules.separator
+            at_end = left & (node >= 0) & (row[:, _EXTRA1] >= 0) & (tok == sep[0])
+            child[at_end] = 0 if len(sep) == 1 else -3
+            in_sep = left & (node <= -3)
+            k = -2 - node  # separator position expected next, for rows in the separator
+            ok = in_sep & (tok == row[:, _ANCHOR])
+            child[ok & (k + 1 >= len(sep))] = 0
+            more = ok & (k + 1 < len(sep))
+            child[more] = node[more] - 1
+            child[left & (node == FREE)] = FREE
+        return child
 
     # ------------------------------------------------------------------ masks
-    def plans(self, state: RowState, rows: Optional[torch.Tensor] = None) -> list[RowMaskPlan]:
-        """Mask plans of the constrained rows of ``state`` (FREE rows and released terminal rows are left out).
+    def plans(self, state: RowState, rows: Optional[torch.Tensor], ops: Ops) -> list[MaskPlan]:
+        """Mask plans of the constrained rows of ``state`` (unconstrained rows are left out).
 
         Args:
-            rows: logits row of each state row (default: the identity). Shape: (R,), int64.
+            rows: logits row of each state row; None means state row i is logits row i.
+            ops: the backend of the index arithmetic (the plans hold torch tensors either way).
         """
-        rules = self.rules
-        r = len(state)
-        rows = torch.arange(r, device=self.device) if rows is None else rows
-        phase, node = state.phase, state.node
-        in_entry = phase == IN_ENTRY
-        terminal = in_entry & self._terminal(state)
-        constrained = phase != FREE
-        if rules.on_complete == "release":
-            constrained = constrained & ~terminal
-        end = torch.full_like(node, rules.end_token_id)
-        none = torch.full_like(node, -1)
-        if rules.on_complete == "eos":
-            extra0 = torch.where(terminal | (phase == DONE), end, none)
-            extra = extra0.unsqueeze(1)
-        elif rules.on_complete == "repeat":
-            sep_tok = self._sep[state.aux.clamp(0, len(rules.separator) - 1)]
-            extra0 = torch.where(terminal | (phase == DONE), end, torch.where(phase == SEPARATOR, sep_tok, none))
-            extra1 = torch.where(terminal, self._sep[0].expand_as(node), none)
-            extra = torch.stack([extra0, extra1], dim=1)
-        else:
-            extra = torch.where(phase == DONE, end, none).unsqueeze(1)
-        masked_nodes = torch.where(in_entry, node, none)
         plans = []
-        for i, dt in enumerate(self.dtries):
-            pick = constrained if len(self.dtries) == 1 else constrained & (state.tree == i)
-            idx = pick.nonzero().squeeze(1)
-            if idx.numel() == 0:
-                continue
-            if idx.numel() == r:
-                plans.append(plan_rows(dt, rows, masked_nodes, extra, rules.end_token_id))
-            else:
-                plans.append(plan_rows(dt, rows[idx], masked_nodes[idx], extra[idx], rules.end_token_id))
+        node_all = state.node.numpy() if ops is NUMPY else state.node
+        rows_all = None if rows is None else (rows.numpy() if ops is NUMPY else rows)
+        for i, pos in self._groups(state.tree):
+            if pos is not None:
+                pos = pos.numpy() if ops is NUMPY else pos
+            node = node_all if pos is None else node_all[pos]
+            lrows = (rows_all if pos is None else (pos if rows_all is None else rows_all[pos]))
+            plan = self._plan_group(i, node, lrows, ops)
+            if plan is not None:
+                plans.append(plan)
         return plans
+
+    def _plan_group(self, i: int, node: Any, rows: Optional[Any], ops: Ops) -> Optional[MaskPlan]:
+        """Steps: 1. gather each row's table row; 2. one host read: widest child list, counts of unconstrained and
+        dense rows; 3. drop unconstrained rows; 4. child tokens padded with the anchor, plus the extras."""
+        table = self.tables[i].on(ops)
+        info = ops.int64(table[node])
+        count, anchor, slot = info[:, _COUNT], info[:, _ANCHOR], info[:, _SLOT]
+        if ops is NUMPY:
+            width, n_free, n_dense = int(count.max()), int((anchor < 0).sum()), int((slot >= 0).sum())
+        else:
+            width, n_free, n_dense = torch.stack([count.max(), (anchor < 0).sum(), (slot >= 0).sum()]).tolist()
+        if n_free:
+            keep = ops.nonzero(anchor >= 0)
+            if len(keep) == 0:
+                return None
+            info = info[keep]
+            rows = keep if rows is None else rows[keep]
+            count, anchor, slot = info[:, _COUNT], info[:, _ANCHOR], info[:, _SLOT]
+        a = self.dtries[i].on(ops)
+        # Padding repeats the row's last child (a kept column): child index start + min(j, count - 1).
+        # Childless rows (dense, DONE, separator, leaf) read child 1 (any valid index) and are then overwritten
+        # with their anchor.
+        childless = count == 0
+        first = info[:, _START] * ~childless + childless
+        last = first + count - 1 + childless
+        j = ops.arange(width, info)
+        idx = _minimum(first[:, None] + j[None, :], last[:, None], ops)
+        tokens = ops.int64(a.child_token[idx])
+        if n_dense or childless.any():
+            tokens[childless] = anchor[childless][:, None]
+        # Extra columns: the anchor itself, then the extras, each -1 replaced by the anchor.
+        extras = info[:, _ANCHOR : _EXTRA1 + 1 if self.rules.on_complete == "repeat" else _EXTRA0 + 1]
+        extras = extras + (extras < 0) * (anchor[:, None] - extras)
+        cols = ops.cat([tokens, extras], 1)
+        plan = MaskPlan(rows=_to_torch(rows), cols=_to_torch(cols))
+        if n_dense:
+            dense_pos = ops.nonzero(slot >= 0)
+            plan.dense_rows = _to_torch(dense_pos)
+            plan.dense_allowed = _to_torch(a.dense_allowed[slot[dense_pos]])
+        return plan
 
     def mask_(self, logits: torch.Tensor, state: RowState, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Set every disallowed logit of the constrained rows to -inf, in place; return ``logits``.
 
         Args:
-            logits: Shape: (B, V) with V >= the tries' vocabulary (padded embedding columns are masked too).
+            logits: Shape: (B, V), V >= the tries' vocabulary (wider logits, e.g. padded embeddings, are masked too).
             state: the state of the rows to mask.
-            rows: logits row of each state row (default: row i of the state is logits row i).
+            rows: logits row of each state row (default: state row i is logits row i).
         """
         if logits.shape[-1] < self.vocab_size:
             raise InvalidTokenError(
                 f"logits have {logits.shape[-1]} columns but the trie's vocabulary has {self.vocab_size} tokens: "
                 "the trie was built for a larger vocabulary than this model's"
             )
-        return apply_plans_(logits, self.plans(state, rows))
+        apply_plans_(logits, self.plans(state, rows, self._ops))
+        return logits
 
     def allowed(self, state: RowState, width: Optional[int] = None) -> torch.Tensor:
-        """Boolean mask of the allowed tokens of every row (FREE rows allow everything). Shape: (R, width)."""
-        width = width or max(self.vocab_size, self.rules.end_token_id + 1)
-        return allowed_mask(self.plans(state), len(state), width, self.device)
+        """Boolean mask of each row's allowed tokens (unconstrained rows allow all). Shape: (R, width), bool."""
+        width = width or self.vocab_size
+        return plans_to_bool(self.plans(state, None, self._ops), len(state), width)
 
     def bitmask(self, state: RowState, width: Optional[int] = None) -> torch.Tensor:
         """The allowed tokens as an int32 bitmask. Shape: (R, ceil(width / 32)), int32 (XGrammar's format)."""
         return pack_bitmask(self.allowed(state, width))
 
     def forced_tokens(self, state: RowState, max_tokens: int = 1 << 30) -> list[list[int]]:
-        """Per row, the tokens forced from its state: the trie's unique run (plus the end token where an entry
-        ends with no way on in ``"eos"`` mode, or the remaining separator tokens). Host-side; used by fast-forward.
-        """
-        out: list[list[int]] = []
-        phase, node, aux, tree = (t.tolist() for t in (state.phase, state.node, state.aux, state.tree))
+        """Per row, the tokens forced from its state, host-side (used by fast-forward): the trie's unique run,
+        plus the end token where an entry ends with no way on in ``"eos"`` mode, or the rest of the separator."""
         rules = self.rules
-        for p, n, a, t in zip(phase, node, aux, tree):
+        out: list[list[int]] = []
+        for n, t in zip(state.node.tolist(), state.tree.tolist()):
             run: list[int] = []
-            if p == IN_ENTRY:
+            if n >= 0:
                 trie = self.tries[t]
                 run = trie.forced_run(n)[:max_tokens]
                 if rules.on_complete == "eos" and len(run) < max_tokens:
-                    end_node = trie.walk(run, n) if run else n
-                    if trie.fanout[end_node] == 0:
+                    last = trie.walk(run, n) if run else n
+                    if trie.fanout[last] == 0:
                         run.append(rules.end_token_id)
-            elif p == SEPARATOR:
-                run = list(rules.separator[a:])[:max_tokens]
+            elif n <= -3:
+                run = list(rules.separator[-2 - n :])[:max_tokens]
+            elif n == DONE:
+                run = [rules.end_token_id][:max_tokens]
             out.append(run)
         return out
+
+
+def _to_torch(x: Any) -> Any:
+    return torch.from_numpy(x) if isinstance(x, np.ndarray) else x
+
+
+def _minimum(a: Any, b: Any, ops: Ops) -> Any:
+    return np.minimum(a, b) if ops is NUMPY else torch.minimum(a, b)

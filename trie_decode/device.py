@@ -1,32 +1,39 @@
-"""``DeviceTrie``: a trie's arrays as torch tensors on the device where the logits live.
+"""``DeviceTrie``: a trie's arrays as tensors on the device where the logits live.
 
-Why this exists: masking must run where the logits are (CUDA, MPS or CPU) without copying state back to the host.
-Three tensors per trie are enough, 13 bytes per node:
+Why this exists: masking must run where the logits are (CUDA, MPS or CPU) without copying state to the host.
+Per trie node the device keeps 17 bytes:
 
-    child_ptr: (N+1,) int32  children of node n are the node ids child_ptr[n]..child_ptr[n+1]-1
-    edge_key:  (N,)   int64  parent * V + token for the edge into each node (-1 for the root); sorted ascending
-                             because nodes are numbered breadth-first with siblings sorted by token
-    terminal:  (N,)   bool   an entry ends at the node
+    child_ptr:   (N+1,) int32  children of node n are the node ids child_ptr[n]..child_ptr[n+1]-1
+    child_token: (N,)   int32  token on the edge into each node (-1 for the root)
+    edge_key:    (N,)   int64  parent * V + token of the edge into each node (-1 for the root); ascending, because
+                               nodes are numbered breadth-first with siblings sorted by token
+    terminal:    (N,)   bool   an entry ends at the node
 
-``edge_key`` turns "child of node n by token t" into one ``torch.searchsorted`` for a whole batch, and the child
-tokens of n are ``edge_key[child_ptr[n]:child_ptr[n+1]] - n * V``. Nodes with very many children (the root of a
-big trie) also get a precomputed dense boolean row, so masking them costs one row copy instead of a scatter of
-tens of thousands of tokens (STATIC's dense first levels, chosen by fanout instead of by depth).
+``edge_key`` turns "the child of node n by token t" into one ``searchsorted`` for a whole batch. Nodes with very
+many children (the root of a big trie) also get a dense boolean row, so masking them is one row copy instead of a
+scatter of tens of thousands of tokens (STATIC's dense first levels, chosen by fanout rather than by depth).
 
-Dimension letters: R rows being masked, N nodes, V the trie's vocabulary size, H dense nodes.
+On a CPU device the same arrays are also exposed as zero-copy numpy views, for the numpy backend of the kernel
+(see :mod:`trie_decode._backend`).
+
+Dimension letters: R rows, N nodes, V the trie's vocabulary size, H dense nodes.
 """
 
 from __future__ import annotations
 
 import weakref
+from types import SimpleNamespace
+from typing import Any
+
 import numpy as np
 import torch
 
+from ._backend import NUMPY, Ops
 from .trie import TokenTrie
 
 __all__ = ["DeviceTrie"]
 
-DEFAULT_DENSE_MIN_FANOUT = 1024
+DEFAULT_DENSE_MIN_FANOUT = 2048
 DEFAULT_DENSE_BUDGET_BYTES = 64 * 1024 * 1024
 
 _CACHE: "weakref.WeakKeyDictionary[TokenTrie, dict]" = weakref.WeakKeyDictionary()
@@ -38,7 +45,7 @@ class DeviceTrie:
     Args:
         trie: the trie.
         device: where the tensors live (the logits' device).
-        dense_min_fanout: nodes with at least this many children get a dense mask row.
+        dense_min_fanout: nodes with at least this many children get a dense row.
         dense_budget_bytes: cap on the dense rows' memory (V bytes each); the widest nodes are kept first.
     """
 
@@ -54,93 +61,74 @@ class DeviceTrie:
         self.device = torch.device(device)
         self.vocab_size = trie.vocab_size
         self.num_nodes = trie.num_nodes
-        v = np.int64(trie.vocab_size)
-        key = trie.parent.astype(np.int64) * v + trie.token.astype(np.int64)
+        key = trie.parent.astype(np.int64) * np.int64(trie.vocab_size) + trie.token.astype(np.int64)
         key[0] = -1
-        self.child_ptr = torch.from_numpy(np.array(trie.child_ptr, dtype=np.int32)).to(self.device)
-        self.edge_key = torch.from_numpy(key).to(self.device)
-        self.terminal = torch.from_numpy(trie.node_entry >= 0).to(self.device)
-
         fanout = trie.fanout
         max_rows = max(dense_budget_bytes // max(trie.vocab_size, 1), 0)
         wide = np.flatnonzero(fanout >= dense_min_fanout)
         if len(wide) > max_rows:
             wide = np.sort(wide[np.argsort(-fanout[wide], kind="stable")[:max_rows]])
-        self.dense_nodes = torch.from_numpy(wide.astype(np.int64)).to(self.device)  # (H,) sorted
         dense = np.zeros((len(wide), trie.vocab_size), dtype=np.bool_)
-        for row, node in enumerate(wide):  # H is tiny (a few wide nodes); each row is one vectorized assignment
+        for row, node in enumerate(wide):  # H is a handful of wide nodes; each row is one vectorized assignment
             lo, hi = trie.child_ptr[node], trie.child_ptr[node + 1]
             dense[row, trie.token[lo:hi]] = True
-        self.dense_mask = torch.from_numpy(dense).to(self.device)  # (H, V)
-        is_dense = np.zeros(trie.num_nodes, dtype=np.bool_)
-        is_dense[wide] = True
-        # Widest child list that is served by the sparse path (sets the padded width of the gather).
-        self.sparse_max_fanout = int(fanout[~is_dense].max()) if (~is_dense).any() else 0
+        dense_slot = np.full(trie.num_nodes, -1, dtype=np.int32)
+        dense_slot[wide] = np.arange(len(wide), dtype=np.int32)
+
+        host = {
+            "child_ptr": np.array(trie.child_ptr, dtype=np.int32),
+            "child_token": np.array(trie.token, dtype=np.int32),
+            "edge_key": key,
+            "terminal": trie.node_entry >= 0,
+            "dense_slot": dense_slot,
+            "dense_allowed": dense,
+        }
+        self.tensors = SimpleNamespace(**{k: torch.from_numpy(v).to(self.device) for k, v in host.items()})
+        # Zero-copy numpy views for the numpy backend (CPU only).
+        self.arrays = (
+            SimpleNamespace(**{k: v.numpy() for k, v in vars(self.tensors).items()})
+            if self.device.type == "cpu"
+            else None
+        )
+        self.num_dense = len(wide)
+        self.sparse_max_fanout = int(fanout[dense_slot < 0].max()) if (dense_slot < 0).any() else 0
 
     @classmethod
     def get(cls, trie: TokenTrie, device: torch.device | str) -> "DeviceTrie":
         """The cached ``DeviceTrie`` of ``trie`` on ``device`` (built on first use, freed with the trie)."""
         device = torch.device(device)
         per_trie = _CACHE.setdefault(trie, {})
-        key = str(device)
-        found = per_trie.get(key)
+        found = per_trie.get(str(device))
         if found is None:
-            found = per_trie[key] = cls(trie, device)
+            found = per_trie[str(device)] = cls(trie, device)
         return found
+
+    def on(self, ops: Ops) -> Any:
+        """The arrays for a backend: numpy views with the numpy backend, tensors otherwise."""
+        return self.arrays if ops is NUMPY else self.tensors
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.child_ptr, self.edge_key, self.terminal, self.dense_mask))
+        return sum(t.numel() * t.element_size() for t in vars(self.tensors).values())
 
-    def step(self, nodes: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """Child of each node by each token, -1 where there is none (or where ``nodes`` < 0).
+    def step(self, nodes: Any, tokens: Any, ops: Ops) -> Any:
+        """The child of each node by each token, -1 where there is none or where the node is negative.
 
         Args:
-            nodes: Shape: (R,), int64. tokens: Shape: (R,), int64.
+            nodes: Shape: (R,), int64. tokens: Shape: (R,), int64 (both arrays of ``ops``' backend).
         Returns:
             Shape: (R,), int64.
         """
-        key = nodes.clamp(min=0) * self.vocab_size + tokens
-        pos = torch.searchsorted(self.edge_key, key)
-        pos_c = pos.clamp(max=self.num_nodes - 1)
-        ok = (nodes >= 0) & (tokens >= 0) & (tokens < self.vocab_size) & (self.edge_key[pos_c] == key)
-        return torch.where(ok, pos_c, torch.full_like(pos_c, -1))
-
-    def is_terminal(self, nodes: torch.Tensor) -> torch.Tensor:
-        """Whether an entry ends at each node (False for negative nodes). Shape: (R,), bool."""
-        return self.terminal[nodes.clamp(min=0)] & (nodes >= 0)
-
-    def fanout(self, nodes: torch.Tensor) -> torch.Tensor:
-        """Number of children of each node (0 for negative nodes). Shape: (R,), int64."""
-        n = nodes.clamp(min=0)
-        count = (self.child_ptr[n + 1] - self.child_ptr[n]).long()
-        return torch.where(nodes >= 0, count, torch.zeros_like(count))
-
-    def dense_slot(self, nodes: torch.Tensor) -> torch.Tensor:
-        """Row of ``dense_mask`` for each node, -1 for nodes served by the sparse path. Shape: (R,), int64."""
-        if self.dense_nodes.numel() == 0:
-            return torch.full_like(nodes, -1)
-        slot = torch.searchsorted(self.dense_nodes, nodes)
-        slot_c = slot.clamp(max=self.dense_nodes.numel() - 1)
-        return torch.where((nodes >= 0) & (self.dense_nodes[slot_c] == nodes), slot_c, torch.full_like(slot_c, -1))
-
-    def child_tokens(self, nodes: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first ``width`` child tokens of each node, padded.
-
-        Returns:
-            (tokens, valid): Shape: (R, width) int64 and bool; ``tokens`` is 0 where ``valid`` is False.
-        """
-        n = nodes.clamp(min=0)
-        start = self.child_ptr[n].long()
-        count = self.fanout(nodes)
-        j = torch.arange(width, device=nodes.device)
-        valid = j.unsqueeze(0) < count.unsqueeze(1)
-        idx = (start.unsqueeze(1) + j.unsqueeze(0)).clamp(max=self.num_nodes - 1)
-        tokens = self.edge_key[idx] - n.unsqueeze(1) * self.vocab_size
-        return torch.where(valid, tokens, torch.zeros_like(tokens)), valid
+        a = self.on(ops)
+        key = nodes * self.vocab_size + tokens
+        pos = ops.searchsorted(a.edge_key, key)
+        pos[pos >= self.num_nodes] = 0  # the root's key (-1) never matches a real key
+        hit = (a.edge_key[pos] == key) & (nodes >= 0) & (tokens >= 0) & (tokens < self.vocab_size)
+        pos[~hit] = -1
+        return pos
 
     def __repr__(self) -> str:
         return (
-            f"DeviceTrie(nodes={self.num_nodes}, device={self.device}, dense_nodes={self.dense_nodes.numel()}, "
+            f"DeviceTrie(nodes={self.num_nodes}, device={self.device}, dense_nodes={self.num_dense}, "
             f"sparse_max_fanout={self.sparse_max_fanout})"
         )

@@ -1,0 +1,173 @@
+"""The ``trie-decode`` command line: build a trie file from a list, inspect one, run the benchmarks.
+
+Why this exists: tries are usually built offline from a catalogue (names, ids) and shipped as a file to the
+serving side (``vllm serve`` loads them by path). ``build`` and ``info`` make that a one-liner; ``bench`` runs the
+benchmark suites.
+
+    trie-decode build names.txt --tokenizer MODEL_DIR -o names.trie.safetensors
+    trie-decode build items.jsonl --tokenizer MODEL_DIR -o items.trie.safetensors   # {"id": ..., "text": ...}
+    trie-decode info names.trie.safetensors
+    trie-decode bench --suite step --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+from .errors import DescriptorError, TrieDecodeError
+
+__all__ = ["main", "read_entries"]
+
+_PROGRESS_MIN = 200_000
+_CHUNK = 100_000
+
+
+def read_entries(path: Path) -> tuple[list[str], Optional[list[str]]]:
+    """Read entries: ``.jsonl`` lines with ``text`` (and optional ``id``), or plain text, one entry per line.
+
+    Raises:
+        DescriptorError: a JSONL line that is not an object with a string ``text`` (the line number is named).
+    """
+    texts: list[str] = []
+    keys: list[str] = []
+    jsonl = path.suffix.lower() in (".jsonl", ".ndjson")
+    with open(path, encoding="utf-8") as handle:
+        for lineno, line in enumerate(handle, 1):
+            line = line.rstrip("\r\n")
+            if not line.strip():
+                continue
+            if not jsonl:
+                texts.append(line)
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DescriptorError(f"{path}:{lineno}: invalid JSON ({exc.msg})") from exc
+            if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+                raise DescriptorError(f"{path}:{lineno}: expected an object with a string field 'text'")
+            texts.append(obj["text"])
+            if "id" in obj:
+                keys.append(str(obj["id"]))
+    if jsonl and keys and len(keys) != len(texts):
+        raise DescriptorError(f"{path}: 'id' is present on {len(keys)} of {len(texts)} lines; give it on all or none")
+    return texts, (keys if keys else None)
+
+
+def _tokenize_with_progress(texts: list[str], tokenizer, leading_space: bool) -> list[list[int]]:
+    from .tokenizers import tokenize_strings
+
+    if len(texts) < _PROGRESS_MIN or not sys.stderr.isatty():
+        return tokenize_strings(texts, tokenizer, leading_space=leading_space)
+    out: list[list[int]] = []
+    start = time.perf_counter()
+    for i in range(0, len(texts), _CHUNK):
+        out.extend(tokenize_strings(texts[i : i + _CHUNK], tokenizer, leading_space=leading_space))
+        done = min(i + _CHUNK, len(texts))
+        bar = "#" * int(30 * done / len(texts))
+        print(f"\rtokenizing [{bar:<30}] {done:,}/{len(texts):,} {time.perf_counter() - start:.1f}s", end="", file=sys.stderr)
+    print(file=sys.stderr)
+    return out
+
+
+def _cmd_build(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+
+    from .tokenizers import tokenizer_fingerprint, tokenizer_vocab_size
+    from .trie import TokenTrie
+
+    path = Path(args.entries)
+    if not path.is_file():
+        raise DescriptorError(f"entries file not found: {path}")
+    texts, keys = read_entries(path)
+    for i, text in enumerate(texts):
+        if text == "":
+            raise DescriptorError(f"{path}: entry {i} is empty")
+    t0 = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    t1 = time.perf_counter()
+    sequences = _tokenize_with_progress(texts, tokenizer, args.leading_space)
+    t2 = time.perf_counter()
+    trie = TokenTrie.from_sequences(
+        sequences,
+        tokenizer_vocab_size(tokenizer),
+        names=texts,
+        keys=keys,
+        fingerprint=tokenizer_fingerprint(tokenizer),
+        options={"source": str(path.name), "leading_space": args.leading_space, "tokenizer": str(args.tokenizer)},
+    )
+    t3 = time.perf_counter()
+    trie.save(args.output)
+    t4 = time.perf_counter()
+    stats = trie.stats()
+    print(
+        f"built {args.output}: {stats['entries']:,} entries ({stats['duplicates_merged']:,} duplicates merged), "
+        f"{stats['nodes']:,} nodes, {stats['bytes_per_node']} bytes/node"
+    )
+    print(f"time: tokenizer load {t1 - t0:.2f}s, tokenize {t2 - t1:.2f}s, build {t3 - t2:.2f}s, save {t4 - t3:.2f}s")
+    return 0
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    from .trie import TokenTrie
+
+    trie = TokenTrie.load(args.file, verify=not args.no_verify)
+    stats = trie.stats()
+    stats["file_bytes"] = Path(args.file).stat().st_size
+    stats["options"] = trie.options
+    if args.json:
+        print(json.dumps(stats, indent=2))
+        return 0
+    print(f"{args.file}")
+    for key in ("entries", "duplicates_merged", "nodes", "max_depth", "bytes", "bytes_per_node", "file_bytes",
+                "root_fanout", "max_fanout", "forced_token_share", "vocab_size", "fingerprint"):
+        print(f"  {key:<20} {stats[key]}")
+    print("  fanout histogram     " + ", ".join(f"{k}: {v:,}" for k, v in stats["fanout_histogram"].items()))
+    print(f"  options              {json.dumps(trie.options)}")
+    if args.show:
+        for i in range(min(args.show, trie.num_entries)):
+            e = trie.entry(i)
+            print(f"  [{i}] {e.name!r} key={e.key!r} tokens={list(e.tokens)}")
+    return 0
+
+
+def _cmd_bench(argv: Sequence[str]) -> int:
+    try:
+        from .bench import main as bench_main
+    except ImportError as exc:
+        print(f"trie-decode bench: the benchmark suite is unavailable ({exc})", file=sys.stderr)
+        return 2
+    return int(bench_main(list(argv)) or 0)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "bench":
+        return _cmd_bench(argv[1:])
+    parser = argparse.ArgumentParser(prog="trie-decode", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    build = sub.add_parser("build", help="build a trie file from entries (txt: one per line; jsonl: id/text)")
+    build.add_argument("entries", help="a .txt file (one entry per line) or a .jsonl file ({'id':..., 'text':...})")
+    build.add_argument("--tokenizer", required=True, help="a Hugging Face tokenizer folder or name")
+    build.add_argument("-o", "--output", required=True, help="the trie file to write (.safetensors)")
+    build.add_argument("--leading-space", action="store_true", help='tokenize " " + entry (the form after a space)')
+    info = sub.add_parser("info", help="describe a trie file")
+    info.add_argument("file")
+    info.add_argument("--json", action="store_true", help="print the statistics as JSON")
+    info.add_argument("--show", type=int, default=0, metavar="N", help="also print the first N entries")
+    info.add_argument("--no-verify", action="store_true", help="skip the checksum and structure checks")
+    sub.add_parser("bench", help="run benchmark suites (trie-decode bench --help)")
+    args = parser.parse_args(argv)
+    try:
+        return {"build": _cmd_build, "info": _cmd_info}[args.command](args)
+    except TrieDecodeError as exc:
+        print(f"trie-decode {args.command}: error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
