@@ -182,6 +182,7 @@ class TrieConstraint:
         tries: one trie, or several (each row then names its trie by index).
         rules: the :class:`SpanRules`.
         device: the logits' device.
+        dense_min_fanout: nodes with at least this many children are masked from a dense row (default 2048).
 
     Example:
         >>> import torch
@@ -198,7 +199,14 @@ class TrieConstraint:
         [[0, 4], [0, 5], [1, 0]]
     """
 
-    def __init__(self, tries: Union[TokenTrie, Sequence[TokenTrie]], rules: SpanRules, device: torch.device | str) -> None:
+    def __init__(
+        self,
+        tries: Union[TokenTrie, Sequence[TokenTrie]],
+        rules: SpanRules,
+        device: torch.device | str,
+        *,
+        dense_min_fanout: Optional[int] = None,
+    ) -> None:
         tries = [tries] if isinstance(tries, TokenTrie) else list(tries)
         if not tries:
             raise ConstraintConfigError("a constraint needs at least one trie")
@@ -210,7 +218,10 @@ class TrieConstraint:
         self.device = torch.device(device)
         self.vocab_size = max(t.vocab_size for t in tries)
         rules.check_vocab(self.vocab_size)
-        self.dtries = [DeviceTrie.get(t, self.device) for t in tries]
+        if dense_min_fanout is None:
+            self.dtries = [DeviceTrie.get(t, self.device) for t in tries]
+        else:
+            self.dtries = [DeviceTrie(t, self.device, dense_min_fanout=dense_min_fanout) for t in tries]
         self.tables = [_StepTable(d, rules) for d in self.dtries]
         # Index arithmetic runs in numpy on CPU (10x less dispatch overhead than torch), in torch elsewhere.
         self._ops = NUMPY if self.device.type == "cpu" else TORCH

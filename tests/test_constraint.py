@@ -1,0 +1,207 @@
+"""The shared per-row state machine and masking kernel against a brute-force reference, in every mode."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trie_decode import ConstraintConfigError, InvalidTokenError, TokenTrie
+from trie_decode.constraint import DONE, SpanRules, TrieConstraint
+from trie_decode.masking import apply_token_bitmask_inplace
+
+V = 24
+END = 1
+
+
+class Reference:
+    """One row's constraint, written plainly over a set of token tuples."""
+
+    def __init__(self, entries: set[tuple[int, ...]], rules: SpanRules, prompt_tail: tuple[int, ...] = ()):
+        self.entries, self.rules = entries, rules
+        trig = rules.trigger
+        self.history = list(prompt_tail)
+        self.state = ("entry", ()) if not trig or tuple(prompt_tail[-len(trig):]) == trig else ("free",)
+
+    def children(self, p):
+        return {e[len(p)] for e in self.entries if len(e) > len(p) and e[: len(p)] == p}
+
+    def allowed(self) -> set[int] | None:
+        """None means unconstrained."""
+        kind = self.state[0]
+        r = self.rules
+        if kind == "free":
+            return None
+        if kind == "done":
+            return {r.end_token_id}
+        if kind == "sep":
+            return {r.separator[self.state[1]]}
+        p = self.state[1]
+        kids, terminal = self.children(p), p in self.entries
+        if r.on_complete == "release" and terminal:
+            return None
+        if terminal:
+            kids |= {r.end_token_id} if r.on_complete == "eos" else {r.end_token_id, r.separator[0]}
+        return kids or {r.end_token_id}
+
+    def step(self, tok: int) -> None:
+        r, kind = self.rules, self.state[0]
+        if kind == "entry":
+            p = self.state[1]
+            if tok in self.children(p):
+                self.state = ("entry", p + (tok,))
+            elif p in self.entries and r.on_complete == "release":
+                self.state = ("free",)
+            elif p in self.entries and r.on_complete == "repeat" and tok == r.separator[0]:
+                self.state = ("entry", ()) if len(r.separator) == 1 else ("sep", 1)
+            else:
+                self.state = ("done",)
+        elif kind == "sep":
+            k = self.state[1]
+            if tok != r.separator[k]:
+                self.state = ("done",)
+            else:
+                self.state = ("entry", ()) if k + 1 == len(r.separator) else ("sep", k + 1)
+        self.history.append(tok)
+        trig = r.trigger
+        if trig and self.state == ("free",) and tuple(self.history[-len(trig):]) == trig:
+            self.state = ("entry", ())
+
+
+entry_sets = st.lists(st.lists(st.integers(2, V - 1), min_size=1, max_size=5), min_size=1, max_size=12)
+modes = st.sampled_from(
+    [
+        dict(on_complete="eos"),
+        dict(on_complete="release"),
+        dict(on_complete="repeat", separator=(3,)),
+        dict(on_complete="repeat", separator=(3, 4)),
+        dict(on_complete="eos", trigger=(5, 6)),
+        dict(on_complete="release", trigger=(7,)),
+    ]
+)
+
+
+def _allowed_sets(c: TrieConstraint, state, width: int) -> list[set[int] | None]:
+    out = []
+    mask = c.allowed(state, width)
+    for row in mask:
+        cols = set(row.nonzero().flatten().tolist())
+        out.append(None if len(cols) == width else cols)
+    return out
+
+
+@settings(max_examples=120, deadline=None)
+@given(tries=st.lists(entry_sets, min_size=1, max_size=3), mode=modes, seed=st.integers(0, 2**16), dense=st.booleans())
+def test_state_machine_matches_reference(tries, mode, seed, dense):
+    rng = random.Random(seed)
+    built = [TokenTrie.from_sequences(t, vocab_size=V) for t in tries]
+    rules = SpanRules(end_token_id=END, **mode)
+    c = TrieConstraint(built, rules, "cpu", dense_min_fanout=2 if dense else None)
+    rows = 6
+    tree = torch.tensor([rng.randrange(len(built)) for _ in range(rows)])
+    tails = torch.tensor([[rng.randrange(2, V) for _ in range(3)] for _ in range(rows)])
+    if rules.trigger:
+        tails[0, -len(rules.trigger):] = torch.tensor(rules.trigger)
+    refs = [Reference({tuple(s) for s in tries[t]}, rules, tuple(tails[i].tolist())) for i, t in enumerate(tree.tolist())]
+    state = c.start(rows, tree, tails)
+    history = tails.clone()
+    width = V + 5  # logits wider than the trie's vocabulary
+    for _ in range(14):
+        expected = [r.allowed() for r in refs]
+        assert _allowed_sets(c, state, width) == expected
+        logits = torch.randn(rows, width)
+        before = logits.clone()
+        c.mask_(logits, state)
+        for i, allowed in enumerate(expected):
+            if allowed is None:
+                assert torch.equal(logits[i], before[i])
+            else:
+                finite = set(logits[i].isfinite().nonzero().flatten().tolist())
+                assert finite == allowed
+                assert torch.equal(logits[i, sorted(allowed)], before[i, sorted(allowed)])
+        # Choose allowed tokens mostly, junk (as beam search may) sometimes; also trigger tokens in free text.
+        toks = []
+        for r, allowed in zip(refs, expected):
+            pool = sorted(allowed) if allowed is not None else list(range(2, V))
+            if allowed is None and rules.trigger and rng.random() < 0.5:
+                pool = list(rules.trigger)
+            tok = rng.choice(pool) if rng.random() < 0.9 else rng.randrange(V)
+            toks.append(tok)
+            r.step(tok)
+        history = torch.cat([history, torch.tensor(toks)[:, None]], dim=1)
+        state = c.advance(state, torch.tensor(toks), history)
+
+
+def test_bitmask_round_trip_matches_mask():
+    trie = TokenTrie.from_sequences([[5, 6], [5, 7], [40, 41], [70]], vocab_size=80)
+    c = TrieConstraint(trie, SpanRules(end_token_id=END), "cpu")
+    state = c.start(3)
+    state = c.advance(state, torch.tensor([5, 40, 70]))
+    bitmask = c.bitmask(state, 80)
+    assert bitmask.shape == (3, 3) and bitmask.dtype == torch.int32
+    logits = torch.zeros(3, 80)
+    apply_token_bitmask_inplace(logits, bitmask)
+    direct = c.mask_(torch.zeros(3, 80), state)
+    assert torch.equal(logits.isfinite(), direct.isfinite())
+    assert logits[0].isfinite().nonzero().flatten().tolist() == [6, 7]
+    assert logits[2].isfinite().nonzero().flatten().tolist() == [END]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_mask_dtypes_and_strided_rows(dtype):
+    trie = TokenTrie.from_sequences([[2, 3], [2, 4], [9]], vocab_size=11)
+    c = TrieConstraint(trie, SpanRules(end_token_id=0), "cpu")
+    big = torch.randn(4, 16).to(dtype)
+    logits = big[::2]  # non-contiguous rows
+    c.mask_(logits, c.start(2))
+    assert logits.isfinite().nonzero().tolist() == [[0, 2], [0, 9], [1, 2], [1, 9]]
+    assert torch.isinf(big[::2][:, [0, 1, 3, 10, 15]]).all()
+    assert big[1].isfinite().all()  # rows in between are untouched
+
+
+def test_done_rows_and_end_token_fallback():
+    trie = TokenTrie.from_sequences([[2]], vocab_size=5)
+    c = TrieConstraint(trie, SpanRules(end_token_id=4), "cpu")
+    state = c.advance(c.start(2), torch.tensor([2, 3]))  # row 1 took a junk token
+    assert state.node.tolist()[1] == DONE
+    logits = c.mask_(torch.zeros(2, 5), state)
+    assert logits.isfinite().nonzero().tolist() == [[0, 4], [1, 4]]
+
+
+def test_logits_narrower_than_vocab_is_an_error():
+    trie = TokenTrie.from_sequences([[2, 90]], vocab_size=100)
+    c = TrieConstraint(trie, SpanRules(end_token_id=0), "cpu")
+    with pytest.raises(InvalidTokenError, match="logits have 50 columns"):
+        c.mask_(torch.zeros(1, 50), c.start(1))
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(end_token_id=-1), "end_token_id"),
+        (dict(end_token_id=1, on_complete="stop"), "on_complete must be one of"),
+        (dict(end_token_id=1, on_complete="repeat"), "needs a separator"),
+        (dict(end_token_id=1, separator=(3,)), "only used with"),
+        (dict(end_token_id=1, trigger=("a",)), "integer token ids"),
+    ],
+)
+def test_bad_rules(kwargs, message):
+    with pytest.raises(ConstraintConfigError, match=message):
+        SpanRules(**kwargs)
+
+
+def test_rules_outside_vocab():
+    trie = TokenTrie.from_sequences([[2]], vocab_size=5)
+    with pytest.raises(InvalidTokenError, match="end_token_id token 7"):
+        TrieConstraint(trie, SpanRules(end_token_id=7), "cpu")
+
+
+def test_forced_tokens():
+    trie = TokenTrie.from_sequences([[2, 3, 4], [2, 3, 5, 6], [8, 9]], vocab_size=10)
+    c = TrieConstraint(trie, SpanRules(end_token_id=1), "cpu")
+    state = c.start(2)
+    state = c.advance(state, torch.tensor([2, 8]))
+    assert c.forced_tokens(state) == [[3], [9, 1]]
