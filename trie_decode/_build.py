@@ -74,7 +74,8 @@ def to_ragged(sequences: Any) -> RaggedTokens:
         array = np.asarray(sequences)
         _check_integer_dtype(array.dtype, "sequences")
         k, length = array.shape
-        return RaggedTokens(array.reshape(-1).astype(np.int64), np.arange(k + 1, dtype=np.int64) * length)
+        offsets = np.arange(k + 1, dtype=np.int64) * length
+        return RaggedTokens(_as_int64(array.reshape(-1), offsets), offsets)
     try:
         sequences = list(sequences)
     except TypeError as exc:
@@ -89,16 +90,46 @@ def to_ragged(sequences: Any) -> RaggedTokens:
     offsets = np.zeros(len(sequences) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
     flat = list(itertools.chain.from_iterable(sequences))
-    values = np.array(flat) if flat else np.zeros(0, dtype=np.int64)
-    if values.ndim != 1 or (values.dtype == object) or not (
-        np.issubdtype(values.dtype, np.integer) or values.dtype == np.bool_
+    try:
+        values = np.array(flat) if flat else np.zeros(0, dtype=np.int64)
+    except (ValueError, TypeError):  # a nested list of another length: numpy refuses the inhomogeneous shape
+        values = np.zeros(0, dtype=object)
+    # numpy promotes [True, 2] to int64, so bools mixed with ints are only visible in the element types.
+    types = set(map(type, flat))
+    if (
+        values.ndim != 1
+        or values.dtype == object
+        or values.dtype == np.bool_
+        or bool in types
+        or np.bool_ in types
+        or not np.issubdtype(values.dtype, np.integer)
     ):
-        bad = _first_non_integer(sequences)
-        raise InvalidTokenError(f"token ids must be integers; entry {bad[0]} has {bad[1]!r} ({type(bad[1]).__name__})")
-    if values.dtype == np.bool_:
-        bad = _first_non_integer(sequences)
-        raise InvalidTokenError(f"token ids must be integers; entry {bad[0]} has {bad[1]!r} (bool)")
-    return RaggedTokens(values.astype(np.int64, copy=False), offsets)
+        entry, bad = _first_non_integer(sequences)
+        if entry < 0:  # every element is an int, but one does not fit in int64 (numpy made floats or objects)
+            entry, bad = _first_oversized(sequences)
+            raise InvalidTokenError(f"entry {entry} has token id {bad}, outside any vocabulary (exceeds int64)")
+        raise InvalidTokenError(f"token ids must be integers; entry {entry} has {bad!r} ({type(bad).__name__})")
+    return RaggedTokens(_as_int64(values, offsets), offsets)
+
+
+def _as_int64(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """``values`` as int64, refusing unsigned ids that would wrap around to negative numbers."""
+    if values.dtype.kind == "u" and values.size and int(values.max()) > np.iinfo(np.int64).max:
+        bad = int(np.argmax(values > np.iinfo(np.int64).max))
+        entry = int(np.searchsorted(offsets, bad, side="right") - 1)
+        raise InvalidTokenError(
+            f"entry {entry} has token id {int(values[bad])}, outside any vocabulary (exceeds int64)"
+        )
+    return values.astype(np.int64, copy=False)
+
+
+def _first_oversized(sequences: Sequence[Sequence[Any]]) -> tuple[int, int]:
+    limit = np.iinfo(np.int64)
+    for i, seq in enumerate(sequences):
+        for tok in seq:
+            if not limit.min <= int(tok) <= limit.max:
+                return i, int(tok)
+    return -1, 0
 
 
 def _check_integer_dtype(dtype: np.dtype, what: str) -> None:

@@ -26,7 +26,7 @@ import os
 from pathlib import Path
 from typing import Any, Union
 
-from .errors import DescriptorError
+from .errors import DescriptorError, InvalidEntryError, InvalidTokenError
 from .trie import TokenTrie
 
 __all__ = ["read_json", "tries_from_token_tree_payload", "trie_from_prefix_dict"]
@@ -108,9 +108,13 @@ def tries_from_token_tree_payload(payload: JsonSource, vocab_size: int, *, finge
             names.append(leaf["name"])
             sequences.append(tokens)
         options = {"source": "TokenTreePayload", "path": path, "modelId": model_id}
-        tries[path] = TokenTrie.from_sequences(
-            sequences, vocab_size, names=names, fingerprint=fingerprint, options=options
-        )
+        try:
+            tries[path] = TokenTrie.from_sequences(
+                sequences, vocab_size, names=names, fingerprint=fingerprint, options=options
+            )
+        except (InvalidTokenError, InvalidEntryError) as exc:
+            # "entry j" alone does not say which descriptor: name it (entry j is its leaves[j]).
+            raise type(exc)(f"TokenTreePayload: descriptor {path!r}, leaves as entries: {exc}") from exc
     return tries
 
 
@@ -119,7 +123,8 @@ def trie_from_prefix_dict(payload: JsonSource, vocab_size: int, *, fingerprint: 
 
     Raises:
         DescriptorError: a missing field, a key that does not start at the start token, a candidate that leads to
-            a prefix missing from the dictionary, or a dictionary with no complete entry.
+            a prefix missing from the dictionary, a reachable prefix with no candidates (no entry reaches the end
+            token through it), or keys not reachable from the start token.
     """
     data = read_json(payload, "prefix dict")
     if not isinstance(data, dict):
@@ -143,12 +148,17 @@ def trie_from_prefix_dict(payload: JsonSource, vocab_size: int, *, fingerprint: 
     sequences: list[list[int]] = []
     # Depth-first over the prefixes reachable from the start token (keys only grow, so no cycles).
     stack: list[tuple[str, list[int]]] = [(root_key, [])]
-    reached = 0
+    reached: set[str] = set()
     while stack:
         key, path = stack.pop()
-        reached += 1
+        reached.add(key)
         candidates = _token_list(prefix_dict[key], f"prefix dict: candidates of {key!r}")
-        for tok in candidates:
+        if not candidates:
+            raise DescriptorError(
+                f"prefix dict: {key!r} has no candidates, so no entry reaches the end token through it"
+            )
+        # A repeated candidate would walk the same subtree again (exponentially often if repeated at every depth).
+        for tok in dict.fromkeys(candidates):
             if tok == end:
                 if not path:
                     raise DescriptorError(f"prefix dict: the end token directly after the start token ({key!r}) "
@@ -161,18 +171,9 @@ def trie_from_prefix_dict(payload: JsonSource, vocab_size: int, *, fingerprint: 
             stack.append((child, path + [tok]))
     if not sequences:
         raise DescriptorError("prefix dict: no entry reaches the end token")
-    if reached < len(prefix_dict):
-        unreachable = sorted(set(prefix_dict) - _reachable_keys(prefix_dict, root_key, sep, end))[:3]
+    if len(reached) < len(prefix_dict):
+        unreachable = sorted(set(prefix_dict) - reached)[:3]
         raise DescriptorError(f"prefix dict: keys not reachable from the start token, e.g. {unreachable}")
     sequences.reverse()
     options = {"source": "rtp_llm_prefix_dict", "start_token_id": start, "end_token_id": end, "sep": sep}
     return TokenTrie.from_sequences(sequences, vocab_size, fingerprint=fingerprint, options=options)
-
-
-def _reachable_keys(prefix_dict: dict, root_key: str, sep: str, end: int) -> set[str]:
-    seen, stack = set(), [root_key]
-    while stack:
-        key = stack.pop()
-        seen.add(key)
-        stack.extend(key + sep + str(t) for t in prefix_dict[key] if t != end)
-    return seen

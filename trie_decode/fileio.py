@@ -76,6 +76,8 @@ def read_arrays(path: str | os.PathLike[str], *, verify: bool = True) -> tuple[d
     if not isinstance(header, dict):
         raise TrieFileError(f"{path} has a corrupted safetensors header (not a JSON object)")
     metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise TrieFileError(f"{path} has a corrupted safetensors header (__metadata__ is not an object)")
     if metadata.get("format") != FORMAT_NAME:
         raise TrieFileError(f"{path} is a safetensors file but not a trie_decode trie (format={metadata.get('format')!r})")
     version = metadata.get("format_version")
@@ -104,6 +106,8 @@ def read_arrays(path: str | os.PathLike[str], *, verify: bool = True) -> tuple[d
             expected = json.loads(metadata.get("crc32", ""))
         except json.JSONDecodeError as exc:
             raise TrieFileError(f"{path}: corrupted checksum table in the metadata") from exc
+        if not isinstance(expected, dict):
+            raise TrieFileError(f"{path}: corrupted checksum table in the metadata")
         for name, crc in expected.items():
             if name not in arrays:
                 raise TrieFileError(f"{path} is missing array {name!r}")

@@ -14,25 +14,27 @@ from typing import Any, Sequence
 
 __all__ = ["tokenizer_fingerprint", "tokenizer_vocab_size", "tokenize_strings"]
 
-_CACHE: dict[int, tuple[Any, str]] = {}
+_CACHE: dict[int, tuple[Any, int, str]] = {}
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
     """A short, stable hash of a tokenizer's vocabulary (token string → id, added tokens included).
 
-    Two tokenizers with the same fingerprint map every string to the same ids. Costs ~50 ms for a 50k vocabulary;
-    the result is cached per tokenizer object.
+    Two tokenizers with the same fingerprint map every string to the same ids. Costs ~0.3 s for SmolLM2's 49k
+    vocabulary; the result is cached per tokenizer object (and recomputed if its length changes).
     """
+    # The length is part of the cache key: add_tokens() on the same object changes the vocabulary.
+    size = len(tokenizer) if hasattr(tokenizer, "__len__") else -1
     cached = _CACHE.get(id(tokenizer))
-    if cached is not None and cached[0] is tokenizer:
-        return cached[1]
+    if cached is not None and cached[0] is tokenizer and cached[1] == size:
+        return cached[2]
     get_vocab = getattr(tokenizer, "get_vocab", None)
     if get_vocab is None:
         raise TypeError(f"expected a Hugging Face tokenizer with get_vocab(), got {type(tokenizer).__name__}")
     vocab = get_vocab()
     items = sorted((int(i), str(t)) for t, i in vocab.items())
     digest = hashlib.sha256(json.dumps(items, ensure_ascii=False).encode("utf-8")).hexdigest()[:32]
-    _CACHE[id(tokenizer)] = (tokenizer, digest)
+    _CACHE[id(tokenizer)] = (tokenizer, size, digest)
     return digest
 
 

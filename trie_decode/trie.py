@@ -40,6 +40,8 @@ from .tokenizers import tokenize_strings, tokenizer_fingerprint, tokenizer_vocab
 
 __all__ = ["TokenTrie", "TrieStats"]
 
+MAX_VOCAB_SIZE = 1 << 31
+
 
 class TrieStats(dict):
     """Counts that describe a trie (a dict, printable and JSON-serializable)."""
@@ -129,8 +131,13 @@ class TokenTrie:
             EmptyTrieError: no sequences. InvalidEntryError: an empty or non-sequence entry.
             InvalidTokenError: a token id that is not an integer or is outside ``[0, vocab_size)``.
         """
-        if isinstance(vocab_size, bool) or not isinstance(vocab_size, (int, np.integer)) or vocab_size <= 0:
-            raise InvalidTokenError(f"vocab_size must be a positive integer, got {vocab_size!r}")
+        # Token ids are stored as int32: a larger vocabulary would wrap ids around silently.
+        if (
+            isinstance(vocab_size, bool)
+            or not isinstance(vocab_size, (int, np.integer))
+            or not 0 < vocab_size <= MAX_VOCAB_SIZE
+        ):
+            raise InvalidTokenError(f"vocab_size must be an integer in [1, 2**31], got {vocab_size!r}")
         ragged = to_ragged(sequences)
         check_tokens(ragged, int(vocab_size))
         for label, column in (("names", names), ("keys", keys)):
@@ -424,6 +431,10 @@ class TokenTrie:
         lp = self.level_ptr
         if lp[0] != 0 or lp[1] != 1 or lp[-1] != n or np.any(np.diff(lp) <= 0):
             fail("level_ptr is inconsistent")
+        # Breadth-first numbering: each node's parent is one level up (so it comes first: no cycles, no orphans).
+        depth = np.searchsorted(lp, np.arange(n), side="right") - 1
+        if np.any(depth[self.parent[1:]] != depth[1:] - 1):
+            fail("level_ptr does not match the parent links (nodes are not in breadth-first order)")
         e = self.num_entries
         if e == 0:
             fail("it has no entries")
@@ -437,7 +448,12 @@ class TokenTrie:
         if np.any(leaves & (self.node_entry < 0)):
             fail("a leaf node is not the end of an entry")
         for label, table in (("names", self._names), ("keys", self._keys)):
-            if table is not None and (len(table) != e or table.offsets[-1] != len(table.blob)):
+            if table is not None and (
+                len(table) != e
+                or table.offsets[0] != 0
+                or table.offsets[-1] != len(table.blob)
+                or np.any(np.diff(table.offsets) < 0)
+            ):
                 fail(f"the {label} table does not match the entries")
 
     # ------------------------------------------------------------------ files
@@ -492,7 +508,9 @@ class TokenTrie:
             raise TrieFileError(f"{path}: malformed metadata ({exc})") from exc
         tables = {}
         for label in ("names", "keys"):
-            if f"{label}_blob" in arrays:
+            if f"{label}_blob" in arrays or f"{label}_offsets" in arrays:
+                if f"{label}_blob" not in arrays or f"{label}_offsets" not in arrays:
+                    raise TrieFileError(f"{path} has only half of the {label} table ({label}_blob/{label}_offsets)")
                 tables[label] = StringTable(arrays[f"{label}_blob"], arrays[f"{label}_offsets"])
         trie = cls(
             child_ptr=arrays["child_ptr"],

@@ -1,0 +1,318 @@
+"""Bad inputs, one by one: each raises its named error class, and the message names the problem.
+
+Duplicates are not bad input: they are merged and counted (see the last tests).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+from trie_decode import (
+    DescriptorError,
+    EmptyTrieError,
+    InvalidEntryError,
+    InvalidTokenError,
+    TokenTrie,
+    TrieDecodeError,
+)
+
+
+def _raises(error, pattern, func, *args, **kwargs):
+    with pytest.raises(error) as info:
+        func(*args, **kwargs)
+    assert re.search(pattern, str(info.value)), f"message {str(info.value)!r} does not match {pattern!r}"
+    assert isinstance(info.value, TrieDecodeError)
+    return info.value
+
+
+# ------------------------------------------------------------------ from_sequences
+
+
+@pytest.mark.parametrize("empty", [[], (), np.zeros((0, 3), dtype=np.int64), iter([])])
+def test_empty_set(empty):
+    _raises(EmptyTrieError, "set of entries is empty", TokenTrie.from_sequences, empty, 10)
+
+
+def test_empty_error_is_a_value_error():
+    with pytest.raises(ValueError):
+        TokenTrie.from_sequences([], 10)
+
+
+@pytest.mark.parametrize(
+    "sequences, pattern",
+    [
+        ([[1, 2], [3, -1]], r"entry 1 has token id -1, outside the vocabulary \[0, 10\)"),
+        ([[-5]], r"entry 0 has token id -5"),
+        ([[1], [2], [3, 4, 10]], r"entry 2 has token id 10, outside the vocabulary \[0, 10\)"),
+        ([[1], [99999]], r"entry 1 has token id 99999"),
+        (np.array([[1, 2], [3, 12]]), r"entry 1 has token id 12"),
+        ([np.array([1, 2], dtype=np.uint8), np.array([250], dtype=np.uint8)], r"entry 1 has token id 250"),
+        ([[1], [2**63 + 5]], r"entry 1 has token id 9223372036854775813, outside any vocabulary"),
+        ([[1], [2**70]], r"entry 1 has token id 1180591620717411303424, outside any vocabulary"),
+        ([[1], np.array([2**64 - 1], dtype=np.uint64)], r"entry 1 has token id 18446744073709551615"),
+    ],
+    ids=["negative", "negative-first", "equal-to-vocab", "far-above", "2d-array", "uint8", "2**63", "2**70", "uint64"],
+)
+def test_token_outside_the_vocabulary(sequences, pattern):
+    err = _raises(InvalidTokenError, pattern, TokenTrie.from_sequences, sequences, 10)
+    assert isinstance(err, ValueError)
+
+
+@pytest.mark.parametrize(
+    "sequences, pattern",
+    [
+        ([[1, 2], [3, 4.0]], r"entry 1 has 4\.0 \(float\)"),
+        ([[1.5]], r"entry 0 has 1\.5 \(float\)"),
+        ([[1], [2, "3"]], r"entry 1 has '3' \(str\)"),
+        ([[1], [2, None]], r"entry 1 has None \(NoneType\)"),
+        ([[1], [True, 2]], r"entry 1 has True \(bool\)"),  # numpy would silently turn it into 1
+        ([[1], [np.True_, 2]], r"entry 1 has .*True.* \(bool\)"),
+        ([[False]], r"entry 0 has False \(bool\)"),
+        ([[1], [2, [3, 4]]], r"entry 1 has \[3, 4\] \(list\)"),  # nested, inhomogeneous
+        ([[1, 2], [[3, 4]]], r"entry 1 has \[3, 4\] \(list\)"),
+        ([np.array([1.0, 2.0])], r"entry 0 has .*1\.0.* \(float64\)"),
+        (np.array([[1.0, 2.0]]), r"token ids must be integers, got dtype float64"),
+        (np.array([[True, False]]), r"token ids must be integers, got dtype bool"),
+    ],
+    ids=["float", "float-only", "str", "none", "bool", "np-bool", "bool-only", "nested", "nested-2", "float-rows",
+         "2d-float", "2d-bool"],
+)
+def test_non_integer_token_ids(sequences, pattern):
+    _raises(InvalidTokenError, r"token ids must be integers", TokenTrie.from_sequences, sequences, 10)
+    _raises(InvalidTokenError, pattern, TokenTrie.from_sequences, sequences, 10)
+
+
+def test_non_integer_torch_ids():
+    torch = pytest.importorskip("torch")
+    _raises(InvalidTokenError, r"entry 1 has tensor\(2\.\) \(Tensor\)", TokenTrie.from_sequences,
+            [torch.tensor([1]), torch.tensor([2.0])], 10)
+
+
+@pytest.mark.parametrize(
+    "sequences, pattern",
+    [
+        ([[1], 3], r"entry 1 is int 3, not a sequence of token ids"),
+        ([[1], "ab"], r"entry 1 is str 'ab', not a sequence of token ids .*from_strings"),
+        (["France", "Spain"], r"entry 0 is str 'France'"),
+        ([[1], b"ab"], r"entry 1 is bytes b'ab'"),
+        ([[1], None], r"entry 1 is NoneType None"),
+        ([[1], 2.5], r"entry 1 is float 2\.5"),
+        ([np.int64(4)], r"entry 0 is int64 (np.int64\(4\)|4), not a sequence"),
+        # One sequence, not a collection of them:
+        (np.array([1, 2, 3]), r"entry 0 is int64 (np.int64\(1\)|1), not a sequence"),
+        ("abc", r"got a single string"),
+        (b"abc", r"got a single string"),
+        (5, r"expected a collection of token-id sequences, got int"),
+        (None, r"got NoneType"),
+    ],
+    ids=["int", "str", "strings", "bytes", "none", "float", "np-int", "1d-array", "single-str", "single-bytes",
+         "bare-int", "bare-none"],
+)
+def test_entry_that_is_not_a_sequence(sequences, pattern):
+    err = _raises(InvalidEntryError, pattern, TokenTrie.from_sequences, sequences, 10)
+    assert isinstance(err, TypeError)
+
+
+@pytest.mark.parametrize(
+    "sequences, pattern",
+    [
+        ([[1], [], [2]], r"entry 1 has no tokens"),
+        ([()], r"entry 0 has no tokens"),
+        ([[1], [2], np.array([], dtype=np.int64)], r"entry 2 has no tokens"),
+        (np.zeros((3, 0), dtype=np.int64), r"entry 0 has no tokens"),
+    ],
+)
+def test_empty_entry(sequences, pattern):
+    _raises(InvalidEntryError, pattern, TokenTrie.from_sequences, sequences, 10)
+
+
+@pytest.mark.parametrize(
+    "kwargs, pattern",
+    [
+        (dict(names=["a"]), r"names has 1 items but there are 2 sequences"),
+        (dict(names=["a", "b", "c"]), r"names has 3 items but there are 2 sequences"),
+        (dict(keys=[]), r"keys has 0 items but there are 2 sequences"),
+        (dict(names=["a", "b"], keys=[1, 2, 3]), r"keys has 3 items"),
+    ],
+)
+def test_names_or_keys_of_the_wrong_length(kwargs, pattern):
+    _raises(InvalidEntryError, pattern, TokenTrie.from_sequences, [[1], [2]], 10, **kwargs)
+
+
+@pytest.mark.parametrize("vocab_size", [0, -1, 1.5, 10.0, "10", None, True, 2**31 + 1, 2**40])
+def test_invalid_vocab_size(vocab_size):
+    _raises(InvalidTokenError, rf"vocab_size must be an integer in \[1, 2\*\*31\], got {re.escape(repr(vocab_size))}",
+            TokenTrie.from_sequences, [[0]], vocab_size)
+
+
+def test_largest_vocab_size_is_accepted():
+    trie = TokenTrie.from_sequences([[2**31 - 1], [0]], 2**31)
+    assert trie.sequences() == [(2**31 - 1,), (0,)]  # stored as int32 without wrapping around
+
+
+# ------------------------------------------------------------------ from_strings
+
+
+class _NeverCalled:
+    """Stands in for a tokenizer: the input checks must fire before any tokenization."""
+
+    def __call__(self, *args, **kwargs):
+        raise AssertionError("the tokenizer must not be called on bad input")
+
+    def get_vocab(self):
+        raise AssertionError("the tokenizer must not be called on bad input")
+
+
+@pytest.mark.parametrize(
+    "strings, error, pattern",
+    [
+        (["France", ""], InvalidEntryError, r"entry 1 is the empty string"),
+        ([""], InvalidEntryError, r"entry 0 is the empty string"),
+        (["France", 3], InvalidEntryError, r"entry 1 is int 3, not a string"),
+        (["France", None], InvalidEntryError, r"entry 1 is NoneType None, not a string"),
+        ([b"France"], InvalidEntryError, r"entry 0 is bytes b'France', not a string"),
+        ([["France"]], InvalidEntryError, r"entry 0 is list \['France'\], not a string"),
+        ("France", InvalidEntryError, r"expected a collection of strings, got a single string"),
+        ([], EmptyTrieError, r"set of entries is empty"),
+    ],
+)
+def test_from_strings_bad_input(strings, error, pattern):
+    _raises(error, pattern, TokenTrie.from_strings, strings, _NeverCalled())
+
+
+# ------------------------------------------------------------------ TokenTreePayload
+
+
+def _payload(*descriptors):
+    return {"modelId": "m", "descriptors": list(descriptors)}
+
+
+GOOD_LEAF = {"name": "ok", "tokens": [1, 2]}
+
+
+@pytest.mark.parametrize(
+    "payload, pattern",
+    [
+        ([GOOD_LEAF], r"TokenTreePayload must be a JSON object, got list"),
+        ("[1, 2]", r"TokenTreePayload must be a JSON object, got list"),
+        ({"modelId": "m"}, r"field 'descriptors' is missing"),
+        ({"descriptors": []}, r"'descriptors' is missing or is not a non-empty list"),
+        ({"descriptors": {"path": "p"}}, r"'descriptors' is missing or is not a non-empty list"),
+        (_payload("p"), r"descriptors\[0\] is not an object"),
+        (_payload({"leaves": [GOOD_LEAF]}), r"descriptors\[0\] has no 'path' string"),
+        (_payload({"path": "", "leaves": [GOOD_LEAF]}), r"descriptors\[0\] has no 'path' string"),
+        (_payload({"path": 7, "leaves": [GOOD_LEAF]}), r"descriptors\[0\] has no 'path' string"),
+        (_payload({"path": "p"}), r"descriptor 'p' has no leaves"),
+        (_payload({"path": "p", "leaves": None}), r"descriptor 'p' has no leaves"),
+        (_payload({"path": "p", "leaves": []}), r"descriptor 'p' has no leaves"),
+        (_payload({"path": "p", "leaves": {"name": "x"}}), r"descriptor 'p' has no leaves"),
+        (_payload({"path": "p", "leaves": [GOOD_LEAF, "x"]}), r"descriptor 'p' leaves\[1\] is not an object"),
+        (_payload({"path": "p", "leaves": [{"tokens": [1]}]}), r"descriptor 'p' leaves\[0\] has no 'name' string"),
+        (_payload({"path": "p", "leaves": [{"name": 5, "tokens": [1]}]}), r"leaves\[0\] has no 'name' string"),
+        (_payload({"path": "p", "leaves": [GOOD_LEAF, {"name": "w"}]}), r"leaves\[1\] \('w'\) has no 'tokens'"),
+        (_payload({"path": "p", "leaves": [{"name": "w", "tokens": []}]}), r"\('w'\) has an empty 'tokens' list"),
+        (_payload({"path": "p", "leaves": [{"name": "w", "tokens": 3}]}), r"'tokens' must be a list of token ids"),
+        (_payload({"path": "p", "leaves": [{"name": "w", "tokens": [1, "2"]}]}), r"holds '2', not an integer"),
+        (_payload({"path": "p", "leaves": [{"name": "w", "tokens": [1, 2.0]}]}), r"holds 2\.0, not an integer"),
+        (_payload({"path": "p", "leaves": [{"name": "w", "tokens": [True]}]}), r"holds True, not an integer"),
+        (_payload({"path": "p", "leaves": [{"name": "w", "tokens": [None]}]}), r"holds None, not an integer"),
+        (
+            _payload({"path": "p", "leaves": [GOOD_LEAF]}, {"path": "q", "leaves": [GOOD_LEAF]},
+                     {"path": "p", "leaves": [GOOD_LEAF]}),
+            r"path 'p' appears twice \(descriptors\[2\]\)",
+        ),
+        ('{"descriptors": [', r"TokenTreePayload: invalid JSON"),
+        ("{not json}", r"TokenTreePayload: invalid JSON"),
+        (b"\n{'single': 'quotes'}", r"TokenTreePayload: invalid JSON"),
+        ("/no/such/payload.json", r"TokenTreePayload: no such file '/no/such/payload.json'"),
+        (42, r"expected a dict, JSON text or a file path, got int"),
+    ],
+)
+def test_token_tree_payload_malformed(payload, pattern):
+    _raises(DescriptorError, pattern, TokenTrie.from_token_tree_payload, payload, 10)
+
+
+def test_token_tree_payload_no_leaves_raises_rather_than_returning_nothing():
+    # Also when other descriptors are fine: a path with nothing to generate must not silently vanish.
+    payload = _payload({"path": "good", "leaves": [GOOD_LEAF]}, {"path": "empty", "leaves": []})
+    _raises(DescriptorError, r"descriptor 'empty' has no leaves", TokenTrie.from_token_tree_payload, payload, 10)
+
+
+def test_token_tree_payload_token_outside_the_vocabulary_names_the_descriptor():
+    payload = _payload({"path": "tools", "leaves": [GOOD_LEAF, {"name": "big", "tokens": [3, 10]}]})
+    _raises(InvalidTokenError, r"descriptor 'tools'.*entry 1 has token id 10, outside the vocabulary \[0, 10\)",
+            TokenTrie.from_token_tree_payload, payload, 10)
+    payload = _payload({"path": "tools", "leaves": [{"name": "neg", "tokens": [-3]}]})
+    _raises(InvalidTokenError, r"descriptor 'tools'.*entry 0 has token id -3", TokenTrie.from_token_tree_payload,
+            payload, 10)
+
+
+def test_token_tree_payload_invalid_json_file(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text('{"descriptors": [{"path": "p", "leaves": [')
+    _raises(DescriptorError, r"TokenTreePayload: invalid JSON", TokenTrie.from_token_tree_payload, path, 10)
+
+
+# ------------------------------------------------------------------ RTP-LLM prefix dict
+
+
+def _rtp(prefix_dict, **fields):
+    data = {"start_token_id": 1, "end_token_id": 0, "prefix_dict": prefix_dict}
+    data.update(fields)
+    return data
+
+
+GOOD_DICT = {"1": [5], "1_5": [0]}
+
+
+@pytest.mark.parametrize(
+    "data, pattern",
+    [
+        ([1, 2], r"prefix dict must be a JSON object, got list"),
+        ({"end_token_id": 0, "prefix_dict": GOOD_DICT}, r"field 'start_token_id' is missing"),
+        ({"start_token_id": 1, "prefix_dict": GOOD_DICT}, r"field 'end_token_id' is missing"),
+        ({"start_token_id": 1, "end_token_id": 0}, r"field 'prefix_dict' is missing"),
+        (_rtp(GOOD_DICT, start_token_id="1"), r"start_token_id must be an integer, got '1'"),
+        (_rtp(GOOD_DICT, end_token_id=None), r"end_token_id must be an integer, got None"),
+        (_rtp(GOOD_DICT, end_token_id=False), r"end_token_id must be an integer, got False"),
+        (_rtp(GOOD_DICT, sep=""), r"'sep' must be a non-empty string, got ''"),
+        (_rtp(GOOD_DICT, sep=3), r"'sep' must be a non-empty string, got 3"),
+        (_rtp([["1", [5]]]), r"'prefix_dict' must be an object"),
+        (_rtp({"2": [5], "2_5": [0]}), r"the start prefix '1' is missing"),
+        (_rtp({"1": [5, 6], "1_5": [0]}), r"candidate 6 of '1' leads to '1_6', which is missing"),
+        (_rtp({"1": [5], "1_5": [7], "1_5_7": [8]}), r"candidate 8 of '1_5_7' leads to '1_5_7_8', which is missing"),
+        (_rtp({"1": [5], "1_5": [0], "2_5": [0]}), r"keys not reachable from the start token, e.g. \['2_5'\]"),
+        (_rtp({"1": [5], "1_5": [0], "1_6": [0], "1_6_3": [0]}), r"not reachable .*\['1_6', '1_6_3'\]"),
+        (_rtp({"1": [5], "1_5": []}), r"'1_5' has no candidates, so no entry reaches the end token"),
+        (_rtp({"1": []}), r"'1' has no candidates, so no entry reaches the end token"),
+        (_rtp({"1": [5, 6], "1_5": [0], "1_6": []}), r"'1_6' has no candidates"),  # a dead branch, not only none
+        (_rtp({"1": [0, 5], "1_5": [0]}), r"end token directly after the start token \('1'\) would be an empty entry"),
+        (_rtp({"1": 5, "1_5": [0]}), r"candidates of '1' must be a list of token ids, got int"),
+        (_rtp({"1": [5, "6"], "1_5": [0]}), r"candidates of '1' holds '6', not an integer"),
+        ('{"start_token_id": 1,', r"prefix dict: invalid JSON"),
+        ("not/a/file.json", r"prefix dict: no such file 'not/a/file.json'"),
+    ],
+)
+def test_prefix_dict_malformed(data, pattern):
+    _raises(DescriptorError, pattern, TokenTrie.from_prefix_dict, data, 10)
+
+
+def test_prefix_dict_token_outside_the_vocabulary():
+    data = _rtp({"1": [5, 12], "1_5": [0], "1_12": [0]})
+    _raises(InvalidTokenError, r"token id 12, outside the vocabulary \[0, 10\)", TokenTrie.from_prefix_dict, data, 10)
+
+
+# ------------------------------------------------------------------ duplicates are fine
+
+
+def test_duplicates_are_merged_and_counted_not_rejected():
+    trie = TokenTrie.from_sequences([[1, 2], [1, 2], [3], [1, 2]], 10, names=["a", "b", "c", "d"])
+    assert trie.num_entries == 2 and trie.stats()["duplicates_merged"] == 2
+    assert trie.lookup([1, 2]).name == "a"
+    payload = _payload({"path": "p", "leaves": [GOOD_LEAF, dict(GOOD_LEAF, name="again")]})
+    trie = TokenTrie.from_token_tree_payload(json.dumps(payload), 10)["p"]
+    assert trie.num_entries == 1 and trie.num_duplicates == 1 and trie.names() == ["ok"]

@@ -1,0 +1,291 @@
+"""Trie files: safetensors round trip, memory-mapping, and every way a file can be broken."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from trie_decode import TokenTrie, TrieFileError
+from trie_decode import fileio
+from trie_decode.fileio import FORMAT_NAME, write_arrays
+
+ARRAYS = ("child_ptr", "token", "node_entry", "entry_node", "level_ptr")
+
+
+@pytest.fixture()
+def trie() -> TokenTrie:
+    seqs = [[5, 6], [5, 7, 8], [9], [5, 6], [5]]
+    names = ["Paris", "Zürich", "東京", "dup", ""]
+    return TokenTrie.from_sequences(
+        seqs, vocab_size=10, names=names, keys=["id-1", 2, "id-3", 4, "id-5"], fingerprint="abc123",
+        options={"source": "test", "nested": [1, 2]},
+    )
+
+
+@pytest.fixture()
+def saved(trie, tmp_path) -> Path:
+    path = tmp_path / "trie.safetensors"
+    trie.save(path)
+    return path
+
+
+def _header(path: Path) -> tuple[int, dict]:
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    return n, json.loads(raw[8 : 8 + n])
+
+
+def _is_memmap_backed(array: np.ndarray) -> bool:
+    while array is not None:
+        if isinstance(array, np.memmap):
+            return True
+        array = array.base if isinstance(array.base, np.ndarray) else None
+    return False
+
+
+def test_round_trip_preserves_arrays_names_keys_and_metadata(trie, saved):
+    loaded = TokenTrie.load(saved)
+    for name in ARRAYS:
+        a, b = getattr(trie, name), getattr(loaded, name)
+        assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b), name
+    assert loaded.names() == ["Paris", "Zürich", "東京", ""]
+    assert [loaded.entry(i).key for i in range(4)] == ["id-1", "2", "id-3", "id-5"]
+    assert loaded.lookup([5, 6]).name == "Paris"  # first occurrence, not "dup"
+    assert loaded.vocab_size == 10 and loaded.fingerprint == "abc123"
+    assert loaded.options == {"source": "test", "nested": [1, 2]}
+    assert loaded.num_duplicates == 1
+    assert loaded.stats() == trie.stats()
+    assert loaded.sequences() == trie.sequences()
+
+
+def test_loaded_arrays_are_memory_mapped_and_read_only(saved):
+    loaded = TokenTrie.load(saved)
+    for name in ARRAYS:
+        array = getattr(loaded, name)
+        assert _is_memmap_backed(array), name
+        assert not array.flags.writeable, name
+        with pytest.raises(ValueError):
+            array[0] = 1
+    assert _is_memmap_backed(loaded._names.blob)
+
+
+def test_trie_without_names_or_keys(tmp_path):
+    trie = TokenTrie.from_sequences([[1], [2, 3]], vocab_size=4)
+    trie.save(tmp_path / "t.safetensors")
+    loaded = TokenTrie.load(tmp_path / "t.safetensors")
+    assert loaded.names() is None
+    assert loaded.entry(1).name is None and loaded.entry(1).key is None
+    assert loaded.sequences() == [(1,), (2, 3)]
+    assert loaded.fingerprint == "" and loaded.options == {}
+
+
+def test_save_leaves_no_temporary_file_and_replaces_atomically(trie, tmp_path):
+    path = tmp_path / "t.safetensors"
+    trie.save(path)
+    first = TokenTrie.load(path)  # memory-maps the first file
+    other = TokenTrie.from_sequences([[1, 2, 3]], vocab_size=4)
+    other.save(path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.safetensors"]
+    # The old mapping still sees the old file (os.replace swaps the directory entry, not the bytes).
+    assert first.sequences() == trie.sequences()
+    assert TokenTrie.load(path).sequences() == [(1, 2, 3)]
+
+
+def test_load_accepts_str_paths(saved):
+    assert TokenTrie.load(str(saved)).num_entries == 4
+
+
+# ------------------------------------------------------------------ broken files
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(TrieFileError, match="not found"):
+        TokenTrie.load(tmp_path / "nope.safetensors")
+    with pytest.raises(TrieFileError, match="not found"):
+        TokenTrie.load(tmp_path)  # a folder is not a file
+
+
+def test_truncated_file_at_many_points(saved, tmp_path):
+    raw = saved.read_bytes()
+    header_len, _ = _header(saved)
+    cuts = {0, 3, 7, 8, 9, 8 + header_len // 2, 8 + header_len - 1, 8 + header_len, 8 + header_len + 1}
+    cuts |= {len(raw) - 1, len(raw) - 4, (8 + header_len + len(raw)) // 2}
+    for cut in sorted(cuts):
+        assert cut < len(raw)
+        path = tmp_path / f"cut{cut}.safetensors"
+        path.write_bytes(raw[:cut])
+        for verify in (True, False):  # truncation is found from the sizes, even without reading the data
+            with pytest.raises(TrieFileError, match="truncated|too short|corrupted") as info:
+                TokenTrie.load(path, verify=verify)
+            assert str(path) in str(info.value)
+
+
+def test_every_array_is_covered_by_its_crc(saved, tmp_path):
+    raw = saved.read_bytes()
+    header_len, header = _header(saved)
+    names = [name for name in header if name != "__metadata__"]
+    assert set(ARRAYS) <= set(names) and {"names_blob", "keys_offsets"} <= set(names)
+    for name in names:
+        begin, end = header[name]["data_offsets"]
+        if end == begin:
+            continue
+        for where in (begin, (begin + end) // 2, end - 1):
+            corrupted = bytearray(raw)
+            corrupted[8 + header_len + where] ^= 0x40
+            path = tmp_path / f"{name}-{where}.safetensors"
+            path.write_bytes(bytes(corrupted))
+            with pytest.raises(TrieFileError, match=f"array '{name}' fails its CRC-32 check"):
+                TokenTrie.load(path)
+
+
+def test_verify_false_does_not_read_the_data(saved, tmp_path, monkeypatch):
+    raw = saved.read_bytes()
+    header_len, header = _header(saved)
+    begin, _ = header["names_blob"]["data_offsets"]
+    corrupted = bytearray(raw)
+    corrupted[8 + header_len + begin] ^= 0x01  # "Paris" -> "Qaris": only a CRC would notice
+    path = tmp_path / "c.safetensors"
+    path.write_bytes(bytes(corrupted))
+    with pytest.raises(TrieFileError, match="CRC"):
+        TokenTrie.load(path)
+
+    def boom(*args, **kwargs):
+        raise AssertionError("verify=False must not check the data")
+
+    monkeypatch.setattr(fileio, "_crc", boom)
+    monkeypatch.setattr(TokenTrie, "validate", boom)
+    loaded = TokenTrie.load(path, verify=False)
+    assert loaded.entry(0).name == "Qaris"
+    with pytest.raises(AssertionError, match="must not check"):
+        TokenTrie.load(path)  # and verify=True does
+
+
+def _write_raw(path: Path, header: bytes, data: bytes = b"") -> Path:
+    path.write_bytes(struct.pack("<Q", len(header)) + header + data)
+    return path
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b"\xff" * 64, "truncated or not a safetensors file"),  # absurd header length
+        (struct.pack("<Q", 10) + b"\x00\xff garbage!", "corrupted safetensors header"),  # not UTF-8
+        (struct.pack("<Q", 10) + b"{not json}", "corrupted safetensors header"),
+        (struct.pack("<Q", 0), "corrupted safetensors header"),  # empty header
+        (struct.pack("<Q", 6) + b"[1, 2]", "not a JSON object"),
+        (struct.pack("<Q", 24) + b'{"__metadata__": [1, 2]}', "__metadata__ is not an object"),
+        (b"PK\x03\x04 a zip file, not a trie", "truncated or not a safetensors file"),
+        (b"abc", "too short"),
+        (b"", "too short"),
+    ],
+    ids=[
+        "huge-length", "not-utf8", "not-json", "empty-header", "json-list", "metadata-list", "zip", "3-bytes", "empty"
+    ],
+)
+def test_garbage_header(tmp_path, content, message):
+    path = tmp_path / "g.safetensors"
+    path.write_bytes(content)
+    with pytest.raises(TrieFileError, match=message):
+        TokenTrie.load(path)
+
+
+def test_safetensors_file_that_is_not_a_trie(tmp_path):
+    from safetensors.numpy import save_file
+
+    save_file({"weight": np.ones((2, 3), dtype=np.float32)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(TrieFileError, match="not a trie_decode trie"):
+        TokenTrie.load(tmp_path / "model.safetensors")
+    save_file({"weight": np.ones(2, dtype=np.float32)}, str(tmp_path / "m2.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(TrieFileError, match=r"not a trie_decode trie \(format='pt'\)"):
+        TokenTrie.load(tmp_path / "m2.safetensors")
+
+
+def test_other_format_version(tmp_path):
+    from safetensors.numpy import save_file
+
+    meta = {"format": FORMAT_NAME, "format_version": "99"}
+    save_file({"token": np.zeros(2, dtype=np.int32)}, str(tmp_path / "v.safetensors"), metadata=meta)
+    with pytest.raises(TrieFileError, match="format version '99'"):
+        TokenTrie.load(tmp_path / "v.safetensors")
+
+
+def _valid_arrays(trie: TokenTrie) -> dict:
+    return {name: np.array(getattr(trie, name)) for name in ARRAYS}
+
+
+def _meta(**extra) -> dict:
+    meta = {"vocab_size": "10", "fingerprint": "", "options": "{}", "num_duplicates": "0"}
+    meta.update(extra)
+    return meta
+
+
+def test_missing_array(trie, tmp_path):
+    arrays = _valid_arrays(trie)
+    del arrays["node_entry"]
+    write_arrays(tmp_path / "m.safetensors", arrays, _meta())
+    with pytest.raises(TrieFileError, match=r"missing arrays \['node_entry'\]"):
+        TokenTrie.load(tmp_path / "m.safetensors")
+
+
+def test_half_a_string_table(trie, tmp_path):
+    arrays = _valid_arrays(trie)
+    arrays["names_blob"] = np.frombuffer(b"abc", dtype=np.uint8)
+    write_arrays(tmp_path / "h.safetensors", arrays, _meta())
+    with pytest.raises(TrieFileError, match="only half of the names table"):
+        TokenTrie.load(tmp_path / "h.safetensors")
+
+
+@pytest.mark.parametrize("meta", [_meta(vocab_size="ten"), {"fingerprint": ""}, _meta(options="{oops")])
+def test_malformed_metadata(trie, tmp_path, meta):
+    write_arrays(tmp_path / "x.safetensors", _valid_arrays(trie), meta)
+    with pytest.raises(TrieFileError, match="malformed metadata"):
+        TokenTrie.load(tmp_path / "x.safetensors")
+
+
+@pytest.mark.parametrize("crc", ["not json", "[1, 2]"])
+def test_corrupted_checksum_table(trie, saved, tmp_path, crc):
+    from safetensors.numpy import save_file
+
+    _, header = _header(saved)
+    meta = dict(header["__metadata__"], crc32=crc)
+    save_file(_valid_arrays(trie), str(tmp_path / "c.safetensors"), metadata=meta)
+    with pytest.raises(TrieFileError, match="corrupted checksum table"):
+        TokenTrie.load(tmp_path / "c.safetensors")
+
+
+def test_array_listed_in_crc_table_but_absent(trie, saved, tmp_path):
+    from safetensors.numpy import save_file
+
+    _, header = _header(saved)
+    meta = dict(header["__metadata__"])
+    save_file(_valid_arrays(trie), str(tmp_path / "a.safetensors"), metadata=meta)  # no names/keys arrays
+    with pytest.raises(TrieFileError, match="missing array 'keys_blob'"):
+        TokenTrie.load(tmp_path / "a.safetensors")
+
+
+def test_header_with_bad_offsets(saved, tmp_path):
+    raw = saved.read_bytes()
+    header_len, header = _header(saved)
+    data = raw[8 + header_len :]
+    begin, end = header["token"]["data_offsets"]
+    header["token"]["data_offsets"] = [begin, end + 4]  # size disagrees with shape
+    with pytest.raises(TrieFileError, match="array 'token' needs bytes"):
+        TokenTrie.load(_write_raw(tmp_path / "o.safetensors", json.dumps(header).encode(), data))
+    header["token"]["data_offsets"] = [begin, end]
+    header["token"]["dtype"] = "C64"
+    with pytest.raises(TrieFileError, match="malformed header entry for array 'token'"):
+        TokenTrie.load(_write_raw(tmp_path / "d.safetensors", json.dumps(header).encode(), data))
+
+
+def test_structurally_invalid_file_with_valid_checksums(trie, tmp_path):
+    arrays = _valid_arrays(trie)
+    arrays["token"][[1, 2]] = arrays["token"][[2, 1]]  # root children out of order
+    path = tmp_path / "s.safetensors"
+    write_arrays(path, arrays, _meta())
+    with pytest.raises(TrieFileError, match="invalid trie: children are not sorted"):
+        TokenTrie.load(path)
+    assert TokenTrie.load(path, verify=False).num_nodes == trie.num_nodes  # the caller opted out
