@@ -1,0 +1,655 @@
+"""Fast-forward (jump-forward) decoding for transformers: forced runs of a trie cost no forward pass of their own.
+
+Why this exists: inside a trie most steps have no choice. Once a name's prefix is unique, every remaining token
+is forced, and token-by-token decoding spends one forward pass on each of them. Here each step makes one real
+decision per row (argmax or a sample from the masked logits), appends the run of tokens the trie forces after it
+(:meth:`~trie_decode.constraint.TrieConstraint.forced_tokens`, built on ``TokenTrie.forced_run``), and feeds all
+rows' new tokens through *one* forward pass. SGLang's jump-forward decoding does the same for JSON schemas.
+
+A step of the loop, for a batch whose rows emit different numbers of tokens (ragged blocks):
+
+    1. Decide: mask the logits of every unfinished row with its trie state (the same
+       :class:`~trie_decode.constraint.TrieConstraint` the processor uses), run the logits processors, and take
+       the argmax or a sample.
+    2. Fast-forward: append each row's forced run (including a forced end token where an entry ends with no way
+       on, and the rest of a separator in ``"repeat"`` mode), advancing the row state through it.
+    3. Commit: cut rows at a stop token or at ``max_new_tokens``; finished rows leave the batch (their KV-cache
+       rows are dropped) once nothing more is needed from them.
+    4. Feed: right-pad the rows' new tokens to the longest, extend ``attention_mask`` with 0 for the pads, give
+       every real token its row's running position (``position_ids``), and run one forward pass with the
+       model's ``DynamicCache``. The pad slots stay in the cache, masked forever; positions count real tokens
+       only, so each row sees exactly the keys and positions of token-by-token decoding.
+
+Forward passes: the prefill serves a row's first decision and every later decision costs one pass, so a batch
+takes ``max over rows of (decisions)`` passes; the final block, which ends in the end token, is never fed (it is
+fed, minus its last token, only when ``output_scores``/``output_logits`` need its forced tokens' logits).
+Token-by-token decoding takes one pass per generated position of the longest row.
+
+Canonical tokenization is kept: forced tokens are the entries' own tokens, and nothing is forced across a span
+boundary (a released span continues as free text, chosen token by token).
+
+Dimension letters: B rows (prompts x return sequences), P prompt width, L block width of a step, V logits width.
+
+Example (both ways of calling it):
+
+    >>> out = model.generate(**inputs, custom_generate=fast_forward_generate, trie=trie,          # doctest: +SKIP
+    ...                      max_new_tokens=32, do_sample=False)
+    >>> out = fast_forward_generate(model, **inputs, trie=trie, max_new_tokens=32)               # doctest: +SKIP
+    >>> out.stats.skip_ratio, out.stats.forward_passes                                           # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence, Union
+
+import torch
+
+from trie_decode.constraint import RowState, SpanRules, TrieConstraint
+from trie_decode.errors import ConstraintConfigError
+from trie_decode.trie import TokenTrie
+
+try:
+    from transformers import DynamicCache, GenerationConfig, LogitsProcessorList
+    from transformers.generation.utils import GenerateDecoderOnlyOutput
+    from transformers.generation import (
+        EosTokenCriteria,
+        MaxLengthCriteria,
+        MaxTimeCriteria,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+except ImportError as exc:  # pragma: no cover - import guard
+    raise ImportError("trie_decode.integrations.fast_forward needs transformers: pip install 'trie-decode[transformers]'") from exc
+
+from .transformers import TrieLogitsProcessor, build_rules
+
+__all__ = ["fast_forward_generate", "FastForwardStats", "FastForwardOutput"]
+
+TrieArg = Union[TokenTrie, Sequence[TokenTrie]]
+
+# Model kwargs that generate() hands to a custom_generate callable and that this loop understands; anything else
+# (images, token_type_ids, ...) is refused rather than silently ignored.
+_KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", "past_key_values", "use_cache", "logits_to_keep", "cache_position"}
+
+
+@dataclass
+class FastForwardStats:
+    """Counters of one :func:`fast_forward_generate` call.
+
+    Attributes:
+        forward_passes: model forward calls, the prefill included (one call serves every row of the batch).
+        tokens_emitted: generated tokens over all rows (padding after a row's end excluded).
+        forced_tokens: of those, tokens appended from the trie without a decision of the model.
+        decisions: tokens chosen from the logits (``tokens_emitted - forced_tokens``).
+        step_by_step_passes: forward passes token-by-token decoding takes for the same output: one per generated
+            position of the longest row.
+        row_tokens, row_forced: per row, tokens emitted and tokens forced.
+        seconds: wall time of the call.
+    """
+
+    forward_passes: int = 0
+    tokens_emitted: int = 0
+    forced_tokens: int = 0
+    decisions: int = 0
+    step_by_step_passes: int = 0
+    row_tokens: list[int] = field(default_factory=list)
+    row_forced: list[int] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def skip_ratio(self) -> float:
+        """Share of the emitted tokens that were forced, i.e. that cost no forward pass of their own."""
+        return self.forced_tokens / self.tokens_emitted if self.tokens_emitted else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        out["skip_ratio"] = round(self.skip_ratio, 4)
+        return out
+
+
+@dataclass
+class FastForwardOutput(GenerateDecoderOnlyOutput):
+    """``generate``'s dict output plus :class:`FastForwardStats` in ``stats``.
+
+    ``scores[j]`` / ``logits[j]`` (Shape: (B, V)) hold, for each row, the processed / raw logits that produced its
+    ``j``-th generated token, forced tokens included; positions after a row's end hold ``-inf``.
+    ``past_key_values`` is None: the loop's cache holds masked pad slots and drops finished rows, so it is not a
+    cache ``generate`` could continue from.
+    """
+
+    stats: Optional[FastForwardStats] = None
+
+
+# ---------------------------------------------------------------------------------------------------- helpers
+def _where_state(keep_new: torch.Tensor, new: RowState, old: RowState) -> RowState:
+    """Row-wise choice between two states. keep_new: Shape: (R,), bool."""
+    return RowState(
+        *(torch.where(keep_new, getattr(new, f), getattr(old, f)) for f in ("phase", "node", "aux", "tree"))
+    )
+
+
+def _as_tries(trie: Any) -> list[TokenTrie]:
+    if trie is None:
+        raise ConstraintConfigError("fast_forward_generate needs trie=: a TokenTrie, or one per prompt")
+    tries = [trie] if isinstance(trie, TokenTrie) else list(trie)
+    if not tries:
+        raise ConstraintConfigError("trie is empty: pass one TokenTrie, or one per prompt")
+    for i, t in enumerate(tries):
+        if not isinstance(t, TokenTrie):
+            raise TypeError(f"trie[{i}] is {type(t).__name__}, not a TokenTrie")
+    return tries
+
+
+def _token_set(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, torch.Tensor):
+        return [int(v) for v in value.flatten().tolist()]
+    if isinstance(value, int):
+        return [int(value)]
+    return [int(v) for v in value]
+
+
+def _plain_processors(config: GenerationConfig) -> LogitsProcessorList:
+    """The sampling warpers of ``config`` (the plain-function path; generate() prepares its own list)."""
+    procs = LogitsProcessorList()
+    if not config.do_sample:
+        return procs
+    if config.temperature is not None and config.temperature != 1.0:
+        procs.append(TemperatureLogitsWarper(config.temperature))
+    if config.top_k is not None and config.top_k != 0:
+        procs.append(TopKLogitsWarper(top_k=config.top_k))
+    if config.top_p is not None and config.top_p < 1.0:
+        procs.append(TopPLogitsWarper(top_p=config.top_p))
+    return procs
+
+
+def _check_hooked_inputs(logits_processor: Any, stopping_criteria: Any) -> None:
+    for proc in logits_processor or ():
+        if isinstance(proc, TrieLogitsProcessor):
+            raise ConstraintConfigError(
+                "fast_forward_generate masks with its own trie state: pass trie= instead of a TrieLogitsProcessor "
+                "in logits_processor"
+            )
+    for crit in stopping_criteria or ():
+        if not isinstance(crit, (MaxLengthCriteria, EosTokenCriteria, MaxTimeCriteria)):
+            raise ConstraintConfigError(
+                f"fast_forward_generate supports max_length/max_new_tokens, eos_token_id and max_time as stopping "
+                f"criteria, not {type(crit).__name__}: use generate(logits_processor=[TrieLogitsProcessor(...)])"
+            )
+
+
+# ---------------------------------------------------------------------------------------------------- the loop
+class _Run:
+    """State of one fast-forward generation. All per-row bookkeeping that the forward pass needs is in tensors;
+    the ragged blocks are short host lists (one per row) because the forced runs come from the host-side trie."""
+
+    def __init__(
+        self,
+        model: Any,
+        input_ids: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        cache: Any,
+        constraint: TrieConstraint,
+        groups: torch.Tensor,
+        config: GenerationConfig,
+        processors: LogitsProcessorList,
+        stop_ids: list[int],
+        pad_id: int,
+        max_new: int,
+        max_time: Optional[float],
+        generator: Optional[torch.Generator],
+    ) -> None:
+        self.model, self.cache, self.constraint = model, cache, constraint
+        self.device = input_ids.device
+        b, p = input_ids.shape
+        self.b, self.p = b, p
+        self.input_ids = input_ids
+        self.attn = attention_mask.long() if attention_mask is not None else torch.ones_like(input_ids)
+        self.padded = bool((self.attn == 0).any())  # once True, the 2-D mask is always passed
+        self.next_pos = self.attn.sum(1)  # (B,) position of each row's next token
+        self.config, self.processors, self.generator = config, processors, generator
+        self.stop = torch.tensor(stop_ids or [-1], dtype=torch.long, device=self.device)
+        self.stop_set = set(stop_ids)
+        self.pad_id, self.max_new, self.max_time = pad_id, max_new, max_time
+        self.do_sample = bool(config.do_sample)
+        self.want_scores = bool(config.return_dict_in_generate and config.output_scores)
+        self.want_logits = bool(config.return_dict_in_generate and config.output_logits)
+        self.trig = len(constraint.rules.trigger)
+        self.hist = input_ids[:, p - self.trig :].clone() if self.trig else None  # (B, t) last tokens, for triggers
+        self.state = constraint.start(b, groups, self.hist)
+        self.gen = torch.full((b, max(max_new, 1)), pad_id, dtype=torch.long, device=self.device)
+        self.n_gen = [0] * b
+        self.decided = [0] * b
+        self.finished = [max_new <= 0] * b
+        self.batch_rows = list(range(b))  # original row of each row of the model batch (and of the cache)
+        self.passes = 0
+        self.keep_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self.pieces: list[tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]] = []
+        self.next_logits: Optional[torch.Tensor] = None  # (len(batch_rows), V) logits for the next decision
+
+    # -- 1. decide ------------------------------------------------------------------------------------------------
+    def _current_ids(self, rows: list[int]) -> torch.Tensor:
+        """The rows' tokens so far (prompt + generated, right-padded) for logits processors. Shape: (R, P + n)."""
+        n = max(self.n_gen[r] for r in rows)
+        idx = torch.tensor(rows, device=self.device)
+        return torch.cat([self.input_ids[idx], self.gen[idx, :n]], dim=1)
+
+    def decide(self, blocks: list[list[int]]) -> None:
+        rows = [r for r in self.batch_rows if not self.finished[r]]
+        pos = torch.tensor([self.batch_rows.index(r) for r in rows], device=self.device)
+        idx = torch.tensor(rows, device=self.device)
+        raw = self.next_logits[pos].float()
+        state = self.state.select(idx)
+        scores = self.constraint.mask_(raw.clone(), state)
+        ids = self._current_ids(rows) if len(self.processors) else None
+        if ids is not None:
+            scores = self.processors(ids, scores)
+        if self.do_sample:
+            probs = torch.softmax(scores, dim=-1)
+            tokens = torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
+        else:
+            tokens = torch.argmax(scores, dim=-1)
+        self._record(idx, torch.tensor([self.n_gen[r] for r in rows], device=self.device), scores, raw)
+        self.state.assign(idx, self.constraint.advance(state, tokens, self._tails(idx, tokens)))
+        for r, tok in zip(rows, tokens.tolist()):
+            blocks[r].append(tok)
+            self.decided[r] += 1
+
+    def _tails(self, idx: torch.Tensor, tokens: torch.Tensor, valid: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """Update the trigger history of rows ``idx`` with ``tokens`` (where ``valid``) and return it."""
+        if not self.trig:
+            return None
+        hist = self.hist[idx]
+        new = torch.cat([hist[:, 1:], tokens.unsqueeze(1)], dim=1)
+        if valid is not None:
+            new = torch.where(valid.unsqueeze(1), new, hist)
+        self.hist[idx] = new
+        return new
+
+    def _record(self, idx: torch.Tensor, gen_pos: torch.Tensor, scores: torch.Tensor, raw: torch.Tensor) -> None:
+        if self.want_scores or self.want_logits:
+            self.pieces.append(
+                (idx, gen_pos, scores if self.want_scores else None, raw.clone() if self.want_logits else None)
+            )
+
+    # -- 2. fast-forward ------------------------------------------------------------------------------------------
+    def fast_forward(self, blocks: list[list[int]]) -> list[tuple[torch.Tensor, torch.Tensor, RowState]]:
+        """Append every unfinished row's forced run to its block, advancing its state.
+
+        Returns, per forced column, (original rows, their block index, their state before the token): what the
+        scores of the forced tokens are computed from once the forward pass has produced their logits.
+        """
+        columns: list[tuple[torch.Tensor, torch.Tensor, RowState]] = []
+        rows = [r for r in range(self.b) if not self.finished[r] and not self._stops(blocks[r])]
+        # A separator or a fired trigger can lead to a new forced run, so repeat until nothing is forced.
+        while rows:
+            idx = torch.tensor(rows, device=self.device)
+            state = self.state.select(idx)
+            runs = self.constraint.forced_tokens(state, self.max_new)
+            runs = [run[: max(self.max_new - self.n_gen[r] - len(blocks[r]), 0)] for r, run in zip(rows, runs)]
+            width = max(len(run) for run in runs)
+            if width == 0:
+                break
+            padded = torch.tensor([run + [self.pad_id] * (width - len(run)) for run in runs], device=self.device)
+            lengths = torch.tensor([len(run) for run in runs], device=self.device)
+            starts = torch.tensor([len(blocks[r]) for r in rows], device=self.device)
+            for k in range(width):
+                valid = lengths > k
+                if self.want_scores or self.want_logits:
+                    columns.append((idx[valid], (starts + k)[valid], state.select(valid.nonzero().squeeze(1))))
+                new = self.constraint.advance(state, padded[:, k], self._tails(idx, padded[:, k], valid))
+                state = _where_state(valid, new, state)
+            self.state.assign(idx, state)
+            for r, run in zip(rows, runs):
+                blocks[r].extend(run)
+            if not (self.constraint.rules.on_complete == "repeat" or self.trig):
+                break
+            rows = [r for r, run in zip(rows, runs) if run and not self._stops(blocks[r])]
+        return columns
+
+    def _stops(self, block: list[int]) -> bool:
+        return bool(block) and block[-1] in self.stop_set
+
+    # -- 3. commit ------------------------------------------------------------------------------------------------
+    def commit(self, blocks: list[list[int]]) -> list[int]:
+        """Cut blocks at the first stop token and at max_new_tokens, write them out; return the block starts."""
+        starts = list(self.n_gen)
+        for r in range(self.b):
+            block = blocks[r]
+            if self.finished[r] or not block:
+                continue
+            for i, tok in enumerate(block):
+                if tok in self.stop_set:
+                    del block[i + 1 :]
+                    self.finished[r] = True
+                    break
+            del block[self.max_new - self.n_gen[r] :]
+            n = len(block)
+            self.gen[r, self.n_gen[r] : self.n_gen[r] + n] = torch.tensor(block, device=self.device)
+            self.n_gen[r] += n
+            if self.n_gen[r] >= self.max_new:
+                self.finished[r] = True
+        return starts
+
+    # -- 4. feed --------------------------------------------------------------------------------------------------
+    def feed(self, blocks: list[list[int]], first: bool, columns: list, starts: list[int]) -> bool:
+        """One forward pass over the batch rows' new tokens; False when nothing needed feeding."""
+        need_forced_logits = self.want_scores or self.want_logits
+        feeds: dict[int, list[int]] = {}
+        for r in self.batch_rows:
+            if not self.finished[r]:
+                feeds[r] = blocks[r]
+            elif need_forced_logits and len(blocks[r]) > 1 - int(first) and blocks[r]:
+                feeds[r] = blocks[r][:-1]  # only the logits of its forced tokens are still needed
+            else:
+                feeds[r] = []
+        # Rows with nothing to feed leave the batch (and the cache) before the pass.
+        if not first:
+            self._prune([r for r in self.batch_rows if feeds[r] or not self.finished[r]])
+        else:
+            self.batch_rows = [r for r in self.batch_rows if feeds[r] or not self.finished[r]]
+        rows = self.batch_rows
+        if not rows:
+            return False
+        width = max(len(feeds[r]) for r in rows)
+        if width == 0 and not first:
+            return False
+        idx = torch.tensor(rows, device=self.device)
+        tokens = torch.tensor([feeds[r] + [self.pad_id] * (width - len(feeds[r])) for r in rows], dtype=torch.long, device=self.device).reshape(len(rows), width)
+        lengths = torch.tensor([len(feeds[r]) for r in rows], device=self.device)
+        valid = torch.arange(width, device=self.device).unsqueeze(0) < lengths.unsqueeze(1)  # (R, L)
+        if width and not bool(valid.all()):
+            self.padded = True
+        positions = self.next_pos[idx].unsqueeze(1) + torch.arange(width, device=self.device).unsqueeze(0)
+        if first:
+            attn = self.attn[idx]
+            prompt_pos = (attn.cumsum(1) - 1).clamp(min=0)
+            tokens = torch.cat([self.input_ids[idx], tokens], dim=1)
+            positions = torch.cat([prompt_pos, positions], dim=1)
+            self.attn = torch.cat([attn, valid.long()], dim=1)
+        else:
+            self.attn = torch.cat([self.attn, valid.long()], dim=1)
+        self.next_pos[idx] += lengths
+        offset = self.p if first else 0  # input index of block token 0
+        # Input indices whose logits are needed: each unfinished row's last fed token (its next decision), and,
+        # for scores, the token before each forced token.
+        last = offset + lengths - 1
+        lowest = int(last.min())
+        forced_pos = [int(c[1].min()) for c in columns if c[1].numel()] if need_forced_logits else []
+        if forced_pos:
+            lowest = min(lowest, offset - 1 + min(forced_pos))
+        total = tokens.shape[1]
+        keep = total - max(lowest, 0)
+        kwargs: dict[str, Any] = dict(
+            input_ids=tokens,
+            attention_mask=self.attn if self.padded else None,
+            position_ids=positions,
+            past_key_values=self.cache,
+            use_cache=True,
+        )
+        if self.keep_logits:
+            kwargs["logits_to_keep"] = keep
+        out = self.model(**kwargs, return_dict=True)
+        self.passes += 1
+        if out.past_key_values is not None:
+            self.cache = out.past_key_values
+        logits = out.logits  # (R, keep or total, V)
+        base = total - logits.shape[1]
+        row_of = {r: i for i, r in enumerate(rows)}
+        self.next_logits = logits[torch.arange(len(rows), device=self.device), (last - base).clamp(min=0)]
+        if need_forced_logits:
+            self._forced_scores(logits, base, offset, row_of, columns, starts)
+        return True
+
+    def _forced_scores(self, logits, base, offset, row_of, columns, starts) -> None:
+        """Scores of the forced tokens, from the logits of the pass that consumed the token before each."""
+        for rows, block_pos, state in columns:
+            keep = [i for i, r in enumerate(rows.tolist()) if r in row_of]
+            if not keep:
+                continue
+            sel = torch.tensor(keep, device=self.device)
+            rows, block_pos = rows[sel], block_pos[sel]
+            state = state.select(sel)
+            batch_idx = torch.tensor([row_of[r] for r in rows.tolist()], device=self.device)
+            raw = logits[batch_idx, offset + block_pos - 1 - base].float()
+            scores = self.constraint.mask_(raw.clone(), state)
+            if len(self.processors):
+                scores = self.processors(self._current_ids(rows.tolist()), scores)
+            gen_pos = torch.tensor([starts[r] for r in rows.tolist()], device=self.device) + block_pos
+            self._record(rows, gen_pos, scores, raw)
+
+    def _prune(self, keep_rows: list[int]) -> None:
+        if keep_rows == self.batch_rows:
+            return
+        keep = torch.tensor([self.batch_rows.index(r) for r in keep_rows], dtype=torch.long, device=self.device)
+        if keep_rows and hasattr(self.cache, "batch_select_indices"):
+            self.cache.batch_select_indices(keep)
+            self.attn = self.attn[keep]
+            if self.next_logits is not None:
+                self.next_logits = self.next_logits[keep]
+            self.batch_rows = keep_rows
+        elif not keep_rows:
+            self.batch_rows = []
+
+    # -- results --------------------------------------------------------------------------------------------------
+    def sequences(self) -> torch.Tensor:
+        g = max(self.n_gen) if self.n_gen else 0
+        return torch.cat([self.input_ids, self.gen[:, :g]], dim=1)
+
+    def stacked(self, which: int) -> Optional[tuple[torch.Tensor, ...]]:
+        pieces = [p for p in self.pieces if p[which] is not None]
+        g = max(self.n_gen) if self.n_gen else 0
+        if not pieces or g == 0:
+            return None
+        width = pieces[0][which].shape[1]
+        out = torch.full((g, self.b, width), float("-inf"), device=self.device)
+        for rows, gen_pos, *vals in pieces:
+            v = vals[which - 2]
+            ok = gen_pos < torch.tensor([self.n_gen[r] for r in rows.tolist()], device=self.device)
+            out[gen_pos[ok], rows[ok]] = v[ok]
+        return tuple(out.unbind(0))
+
+    def run(self) -> None:
+        t0 = time.perf_counter()
+        first = True
+        while True:
+            blocks: list[list[int]] = [[] for _ in range(self.b)]
+            if not first:
+                self.decide(blocks)
+            columns = self.fast_forward(blocks)
+            starts = self.commit(blocks)
+            if not self.feed(blocks, first, columns, starts):
+                break
+            first = False
+            if all(self.finished):
+                break
+            if self.max_time is not None and time.perf_counter() - t0 > self.max_time:
+                break
+
+
+# ---------------------------------------------------------------------------------------------------- public
+@torch.no_grad()
+def fast_forward_generate(
+    model: Any,
+    input_ids: torch.Tensor,
+    logits_processor: Optional[LogitsProcessorList] = None,
+    stopping_criteria: Any = None,
+    generation_config: Optional[GenerationConfig] = None,
+    *,
+    trie: Optional[TrieArg] = None,
+    tokenizer: Any = None,
+    end_token_id: Optional[int] = None,
+    on_complete: str = "eos",
+    separator: Any = None,
+    trigger: Any = None,
+    generator: Optional[torch.Generator] = None,
+    **kwargs: Any,
+) -> Union[FastForwardOutput, torch.Tensor]:
+    r"""Constrained generation that feeds each trie-forced run through the model in the same pass as its decision.
+
+    Two ways to call it:
+
+    * as transformers' callable hook: ``model.generate(**inputs, custom_generate=fast_forward_generate,
+      trie=trie, max_new_tokens=..., do_sample=...)``; ``generate`` validates the options, expands
+      ``num_return_sequences``, builds the logits processors (temperature, top-k, top-p, ...) and the cache,
+      then calls this function;
+    * as a plain function: ``fast_forward_generate(model, input_ids, attention_mask=..., trie=trie,
+      max_new_tokens=..., do_sample=..., temperature=...)``; ``GenerationConfig`` fields are taken from the
+      keyword arguments on top of ``model.generation_config``.
+
+    The output is the one ``generate(logits_processor=[TrieLogitsProcessor(trie, ...)])`` would give: with greedy
+    decoding, the same tokens (up to float differences of batched vs one-token forward passes, which can only
+    matter on exact near-ties), padded with the pad token after each row's end.
+
+    Args:
+        model: a transformers decoder-only LM whose cache is a ``DynamicCache`` without sliding-window layers.
+        input_ids: the prompts, left-padded. Shape: (B, P), int64.
+        logits_processor, stopping_criteria, generation_config: supplied by ``generate`` when used as the hook.
+            Supported stopping criteria: max length / ``max_new_tokens``, EOS and ``max_time``.
+        trie (`TokenTrie` or list): one trie for every row, or one per prompt.
+        tokenizer (optional): checks the tries' fingerprints and tokenizes ``separator``/``trigger`` given as text.
+            ``generate`` consumes its own ``tokenizer=`` argument before calling the hook, so through the hook
+            pass token ids for ``separator``/``trigger``.
+        end_token_id (`int`, optional): ends an entry; defaults to the generation config's first EOS id.
+        on_complete (`str`, defaults to ``"eos"``), separator, trigger: as for
+            :class:`~trie_decode.integrations.transformers.TrieLogitsProcessor`.
+        generator (`torch.Generator`, optional): the random source of sampling.
+        kwargs: ``attention_mask`` (Shape: (B, P)), and on the plain path any ``GenerationConfig`` field
+            (``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``output_scores``,
+            ``output_logits``, ``return_dict_in_generate``, ``eos_token_id``, ``pad_token_id``).
+
+    Returns:
+        With ``return_dict_in_generate``, a :class:`FastForwardOutput` (``sequences``, ``scores``, ``logits``,
+        ``stats``); otherwise the sequences (Shape: (B, P + G), int64) with the :class:`FastForwardStats` attached
+        as ``.stats`` (an attribute of that tensor object only: copies and slices do not carry it).
+
+    Raises:
+        ConstraintConfigError: beam search (use the processor instead), an unsupported stopping criterion, a
+            ``TrieLogitsProcessor`` in ``logits_processor``, a cache or model input this loop cannot handle.
+
+    Examples:
+
+    ```python
+    >>> from transformers import AutoModelForCausalLM, AutoTokenizer
+    >>> from trie_decode import TokenTrie
+    >>> from trie_decode.integrations.smollm2 import smollm2_path
+    >>> from trie_decode.integrations.fast_forward import fast_forward_generate
+    >>> tok = AutoTokenizer.from_pretrained(smollm2_path())
+    >>> model = AutoModelForCausalLM.from_pretrained(smollm2_path())
+    >>> trie = TokenTrie.from_strings(["United Kingdom", "United States", "France"], tok)
+    >>> prompt = tok.apply_chat_template([{"role": "user", "content": "Where is Texas? Answer with the name only."}],
+    ...                                  tokenize=False, add_generation_prompt=True)
+    >>> inputs = tok(prompt, return_tensors="pt")
+    >>> out = model.generate(**inputs, custom_generate=fast_forward_generate, trie=trie, max_new_tokens=8,
+    ...                      do_sample=False, return_dict_in_generate=True)
+    >>> tok.decode(out.sequences[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+    'United States'
+    >>> out.stats.forward_passes < out.stats.tokens_emitted
+    True
+    ```
+    """
+    hooked = logits_processor is not None and stopping_criteria is not None and generation_config is not None
+    attention_mask = kwargs.pop("attention_mask", None)
+    if hooked:
+        config = generation_config
+        model_kwargs = kwargs
+        max_length = config.max_length
+        _check_hooked_inputs(logits_processor, stopping_criteria)
+        processors = logits_processor
+        max_time = config.max_time
+    else:
+        config = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
+        model_kwargs = config.update(**kwargs)
+        config.validate()
+        max_length = (
+            input_ids.shape[1] + config.max_new_tokens if config.max_new_tokens is not None else config.max_length
+        )
+        processors = logits_processor if logits_processor is not None else _plain_processors(config)
+        max_time = config.max_time
+    if (config.num_beams or 1) > 1:
+        raise ConstraintConfigError(
+            f"fast_forward_generate does not do beam search (num_beams={config.num_beams}): use "
+            "model.generate(..., num_beams=..., logits_processor=[TrieLogitsProcessor(trie)]) instead"
+        )
+    unknown = set(model_kwargs) - _KNOWN_MODEL_KWARGS
+    if unknown:
+        raise ConstraintConfigError(f"fast_forward_generate does not handle these model inputs: {sorted(unknown)}")
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise ConstraintConfigError("fast_forward_generate supports decoder-only models, not encoder-decoders")
+    if input_ids is None or input_ids.dim() != 2:
+        raise ConstraintConfigError("input_ids must be a 2-D tensor of token ids (batch, prompt length)")
+
+    cache = model_kwargs.get("past_key_values")
+    if cache is None:
+        cache = DynamicCache(config=model.config)
+    if not isinstance(cache, DynamicCache) or any(getattr(cache, "is_sliding", None) or ()):
+        raise ConstraintConfigError(
+            f"fast_forward_generate needs a DynamicCache without sliding-window layers, got {type(cache).__name__}: "
+            "masked pad slots would count against a sliding window"
+        )
+    if cache.get_seq_length() > 0:
+        raise ConstraintConfigError("fast_forward_generate starts from an empty cache; do not pass a filled one")
+
+    eos_ids = _token_set(getattr(config, "_eos_token_tensor", None)) or _token_set(config.eos_token_id)
+    if end_token_id is None and eos_ids and tokenizer is None:
+        end_token_id = eos_ids[0]
+    tries = _as_tries(trie)
+    if tokenizer is not None:
+        for t in tries:
+            t.check_tokenizer(tokenizer)
+    rules: SpanRules = build_rules(tokenizer, end_token_id, on_complete, separator, trigger)
+    stop_ids = sorted(set(eos_ids) | ({rules.end_token_id} if on_complete in ("eos", "repeat") else set()))
+    pad = config.pad_token_id
+    pad_id = int(_token_set(pad)[0]) if pad is not None else (eos_ids[0] if eos_ids else rules.end_token_id)
+
+    b = input_ids.shape[0]
+    if b % len(tries):
+        raise ConstraintConfigError(
+            f"{len(tries)} tries were given (one per prompt) but the batch has {b} rows, not a multiple of {len(tries)}"
+        )
+    groups = torch.arange(b, device=input_ids.device) // (b // len(tries))
+    constraint = TrieConstraint(tries, rules, input_ids.device)
+    run = _Run(
+        model,
+        input_ids,
+        attention_mask,
+        cache,
+        constraint,
+        groups,
+        config,
+        processors,
+        stop_ids,
+        pad_id,
+        max_length - input_ids.shape[1],
+        max_time,
+        generator,
+    )
+    t0 = time.perf_counter()
+    run.run()
+    row_forced = [n - d for n, d in zip(run.n_gen, run.decided)]
+    stats = FastForwardStats(
+        forward_passes=run.passes,
+        tokens_emitted=sum(run.n_gen),
+        forced_tokens=sum(row_forced),
+        decisions=sum(run.decided),
+        step_by_step_passes=max(run.n_gen) if run.n_gen else 0,
+        row_tokens=list(run.n_gen),
+        row_forced=row_forced,
+        seconds=time.perf_counter() - t0,
+    )
+    sequences = run.sequences()
+    if config.return_dict_in_generate:
+        return FastForwardOutput(
+            sequences=sequences,
+            scores=run.stacked(2) if run.want_scores else None,
+            logits=run.stacked(3) if run.want_logits else None,
+            stats=stats,
+        )
+    sequences.stats = stats
+    return sequences

@@ -1,0 +1,319 @@
+"""fast_forward_generate: same tokens as the step-by-step processor, fewer forward passes, exact scores."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trie_decode import TokenTrie
+from trie_decode.constraint import SpanRules
+from trie_decode.errors import ConstraintConfigError
+from trie_decode.integrations.fast_forward import FastForwardOutput, fast_forward_generate
+from trie_decode.integrations.transformers import TrieLogitsProcessor, replay_entries
+
+LANGUAGE_QUESTIONS = [
+    "Which language is spoken in Brazil?",
+    "What is the official language of Iran?",
+    "Which language do most people in Ethiopia speak?",
+    "What language is spoken in the Netherlands?",
+]
+COUNTRY_QUESTIONS = [
+    "Which country is Paris the capital of?",
+    "Which country has Canberra as its capital?",
+    "Which country is Nairobi in?",
+    "Which country lies directly north of the USA?",
+]
+
+
+def chat(tokenizer, question: str) -> str:
+    messages = [{"role": "user", "content": question + " Answer with the name only."}]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) + "The answer is"
+
+
+@pytest.fixture(scope="module")
+def left_tok(tokenizer):
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def languages(tokenizer, language_names):
+    return TokenTrie.from_strings(language_names, tokenizer, leading_space=True)
+
+
+@pytest.fixture(scope="module")
+def countries(tokenizer, country_names):
+    return TokenTrie.from_strings(country_names, tokenizer, leading_space=True)
+
+
+def real_choices(trie: TokenTrie, generated: list[int], end: int) -> int:
+    """Positions of an "eos"-mode row where the trie offered more than one token (entry end counts as one)."""
+    node, count = trie.root, 0
+    for tok in generated:
+        options = int(trie.fanout[node]) + int(trie.is_terminal(node))
+        count += options >= 2
+        if tok == end:
+            break
+        node = trie.step(node, tok)
+        assert node >= 0, "the row left the trie"
+    return count
+
+
+def assert_same_or_near_tie(ref, out, prompt_len: int, tol: float = 1e-3) -> None:
+    """Token-for-token equality; a difference is accepted only where the reference's top-2 margin is a near-tie
+    (batched and one-token forward passes round differently), and then only from that position on."""
+    if torch.equal(ref.sequences, out.sequences):
+        return
+    diff = (ref.sequences != out.sequences)[:, prompt_len:]
+    for row in diff.any(dim=1).nonzero().flatten().tolist():
+        j = int(diff[row].nonzero()[0])
+        top2 = ref.scores[j][row].topk(2).values
+        margin = float(top2[0] - top2[1])
+        assert margin < tol, f"row {row} differs at generated position {j} with a logit margin of {margin:.4g}"
+
+
+# ---------------------------------------------------------------------------------------------- real model
+@pytest.mark.model
+def test_greedy_batch1_matches_processor_with_one_pass_per_choice(model, left_tok, languages):
+    inputs = left_tok([chat(left_tok, LANGUAGE_QUESTIONS[0])], return_tensors="pt")
+    p = inputs["input_ids"].shape[1]
+    eos = left_tok.eos_token_id
+    ref = model.generate(
+        **inputs, logits_processor=[TrieLogitsProcessor(languages, left_tok)], max_new_tokens=24, do_sample=False
+    )
+    out = model.generate(
+        **inputs, custom_generate=fast_forward_generate, trie=languages, max_new_tokens=24, do_sample=False
+    )
+    assert out.tolist() == ref.tolist()
+    plain = fast_forward_generate(model, **inputs, trie=languages, max_new_tokens=24)
+    assert plain.tolist() == ref.tolist()
+
+    row = out[0, p:].tolist()
+    stats = out.stats
+    choices = real_choices(languages, row, eos)
+    # The prefill serves the first decision, each later decision costs one pass, the final block is never fed.
+    assert stats.forward_passes == choices == stats.decisions
+    assert stats.tokens_emitted == len(row) == stats.step_by_step_passes
+    assert stats.forced_tokens == len(row) - choices
+    assert stats.skip_ratio == pytest.approx(1 - choices / len(row))
+    assert replay_entries(languages, SpanRules(end_token_id=eos), row)
+
+
+@pytest.mark.model
+def test_greedy_padded_batch8_different_tries_and_exact_scores(model, left_tok, languages, countries):
+    questions = [q for pair in zip(LANGUAGE_QUESTIONS, COUNTRY_QUESTIONS) for q in pair]
+    tries = [languages, countries] * 4
+    inputs = left_tok([chat(left_tok, q) for q in questions], return_tensors="pt", padding=True)
+    assert (inputs["attention_mask"] == 0).any(), "the batch should be padded"
+    p = inputs["input_ids"].shape[1]
+    eos = left_tok.eos_token_id
+    options = dict(max_new_tokens=24, do_sample=False, return_dict_in_generate=True, output_scores=True)
+    ref = model.generate(**inputs, logits_processor=[TrieLogitsProcessor(tries, left_tok)], **options)
+    out = model.generate(**inputs, custom_generate=fast_forward_generate, trie=tries, **options)
+    assert isinstance(out, FastForwardOutput)
+    assert_same_or_near_tie(ref, out, p)
+    assert torch.equal(ref.sequences, out.sequences)  # no near-tie in this batch
+
+    # Scores: every generated token's score (forced ones from the pass that consumed their predecessor) equals
+    # the step-by-step score; forced positions have exactly one finite score, like the processor's.
+    stats = out.stats
+    assert len(out.scores) == len(ref.scores) == out.sequences.shape[1] - p
+    rows = out.sequences[:, p:].tolist()
+    block_ends = []
+    for r, row in enumerate(rows):
+        n = row.index(eos) + 1
+        assert stats.row_tokens[r] == n
+        for j in range(n):
+            tok = row[j]
+            assert torch.isfinite(out.scores[j][r]).sum() == torch.isfinite(ref.scores[j][r]).sum()
+            assert float(out.scores[j][r, tok]) == pytest.approx(float(ref.scores[j][r, tok]), rel=1e-4, abs=1e-4)
+        # Was the row's last decision followed by forced tokens (then its block is fed once more for scores)?
+        trie, node, last_decision = tries[r], tries[r].root, 0
+        for j, tok in enumerate(row[:n]):
+            if int(trie.fanout[node]) + int(trie.is_terminal(node)) >= 2:
+                last_decision = j
+            if tok != eos:
+                node = trie.step(node, tok)
+        block_ends.append(n - 1 > last_decision)
+    choices = [real_choices(t, row, eos) for t, row in zip(tries, rows)]
+    assert stats.decisions == sum(choices)
+    assert stats.forward_passes == max(c + int(fed) for c, fed in zip(choices, block_ends))
+    entries = [replay_entries(t, SpanRules(end_token_id=eos), row) for t, row in zip(tries, rows)]
+    assert all(entries)
+
+
+@pytest.mark.model
+def test_sampling_real_model_outputs_are_members(model, left_tok, languages, countries):
+    inputs = left_tok([chat(left_tok, q) for q in LANGUAGE_QUESTIONS[:2] + COUNTRY_QUESTIONS[:2]], return_tensors="pt", padding=True)
+    p = inputs["input_ids"].shape[1]
+    tries = [languages, languages, countries, countries]
+    out = model.generate(
+        **inputs,
+        custom_generate=fast_forward_generate,
+        trie=tries,
+        max_new_tokens=24,
+        do_sample=True,
+        temperature=1.5,
+        top_k=0,
+        num_return_sequences=2,
+        generator=torch.Generator().manual_seed(0),
+    )
+    assert out.shape[0] == 8
+    for r, row in enumerate(out[:, p:].tolist()):
+        trie = tries[r // 2]
+        end = row.index(left_tok.eos_token_id)
+        assert trie.lookup(row[:end]) is not None, f"row {r} generated a non-member {row[:end]}"
+
+
+# ---------------------------------------------------------------------------------------------- tiny model
+def tiny_inputs(tokenizer, n: int = 3, length: int = 6, seed: int = 0) -> dict:
+    """Left-padded random prompts of different lengths."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(100, 5000, (n, length), generator=gen)
+    mask = torch.ones_like(ids)
+    for r in range(n):
+        mask[r, : r % length] = 0
+        ids[r, : r % length] = tokenizer.pad_token_id
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+@pytest.fixture(scope="module")
+def small_tries(tokenizer, country_names, language_names):
+    return [
+        TokenTrie.from_strings(country_names[:60], tokenizer, leading_space=True),
+        TokenTrie.from_strings(language_names[::40], tokenizer, leading_space=True),
+        TokenTrie.from_strings(country_names[100:], tokenizer),
+    ]
+
+
+def _both(model, inputs, tries, tokenizer, **options):
+    proc_opts = {k: options.pop(k) for k in ("on_complete", "separator", "trigger", "end_token_id") if k in options}
+    ref = model.generate(
+        **inputs, logits_processor=[TrieLogitsProcessor(tries, tokenizer, **proc_opts)], do_sample=False, **options
+    )
+    out = model.generate(
+        **inputs, custom_generate=fast_forward_generate, trie=tries, do_sample=False, **proc_opts, **options
+    )
+    return ref, out
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 3, 24])
+def test_tiny_greedy_matches_processor_eos_mode(tiny_llama, tokenizer, small_tries, max_new_tokens):
+    inputs = tiny_inputs(tokenizer)
+    ref, out = _both(tiny_llama, inputs, small_tries, tokenizer, max_new_tokens=max_new_tokens)
+    assert out.tolist() == ref.tolist()
+    assert out.stats.tokens_emitted <= 3 * max_new_tokens
+
+
+def test_tiny_release_mode_continues_as_free_text(tiny_llama, tokenizer, small_tries):
+    inputs = tiny_inputs(tokenizer)
+    ref, out = _both(tiny_llama, inputs, small_tries, tokenizer, max_new_tokens=12, on_complete="release")
+    assert out.tolist() == ref.tolist()
+    # After the entry every token is a decision: nothing is forced across the span boundary.
+    p = inputs["input_ids"].shape[1]
+    for r, row in enumerate(out[:, p:].tolist()):
+        entry = replay_entries(small_tries[r], SpanRules(end_token_id=0, on_complete="release"), row)[0]
+        tail = len(row) - len(entry.tokens)
+        assert out.stats.row_forced[r] <= len(entry.tokens) - 1
+        assert out.stats.row_tokens[r] == len(row) and tail >= 1
+
+
+def test_tiny_repeat_mode_with_separator(tiny_llama, tokenizer, small_tries):
+    inputs = tiny_inputs(tokenizer)
+    sep = tokenizer(",", add_special_tokens=False)["input_ids"]
+    ref, out = _both(tiny_llama, inputs, small_tries, tokenizer, max_new_tokens=20, on_complete="repeat", separator=sep)
+    assert out.tolist() == ref.tolist()
+
+
+def test_tiny_trigger_fires_mid_generation_and_at_prompt_end(tiny_llama, tokenizer, small_tries):
+    inputs = tiny_inputs(tokenizer, n=1)
+    free = tiny_llama.generate(**inputs, max_new_tokens=4, do_sample=False)[0, -4:].tolist()
+    # The tiny model's own first two tokens: the two-token trigger fires after them, mid-generation.
+    ref, out = _both(tiny_llama, inputs, [small_tries[0]], tokenizer, max_new_tokens=12, trigger=free[:2])
+    assert out.tolist() == ref.tolist()
+    p = inputs["input_ids"].shape[1]
+    assert out[0, p : p + 2].tolist() == free[:2]
+    assert small_tries[0].lookup(out[0, p + 2 :].tolist()[: out.stats.row_tokens[0] - 3]) is not None
+    # A prompt that already ends with the trigger starts inside the entry.
+    last = int(inputs["input_ids"][0, -1])
+    ref, out = _both(tiny_llama, inputs, [small_tries[0]], tokenizer, max_new_tokens=12, trigger=[last])
+    assert out.tolist() == ref.tolist()
+    assert small_tries[0].lookup(out[0, p:].tolist()[: out.stats.row_tokens[0] - 1]) is not None
+
+
+def test_tiny_sampling_members_with_return_sequences(tiny_llama, tokenizer, small_tries):
+    inputs = tiny_inputs(tokenizer)
+    p = inputs["input_ids"].shape[1]
+    eos = tokenizer.eos_token_id
+    for seed in range(5):
+        out = tiny_llama.generate(
+            **inputs,
+            custom_generate=fast_forward_generate,
+            trie=small_tries,
+            max_new_tokens=32,
+            do_sample=True,
+            top_k=0,
+            num_return_sequences=2,
+            return_dict_in_generate=True,
+            generator=torch.Generator().manual_seed(seed),
+        )
+        for r, row in enumerate(out.sequences[:, p:].tolist()):
+            end = row.index(eos)
+            assert small_tries[r // 2].lookup(row[:end]) is not None
+        assert out.stats.forced_tokens + out.stats.decisions == out.stats.tokens_emitted
+
+
+def test_tiny_scores_and_logits_match_processor(tiny_llama, tokenizer, small_tries):
+    inputs = tiny_inputs(tokenizer)
+    opts = dict(max_new_tokens=16, return_dict_in_generate=True, output_scores=True, output_logits=True)
+    ref, out = _both(tiny_llama, inputs, small_tries, tokenizer, **opts)
+    assert torch.equal(ref.sequences, out.sequences)
+    p = inputs["input_ids"].shape[1]
+    for r, n in enumerate(out.stats.row_tokens):
+        for j in range(n):
+            tok = int(out.sequences[r, p + j])
+            assert float(out.scores[j][r, tok]) == pytest.approx(float(ref.scores[j][r, tok]), abs=1e-4)
+            # Raw logits are unmasked here; the processor masks generate's logits in place, so compare where the
+            # reference kept them.
+            assert torch.isfinite(out.logits[j][r]).all()
+            kept = torch.isfinite(ref.logits[j][r])
+            torch.testing.assert_close(out.logits[j][r][kept], ref.logits[j][r][kept], atol=1e-4, rtol=1e-4)
+
+
+def test_plain_function_matches_hook(tiny_llama, tokenizer, small_tries):
+    inputs = tiny_inputs(tokenizer)
+    hooked = tiny_llama.generate(
+        **inputs, custom_generate=fast_forward_generate, trie=small_tries, max_new_tokens=16, do_sample=False
+    )
+    plain = fast_forward_generate(tiny_llama, **inputs, trie=small_tries, max_new_tokens=16)
+    assert plain.tolist() == hooked.tolist()
+    assert plain.stats.forward_passes == hooked.stats.forward_passes
+
+
+# ---------------------------------------------------------------------------------------------- refusals
+def test_beam_search_is_refused_with_a_pointer_to_the_processor(tiny_llama, tokenizer, small_tries):
+    inputs = tiny_inputs(tokenizer, n=1)
+    with pytest.raises(ConstraintConfigError, match="TrieLogitsProcessor"):
+        tiny_llama.generate(
+            **inputs, custom_generate=fast_forward_generate, trie=small_tries[0], num_beams=2, max_new_tokens=4
+        )
+    with pytest.raises(ConstraintConfigError, match="num_beams"):
+        fast_forward_generate(tiny_llama, **inputs, trie=small_tries[0], num_beams=2, max_new_tokens=4)
+
+
+def test_bad_arguments_are_named(tiny_llama, tokenizer, small_tries):
+    inputs = tiny_inputs(tokenizer, n=3)
+    with pytest.raises(ConstraintConfigError, match="trie="):
+        fast_forward_generate(tiny_llama, **inputs, max_new_tokens=4)
+    with pytest.raises(ConstraintConfigError, match="TrieLogitsProcessor"):
+        tiny_llama.generate(
+            **inputs,
+            custom_generate=fast_forward_generate,
+            trie=small_tries[0],
+            logits_processor=[TrieLogitsProcessor(small_tries[0], tokenizer)],
+            max_new_tokens=4,
+        )
+    with pytest.raises(ConstraintConfigError, match="multiple of 2"):
+        fast_forward_generate(tiny_llama, **inputs, trie=small_tries[:2], max_new_tokens=4)
+    with pytest.raises(TypeError, match="TokenTrie"):
+        fast_forward_generate(tiny_llama, **inputs, trie=["not a trie"], max_new_tokens=4)
