@@ -1,0 +1,273 @@
+"""TrieLogitsProcessor inside transformers' own generate loops: greedy, sampling, beams, batches, modes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trie_decode import TokenTrie, TokenizerMismatchError
+from trie_decode.constraint import SpanRules
+from trie_decode.integrations.transformers import (
+    TrieLogitsProcessor,
+    match,
+    prefix_allowed_tokens_fn,
+    rank,
+    replay_entries,
+)
+
+QUESTIONS = [
+    "Which country is Paris the capital of?",
+    "Which country has Tokyo as its capital?",
+    "Which country is famous for pizza and pasta?",
+    "Which country has the city of Toronto?",
+]
+
+
+def chat(tokenizer, question: str, prefill: str = "The answer is") -> str:
+    messages = [{"role": "user", "content": question}]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) + prefill
+
+
+@pytest.fixture(scope="module")
+def countries(tokenizer, country_names):
+    return TokenTrie.from_strings(country_names, tokenizer, leading_space=True)
+
+
+@pytest.fixture(scope="module")
+def left_tok(tokenizer):
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def generated(out, inputs):
+    return out[:, inputs["input_ids"].shape[1] :]
+
+
+def test_greedy_real_model_answers_from_the_list(model, left_tok, countries):
+    inputs = left_tok([chat(left_tok, q) for q in QUESTIONS], return_tensors="pt", padding=True)
+    processor = TrieLogitsProcessor(countries, left_tok)
+    out = model.generate(**inputs, logits_processor=[processor], max_new_tokens=16, do_sample=False)
+    names = [e.name for e in processor.match(out)]
+    assert names == ["France", "Japan", "Italy", "Canada"]
+    # Every row ends with the end token right after its entry.
+    for row, entry in zip(generated(out, inputs).tolist(), processor.match(out)):
+        assert row[: len(entry.tokens) + 1] == list(entry.tokens) + [left_tok.eos_token_id]
+
+
+def test_sampling_outputs_are_members(model, left_tok, countries):
+    inputs = left_tok([chat(left_tok, q) for q in QUESTIONS[:2]], return_tensors="pt", padding=True)
+    processor = TrieLogitsProcessor(countries, left_tok)
+    for seed in range(4):
+        torch.manual_seed(seed)
+        out = model.generate(
+            **inputs, logits_processor=[processor], max_new_tokens=16, do_sample=True, temperature=1.5,
+            num_return_sequences=3,
+        )
+        assert all(e is not None for e in processor.match(out)), seed
+
+
+def test_beam_search_returns_distinct_members(model, left_tok, countries):
+    inputs = left_tok([chat(left_tok, q) for q in QUESTIONS[:2]], return_tensors="pt", padding=True)
+    processor = TrieLogitsProcessor(countries, left_tok)
+    out = model.generate(
+        **inputs, logits_processor=[processor], max_new_tokens=16, num_beams=4, num_return_sequences=4,
+        do_sample=False,
+    )
+    entries = processor.match(out)
+    assert all(e is not None for e in entries)
+    for p in range(2):
+        assert len({e.index for e in entries[p * 4 : (p + 1) * 4]}) == 4
+    assert entries[0].name == "France"
+
+
+def test_rank_real_model(model, left_tok, countries):
+    inputs = left_tok([chat(left_tok, QUESTIONS[0])], return_tensors="pt")
+    ranked = rank(model, inputs, countries, 4, tokenizer=left_tok)[0]
+    assert ranked[0].entry.name == "France"
+    scores = [r.log_prob for r in ranked]
+    assert scores == sorted(scores, reverse=True) and all(s < 0 for s in scores)
+
+
+def test_batch_with_different_tries_and_left_padding(model, left_tok):
+    tries = [
+        TokenTrie.from_strings(["France", "Spain", "Portugal"], left_tok, leading_space=True),
+        TokenTrie.from_strings(["Japan", "China", "Korea", "Vietnam"], left_tok, leading_space=True),
+        TokenTrie.from_strings(["red", "green", "blue"], left_tok, leading_space=True),
+    ]
+    questions = [QUESTIONS[0], QUESTIONS[1], "What colour is the sky on a clear day?"]
+    inputs = left_tok([chat(left_tok, q) for q in questions], return_tensors="pt", padding=True)
+    assert (inputs["attention_mask"][:, 0] == 0).any()  # really left-padded
+    processor = TrieLogitsProcessor(tries, left_tok)
+    out = model.generate(**inputs, logits_processor=[processor], max_new_tokens=8, do_sample=False)
+    entries = processor.match(out)
+    assert [e.name for e in entries][:2] == ["France", "Japan"]
+    # Each row equals what its prompt gives alone, unpadded, with its own trie.
+    for i, q in enumerate(questions):
+        alone = left_tok([chat(left_tok, q)], return_tensors="pt")
+        single = TrieLogitsProcessor(tries[i], left_tok)
+        model.generate(**alone, logits_processor=[single], max_new_tokens=8, do_sample=False)
+        assert single.match(model.generate(**alone, logits_processor=[single], max_new_tokens=8, do_sample=False))[0] == entries[i]
+    # Several sequences per prompt map back to their prompt's trie.
+    torch.manual_seed(0)
+    out = model.generate(**inputs, logits_processor=[processor], max_new_tokens=8, do_sample=True, num_return_sequences=2)
+    for i, e in enumerate(processor.match(out)):
+        assert e is not None and e.name in tries[i // 2].names()
+
+
+def test_fewer_branches_than_beams(model, left_tok):
+    trie = TokenTrie.from_strings(["France", "Germany"], left_tok, leading_space=True)
+    inputs = left_tok([chat(left_tok, QUESTIONS[0])], return_tensors="pt")
+    processor = TrieLogitsProcessor(trie, left_tok)
+    out = model.generate(
+        **inputs, logits_processor=[processor], max_new_tokens=8, num_beams=4, num_return_sequences=4, do_sample=False,
+        output_scores=True, return_dict_in_generate=True,
+    )
+    entries = processor.match(out.sequences)
+    finite = out.sequences_scores.isfinite().tolist()
+    valid = [e.name for e, ok in zip(entries, finite) if ok]
+    assert sorted(set(valid)) == ["France", "Germany"]
+    assert entries[0].name == "France"
+    assert [r.entry.name for r in rank(model, inputs, trie, 4, tokenizer=left_tok)[0]] == ["France", "Germany"]
+
+
+def test_reused_instance_starts_fresh(model, left_tok, countries):
+    processor = TrieLogitsProcessor(countries, left_tok)
+    first = left_tok([chat(left_tok, QUESTIONS[0])], return_tensors="pt")
+    second = left_tok([chat(left_tok, QUESTIONS[1], prefill="The answer is:")], return_tensors="pt")
+    model.generate(**first, logits_processor=[processor], max_new_tokens=8, do_sample=False)
+    out = model.generate(**second, logits_processor=[processor], max_new_tokens=8, do_sample=False)
+    assert processor.generation_start == second["input_ids"].shape[1]
+    assert processor.match(out)[0] is not None
+
+
+def test_tokenizer_mismatch_raises_at_construction(left_tok):
+    other = TokenTrie.from_sequences([[1, 2]], vocab_size=len(left_tok), fingerprint="0" * 32)
+    with pytest.raises(TokenizerMismatchError, match="fingerprint"):
+        TrieLogitsProcessor(other, left_tok)
+
+
+
+def _record(processor):
+    log = []
+
+    def wrapped(input_ids, scores):
+        out = processor(input_ids, scores)
+        log.append((input_ids.clone(), out.isfinite().clone()))
+        return out
+
+    return wrapped, log
+
+
+def _reference_allowed(entries, rules, gen):
+    """Brute force: the allowed set after generated tokens ``gen`` (eos mode)."""
+    p = tuple(gen)
+    if any(len(e) > len(p) and e[: len(p)] == p for e in entries) or p in entries:
+        kids = {e[len(p)] for e in entries if len(e) > len(p) and e[: len(p)] == p}
+        if p in entries:
+            kids.add(rules.end_token_id)
+        return kids
+    return {rules.end_token_id}
+
+
+@pytest.mark.parametrize("mode", ["greedy", "sample", "beam"])
+def test_every_step_matches_brute_force_tiny_model(tiny_llama, tokenizer, mode):
+    entries = [[100, 200, 300], [100, 200, 301], [100, 250], [400], [400, 401, 402], [500, 501]]
+    trie = TokenTrie.from_sequences(entries, vocab_size=len(tokenizer))
+    processor = TrieLogitsProcessor(trie, end_token_id=2)
+    wrapped, log = _record(processor)
+    inputs = {"input_ids": torch.tensor([[5, 6, 7], [0, 8, 9]]), "attention_mask": torch.tensor([[1, 1, 1], [0, 1, 1]])}
+    kwargs = dict(greedy=dict(do_sample=False), sample=dict(do_sample=True, num_return_sequences=3),
+                  beam=dict(num_beams=4, num_return_sequences=4, do_sample=False))[mode]
+    torch.manual_seed(0)
+    out = tiny_llama.generate(**inputs, logits_processor=[wrapped], max_new_tokens=6, pad_token_id=2, eos_token_id=2, **kwargs)
+    refs = {tuple(e) for e in entries}
+    checked = 0
+    for input_ids, allowed in log:
+        for row in range(input_ids.shape[0]):
+            gen = input_ids[row, 3:].tolist()
+            if 2 in gen:
+                gen = gen[: gen.index(2) + 1]
+                expected = {2}
+            else:
+                expected = _reference_allowed(refs, processor.rules, gen)
+            assert set(allowed[row].nonzero().flatten().tolist()) == expected, (mode, gen)
+            checked += 1
+    assert checked >= 6
+    for e in processor.match(out):
+        assert e is not None and list(e.tokens) in entries
+
+
+def test_padded_vocab_model(tiny_llama_padded_vocab, tokenizer):
+    trie = TokenTrie.from_sequences([[10, 11], [12]], vocab_size=len(tokenizer))
+    processor = TrieLogitsProcessor(trie, tokenizer)
+    assert tiny_llama_padded_vocab.config.vocab_size > len(tokenizer)
+    out = tiny_llama_padded_vocab.generate(
+        input_ids=torch.tensor([[5, 6]]), logits_processor=[processor], max_new_tokens=4, do_sample=True,
+        pad_token_id=tokenizer.eos_token_id,
+    )
+    assert processor.match(out)[0] is not None
+
+
+def test_release_repeat_and_trigger_modes(tiny_llama, tokenizer):
+    eos = tokenizer.eos_token_id
+    entries = [[100, 101], [102], [103, 104, 105]]
+    trie = TokenTrie.from_sequences(entries, vocab_size=len(tokenizer))
+    prompt = torch.tensor([[5, 6, 7]])
+    # repeat: a list of entries separated by token 300, ended by EOS.
+    processor = TrieLogitsProcessor(trie, tokenizer, on_complete="repeat", separator=[300])
+    torch.manual_seed(1)
+    for _ in range(3):
+        out = tiny_llama.generate(input_ids=prompt, logits_processor=[processor], max_new_tokens=12, do_sample=True, pad_token_id=eos)
+        found = processor.match_all(out)[0]
+        assert found and all(list(e.tokens) in entries for e in found)
+        # The generated text is exactly entries joined by the separator (possibly cut by max_new_tokens).
+        gen = out[0, 3:].tolist()
+        rebuilt = []
+        for e in found:
+            rebuilt += list(e.tokens) + [300]
+        assert gen[: len(rebuilt) - 1] == rebuilt[:-1]
+    # release: after the entry, the model writes freely (the tiny model is random, so no EOS is forced).
+    processor = TrieLogitsProcessor(trie, tokenizer, on_complete="release")
+    out = tiny_llama.generate(input_ids=prompt, logits_processor=[processor], max_new_tokens=10, do_sample=False, pad_token_id=eos)
+    entry = processor.match(out)[0]
+    assert entry is not None and out.shape[1] - 3 > len(entry.tokens)
+    # trigger: free text until the trigger appears in the prompt's tail, then an entry.
+    processor = TrieLogitsProcessor(trie, tokenizer, trigger=[7], on_complete="release")
+    out = tiny_llama.generate(input_ids=prompt, logits_processor=[processor], max_new_tokens=6, do_sample=False, pad_token_id=eos)
+    assert processor.match(out)[0] is not None and out[0, 3:].tolist()[: len(processor.match(out)[0].tokens)] == list(processor.match(out)[0].tokens)
+
+
+def test_trigger_span_real_model(model, left_tok, countries):
+    """Free text, then a constrained country after the trigger, then free text again."""
+    trigger = " Country:"
+    prompt = chat(left_tok, "Describe the country whose capital is Paris in one line, starting with 'Country:'.", prefill="")
+    inputs = left_tok([prompt], return_tensors="pt")
+    processor = TrieLogitsProcessor(countries, left_tok, trigger=trigger, on_complete="release")
+    forced_prefix = left_tok("Country:", add_special_tokens=False, return_tensors="pt")["input_ids"]
+    inputs = {
+        "input_ids": torch.cat([inputs["input_ids"], forced_prefix], dim=1),
+        "attention_mask": torch.ones(1, inputs["input_ids"].shape[1] + forced_prefix.shape[1], dtype=torch.long),
+    }
+    # The prompt already ends with the trigger's tokens only if they tokenize alike; use the token form instead.
+    processor = TrieLogitsProcessor(countries, left_tok, trigger=forced_prefix[0].tolist(), on_complete="release")
+    out = model.generate(**inputs, logits_processor=[processor], max_new_tokens=12, do_sample=False)
+    entry = processor.match(out)[0]
+    assert entry is not None and entry.name == "France"
+
+
+def test_prefix_allowed_tokens_fn_drop_in(tiny_llama, tokenizer):
+    entries = [[100, 200, 300], [100, 250], [400, 401]]
+    trie = TokenTrie.from_sequences(entries, vocab_size=len(tokenizer))
+    fn = prefix_allowed_tokens_fn(trie, end_token_id=2)
+    prompt = torch.tensor([[5, 6, 7]])
+    ours = TrieLogitsProcessor(trie, end_token_id=2)
+    a = tiny_llama.generate(input_ids=prompt, prefix_allowed_tokens_fn=fn, max_new_tokens=5, do_sample=False, pad_token_id=2, eos_token_id=2)
+    b = tiny_llama.generate(input_ids=prompt, logits_processor=[ours], max_new_tokens=5, do_sample=False, pad_token_id=2, eos_token_id=2)
+    assert a.tolist() == b.tolist()
+
+
+def test_match_helpers():
+    trie = TokenTrie.from_sequences([[5, 6], [5, 6, 7], [9]], vocab_size=12, names=["a", "b", "c"])
+    assert [e.name if e else None for e in match(trie, [[5, 6, 1, 1], [5, 6, 7, 1], [9, 1, 0], [4, 1]])] == ["a", "b", "c", None]
+    rules = SpanRules(end_token_id=1, on_complete="repeat", separator=(10,))
+    assert [e.name for e in replay_entries(trie, rules, [5, 6, 10, 9, 10, 5, 6, 7, 1])] == ["a", "c", "b"]
