@@ -43,7 +43,7 @@ from __future__ import annotations
 import copy
 import inspect
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Optional, Sequence, Union
 
 import torch
@@ -128,9 +128,7 @@ class FastForwardOutput(GenerateDecoderOnlyOutput):
 # ---------------------------------------------------------------------------------------------------- helpers
 def _where_state(keep_new: torch.Tensor, new: RowState, old: RowState) -> RowState:
     """Row-wise choice between two states. keep_new: Shape: (R,), bool."""
-    return RowState(
-        *(torch.where(keep_new, getattr(new, f), getattr(old, f)) for f in ("phase", "node", "aux", "tree"))
-    )
+    return RowState(*(torch.where(keep_new, getattr(new, f.name), getattr(old, f.name)) for f in fields(RowState)))
 
 
 def _as_tries(trie: Any) -> list[TokenTrie]:
