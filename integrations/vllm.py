@@ -176,6 +176,8 @@ class _Row:
     started: bool = False
     output: Optional[list] = None  # V1: live reference to the request's output token list
     prompt_tail: tuple = ()  # V1: the prompt's last tokens (trigger detection)
+    prefix: tuple = ()  # entry tokens already in the prompt (fast-forward resubmission)
+    stop_at: int = 0  # end the request at nodes with a forced run of at least this many tokens
 
 
 @dataclass
@@ -183,6 +185,22 @@ class _Group:
     constraint: TrieConstraint
     rows: int = 0
     trigger_len: int = field(default=0)
+    run_len: Optional[torch.Tensor] = None  # forced-run length per node, built on first stop_at_forced use
+
+    def forced_run_len(self, device: torch.device) -> torch.Tensor:
+        """Number of forced tokens from each node (0 at entry ends and branching nodes). Shape: (N,), int64."""
+        if self.run_len is None:
+            trie = self.constraint.tries[0]
+            fanout = np.diff(np.asarray(trie.child_ptr, dtype=np.int64))
+            forced = (fanout == 1) & (np.asarray(trie.node_entry) < 0)
+            first_child = np.asarray(trie.child_ptr[:-1], dtype=np.int64)
+            run = np.zeros(trie.num_nodes + 1, dtype=np.int64)
+            lp = np.asarray(trie.level_ptr, dtype=np.int64)
+            for d in range(len(lp) - 2, -1, -1):  # deepest level first: a child's run is known before its parent's
+                lo, hi = int(lp[d]), int(lp[d + 1])
+                run[lo:hi] = np.where(forced[lo:hi], 1 + run[np.minimum(first_child[lo:hi], trie.num_nodes)], 0)
+            self.run_len = torch.from_numpy(run[: trie.num_nodes]).to(device)
+        return self.run_len
 
 
 class _SlotTable:
@@ -234,10 +252,12 @@ class _SlotTable:
         extra = getattr(params, "extra_args", None)
         if not extra or "trie" not in extra:
             return False
+        prefix, stop_at = (), 0
         try:
             req: TrieRequest = parse_trie_request(extra)  # type: ignore[assignment]
             trie, rules = self.resolver.resolve(req)
             key = self._group_for(trie, rules, (req.trie_key(), id(trie), rules))
+            prefix, stop_at = req.prefix, req.stop_at_forced
         except Exception as exc:  # noqa: BLE001 - never let a request crash the engine core
             # Only reachable when the frontend could not validate (e.g. the file changed since): end the request.
             logger.error("trie_decode: request rejected in the engine (%s); it will end at once", exc)
@@ -247,7 +267,10 @@ class _SlotTable:
         g = self.groups[key]
         g.rows += 1
         tail_len = g.trigger_len
-        self.rows[slot] = _Row(group=key, output=output, prompt_tail=tuple(prompt[-tail_len:]) if (prompt and tail_len) else ())
+        self.rows[slot] = _Row(
+            group=key, output=output, prompt_tail=tuple(prompt[-tail_len:]) if (prompt and tail_len) else (),
+            prefix=prefix, stop_at=stop_at,
+        )
         return True
 
     def _poison_group(self) -> Hashable:
@@ -304,6 +327,16 @@ class _SlotTable:
             self._put(idx, st)
             for s in sl:
                 self.rows[s].started = True
+        # Entry tokens already in the prompt (a fast-forward resubmission): fold them in, one position at a time.
+        with_prefix = [s for s in slots if self.rows[s].prefix]
+        k = 0
+        while with_prefix:
+            step = [s for s in with_prefix if len(self.rows[s].prefix) > k]
+            if not step:
+                break
+            toks = torch.tensor([self.rows[s].prefix[k] for s in step], dtype=torch.long, device=self.device)
+            self.advance(step, toks)
+            k += 1
 
     def advance(self, slots: list[int], tokens: torch.Tensor, tail_of: Optional[Callable[[int, int], list[int]]] = None) -> None:
         """Fold one token per slot into the state. ``tokens``: Shape: (len(slots),), int64.
@@ -330,6 +363,18 @@ class _SlotTable:
             idx = torch.tensor([slots[i] for i in pos], dtype=torch.long, device=self.device)
             r = torch.tensor([rows[i] for i in pos], dtype=torch.long, device=logits.device)
             g.constraint.mask_(logits, self._get(idx), r)
+            stops = [i for i, j in enumerate(pos) if self.rows[slots[j]].stop_at]
+            if stops:  # fast-forward: end the request where a long enough forced run begins
+                sel = torch.tensor(stops, dtype=torch.long, device=self.device)
+                node = self.state["node"][idx[sel]]
+                k = torch.tensor([self.rows[slots[pos[i]]].stop_at for i in stops], dtype=torch.long, device=self.device)
+                run = g.forced_run_len(self.device)[node.clamp(min=0)]
+                hit = r[sel.to(r.device)][((node >= 0) & (run >= k)).to(r.device)]
+                if hit.numel():
+                    end = self.resolver.end_token_id
+                    keep = logits[hit, end].clone()
+                    logits[hit] = float("-inf")
+                    logits[hit, end] = torch.where(torch.isfinite(keep), keep, torch.zeros_like(keep))
         return logits
 
 

@@ -14,6 +14,10 @@ Request keys (in ``extra_args``; see :func:`trie_args` for a typed builder):
     trigger         text or token ids after which the constraint starts
     separator       text or token ids between entries (``on_complete="repeat"``)
     leading_space   tokenize inline strings as ``" " + s`` (default False)
+    prefix          token ids of the current entry that are already at the end of the prompt: the state starts
+                    after them (used by the fast-forward driver, :mod:`trie_decode.integrations.vllm_fastforward`)
+    stop_at_forced  an int k >= 1: end the request with the end token as soon as it reaches a node (inside an
+                    entry, not an entry's end) from which at least k tokens are forced (fast-forward driver)
 
 Keys that start with ``trie`` or look like a misspelling of one of these are rejected; other keys are left to other
 processors.
@@ -47,7 +51,7 @@ __all__ = [
 ]
 
 TRIE_KEY = "trie"
-OPTION_KEYS = ("trie", "on_complete", "trigger", "separator", "leading_space")
+OPTION_KEYS = ("trie", "on_complete", "trigger", "separator", "leading_space", "prefix", "stop_at_forced")
 #: Inline payload limits (entries, and UTF-8 bytes of strings / 4 bytes per token id). Bigger sets belong in a
 #: trie file, which is memory-mapped instead of shipped with every request. Override with the environment
 #: variables TRIE_DECODE_VLLM_MAX_INLINE_ENTRIES / TRIE_DECODE_VLLM_MAX_INLINE_BYTES.
@@ -80,6 +84,8 @@ class TrieRequest:
     trigger: Any = None
     separator: Any = None
     leading_space: bool = False
+    prefix: tuple = ()
+    stop_at_forced: int = 0
 
     def trie_key(self) -> Hashable:
         """A key that identifies the trie (content hash for inline payloads)."""
@@ -190,6 +196,15 @@ def parse_trie_request(
             _fail(f"extra_args['leading_space'] must be a boolean, got {leading_space!r:.40}")
     if leading_space and source != "strings":
         _fail("extra_args['leading_space'] applies only to an inline list of strings")
+    prefix = extra_args.get("prefix")
+    prefix = () if prefix is None or prefix == [] else _tokens_option(prefix, "prefix")
+    if isinstance(prefix, str):
+        _fail("extra_args['prefix'] must be token ids")
+    stop_at = extra_args.get("stop_at_forced", 0)
+    if isinstance(stop_at, bool) or not isinstance(stop_at, int) or stop_at < 0:
+        _fail(f"extra_args['stop_at_forced'] must be a non-negative integer, got {stop_at!r:.40}")
+    if (prefix or stop_at) and (extra_args.get("trigger") is not None or on_complete != "eos"):
+        _fail("extra_args['prefix'] and ['stop_at_forced'] need on_complete='eos' and no trigger")
     return TrieRequest(
         source=source,
         payload=payload,
@@ -197,6 +212,8 @@ def parse_trie_request(
         trigger=_tokens_option(extra_args.get("trigger"), "trigger"),
         separator=_tokens_option(extra_args.get("separator"), "separator"),
         leading_space=leading_space,
+        prefix=prefix,
+        stop_at_forced=stop_at,
     )
 
 
@@ -342,4 +359,7 @@ class TrieResolver:
         return rules
 
     def resolve(self, req: TrieRequest) -> tuple[TokenTrie, SpanRules]:
-        return self.trie(req), self.rules(req)
+        trie, rules = self.trie(req), self.rules(req)
+        if req.prefix and trie.walk(req.prefix) < 0:
+            raise TrieRequestError(f"extra_args['prefix'] {list(req.prefix)[:20]} is not a path of the trie")
+        return trie, rules
