@@ -66,8 +66,6 @@ try:
 except ImportError as exc:  # pragma: no cover - import guard
     raise ImportError("trie_decode.integrations.fast_forward needs transformers: pip install 'trie-decode[transformers]'") from exc
 
-from .transformers import TrieLogitsProcessor, build_rules
-
 __all__ = ["fast_forward_generate", "FastForwardStats", "FastForwardOutput"]
 
 TrieArg = Union[TokenTrie, Sequence[TokenTrie]]
@@ -168,6 +166,8 @@ def _plain_processors(config: GenerationConfig) -> LogitsProcessorList:
 
 
 def _check_hooked_inputs(logits_processor: Any, stopping_criteria: Any) -> None:
+    from .transformers import TrieLogitsProcessor  # at call time: transformers.py may re-export this module
+
     for proc in logits_processor or ():
         if isinstance(proc, TrieLogitsProcessor):
             raise ConstraintConfigError(
@@ -601,6 +601,8 @@ def fast_forward_generate(
     if tokenizer is not None:
         for t in tries:
             t.check_tokenizer(tokenizer)
+    from .transformers import build_rules  # at call time: transformers.py may re-export this module
+
     rules: SpanRules = build_rules(tokenizer, end_token_id, on_complete, separator, trigger)
     stop_ids = sorted(set(eos_ids) | ({rules.end_token_id} if on_complete in ("eos", "repeat") else set()))
     pad = config.pad_token_id
