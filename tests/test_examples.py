@@ -1,0 +1,104 @@
+"""The examples: every script runs, every notebook executes, and each notebook is its script's cells.
+
+Scripts run as subprocesses of this interpreter (``sys.executable``, the venv's python), from a temporary working
+folder. Notebooks execute with nbclient in the ``python3`` kernel of ipykernel; jupyter_client launches a kernelspec
+whose command is ``python`` with *this* interpreter, so the kernel is the venv's python on a fresh machine too
+(no registered kernelspec needed). The vLLM examples start one engine each and are marked ``vllm``.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+sys.path.insert(0, str(EXAMPLES))
+from make_notebooks import SCRIPTS, split_cells  # noqa: E402
+
+sys.path.remove(str(EXAMPLES))
+
+TRANSFORMERS = ["entity_linking", "generative_retrieval", "fast_forward", "action_spans"]
+VLLM = ["vllm_offline", "vllm_serve"]
+assert sorted(TRANSFORMERS + VLLM) == sorted(SCRIPTS)
+TIMEOUT = {"vllm_offline": 1200, "vllm_serve": 1200}
+
+
+def _params(names):
+    marks = {"vllm_offline": [pytest.mark.vllm], "vllm_serve": [pytest.mark.vllm]}
+    return [pytest.param(n, marks=[pytest.mark.model, pytest.mark.slow, *marks.get(n, [])], id=n) for n in names]
+
+
+def _env() -> dict:
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", MPLBACKEND="Agg", PYTHONUNBUFFERED="1")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    return env
+
+
+def _needs_vllm(name: str) -> None:
+    if name in VLLM:
+        pytest.importorskip("vllm")
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_notebook_is_its_script(name):
+    import nbformat
+
+    nb = nbformat.read(EXAMPLES / f"{name}.ipynb", as_version=4)
+    committed = [(c.cell_type, c.source.strip("\n")) for c in nb.cells]
+    assert committed == split_cells((EXAMPLES / f"{name}.py").read_text()), (
+        f"examples/{name}.ipynb is out of date: run `python examples/make_notebooks.py --execute {name}`"
+    )
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_committed_notebook_has_outputs_and_no_errors(name):
+    import nbformat
+
+    nb = nbformat.read(EXAMPLES / f"{name}.ipynb", as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert all(c.get("execution_count") for c in code), f"examples/{name}.ipynb was saved without executing it"
+    assert any(c.outputs for c in code)
+    errors = [o for c in code for o in c.outputs if o.output_type == "error"]
+    assert not errors, errors[0].get("evalue")
+
+
+@pytest.mark.parametrize("name", _params(SCRIPTS))
+def test_script_runs(name, smollm2_dir, tmp_path):
+    _needs_vllm(name)
+    start = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / f"{name}.py")],
+        cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=TIMEOUT.get(name, 600),
+    )
+    assert proc.returncode == 0, f"examples/{name}.py failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    assert proc.stdout.strip(), "the example printed nothing"
+    print(f"{name}.py: {time.perf_counter() - start:.0f} s")
+
+
+@pytest.mark.parametrize("name", _params(SCRIPTS))
+def test_notebook_executes(name, smollm2_dir, tmp_path, monkeypatch):
+    import nbformat
+    from nbclient import NotebookClient
+
+    _needs_vllm(name)
+    for key, value in _env().items():
+        monkeypatch.setenv(key, value)  # the kernel inherits this process's environment
+    nb = nbformat.read(EXAMPLES / f"{name}.ipynb", as_version=4)
+    fresh = copy.deepcopy(nb)
+    for cell in fresh.cells:
+        if cell.cell_type == "code":
+            cell.outputs, cell.execution_count = [], None
+    start = time.perf_counter()
+    client = NotebookClient(
+        fresh, timeout=TIMEOUT.get(name, 600), kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+    )
+    client.execute()  # raises CellExecutionError with the cell and the traceback on the first failing cell
+    printed = "".join(o.get("text", "") for c in fresh.cells if c.cell_type == "code" for o in c.outputs)
+    assert printed.strip()
+    print(f"{name}.ipynb: {time.perf_counter() - start:.0f} s")
