@@ -223,3 +223,30 @@ def test_options_trigger_and_repeat(llm, tokenizer):
         use_tqdm=False,
     )[0].outputs[0].text
     assert trig in COLORS, trig
+
+
+def test_fast_forward_driver_matches_plain_decoding(llm, tokenizer, country_file, country_names):
+    from trie_decode import TokenTrie
+    from trie_decode.integrations.vllm_fastforward import generate
+
+    questions = ["Which country is Sarajevo in?", "Which country is London in?", "Name a country in Africa.",
+                 "Which country has Pyongyang as its capital?"]
+    prompts = [_chat(tokenizer, q) for q in questions]
+    tries = [country_file] * len(prompts)
+    plain = generate(llm, prompts, tries, max_tokens=32, fast_forward=False)
+    fast = generate(llm, prompts, tries, max_tokens=32, fast_forward=True, min_run=2)
+    trie = TokenTrie.load(country_file)
+    for p, f in zip(plain, fast):
+        assert f.token_ids == p.token_ids, (p.text, f.text)
+        assert _member(trie, f.token_ids, tokenizer.eos_token_id)
+    assert all(p.rounds == 1 for p in plain)
+    # Forced runs in the middle of entries: the driver stops, appends the run, and resubmits with a prefix.
+    codes = [f"ref-{a}-catalogue-section-{b}" for a in ("alpha", "beta", "gamma") for b in ("north", "south", "east")]
+    mid = [codes] * 3
+    prompts = [_chat(tokenizer, f"Give a reference code ({i}).") for i in range(3)]
+    plain = generate(llm, prompts, mid, max_tokens=40, fast_forward=False)
+    fast = generate(llm, prompts, mid, max_tokens=40, fast_forward=True, min_run=2)
+    for p, f in zip(plain, fast):
+        assert f.token_ids == p.token_ids, (p.text, f.text)
+        assert f.text in codes
+        assert f.forced > 0 and f.rounds >= 2, f
