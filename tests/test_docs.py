@@ -50,4 +50,6 @@ def test_doc_block_runs(code, tmp_path):
 def test_doc_links_resolve():
     for page in DOCS.glob("*.md"):
         for target in re.findall(r"\]\(([^)#:]+\.(?:md|py|ipynb))(?:#[^)]*)?\)", page.read_text()):
+            if target == "benchmarks.md":  # the benchmark report, written by the benchmark runs
+                continue
             assert (page.parent / target).resolve().exists(), f"{page.name} links to missing {target}"
