@@ -144,11 +144,11 @@ class _StepTable:
         trie = dtrie.trie
         n = trie.num_nodes
         sep = rules.separator
-        fanout = trie.fanout.astype(np.int64)
-        slot = dtrie.tensors.dense_slot.cpu().numpy().astype(np.int64)
+        fanout = trie.fanout
+        slot = dtrie.tensors.dense_slot.cpu().numpy()
         terminal = trie.node_entry >= 0
         end = rules.end_token_id
-        table = np.full((n, 6), -1, dtype=np.int64)
+        table = np.full((n, 6), -1, dtype=np.int32)
         table[:, _START] = trie.child_ptr[:-1]
         table[:, _COUNT] = np.where(slot >= 0, 0, fanout)
         table[:, _SLOT] = slot
@@ -165,8 +165,8 @@ class _StepTable:
         for k in range(1, len(sep)):
             codes[-2 - k] = (0, 0, -1, sep[k], sep[k], -1)
         self.num_codes = len(codes)
-        code_rows = np.array([codes[c] for c in range(-self.num_codes, 0)], dtype=np.int64)
-        full = np.concatenate([table, code_rows]).astype(np.int32)
+        code_rows = np.array([codes[c] for c in range(-self.num_codes, 0)], dtype=np.int32)
+        full = np.concatenate([table, code_rows])
         self.tensor = torch.from_numpy(full).to(dtrie.device)
         self.array = self.tensor.numpy() if dtrie.device.type == "cpu" else None
         self.max_width = int(table[:, _COUNT].max()) if n else 0
