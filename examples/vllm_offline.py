@@ -19,6 +19,7 @@ from pathlib import Path
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache on CPU: plenty for this example
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # keep the output readable
 
 import pycountry
 from transformers import AutoTokenizer
@@ -80,7 +81,7 @@ if __name__ == "__main__":
     requests = [
         ("Which language is spoken in Germany?", trie_args(trie_file)),  # a trie file
         ("Which language is spoken in Mexico?", trie_args(trie_file)),
-        ("What color is grass?", trie_args(colors, leading_space=True)),  # inline strings
+        ("What color is a ripe banana?", trie_args(colors, leading_space=True)),  # inline strings
         ("How many legs does a bird have?", trie_args(digits)),  # inline token ids
         ("Say hello to the reader in one sentence.", None),  # unconstrained
     ]
