@@ -178,6 +178,7 @@ class _Row:
     prompt_tail: tuple = ()  # V1: the prompt's last tokens (trigger detection)
     prefix: tuple = ()  # entry tokens already in the prompt (fast-forward resubmission)
     stop_at: int = 0  # end the request at nodes with a forced run of at least this many tokens
+    stop_tail_only: bool = False  # ... only where that run completes the entry
 
 
 @dataclass
@@ -186,21 +187,27 @@ class _Group:
     rows: int = 0
     trigger_len: int = field(default=0)
     run_len: Optional[torch.Tensor] = None  # forced-run length per node, built on first stop_at_forced use
+    run_ends_entry: Optional[torch.Tensor] = None  # whether that run ends at a leaf (completes the entry)
 
-    def forced_run_len(self, device: torch.device) -> torch.Tensor:
-        """Number of forced tokens from each node (0 at entry ends and branching nodes). Shape: (N,), int64."""
+    def forced_run_len(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per node: the number of forced tokens from it (0 at entry ends and branching nodes), Shape: (N,), int64;
+        and whether the run ends at a leaf, i.e. completes the entry, Shape: (N,), bool."""
         if self.run_len is None:
             trie = self.constraint.tries[0]
             fanout = np.diff(np.asarray(trie.child_ptr, dtype=np.int64))
             forced = (fanout == 1) & (np.asarray(trie.node_entry) < 0)
             first_child = np.asarray(trie.child_ptr[:-1], dtype=np.int64)
             run = np.zeros(trie.num_nodes + 1, dtype=np.int64)
+            ends = np.zeros(trie.num_nodes + 1, dtype=np.bool_)
             lp = np.asarray(trie.level_ptr, dtype=np.int64)
             for d in range(len(lp) - 2, -1, -1):  # deepest level first: a child's run is known before its parent's
                 lo, hi = int(lp[d]), int(lp[d + 1])
-                run[lo:hi] = np.where(forced[lo:hi], 1 + run[np.minimum(first_child[lo:hi], trie.num_nodes)], 0)
+                child = np.minimum(first_child[lo:hi], trie.num_nodes)
+                run[lo:hi] = np.where(forced[lo:hi], 1 + run[child], 0)
+                ends[lo:hi] = np.where(forced[lo:hi], ends[child], fanout[lo:hi] == 0)
             self.run_len = torch.from_numpy(run[: trie.num_nodes]).to(device)
-        return self.run_len
+            self.run_ends_entry = torch.from_numpy(ends[: trie.num_nodes]).to(device)
+        return self.run_len, self.run_ends_entry
 
 
 class _SlotTable:
@@ -252,12 +259,12 @@ class _SlotTable:
         extra = getattr(params, "extra_args", None)
         if not extra or "trie" not in extra:
             return False
-        prefix, stop_at = (), 0
+        prefix, stop_at, tail_only = (), 0, False
         try:
             req: TrieRequest = parse_trie_request(extra)  # type: ignore[assignment]
             trie, rules = self.resolver.resolve(req)
             key = self._group_for(trie, rules, (req.trie_key(), id(trie), rules))
-            prefix, stop_at = req.prefix, req.stop_at_forced
+            prefix, stop_at, tail_only = req.prefix, req.stop_at_forced, req.forced_tail_only
         except Exception as exc:  # noqa: BLE001 - never let a request crash the engine core
             # Only reachable when the frontend could not validate (e.g. the file changed since): end the request.
             logger.error("trie_decode: request rejected in the engine (%s); it will end at once", exc)
@@ -269,7 +276,7 @@ class _SlotTable:
         tail_len = g.trigger_len
         self.rows[slot] = _Row(
             group=key, output=output, prompt_tail=tuple(prompt[-tail_len:]) if (prompt and tail_len) else (),
-            prefix=prefix, stop_at=stop_at,
+            prefix=prefix, stop_at=stop_at, stop_tail_only=tail_only,
         )
         return True
 
@@ -368,8 +375,11 @@ class _SlotTable:
                 sel = torch.tensor(stops, dtype=torch.long, device=self.device)
                 node = self.state["node"][idx[sel]]
                 k = torch.tensor([self.rows[slots[pos[i]]].stop_at for i in stops], dtype=torch.long, device=self.device)
-                run = g.forced_run_len(self.device)[node.clamp(min=0)]
-                hit = r[sel.to(r.device)][((node >= 0) & (run >= k)).to(r.device)]
+                tail_only = torch.tensor([self.rows[slots[pos[i]]].stop_tail_only for i in stops], device=self.device)
+                run_len, ends_entry = g.forced_run_len(self.device)
+                n = node.clamp(min=0)
+                stop = (node >= 0) & (run_len[n] >= k) & (ends_entry[n] | ~tail_only)
+                hit = r[sel.to(r.device)][stop.to(r.device)]
                 if hit.numel():
                     end = self.resolver.end_token_id
                     keep = logits[hit, end].clone()

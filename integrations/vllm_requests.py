@@ -18,6 +18,7 @@ Request keys (in ``extra_args``; see :func:`trie_args` for a typed builder):
                     after them (used by the fast-forward driver, :mod:`trie_decode.integrations.vllm_fastforward`)
     stop_at_forced  an int k >= 1: end the request with the end token as soon as it reaches a node (inside an
                     entry, not an entry's end) from which at least k tokens are forced (fast-forward driver)
+    forced_tail_only  with stop_at_forced: stop only where the forced run completes the entry (default False)
 
 Keys that start with ``trie`` or look like a misspelling of one of these are rejected; other keys are left to other
 processors.
@@ -51,7 +52,7 @@ __all__ = [
 ]
 
 TRIE_KEY = "trie"
-OPTION_KEYS = ("trie", "on_complete", "trigger", "separator", "leading_space", "prefix", "stop_at_forced")
+OPTION_KEYS = ("trie", "on_complete", "trigger", "separator", "leading_space", "prefix", "stop_at_forced", "forced_tail_only")
 #: Inline payload limits (entries, and UTF-8 bytes of strings / 4 bytes per token id). Bigger sets belong in a
 #: trie file, which is memory-mapped instead of shipped with every request. Override with the environment
 #: variables TRIE_DECODE_VLLM_MAX_INLINE_ENTRIES / TRIE_DECODE_VLLM_MAX_INLINE_BYTES.
@@ -86,6 +87,7 @@ class TrieRequest:
     leading_space: bool = False
     prefix: tuple = ()
     stop_at_forced: int = 0
+    forced_tail_only: bool = False
 
     def trie_key(self) -> Hashable:
         """A key that identifies the trie (content hash for inline payloads)."""
@@ -203,6 +205,9 @@ def parse_trie_request(
     stop_at = extra_args.get("stop_at_forced", 0)
     if isinstance(stop_at, bool) or not isinstance(stop_at, int) or stop_at < 0:
         _fail(f"extra_args['stop_at_forced'] must be a non-negative integer, got {stop_at!r:.40}")
+    tail_only = extra_args.get("forced_tail_only", False)
+    if not isinstance(tail_only, bool):
+        _fail(f"extra_args['forced_tail_only'] must be a boolean, got {tail_only!r:.40}")
     if (prefix or stop_at) and (extra_args.get("trigger") is not None or on_complete != "eos"):
         _fail("extra_args['prefix'] and ['stop_at_forced'] need on_complete='eos' and no trigger")
     return TrieRequest(
@@ -214,6 +219,7 @@ def parse_trie_request(
         leading_space=leading_space,
         prefix=prefix,
         stop_at_forced=stop_at,
+        forced_tail_only=tail_only,
     )
 
 

@@ -245,8 +245,10 @@ def test_fast_forward_driver_matches_plain_decoding(llm, tokenizer, country_file
     mid = [codes] * 3
     prompts = [_chat(tokenizer, f"Give a reference code ({i}).") for i in range(3)]
     plain = generate(llm, prompts, mid, max_tokens=40, fast_forward=False)
-    fast = generate(llm, prompts, mid, max_tokens=40, fast_forward=True, min_run=2)
-    for p, f in zip(plain, fast):
-        assert f.token_ids == p.token_ids, (p.text, f.text)
+    fast = generate(llm, prompts, mid, max_tokens=40, fast_forward=True, min_run=2, resubmit=True)
+    tail = generate(llm, prompts, mid, max_tokens=40, fast_forward=True, min_run=2)
+    for p, f, t in zip(plain, fast, tail):
+        assert f.token_ids == p.token_ids == t.token_ids, (p.text, f.text, t.text)
         assert f.text in codes
         assert f.forced > 0 and f.rounds >= 2, f
+        assert t.rounds == 1, "without resubmission a request is submitted once"
