@@ -60,6 +60,8 @@ __all__ = [
     "register_step_peer",
     "register_build_peer",
     "load_peer",
+    "availability",
+    "REQUIRES",
     "vocab_size_of",
 ]
 
