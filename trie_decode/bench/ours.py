@@ -1,9 +1,10 @@
 """trie_decode itself, as peers of the benchmark suites.
 
-Why this exists: our implementation must be measured through exactly the same protocol as every peer. Two step
-peers: ``trie_decode`` is the core (``TrieConstraint``: advance + mask, what the vLLM processors run per step);
-``trie_decode-hf`` is the transformers ``TrieLogitsProcessor`` fed ``input_ids`` as ``generate`` does (it adds the
-prefix-hash lineage that keeps beam search exact).
+Why this exists: our implementation must be measured through exactly the same protocol as every peer. The step
+peer is the core (``TrieConstraint``: advance + mask), which is what the vLLM processors run per step and what the
+transformers ``TrieLogitsProcessor`` runs after its row-lineage hash. The processor itself cannot follow this
+protocol (rows restart one by one, which never happens inside ``generate``); it is measured inside real
+``generate`` calls by the ``generate`` suite.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from typing import Any, Sequence
 import torch
 
 from ..constraint import SpanRules, TrieConstraint
-from ..tokenizers import tokenizer_vocab_size
 from ..trie import TokenTrie
 from .peers import BuildPeer, StepPeer
 
@@ -42,31 +42,6 @@ class TrieDecodePeer(StepPeer):
         return self._c.mask_(logits, self._state)
 
 
-class TrieDecodeProcessorPeer(StepPeer):
-    name = "trie_decode-hf"
-    description = "trie_decode TrieLogitsProcessor (transformers), input_ids grown by one column per step"
-
-    def setup(self, names: Sequence[str], tokenizer: Any) -> None:
-        from ..integrations.transformers import TrieLogitsProcessor
-
-        self._trie = TokenTrie.from_strings(list(names), tokenizer)
-        self._eos = int(tokenizer.eos_token_id)
-        self._cls = TrieLogitsProcessor
-        self._tokenizer = tokenizer
-
-    def start(self, batch_size: int, device: Any) -> None:
-        self._processor = self._cls(self._trie, end_token_id=self._eos)
-        self._ids = torch.zeros((batch_size, 4), dtype=torch.long, device=device)
-
-    def step(self, logits: Any, tokens: Any | None) -> Any:
-        if tokens is not None:
-            self._ids = torch.cat([self._ids, tokens[:, None]], dim=1)
-            if bool((tokens == self._eos).all()):
-                # Every row starts a new request: a new generate call for the processor.
-                self._ids = self._ids[:, -4:]
-        return self._processor(self._ids, logits)
-
-
 class TrieDecodeBuildPeer(BuildPeer):
     name = "trie_decode"
     description = "trie_decode TokenTrie.from_sequences (vectorized CSR build)"
@@ -75,4 +50,4 @@ class TrieDecodeBuildPeer(BuildPeer):
         return TokenTrie.from_sequences(token_seqs, vocab_size)
 
 
-__all__ = ["TrieDecodePeer", "TrieDecodeProcessorPeer", "TrieDecodeBuildPeer", "tokenizer_vocab_size"]
+__all__ = ["TrieDecodePeer", "TrieDecodeBuildPeer"]

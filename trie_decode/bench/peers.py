@@ -38,8 +38,7 @@ Peers (names in :data:`STEP_PEERS`):
   one ``Guide`` per row, ``write_mask_into`` per row, ``outlines_core.kernels.torch.apply_token_bitmask_inplace``.
 - ``lm-format-enforcer``: ``UnionParser([StringParser(n) ...])`` in a ``TokenEnforcer`` behind transformers
   ``PrefixConstrainedLogitsProcessor`` (its transformers integration), one distinct prompt per request.
-- ``trie_decode``, ``trie_decode-hf``: ours, from ``trie_decode/bench/ours.py`` (the core, and its transformers
-  processor).
+- ``trie_decode``: ours, from ``trie_decode/bench/ours.py`` (the core's advance + mask).
 """
 
 from __future__ import annotations
@@ -675,7 +674,6 @@ class GenreMarisaBuild(BuildPeer):
 
 STEP_PEERS: dict[str, str] = {
     "trie_decode": "trie_decode.bench.ours:TrieDecodePeer",
-    "trie_decode-hf": "trie_decode.bench.ours:TrieDecodeProcessorPeer",
     "genre-dict": "trie_decode.bench.peers:GenreDictPeer",
     "genre-marisa": "trie_decode.bench.peers:GenreMarisaPeer",
     "xgrammar": "trie_decode.bench.peers:XGrammarPeer",
