@@ -74,12 +74,10 @@ class PeerUnavailable(ImportError):
 
 
 def vocab_size_of(tokenizer: Any) -> int:
-    """The number of logits columns V: base vocabulary plus added tokens."""
-    size = len(tokenizer)
-    vocab = tokenizer.get_vocab()
-    if vocab:
-        size = max(size, max(vocab.values()) + 1)
-    return int(size)
+    """The number of logits columns V: base vocabulary plus added tokens (the core's own definition)."""
+    from trie_decode.tokenizers import tokenizer_vocab_size
+
+    return tokenizer_vocab_size(tokenizer)
 
 
 # ---------------------------------------------------------------------------------------------------------------
