@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional, Sequence
 
 __all__ = ["run_vllm_suite"]
 
@@ -71,13 +71,14 @@ def _run_worker(spec: dict, out_dir: Path, timeout: float) -> dict:
     return json.loads(result_path.read_text())
 
 
-def run_vllm_suite(quick: bool, out_dir: Any) -> dict:
+def run_vllm_suite(quick: bool, out_dir: Any, *, sizes: Optional[Sequence[int]] = None) -> dict:
     """Run the vLLM throughput suite and return (and write to ``out_dir/vllm_suite.json``) its results.
 
     Args:
         quick: 1,000 names, 64 requests, ``max_tokens=24`` (about 4 minutes on 2 CPU cores, mostly engine
             start-up); otherwise 10,000 and 100,000 names, 128 requests, ``max_tokens=32``.
         out_dir: folder for the results, the trie files and the workers' logs.
+        sizes: name counts to run instead of the defaults.
 
     Returns:
         ``{"config": ..., "runs": {name_count: {config: {"seconds", "requests", "tokens", "tokens_per_s",
@@ -90,7 +91,7 @@ def run_vllm_suite(quick: bool, out_dir: Any) -> dict:
     from trie_decode.integrations.smollm2 import smollm2_path
 
     model = smollm2_path()
-    sizes = [1_000] if quick else [10_000, 100_000]
+    sizes = list(sizes) if sizes else ([1_000] if quick else [10_000, 100_000])
     requests = 64 if quick else 128
     max_tokens = 24 if quick else 32
     from transformers import AutoTokenizer
