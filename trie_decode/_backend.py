@@ -30,6 +30,9 @@ class Ops:
     def full(self, shape: tuple, value: int, like: Any) -> Any: ...
     def nonzero(self, x: Any) -> Any: ...
     def searchsorted(self, a: Any, v: Any) -> Any: ...
+    def repeat(self, x: Any, counts: Any, total: int) -> Any:
+        """Each x[i] repeated counts[i] times (counts None: every element ``total`` times, interleaved)."""
+    def cumsum(self, x: Any) -> Any: ...
 
 
 class _TorchOps(Ops):
@@ -62,6 +65,14 @@ class _TorchOps(Ops):
     def searchsorted(self, a, v):
         return torch.searchsorted(a, v)
 
+    def repeat(self, x, counts, total):
+        if counts is None:
+            return x.repeat_interleave(total)
+        return torch.repeat_interleave(x, counts, output_size=total)
+
+    def cumsum(self, x):
+        return torch.cumsum(x, 0)
+
 
 class _NumpyOps(Ops):
     name = "numpy"
@@ -92,6 +103,12 @@ class _NumpyOps(Ops):
 
     def searchsorted(self, a, v):
         return np.searchsorted(a, v)
+
+    def repeat(self, x, counts, total):
+        return np.repeat(x, total if counts is None else counts)
+
+    def cumsum(self, x):
+        return np.cumsum(x)
 
 
 TORCH: Ops = _TorchOps()

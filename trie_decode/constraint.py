@@ -337,43 +337,58 @@ class TrieConstraint:
         return plans
 
     def _plan_group(self, i: int, node: Any, rows: Optional[Any], ops: Ops) -> Optional[MaskPlan]:
-        """Steps: 1. gather each row's table row; 2. one host read: widest child list, counts of unconstrained and
-        dense rows; 3. drop unconstrained rows; 4. child tokens padded with the anchor, plus the extras."""
+        """Plan the mask of the rows of one trie (arrays of ``ops``' backend in, torch tensors out).
+
+        Steps:
+          1. Gather each row's step-table row (child range, dense slot, anchor, extras).
+          2. One host read: the number of child tokens to keep, of unconstrained rows, of dense rows.
+          3. Drop unconstrained rows.
+          4. Lay the kept (row, token) pairs out flat: every child of every sparse row (a ragged gather, so the
+             cost is the number of allowed tokens, not rows x widest row), then each row's anchor and extras.
+        """
         table = self.tables[i].on(ops)
         info = ops.int64(table[node])
         count, anchor, slot = info[:, _COUNT], info[:, _ANCHOR], info[:, _SLOT]
         if ops is NUMPY:
-            width, n_free, n_dense = int(count.max()), int((anchor < 0).sum()), int((slot >= 0).sum())
+            total, n_free, n_dense = int(count.sum()), int((anchor < 0).sum()), int((slot >= 0).sum())
         else:
-            width, n_free, n_dense = torch.stack([count.max(), (anchor < 0).sum(), (slot >= 0).sum()]).tolist()
+            total, n_free, n_dense = torch.stack([count.sum(), (anchor < 0).sum(), (slot >= 0).sum()]).tolist()
+        masked_rows = rows
         if n_free:
             keep = ops.nonzero(anchor >= 0)
             if len(keep) == 0:
                 return None
             info = info[keep]
-            rows = keep if rows is None else rows[keep]
+            masked_rows = keep if rows is None else rows[keep]
             count, anchor, slot = info[:, _COUNT], info[:, _ANCHOR], info[:, _SLOT]
-        a = self.dtries[i].on(ops)
-        # Padding repeats the row's last child (a kept column): child index start + min(j, count - 1).
-        # Childless rows (dense, DONE, separator, leaf) read child 1 (any valid index) and are then overwritten
-        # with their anchor.
-        childless = count == 0
-        first = info[:, _START] * ~childless + childless
-        last = first + count - 1 + childless
-        j = ops.arange(width, info)
-        idx = _minimum(first[:, None] + j[None, :], last[:, None], ops)
-        tokens = ops.int64(a.child_token[idx])
-        if n_dense or childless.any():
-            tokens[childless] = anchor[childless][:, None]
-        # Extra columns: the anchor itself, then the extras, each -1 replaced by the anchor.
+            total = int(count.sum())
+        r = info.shape[0]
         extras = info[:, _ANCHOR : _EXTRA1 + 1 if self.rules.on_complete == "repeat" else _EXTRA0 + 1]
-        extras = extras + (extras < 0) * (anchor[:, None] - extras)
-        cols = ops.cat([tokens, extras], 1)
-        plan = MaskPlan(rows=_to_torch(rows), cols=_to_torch(cols))
+        x = extras.shape[1]
+        local = ops.arange(r, info)
+        if total:
+            a = self.dtries[i].on(ops)
+            row_of = ops.repeat(local, count, total)
+            ends = ops.cumsum(count)
+            child = info[:, _START][row_of] + (ops.arange(total, info) - (ends - count)[row_of])
+            row_flat = ops.cat([row_of, ops.repeat(local, None, x)], 0)
+            col_flat = ops.cat([ops.int64(a.child_token[child]), extras.reshape(-1)], 0)
+        else:
+            row_flat, col_flat = ops.repeat(local, None, x), extras.reshape(-1)
+        # Extras of -1 (none) point at the row's anchor: a column the row keeps anyway.
+        missing = col_flat < 0
+        col_flat = col_flat + missing * (anchor[row_flat] - col_flat)
+        logits_rows = row_flat if masked_rows is None else masked_rows[row_flat]
+        plan = MaskPlan(
+            rows=_to_torch(logits_rows),
+            cols=_to_torch(col_flat),
+            masked_rows=None if masked_rows is None else _to_torch(masked_rows),
+        )
         if n_dense:
             dense_pos = ops.nonzero(slot >= 0)
-            plan.dense_rows = _to_torch(dense_pos)
-            plan.dense_allowed = _to_torch(a.dense_allowed[slot[dense_pos]])
+            dense_rows = dense_pos if masked_rows is None else masked_rows[dense_pos]
+            plan.dense_rows = _to_torch(dense_rows)
+            plan.dense_blocked = _to_torch(self.dtries[i].on(ops).dense_blocked[slot[dense_pos]])
         return plan
 
     def mask_(self, logits: torch.Tensor, state: RowState, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -425,7 +440,3 @@ class TrieConstraint:
 
 def _to_torch(x: Any) -> Any:
     return torch.from_numpy(x) if isinstance(x, np.ndarray) else x
-
-
-def _minimum(a: Any, b: Any, ops: Ops) -> Any:
-    return np.minimum(a, b) if ops is NUMPY else torch.minimum(a, b)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import weakref
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -33,7 +33,9 @@ from .trie import TokenTrie
 
 __all__ = ["DeviceTrie"]
 
-DEFAULT_DENSE_MIN_FANOUT = 2048
+# A dense row costs ~3 passes over V; a sparse row one gather and one scatter per child: past ~V/16 children
+# the dense row is cheaper (see docs/performance.md).
+DEFAULT_DENSE_MIN_FANOUT = None  # None: max(256, V // 16)
 DEFAULT_DENSE_BUDGET_BYTES = 64 * 1024 * 1024
 
 _CACHE: "weakref.WeakKeyDictionary[TokenTrie, dict]" = weakref.WeakKeyDictionary()
@@ -45,7 +47,7 @@ class DeviceTrie:
     Args:
         trie: the trie.
         device: where the tensors live (the logits' device).
-        dense_min_fanout: nodes with at least this many children get a dense row.
+        dense_min_fanout: nodes with at least this many children get a dense row (default max(256, V // 16)).
         dense_budget_bytes: cap on the dense rows' memory (V bytes each); the widest nodes are kept first.
     """
 
@@ -54,7 +56,7 @@ class DeviceTrie:
         trie: TokenTrie,
         device: torch.device | str,
         *,
-        dense_min_fanout: int = DEFAULT_DENSE_MIN_FANOUT,
+        dense_min_fanout: Optional[int] = DEFAULT_DENSE_MIN_FANOUT,
         dense_budget_bytes: int = DEFAULT_DENSE_BUDGET_BYTES,
     ) -> None:
         self.trie = trie
@@ -64,6 +66,8 @@ class DeviceTrie:
         key = trie.parent.astype(np.int64) * np.int64(trie.vocab_size) + trie.token.astype(np.int64)
         key[0] = -1
         fanout = trie.fanout
+        if dense_min_fanout is None:
+            dense_min_fanout = max(256, trie.vocab_size // 16)
         max_rows = max(dense_budget_bytes // max(trie.vocab_size, 1), 0)
         wide = np.flatnonzero(fanout >= dense_min_fanout)
         if len(wide) > max_rows:
@@ -81,7 +85,7 @@ class DeviceTrie:
             "edge_key": key,
             "terminal": trie.node_entry >= 0,
             "dense_slot": dense_slot,
-            "dense_allowed": dense,
+            "dense_blocked": ~dense,  # stored inverted: the kernel masks with it as is
         }
         self.tensors = SimpleNamespace(**{k: torch.from_numpy(v).to(self.device) for k, v in host.items()})
         # Zero-copy numpy views for the numpy backend (CPU only).

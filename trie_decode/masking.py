@@ -2,28 +2,27 @@
 
 Why this exists: this is the hot path of constrained decoding. Its contract, as a reference loop::
 
-    for each masked row i (logits row rows[i]):
-        allowed = {cols[i, k] for every k}                   # children of the row's node + extra tokens
-        if the row is dense: allowed |= {j : dense_allowed[slot[i], j]}
-        for every column j of logits: if j not in allowed: logits[rows[i], j] = -inf
+    for each masked row i:
+        allowed = {cols[k] for every k with rows[k] == i}         # children of the row's node + extra tokens
+        if i is a dense row: allowed |= {j : not dense_blocked[i, j]}
+        for every column j of logits: if j not in allowed: logits[i, j] = -inf
 
 Rows that are not masked are left untouched. The cost is one ``fill(-inf)`` of the masked rows (the physical floor
-of any masking) plus a gather and a scatter of R x W values, W being the widest child list in the batch; a dense
-row costs one row copy. ``cols`` is padded with a column the row keeps anyway, so no validity mask is needed.
+of any masking), a gather and a scatter of the kept (row, column) pairs (ragged: the number of allowed tokens, not
+rows x widest row), and three passes over V for each dense row.
 
 Also here: the allowed set as an int32 bitmask of shape (R, ceil(V / 32)) (the format of XGrammar's and
 llguidance's kernels) and a reference ``apply_token_bitmask_inplace``.
 
-Dimension letters: B logits rows, R masked rows, W kept columns per row, V logits width.
+Dimension letters: B logits rows, K kept (row, column) pairs, D dense rows, V logits width.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
-
 
 __all__ = ["MaskPlan", "apply_plans_", "plans_to_bool", "pack_bitmask", "apply_token_bitmask_inplace"]
 
@@ -32,63 +31,65 @@ NEG_INF = float("-inf")
 
 @dataclass
 class MaskPlan:
-    """Which columns some logits rows keep (arrays of one backend).
+    """Which columns some logits rows keep.
 
     Attributes:
-        rows: logits rows, or None for "every row, in order". Shape: (R,), int64.
-        cols: kept columns, padded with a kept column. Shape: (R, W), int64.
-        dense_rows: positions (into ``rows``) of rows that also keep a dense row. Shape: (D,), int64, or None.
-        dense_allowed: those dense rows. Shape: (D, V_trie), bool.
+        rows: logits row of each kept pair. Shape: (K,), int64.
+        cols: column of each kept pair (duplicates allowed). Shape: (K,), int64.
+        masked_rows: the logits rows this plan masks, or None for "every row". Shape: (R,), int64.
+        dense_rows: logits rows that also keep a dense row. Shape: (D,), int64, or None.
+        dense_blocked: the columns those rows block. Shape: (D, V_trie), bool.
     """
 
-    rows: Optional[Any]
-    cols: Any
-    dense_rows: Optional[Any] = None
-    dense_allowed: Optional[Any] = None
+    rows: torch.Tensor
+    cols: torch.Tensor
+    masked_rows: Optional[torch.Tensor] = None
+    dense_rows: Optional[torch.Tensor] = None
+    dense_blocked: Optional[torch.Tensor] = None
 
 
 def apply_plans_(logits: torch.Tensor, plans: Sequence[MaskPlan]) -> None:
-    """Apply mask plans in place (``logits``: Shape (B, V), any float dtype and device; plans' rows disjoint).
+    """Apply mask plans in place (``logits``: Shape (B, V), any float dtype, any device; plans' rows disjoint).
 
-    The plans' arrays may be torch tensors or numpy arrays (CPU); the big operations (fill, gather, scatter) always
-    run in torch, whose fill is vectorized and multithreaded.
+    Steps: 1. save the kept values and the dense rows; 2. fill the masked rows with -inf (the floor); 3. write the
+    dense rows back with their blocked columns at -inf; 4. write the kept values back.
     """
     if not plans:
         return
-    # 1. Save what is kept (before anything is overwritten).
-    kept = []
-    for p in plans:
-        if p.rows is None:
-            kept.append(torch.gather(logits, 1, p.cols))
-        else:
-            kept.append(logits[p.rows[:, None], p.cols])
-    dense_saved = [logits[_rows_of(p, p.dense_rows)] if p.dense_rows is not None else None for p in plans]
-    # 2. The floor: -inf over every masked row.
-    if len(plans) == 1 and plans[0].rows is None:
+    device = logits.device
+    plans = [_on(p, device) for p in plans]
+    # Flat positions into the logical row-major layout: torch.take / put_ are the cheapest gather and scatter.
+    width = logits.shape[1]
+    flat = [p.rows * width + p.cols for p in plans]
+    kept = [torch.take(logits, f) for f in flat]
+    dense = [logits.index_select(0, p.dense_rows) if p.dense_rows is not None else None for p in plans]
+    if len(plans) == 1 and plans[0].masked_rows is None:
         logits.fill_(NEG_INF)
     else:
         for p in plans:
-            logits[p.rows if p.rows is not None else slice(None)] = NEG_INF
-    # 3. Dense rows get their allowed columns back, then every row its kept columns.
-    for p, saved in zip(plans, dense_saved):
-        if saved is not None:
-            v = p.dense_allowed.shape[1]
-            saved[:, :v][~p.dense_allowed] = NEG_INF
-            saved[:, v:] = NEG_INF
-            logits[_rows_of(p, p.dense_rows)] = saved
-    for p, vals in zip(plans, kept):
-        if p.rows is None:
-            logits.scatter_(1, p.cols, vals)
-        else:
-            logits[p.rows[:, None], p.cols] = vals
+            if p.masked_rows is None:
+                logits.fill_(NEG_INF)
+            else:
+                logits.index_fill_(0, p.masked_rows, NEG_INF)
+    for p, d in zip(plans, dense):
+        if d is not None:
+            v = p.dense_blocked.shape[1]
+            d[:, :v].masked_fill_(p.dense_blocked, NEG_INF)
+            d[:, v:] = NEG_INF
+            logits.index_copy_(0, p.dense_rows, d)
+    for f, vals in zip(flat, kept):
+        logits.put_(f, vals)
 
 
-def _rows_of(plan: MaskPlan, positions: Any) -> Any:
-    return positions if plan.rows is None else plan.rows[positions]
+def _on(plan: MaskPlan, device: torch.device) -> MaskPlan:
+    if plan.rows.device == device:
+        return plan
+    move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+    return MaskPlan(move(plan.rows), move(plan.cols), move(plan.masked_rows), move(plan.dense_rows), move(plan.dense_blocked))
 
 
 def plans_to_bool(plans: Sequence[MaskPlan], batch_size: int, width: int) -> torch.Tensor:
-    """The allowed set of every row as a boolean mask; rows no plan covers allow everything (torch plans).
+    """The allowed set of every row as a boolean mask; rows no plan covers allow everything.
 
     Returns:
         Shape: (batch_size, width), bool.
@@ -96,12 +97,14 @@ def plans_to_bool(plans: Sequence[MaskPlan], batch_size: int, width: int) -> tor
     device = plans[0].cols.device if plans else torch.device("cpu")
     mask = torch.ones((batch_size, width), dtype=torch.bool, device=device)
     for p in plans:
-        rows = p.rows if p.rows is not None else torch.arange(p.cols.shape[0], device=device)
-        mask[rows] = False
+        if p.masked_rows is None:
+            mask[:] = False
+        else:
+            mask[p.masked_rows] = False
         if p.dense_rows is not None:
-            v = min(p.dense_allowed.shape[1], width)
-            mask[rows[p.dense_rows], :v] = p.dense_allowed[:, :v]
-        mask[rows[:, None], p.cols] = True
+            v = min(p.dense_blocked.shape[1], width)
+            mask[p.dense_rows, :v] = ~p.dense_blocked[:, :v]
+        mask[p.rows, p.cols] = True
     return mask
 
 
