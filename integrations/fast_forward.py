@@ -244,7 +244,8 @@ class _Run:
         idx = torch.tensor(rows, device=self.device)
         raw = self.next_logits[pos].float()
         state = self.state.select(idx)
-        scores = self.constraint.mask_(raw.clone(), state)
+        # raw is already a copy (advanced indexing); keep it unmasked only when raw logits are returned.
+        scores = self.constraint.mask_(raw.clone() if self.want_logits else raw, state)
         ids = self._current_ids(rows) if len(self.processors) else None
         if ids is not None:
             scores = self.processors(ids, scores)

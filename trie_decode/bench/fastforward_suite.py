@@ -14,8 +14,8 @@ Workloads:
 
 Per (workload, batch) the record holds the median wall time of each method over interleaved repeats (after a
 warmup), the speed-up, both methods' forward passes, the skip ratio (forced tokens / emitted tokens), the median
-time of the prefill alone (one forward pass over the prompts: the part fast-forward cannot shorten), and whether
-the two outputs are token-for-token identical.
+time of the prefill alone (one forward pass over the prompts: the part fast-forward cannot shorten), the speed-up
+of what follows the prefill (``decode_speedup``), and whether the two outputs are token-for-token identical.
 
 Entry point for the suite runner: :func:`run_fastforward_suite`.
 """
@@ -26,7 +26,7 @@ import json
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional, Sequence
 
 __all__ = ["run_fastforward_suite"]
 
@@ -63,17 +63,27 @@ def _median_time(fn: Callable[[], Any]) -> tuple[float, Any]:
     return time.perf_counter() - t0, out
 
 
-def run_fastforward_suite(quick: bool, out_dir: Any) -> dict[str, Any]:
+def run_fastforward_suite(
+    quick: bool,
+    out_dir: Any,
+    *,
+    workloads: Optional[Sequence[str]] = None,
+    repeats: Optional[int] = None,
+    progress: Optional[Callable[[dict[str, Any]], None]] = None,
+) -> dict[str, Any]:
     """Run the suite; write ``fastforward.json`` into ``out_dir`` and return its content.
 
     Args:
         quick: batch 1 and 8 of the ``single`` workload only, 2 repeats (about 2-4 minutes on 2 busy CPU cores);
             otherwise both workloads and 5 repeats.
-        out_dir: folder for the JSON result (created if missing).
+        out_dir: folder for the JSON result (created if missing; rewritten after every record).
+        workloads: run only these (``"single"``, ``"list"``); default: see ``quick``.
+        repeats: timed repeats per method and configuration (default 2 quick, 5 otherwise).
+        progress: called with each record (without its outputs) as soon as it is measured.
 
     Returns:
         ``{"suite": "fastforward", "records": [...], "environment": {...}}``; each record has ``workload``,
-        ``batch``, ``step_s``, ``fast_s``, ``speedup``, ``prefill_s``, ``step_passes``, ``fast_passes``,
+        ``batch``, ``step_s``, ``fast_s``, ``speedup``, ``prefill_s``, ``decode_speedup``, ``step_passes``, ``fast_passes``,
         ``tokens_emitted``, ``forced_tokens``, ``skip_ratio``, ``identical``, ``goal_met`` (speed-up >= 1.5 where
         the skip ratio is >= 0.5; None where the goal does not apply).
     """
@@ -96,17 +106,20 @@ def run_fastforward_suite(quick: bool, out_dir: Any) -> dict[str, Any]:
     trie = TokenTrie.from_strings(names, tokenizer, leading_space=True)
     comma = tokenizer(",", add_special_tokens=False)["input_ids"]
 
-    workloads = {
+    specs = {
         "single": dict(questions=LANGUAGE_QUESTIONS, suffix=" Answer with the name only.", prefill="The answer is",
                        options=dict(on_complete="eos"), max_new_tokens=24),
         "list": dict(questions=LIST_QUESTIONS, suffix="", prefill="Languages:",
                      options=dict(on_complete="repeat", separator=comma), max_new_tokens=48),
     }
-    if quick:
-        workloads = {"single": workloads["single"]}
-    repeats = 2 if quick else 5
+    chosen = workloads if workloads is not None else (["single"] if quick else list(specs))
+    unknown = set(chosen) - set(specs)
+    if unknown:
+        raise ValueError(f"workloads must be among {sorted(specs)}, got {sorted(unknown)}")
+    repeats = repeats or (2 if quick else 5)
     records: list[dict[str, Any]] = []
-    for workload, spec in workloads.items():
+    for workload in chosen:
+        spec = specs[workload]
         for batch in (1, 8):
             prompts = [_chat(tokenizer, q, spec["suffix"], spec["prefill"]) for q in spec["questions"][:batch]]
             inputs = tokenizer(prompts, return_tensors="pt", padding=True)
@@ -133,6 +146,7 @@ def run_fastforward_suite(quick: bool, out_dir: Any) -> dict[str, Any]:
                     times[label].append(seconds)
             stats = out.stats
             step_s, fast_s = statistics.median(times["step"]), statistics.median(times["fast"])
+            prefill_s = statistics.median(times["prefill"])
             record = {
                 "suite": "fastforward",
                 "workload": workload,
@@ -143,7 +157,10 @@ def run_fastforward_suite(quick: bool, out_dir: Any) -> dict[str, Any]:
                 "step_s": round(step_s, 4),
                 "fast_s": round(fast_s, 4),
                 "speedup": round(step_s / fast_s, 3),
-                "prefill_s": round(statistics.median(times["prefill"]), 4),
+                "prefill_s": round(prefill_s, 4),
+                # Time after the prefill (which both methods pay in full): where fast-forward saves.
+                "decode_speedup": round(
+                    (step_s - prefill_s) / (fast_s - prefill_s), 3) if fast_s > prefill_s < step_s else None,
                 "step_passes": step_passes,
                 "fast_passes": stats.forward_passes,
                 "tokens_emitted": stats.tokens_emitted,
@@ -157,23 +174,33 @@ def run_fastforward_suite(quick: bool, out_dir: Any) -> dict[str, Any]:
             }
             record["goal_met"] = record["speedup"] >= 1.5 if record["skip_ratio"] >= 0.5 else None
             records.append(record)
+            _write(out_path, records, quick, repeats)  # after every record: a long run killed midway keeps its results
+            if progress is not None:
+                progress({k: v for k, v in record.items() if k not in ("outputs", "times")})
+    return _write(out_path, records, quick, repeats)
+
+
+def _write(out_path: Path, records: list[dict[str, Any]], quick: bool, repeats: int) -> dict[str, Any]:
+    import torch
+
     result = {
         "suite": "fastforward",
         "records": records,
-        "environment": {
-            "torch": torch.__version__,
-            "threads": torch.get_num_threads(),
-            "quick": quick,
-            "repeats": repeats,
-        },
+        "environment": {"torch": torch.__version__, "threads": torch.get_num_threads(), "quick": quick, "repeats": repeats},
     }
     (out_path / "fastforward.json").write_text(json.dumps(result, indent=2))
     return result
 
 
-if __name__ == "__main__":  # pragma: no cover - manual runs: python -m trie_decode.bench.fastforward_suite [--quick]
-    import sys
+if __name__ == "__main__":  # pragma: no cover - manual runs
+    import argparse
 
-    res = run_fastforward_suite("--quick" in sys.argv, sys.argv[-1] if not sys.argv[-1].startswith("-") and len(sys.argv) > 1 else "bench-results")
-    for rec in res["records"]:
-        print({k: v for k, v in rec.items() if k not in ("outputs", "times")})
+    parser = argparse.ArgumentParser(prog="python -m trie_decode.bench.fastforward_suite")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--workload", action="append", choices=["single", "list"])
+    parser.add_argument("--repeats", type=int)
+    parser.add_argument("--out", default="bench-results")
+    args = parser.parse_args()
+    run_fastforward_suite(
+        args.quick, args.out, workloads=args.workload, repeats=args.repeats, progress=lambda r: print(r, flush=True)
+    )
