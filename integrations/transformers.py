@@ -247,7 +247,8 @@ class TrieLogitsProcessor(LogitsProcessor):
             self._begin(input_ids.to(device), device)
         self._last_len = input_ids.shape[1]
         self.steps += 1
-        return self.constraint(device).mask_(scores, self._state)
+        # Out of place: generate() keeps the tensor it passes in as the raw logits (output_logits=True).
+        return self.constraint(device).mask_(scores, self._state, inplace=False)
 
     # ------------------------------------------------------------------ results
     def match(self, sequences: torch.Tensor, *, prompt_length: Optional[int] = None) -> list[Optional[Entry]]:
@@ -437,3 +438,8 @@ def prefix_allowed_tokens_fn(trie: TokenTrie, *, end_token_id: int, prompt_lengt
         return tokens
 
     return allowed
+
+
+from .fast_forward import FastForwardOutput, FastForwardStats, fast_forward_generate  # noqa: E402
+
+__all__ += ["fast_forward_generate", "FastForwardStats", "FastForwardOutput"]

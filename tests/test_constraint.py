@@ -205,3 +205,16 @@ def test_forced_tokens():
     state = c.start(2)
     state = c.advance(state, torch.tensor([2, 8]))
     assert c.forced_tokens(state) == [[3], [9, 1]]
+
+
+def test_out_of_place_mask_leaves_input_unchanged():
+    trie = TokenTrie.from_sequences([[2, 3], [4]], vocab_size=6)
+    c = TrieConstraint(trie, SpanRules(end_token_id=0, on_complete="release"), "cpu")
+    logits = torch.randn(2, 6)
+    before = logits.clone()
+    state = c.advance(c.start(2), torch.tensor([2, 4]))  # row 1 completed its entry: released
+    masked = c.mask_(logits, state, inplace=False)
+    assert torch.equal(logits, before)
+    assert masked[0].isfinite().nonzero().flatten().tolist() == [3]
+    assert torch.equal(masked[1], before[1])
+    assert torch.equal(c.mask_(logits.clone(), state), masked)

@@ -271,3 +271,15 @@ def test_match_helpers():
     assert [e.name if e else None for e in match(trie, [[5, 6, 1, 1], [5, 6, 7, 1], [9, 1, 0], [4, 1]])] == ["a", "b", "c", None]
     rules = SpanRules(end_token_id=1, on_complete="repeat", separator=(10,))
     assert [e.name for e in replay_entries(trie, rules, [5, 6, 10, 9, 10, 5, 6, 7, 1])] == ["a", "c", "b"]
+
+
+def test_raw_logits_are_not_masked(tiny_llama, tokenizer):
+    """generate() keeps the tensor it hands to processors as the raw logits; the processor must not mask it."""
+    trie = TokenTrie.from_sequences([[100, 101], [102]], vocab_size=len(tokenizer))
+    processor = TrieLogitsProcessor(trie, end_token_id=2)
+    out = tiny_llama.generate(
+        input_ids=torch.tensor([[5, 6]]), logits_processor=[processor], max_new_tokens=3, do_sample=False,
+        pad_token_id=2, eos_token_id=2, output_logits=True, output_scores=True, return_dict_in_generate=True,
+    )
+    assert out.logits[0].isfinite().all()
+    assert out.scores[0].isfinite().sum().item() == 2  # tokens 100 and 102

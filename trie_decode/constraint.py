@@ -391,21 +391,23 @@ class TrieConstraint:
             plan.dense_blocked = _to_torch(self.dtries[i].on(ops).dense_blocked[slot[dense_pos]])
         return plan
 
-    def mask_(self, logits: torch.Tensor, state: RowState, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Set every disallowed logit of the constrained rows to -inf, in place; return ``logits``.
+    def mask_(
+        self, logits: torch.Tensor, state: RowState, rows: Optional[torch.Tensor] = None, *, inplace: bool = True
+    ) -> torch.Tensor:
+        """Set every disallowed logit of the constrained rows to -inf; return the masked logits.
 
         Args:
             logits: Shape: (B, V), V >= the tries' vocabulary (wider logits, e.g. padded embeddings, are masked too).
             state: the state of the rows to mask.
             rows: logits row of each state row (default: state row i is logits row i).
+            inplace: modify ``logits`` (default) or return a new tensor and leave ``logits`` unchanged.
         """
         if logits.shape[-1] < self.vocab_size:
             raise InvalidTokenError(
                 f"logits have {logits.shape[-1]} columns but the trie's vocabulary has {self.vocab_size} tokens: "
                 "the trie was built for a larger vocabulary than this model's"
             )
-        apply_plans_(logits, self.plans(state, rows, self._ops))
-        return logits
+        return apply_plans_(logits, self.plans(state, rows, self._ops), inplace=inplace)
 
     def allowed(self, state: RowState, width: Optional[int] = None) -> torch.Tensor:
         """Boolean mask of each row's allowed tokens (unconstrained rows allow all). Shape: (R, width), bool."""
@@ -428,7 +430,7 @@ class TrieConstraint:
                 run = trie.forced_run(n)[:max_tokens]
                 if rules.on_complete == "eos" and len(run) < max_tokens:
                     last = trie.walk(run, n) if run else n
-                    if trie.fanout[last] == 0:
+                    if trie.child_ptr[last + 1] == trie.child_ptr[last]:
                         run.append(rules.end_token_id)
             elif n <= -3:
                 run = list(rules.separator[-2 - n :])[:max_tokens]

@@ -48,14 +48,18 @@ class MaskPlan:
     dense_blocked: Optional[torch.Tensor] = None
 
 
-def apply_plans_(logits: torch.Tensor, plans: Sequence[MaskPlan]) -> None:
-    """Apply mask plans in place (``logits``: Shape (B, V), any float dtype, any device; plans' rows disjoint).
+def apply_plans_(logits: torch.Tensor, plans: Sequence[MaskPlan], *, inplace: bool = True) -> torch.Tensor:
+    """Apply mask plans (``logits``: Shape (B, V), any float dtype, any device; plans' rows disjoint).
 
-    Steps: 1. save the kept values and the dense rows; 2. fill the masked rows with -inf (the floor); 3. write the
-    dense rows back with their blocked columns at -inf; 4. write the kept values back.
+    Args:
+        inplace: write into ``logits``; otherwise return a new tensor and leave ``logits`` as it was (same cost
+            when every row is masked: the new tensor is created already filled with -inf).
+
+    Steps: 1. read the kept values and the dense rows; 2. -inf over every masked row (the floor); 3. write the
+    dense rows with their blocked columns at -inf; 4. write the kept values.
     """
     if not plans:
-        return
+        return logits if inplace else logits.clone()
     device = logits.device
     plans = [_on(p, device) for p in plans]
     # Flat positions into the logical row-major layout: torch.take / put_ are the cheapest gather and scatter.
@@ -63,22 +67,28 @@ def apply_plans_(logits: torch.Tensor, plans: Sequence[MaskPlan]) -> None:
     flat = [p.rows * width + p.cols for p in plans]
     kept = [torch.take(logits, f) for f in flat]
     dense = [logits.index_select(0, p.dense_rows) if p.dense_rows is not None else None for p in plans]
-    if len(plans) == 1 and plans[0].masked_rows is None:
-        logits.fill_(NEG_INF)
+    every_row = any(p.masked_rows is None for p in plans)
+    if inplace:
+        target = logits
+    elif every_row:
+        target = torch.full_like(logits, NEG_INF, memory_format=torch.contiguous_format)
     else:
-        for p in plans:
-            if p.masked_rows is None:
-                logits.fill_(NEG_INF)
-            else:
-                logits.index_fill_(0, p.masked_rows, NEG_INF)
+        target = logits.clone()
+    if inplace or not every_row:
+        if every_row:
+            target.fill_(NEG_INF)
+        else:
+            for p in plans:
+                target.index_fill_(0, p.masked_rows, NEG_INF)
     for p, d in zip(plans, dense):
         if d is not None:
             v = p.dense_blocked.shape[1]
             d[:, :v].masked_fill_(p.dense_blocked, NEG_INF)
             d[:, v:] = NEG_INF
-            logits.index_copy_(0, p.dense_rows, d)
+            target.index_copy_(0, p.dense_rows, d)
     for f, vals in zip(flat, kept):
-        logits.put_(f, vals)
+        target.put_(f, vals)
+    return target
 
 
 def _on(plan: MaskPlan, device: torch.device) -> MaskPlan:
