@@ -129,18 +129,6 @@ def _where_state(keep_new: torch.Tensor, new: RowState, old: RowState) -> RowSta
     return RowState(*(torch.where(keep_new, getattr(new, f.name), getattr(old, f.name)) for f in fields(RowState)))
 
 
-def _as_tries(trie: Any) -> list[TokenTrie]:
-    if trie is None:
-        raise ConstraintConfigError("fast_forward_generate needs trie=: a TokenTrie, or one per prompt")
-    tries = [trie] if isinstance(trie, TokenTrie) else list(trie)
-    if not tries:
-        raise ConstraintConfigError("trie is empty: pass one TokenTrie, or one per prompt")
-    for i, t in enumerate(tries):
-        if not isinstance(t, TokenTrie):
-            raise TypeError(f"trie[{i}] is {type(t).__name__}, not a TokenTrie")
-    return tries
-
-
 def _token_set(value: Any) -> list[int]:
     if value is None:
         return []
@@ -598,11 +586,11 @@ def fast_forward_generate(
     eos_ids = _token_set(getattr(config, "_eos_token_tensor", None)) or _token_set(config.eos_token_id)
     if end_token_id is None and eos_ids and tokenizer is None:
         end_token_id = eos_ids[0]
-    tries = _as_tries(trie)
-    if tokenizer is not None:
-        for t in tries:
-            t.check_tokenizer(tokenizer)
-    from .transformers import build_rules  # at call time: transformers.py may re-export this module
+    from .transformers import _as_tries, build_rules  # at call time: transformers.py re-exports this module
+
+    if trie is None:
+        raise ConstraintConfigError("fast_forward_generate needs trie=: a TokenTrie, or one per prompt")
+    tries = _as_tries(trie, tokenizer)
 
     rules: SpanRules = build_rules(tokenizer, end_token_id, on_complete, separator, trigger)
     stop_ids = sorted(set(eos_ids) | ({rules.end_token_id} if on_complete in ("eos", "repeat") else set()))
