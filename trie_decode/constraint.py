@@ -171,6 +171,15 @@ class _StepTable:
         self.array = self.tensor.numpy() if dtrie.device.type == "cpu" else None
         self.max_width = int(table[:, _COUNT].max()) if n else 0
 
+    @classmethod
+    def get(cls, dtrie: DeviceTrie, rules: SpanRules) -> "_StepTable":
+        """The table of (dtrie, rules), built once and kept with the DeviceTrie (so per request it costs nothing)."""
+        cache = dtrie.__dict__.setdefault("_step_tables", {})
+        table = cache.get(rules)
+        if table is None:
+            table = cache[rules] = cls(dtrie, rules)
+        return table
+
     def on(self, ops: Ops) -> Any:
         return self.array if ops is NUMPY else self.tensor
 
@@ -222,7 +231,7 @@ class TrieConstraint:
             self.dtries = [DeviceTrie.get(t, self.device) for t in tries]
         else:
             self.dtries = [DeviceTrie(t, self.device, dense_min_fanout=dense_min_fanout) for t in tries]
-        self.tables = [_StepTable(d, rules) for d in self.dtries]
+        self.tables = [_StepTable.get(d, rules) for d in self.dtries]
         # Index arithmetic runs in numpy on CPU (10x less dispatch overhead than torch), in torch elsewhere.
         self._ops = NUMPY if self.device.type == "cpu" else TORCH
         self._trigger = torch.tensor(rules.trigger, dtype=torch.long, device=self.device)
