@@ -171,8 +171,9 @@ def _build_table(records: list[dict[str, Any]]) -> str:
     for r in sorted(records, key=lambda r: (order.get(r.get("peer", ""), 99), r.get("size") or 0)):
         size = format_size(r["size"]) if r.get("size") else "-"
         if r.get("status") == "ok":
-            rows.append([r["peer"], size, r.get("names", ""), _fmt(r["build_s"], ".3f"), _fmt(r["first_build_s"], ".3f"),
-                         _fmt(r["rss_mb"], ".1f"), _fmt(r["bytes_per_entry"], ".0f"), ""])
+            note = f"{r['bytes_per_node']:.2f} bytes/node ({r['goal']})" if "bytes_per_node" in r else ""
+            rows.append([r["peer"], size, r.get("names", ""), _fmt(r["build_s"], ".3f"), _fmt(r.get("first_build_s"), ".3f"),
+                         _fmt(r.get("rss_mb"), ".1f"), _fmt(r.get("bytes_per_entry"), ".0f"), note])
         else:
             spent = r.get("spent_s")
             after = f" after {spent:.1f} s" if spent is not None else ""

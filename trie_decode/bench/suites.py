@@ -453,7 +453,28 @@ def run_build(cfg: BenchConfig, tokenizer: Any, tok_path: str) -> list[dict[str,
                                     {"status": recs[-1].get("status"), "size": spec["n"],
                                      "phase": recs[-1].get("phase", "build")})
                 break
+    records.append(_build_target(100_000 if cfg.quick else 1_000_000, vocab))
     return records
+
+
+def _build_target(n: int, vocab: int) -> dict[str, Any]:
+    """The core's build target (issue 2): n random entries of 8 tokens, time and bytes per node, in process."""
+    import numpy as np
+
+    from trie_decode import TokenTrie
+
+    seqs = np.random.default_rng(0).integers(0, vocab, size=(n, 8))
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        trie = TokenTrie.from_sequences(seqs, vocab)
+        times.append(time.perf_counter() - t0)
+    rec = {"suite": "build", "peer": "trie_decode (target: random 8-token ids)", "size": n, "names": "random-8",
+           "status": "ok", "build_s": min(times), "build_median_s": sorted(times)[1], "nodes": trie.num_nodes,
+           "bytes_per_node": trie.nbytes / trie.num_nodes, "goal": "<= 5 s and <= 16 bytes/node at 1M"}
+    _say(f"  target: {format_size(n)} entries x 8 tokens built in {rec['build_median_s']:.2f} s (median of 3), "
+         f"{trie.num_nodes:,} nodes, {rec['bytes_per_node']:.2f} bytes/node")
+    return rec
 
 
 def _run_hook(suite: str, cfg: BenchConfig) -> list[dict[str, Any]]:
