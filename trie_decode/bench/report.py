@@ -308,7 +308,7 @@ def _legend(ax: Any) -> None:
 
 
 def _plot_build(records: list[dict[str, Any]], out_dir: Path, plt: Any) -> list[Path]:
-    ok = [r for r in records if r.get("status") == "ok"]
+    ok = [r for r in records if r.get("status") == "ok" and "rss_mb" in r]  # the in-process target has no RSS
     if not ok:
         return []
     peers = list(dict.fromkeys(r["peer"] for r in ok))
