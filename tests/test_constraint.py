@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trie_decode import ConstraintConfigError, InvalidTokenError, TokenTrie
+from trie_decode._backend import TORCH
 from trie_decode.constraint import DONE, SpanRules, TrieConstraint
 from trie_decode.masking import apply_token_bitmask_inplace
 
@@ -94,12 +95,18 @@ def _allowed_sets(c: TrieConstraint, state, width: int) -> list[set[int] | None]
 
 
 @settings(max_examples=120, deadline=None)
-@given(tries=st.lists(entry_sets, min_size=1, max_size=3), mode=modes, seed=st.integers(0, 2**16), dense=st.booleans())
-def test_state_machine_matches_reference(tries, mode, seed, dense):
+@given(
+    tries=st.lists(entry_sets, min_size=1, max_size=3), mode=modes, seed=st.integers(0, 2**16), dense=st.booleans(),
+    torch_ops=st.booleans(),
+)
+def test_state_machine_matches_reference(tries, mode, seed, dense, torch_ops):
+    """torch_ops: run the index arithmetic in torch (the CUDA/MPS path) instead of numpy views (the CPU path)."""
     rng = random.Random(seed)
     built = [TokenTrie.from_sequences(t, vocab_size=V) for t in tries]
     rules = SpanRules(end_token_id=END, **mode)
     c = TrieConstraint(built, rules, "cpu", dense_min_fanout=2 if dense else None)
+    if torch_ops:
+        c._ops = TORCH
     rows = 6
     tree = torch.tensor([rng.randrange(len(built)) for _ in range(rows)])
     tails = torch.tensor([[rng.randrange(2, V) for _ in range(3)] for _ in range(rows)])

@@ -1,9 +1,10 @@
 """Array backends for the per-step kernel: torch on any device, numpy views of CPU tensors.
 
-Why this exists: on a CPU the per-step work of constrained decoding is a few dozen tiny array operations, and
-torch's dispatch costs ~3 us per operation against numpy's ~0.3 us. Writing the kernel once against this small
-shim lets CPU tensors run it through zero-copy numpy views (``tensor.numpy()`` shares memory) while CUDA and MPS
-tensors run the very same code in torch. There is one kernel, not two copies that could drift apart.
+Why this exists: on a CPU the per-step index arithmetic of constrained decoding is a few dozen tiny array
+operations, and torch's dispatch costs ~3 us per operation against numpy's ~0.3 us. Writing that arithmetic once
+against this small shim lets CPU state run through zero-copy numpy views (``tensor.numpy()`` shares memory) while
+CUDA and MPS state runs the very same code in torch: one implementation, not two copies that could drift apart.
+The big operations on the logits (fill, gather, scatter) are always torch (see :mod:`trie_decode.masking`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["Ops", "TORCH", "NUMPY", "ops_for"]
+__all__ = ["Ops", "TORCH", "NUMPY"]
 
 
 class Ops:
@@ -23,11 +24,7 @@ class Ops:
 
     def int64(self, x: Any) -> Any: ...
     def cat(self, xs: list, axis: int) -> Any: ...
-    def gather(self, a: Any, idx: Any) -> Any: ...
-    def scatter_(self, a: Any, idx: Any, vals: Any) -> None: ...
-    def fill_(self, a: Any, value: float) -> None: ...
     def arange(self, n: int, like: Any) -> Any: ...
-    def full(self, shape: tuple, value: int, like: Any) -> Any: ...
     def nonzero(self, x: Any) -> Any: ...
     def searchsorted(self, a: Any, v: Any) -> Any: ...
     def repeat(self, x: Any, counts: Any, total: int) -> Any:
@@ -44,20 +41,8 @@ class _TorchOps(Ops):
     def cat(self, xs, axis):
         return torch.cat(xs, dim=axis)
 
-    def gather(self, a, idx):
-        return torch.gather(a, 1, idx)
-
-    def scatter_(self, a, idx, vals):
-        a.scatter_(1, idx, vals)
-
-    def fill_(self, a, value):
-        a.fill_(value)
-
     def arange(self, n, like):
         return torch.arange(n, device=like.device)
-
-    def full(self, shape, value, like):
-        return torch.full(shape, value, dtype=torch.long, device=like.device)
 
     def nonzero(self, x):
         return x.nonzero().squeeze(1)
@@ -83,20 +68,8 @@ class _NumpyOps(Ops):
     def cat(self, xs, axis):
         return np.concatenate(xs, axis=axis)
 
-    def gather(self, a, idx):
-        return np.take_along_axis(a, idx, axis=1)
-
-    def scatter_(self, a, idx, vals):
-        np.put_along_axis(a, idx, vals, axis=1)
-
-    def fill_(self, a, value):
-        a.fill(value)
-
     def arange(self, n, like):
         return np.arange(n, dtype=np.int64)
-
-    def full(self, shape, value, like):
-        return np.full(shape, value, dtype=np.int64)
 
     def nonzero(self, x):
         return np.flatnonzero(x)
@@ -113,12 +86,3 @@ class _NumpyOps(Ops):
 
 TORCH: Ops = _TorchOps()
 NUMPY: Ops = _NumpyOps()
-
-_NUMPY_DTYPES = (torch.float32, torch.float64, torch.float16)
-
-
-def ops_for(logits: torch.Tensor) -> Ops:
-    """numpy for CPU tensors numpy can view (float16/32/64, no autograd), torch otherwise (CUDA, MPS, bf16)."""
-    if logits.device.type == "cpu" and logits.dtype in _NUMPY_DTYPES and not logits.requires_grad:
-        return NUMPY
-    return TORCH
