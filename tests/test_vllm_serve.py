@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-pytest.importorskip("vllm")
+import vllm  # noqa: E402,F401  (make venv installs it: a missing vLLM fails the suite)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.model, pytest.mark.slow]
 

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-pytest.importorskip("vllm")
+import vllm  # noqa: E402,F401  (make venv installs it: a missing vLLM fails the suite)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.model]
 

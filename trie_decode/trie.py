@@ -27,12 +27,11 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from ._build import BuiltArrays, RaggedTokens, build_arrays, check_tokens, to_ragged
+from ._build import BuiltArrays, build_arrays, check_tokens, to_ragged
 from .entries import Entry, StringTable
 from .errors import InvalidEntryError, InvalidTokenError, TokenizerMismatchError, TrieFileError
 from .fileio import read_arrays, write_arrays
