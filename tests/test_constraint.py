@@ -97,15 +97,21 @@ def _allowed_sets(c: TrieConstraint, state, width: int) -> list[set[int] | None]
 @settings(max_examples=120, deadline=None)
 @given(
     tries=st.lists(entry_sets, min_size=1, max_size=3), mode=modes, seed=st.integers(0, 2**16), dense=st.booleans(),
-    torch_ops=st.booleans(),
+    backend=st.sampled_from(["kernel", "numpy", "torch"]),
 )
-def test_state_machine_matches_reference(tries, mode, seed, dense, torch_ops):
-    """torch_ops: run the index arithmetic in torch (the CUDA/MPS path) instead of numpy views (the CPU path)."""
+def test_state_machine_matches_reference(tries, mode, seed, dense, backend):
+    """backend: the C kernel (the CPU default), numpy index arithmetic (CPU without the kernel), or torch index
+    arithmetic (the CUDA/MPS path). ``allowed()`` always goes through the plans, so the kernel is also checked
+    against them."""
     rng = random.Random(seed)
     built = [TokenTrie.from_sequences(t, vocab_size=V) for t in tries]
     rules = SpanRules(end_token_id=END, **mode)
     c = TrieConstraint(built, rules, "cpu", dense_min_fanout=2 if dense else None)
-    if torch_ops:
+    if backend == "kernel":
+        assert c._native, "the C kernel (trie_decode._kernel) is not built"
+    else:
+        c._native = False
+    if backend == "torch":
         c._ops = TORCH
     rows = 6
     tree = torch.tensor([rng.randrange(len(built)) for _ in range(rows)])

@@ -34,6 +34,7 @@ from typing import Any, Optional, Sequence, Union
 import numpy as np
 import torch
 
+from . import _native
 from ._backend import NUMPY, TORCH, Ops
 from .device import DeviceTrie
 from .errors import ConstraintConfigError, InvalidTokenError
@@ -170,6 +171,8 @@ class _StepTable:
         self.tensor = torch.from_numpy(full).to(dtrie.device)
         self.array = self.tensor.numpy() if dtrie.device.type == "cpu" else None
         self.max_width = int(table[:, _COUNT].max()) if n else 0
+        self.dtrie = dtrie
+        self.kernel_args = _native.static_args(self) if dtrie.device.type == "cpu" else None
 
     @classmethod
     def get(cls, dtrie: DeviceTrie, rules: SpanRules) -> "_StepTable":
@@ -232,8 +235,11 @@ class TrieConstraint:
         else:
             self.dtries = [DeviceTrie(t, self.device, dense_min_fanout=dense_min_fanout) for t in tries]
         self.tables = [_StepTable.get(d, rules) for d in self.dtries]
-        # Index arithmetic runs in numpy on CPU (10x less dispatch overhead than torch), in torch elsewhere.
+        # Index arithmetic runs in numpy on CPU (10x less dispatch overhead than torch), in torch elsewhere; on CPU
+        # the whole step runs in the C kernel when it was built (see trie_decode._native).
         self._ops = NUMPY if self.device.type == "cpu" else TORCH
+        self._native = self.device.type == "cpu" and _native.enabled()
+        self._plain = rules.on_complete == "eos" and not rules.trigger  # the next state is the trie's child
         self._trigger = torch.tensor(rules.trigger, dtype=torch.long, device=self.device)
 
     # ------------------------------------------------------------------ state
@@ -280,14 +286,20 @@ class TrieConstraint:
         tokens = tokens.to(self.device, torch.long)
         node = state.node
         ops = self._ops
-        new = torch.full_like(node, DONE)
-        for i, rows in self._groups(state.tree):
+        groups = self._groups(state.tree)
+        new = None if groups[0][1] is None else torch.full_like(node, DONE)
+        for i, rows in groups:
             n = node if rows is None else node[rows]
             t = tokens if rows is None else tokens[rows]
-            if ops is NUMPY:
-                out = torch.from_numpy(self._advance_group(i, n.numpy(), t.numpy(), ops))
+            if self._native:
+                out = _native.child(self.dtries[i], n, t)  # torch in and out
+                if not self._plain:
+                    out = torch.from_numpy(self._span_moves(i, n.numpy(), t.numpy(), out.numpy(), NUMPY))
+            elif ops is NUMPY:
+                n_, t_ = n.numpy(), t.numpy()
+                out = torch.from_numpy(self._span_moves(i, n_, t_, self.dtries[i].step(n_, t_, ops), ops))
             else:
-                out = self._advance_group(i, n, t, ops)
+                out = self._span_moves(i, n, t, self.dtries[i].step(n, t, ops), ops)
             if rows is None:
                 new = out
             else:
@@ -297,11 +309,12 @@ class TrieConstraint:
             new = torch.where(fires, torch.zeros_like(new), new)
         return RowState(new, state.tree)
 
-    def _advance_group(self, i: int, node: Any, tok: Any, ops: Ops) -> Any:
+    def _span_moves(self, i: int, node: Any, tok: Any, child: Any, ops: Ops) -> Any:
+        """The span rules on top of the trie step: ``child`` (the child of each node by each token, -1 for
+        non-children and for every negative code) becomes each row's next state code (modified in place)."""
         rules = self.rules
-        child = self.dtries[i].step(node, tok, ops)  # -1 for non-children and for every negative code
         mode = rules.on_complete
-        if mode == "eos" and not rules.trigger:
+        if self._plain:
             return child
         table = self.tables[i].on(ops)
         row = table[node]
@@ -416,7 +429,26 @@ class TrieConstraint:
                 f"logits have {logits.shape[-1]} columns but the trie's vocabulary has {self.vocab_size} tokens: "
                 "the trie was built for a larger vocabulary than this model's"
             )
+        if self._native and _native.usable_logits(logits):
+            return self._mask_native(logits, state, rows, inplace)
         return apply_plans_(logits, self.plans(state, rows, self._ops), inplace=inplace)
+
+    def _mask_native(
+        self, logits: torch.Tensor, state: RowState, rows: Optional[torch.Tensor], inplace: bool
+    ) -> torch.Tensor:
+        """:meth:`mask_` through the fused CPU kernel (one pass per row; see :mod:`trie_decode._native`)."""
+        src = logits
+        if inplace:
+            out = logits
+        elif rows is None and len(state) == logits.shape[0]:
+            out = torch.empty(logits.shape, dtype=logits.dtype)  # every row is written: masked, or copied through
+        else:
+            out = src = logits.clone()  # rows no state covers must be copied: clone, then mask in place
+        for i, pos in self._groups(state.tree):
+            nodes = state.node if pos is None else state.node[pos]
+            lrows = rows if pos is None else (pos if rows is None else rows[pos])
+            _native.mask_rows(out, src, nodes, lrows, self.tables[i])
+        return out
 
     def allowed(self, state: RowState, width: Optional[int] = None) -> torch.Tensor:
         """Boolean mask of each row's allowed tokens (unconstrained rows allow all). Shape: (R, width), bool."""

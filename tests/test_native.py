@@ -1,0 +1,147 @@
+"""The fused CPU kernel (trie_decode/_kernel.c) against the numpy/torch path it replaces on CPU.
+
+Both paths read the same step table; here they must give bit-identical logits for every kind of row (inside an
+entry, dense, done, free, in a separator), in place and out of place, with a row mapping, wider logits, strided
+rows and every float dtype; and the kernel must survive corrupt states without touching memory it does not own.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from trie_decode import TokenTrie, _native
+from trie_decode._backend import NUMPY
+from trie_decode.constraint import DONE, FREE, SpanRules, TrieConstraint
+from trie_decode.masking import apply_plans_
+
+V = 300
+END = 1
+
+
+def test_kernel_is_built():
+    """setup.py compiles the kernel wherever a C compiler exists (this project's machines and CI all have one)."""
+    assert _native.AVAILABLE, "trie_decode._kernel did not build: run `make venv` (pip install -e .) with a C compiler"
+    assert _native.ENABLED
+
+
+def _random_trie(rng: np.random.Generator, n: int) -> TokenTrie:
+    seqs = [rng.integers(2, V, size=rng.integers(1, 5)).tolist() for _ in range(n)]
+    seqs += [[7], [7, 8], [7, 8, 9]]  # entries that prefix others
+    return TokenTrie.from_sequences(seqs, vocab_size=V)
+
+
+def _fallback(c: TrieConstraint, logits, state, rows=None, *, inplace=True):
+    return apply_plans_(logits, c.plans(state, rows, NUMPY), inplace=inplace)
+
+
+def _states(c: TrieConstraint, rng: np.random.Generator, rows: int) -> torch.Tensor:
+    """Nodes from every part of the tries, plus every negative code the rules use."""
+    n = min(d.num_nodes for d in c.dtries)
+    codes = [DONE, FREE] + [-2 - k for k in range(1, len(c.rules.separator))]
+    pool = list(range(min(n, 50))) + rng.integers(0, n, 20).tolist() + codes
+    return torch.tensor(rng.choice(pool, size=rows), dtype=torch.long)
+
+
+@pytest.mark.parametrize("on_complete", ["eos", "release", "repeat"])
+@pytest.mark.parametrize("dense", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_kernel_equals_fallback(on_complete, dense, dtype):
+    rng = np.random.default_rng(hash((on_complete, dense, str(dtype))) % 2**32)
+    tries = [_random_trie(rng, 400), _random_trie(rng, 30)]
+    sep = (3, 4) if on_complete == "repeat" else ()
+    rules = SpanRules(end_token_id=END, on_complete=on_complete, separator=sep)
+    c = TrieConstraint(tries, rules, "cpu", dense_min_fanout=8 if dense else None)
+    assert c._native
+    if dense:
+        assert all(d.num_dense > 0 for d in c.dtries)
+    for trial in range(6):
+        rows = 17
+        state = c.start(rows, torch.from_numpy(rng.integers(0, 2, rows)))
+        state.node = _states(c, rng, rows)
+        state.node[state.tree == 1] = state.node[state.tree == 1].clamp(max=c.dtries[1].num_nodes - 1)
+        width = V + 7
+        logits = torch.randn(rows, width).to(dtype)
+        # in place and out of place
+        ref = _fallback(c, logits.clone(), state)
+        got = c.mask_(logits.clone(), state)
+        assert torch.equal(got, ref)
+        before = logits.clone()
+        got = c.mask_(logits, state, inplace=False)
+        assert torch.equal(got, ref) and torch.equal(logits, before)
+        # a row mapping into a larger batch (vLLM: only some rows are constrained); strided rows
+        big = torch.randn(2 * rows + 3, width).to(dtype)
+        mapping = torch.from_numpy(rng.permutation(2 * rows + 3)[:rows].astype(np.int64))
+        ref = _fallback(c, big.clone(), state, mapping)
+        assert torch.equal(c.mask_(big.clone(), state, mapping), ref)
+        assert torch.equal(c.mask_(big, state, mapping, inplace=False), ref)
+        wide = torch.randn(rows, 2 * width).to(dtype)
+        view = wide[:, :width]
+        ref = _fallback(c, view.clone(), state)
+        c.mask_(view, state)
+        assert torch.equal(view, ref) and wide[:, width:].isfinite().all()
+
+
+def test_child_equals_searchsorted():
+    rng = np.random.default_rng(1)
+    trie = _random_trie(rng, 2000)
+    c = TrieConstraint(trie, SpanRules(end_token_id=END), "cpu", dense_min_fanout=16)
+    d = c.dtries[0]
+    nodes = np.concatenate([rng.integers(0, trie.num_nodes, 500), [-1, -2, -7, trie.num_nodes, 2**40]])
+    tokens = np.concatenate([rng.integers(-3, V + 3, 500), [5, 5, 5, 5, 5]])
+    # every real edge too
+    edges_node, edges_tok = trie.parent[1:].astype(np.int64), trie.token[1:].astype(np.int64)
+    nodes, tokens = np.concatenate([nodes, edges_node]), np.concatenate([tokens, edges_tok])
+    ref = d.step(nodes.copy(), tokens.copy(), NUMPY)
+    got = _native.child(d, torch.from_numpy(nodes), torch.from_numpy(tokens)).numpy()
+    assert np.array_equal(got, ref)
+    assert np.array_equal(got[-len(edges_node):], np.arange(1, trie.num_nodes))
+
+
+def test_corrupt_states_never_read_out_of_bounds():
+    """A corrupt node id (a bug elsewhere, or a hand-made RowState) reads as DONE: only the end token survives."""
+    trie = TokenTrie.from_sequences([[5, 6], [9]], vocab_size=20)
+    c = TrieConstraint(trie, SpanRules(end_token_id=2), "cpu")
+    state = c.start(4)
+    state.node = torch.tensor([2**40, -(2**40), trie.num_nodes, -50])
+    out = c.mask_(torch.zeros(4, 20), state)
+    assert out.isfinite().nonzero().tolist() == [[0, 2], [1, 2], [2, 2], [3, 2]]
+    for rows in (torch.tensor([0, 1, 7, 1]), torch.tensor([0, -3, 1, 1])):
+        with pytest.raises(IndexError, match="outside the batch of 2 rows"):
+            c.mask_(torch.zeros(2, 20), c.start(4), rows)
+    with pytest.raises(IndexError, match="4 states for a batch of 2"):
+        c.mask_(torch.zeros(2, 20), c.start(4))
+
+
+def test_wrapper_rejects_bad_arrays():
+    trie = TokenTrie.from_sequences([[5, 6]], vocab_size=20)
+    c = TrieConstraint(trie, SpanRules(end_token_id=2), "cpu")
+    table, logits = c.tables[0], torch.zeros(2, 20)
+    with pytest.raises(ValueError, match="int64"):
+        _native.mask_rows(logits, logits, torch.zeros(2, dtype=torch.int32), None, table)
+    with pytest.raises(ValueError, match="n=2"):
+        _native.mask_rows(logits, logits, torch.zeros(2, dtype=torch.long), torch.zeros(3, dtype=torch.long), table)
+    with pytest.raises(ValueError, match="fewer than the trie's vocabulary"):
+        _native.mask_rows(logits[:, :10], logits[:, :10], torch.zeros(2, dtype=torch.long), None, table)
+    with pytest.raises(ValueError, match="shape and dtype"):
+        _native.mask_rows(torch.zeros(3, 20), logits, torch.zeros(2, dtype=torch.long), None, table)
+    with pytest.raises(ValueError, match="int64"):
+        _native.child(c.dtries[0], torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.float32))
+    # logits the kernel cannot take (integer dtype, column stride) go to the fallback, which raises or copes
+    assert not _native.usable_logits(torch.zeros(2, 20, dtype=torch.int32))
+    assert not _native.usable_logits(torch.zeros(20, 2).t())
+    t_logits = torch.randn(20, 2).t()
+    ref = _fallback(c, t_logits.contiguous(), c.start(2))
+    assert torch.equal(c.mask_(t_logits, c.start(2), inplace=False), ref)
+
+
+def test_environment_switch_turns_the_kernel_off():
+    code = "from trie_decode import _native; print(_native.AVAILABLE, _native.enabled())"
+    env = {**os.environ, "TRIE_DECODE_NATIVE": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["True", "False"]

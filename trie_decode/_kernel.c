@@ -1,0 +1,298 @@
+/* The fused CPU step of trie_decode: masking logits rows and advancing trie nodes in one pass over each row.
+ *
+ * Why this exists: on a CPU the vectorized numpy/torch path costs a few dozen array operations per step (a ragged
+ * gather of the kept (row, token) pairs, a take, a fill, a put); at batch 64 that fixed cost is several times the
+ * physical floor, the fill(-inf) of the logits. This kernel does, per row, what the reference loop of
+ * trie_decode/masking.py says, in one pass: -inf over the gaps between the row's kept columns (or a copy through
+ * the dense row's blocked columns). In place it only writes, like the floor itself.
+ *
+ * It is optional: trie_decode/_native.py loads it when it was compiled and falls back to the numpy/torch path
+ * otherwise (and always on CUDA and MPS). Both paths read the same step table and are tested against each other.
+ *
+ * Memory safety: the Python wrapper passes raw data pointers of arrays whose dtype, contiguity and shape it has
+ * checked; this file additionally bounds-checks every node id and token it reads from per-step state, so a
+ * corrupt state can give a wrong mask but never an out-of-bounds access.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <wchar.h>
+
+/* Step table columns (trie_decode/constraint.py). */
+enum { T_START, T_COUNT, T_SLOT, T_ANCHOR, T_EXTRA0, T_EXTRA1, T_COLS };
+
+/* The row functions are compiled for AVX-512, AVX2 and the baseline, and picked at load time: filling is the
+ * floor of masking and must run at the speed of torch's own vectorized fill. */
+#if defined(__GNUC__) && defined(__x86_64__) && !defined(__clang__)
+#define TD_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define TD_CLONES
+#endif
+
+static inline uint64_t load_bits(const char *p, int es) {
+    if (es == 4) return *(const uint32_t *)p;
+    if (es == 2) return *(const uint16_t *)p;
+    return *(const uint64_t *)p;
+}
+
+static inline void store_bits(char *p, int es, uint64_t v) {
+    if (es == 4) *(uint32_t *)p = (uint32_t)v;
+    else if (es == 2) *(uint16_t *)p = (uint16_t)v;
+    else *(uint64_t *)p = v;
+}
+
+/* Write the -inf pattern over nb bytes at d (nb a multiple of es). pat holds 64 bytes of the pattern. Blocks of
+ * 64 or 16 bytes, the last one overlapping back into the gap, so a short gap costs a store or two, not a loop
+ * with a scalar tail (a row of 256 kept columns has 257 gaps); long float32 runs go to wmemset. */
+static inline void fill_gap(char *d, size_t nb, const char *pat, int es, uint64_t bits) {
+    size_t i = 0;
+#if WCHAR_MAX > 0xFFFF
+    if (es == 4 && nb >= 1024) {  /* libc's wmemset: as fast as torch's fill on long runs */
+        wmemset((wchar_t *)d, (wchar_t)(uint32_t)bits, nb / 4);
+        return;
+    }
+#endif
+    if (nb >= 64) {
+        for (; i + 64 <= nb; i += 64) memcpy(d + i, pat, 64);
+        if (i < nb) memcpy(d + nb - 64, pat, 64);
+    } else if (nb >= 16) {
+        for (; i + 16 <= nb; i += 16) memcpy(d + i, pat, 16);
+        if (i < nb) memcpy(d + nb - 16, pat, 16);
+    } else {
+        for (; i < nb; i += (size_t)es) store_bits(d + i, es, bits);
+    }
+}
+
+/* A sparse row: -inf over the gaps between the ascending kept columns cols[0..k). In place (drow == srow) the
+ * kept values are not touched, so the row is only written, like the floor's fill; otherwise they are copied. */
+TD_CLONES static void sparse_row(char *drow, const char *srow, const int64_t *cols, Py_ssize_t k, Py_ssize_t width,
+                                 int es, uint64_t bits, const char *pat) {
+    Py_ssize_t prev = 0;
+    for (Py_ssize_t j = 0; j < k; j++) {
+        Py_ssize_t col = (Py_ssize_t)cols[j];
+        fill_gap(drow + prev * es, (size_t)(col - prev) * es, pat, es, bits);
+        if (drow != srow) store_bits(drow + col * es, es, load_bits(srow + col * es, es));
+        prev = col + 1;
+    }
+    fill_gap(drow + prev * es, (size_t)(width - prev) * es, pat, es, bits);
+}
+
+/* A dense row: dst[j] = blocked[j] ? -inf : src[j] for j < vt, -inf up to the width (dst may equal src). */
+TD_CLONES static void dense_row(char *dst, const char *src, const uint8_t *blocked, Py_ssize_t vt, Py_ssize_t width,
+                                int es, uint64_t bits, const char *pat) {
+    Py_ssize_t j;
+    if (es == 4) {
+        uint32_t v = (uint32_t)bits, *d = (uint32_t *)dst;
+        const uint32_t *s = (const uint32_t *)src;
+        for (j = 0; j < vt; j++) d[j] = blocked[j] ? v : s[j];
+    } else if (es == 2) {
+        uint16_t v = (uint16_t)bits, *d = (uint16_t *)dst;
+        const uint16_t *s = (const uint16_t *)src;
+        for (j = 0; j < vt; j++) d[j] = blocked[j] ? v : s[j];
+    } else {
+        uint64_t v = bits, *d = (uint64_t *)dst;
+        const uint64_t *s = (const uint64_t *)src;
+        for (j = 0; j < vt; j++) d[j] = blocked[j] ? v : s[j];
+    }
+    fill_gap(dst + vt * es, (size_t)(width - vt) * es, pat, es, bits);
+}
+
+/* Insert col into the ascending array cols[0..*k) unless it is there already (cols has room for one more). */
+static void insert_sorted(int64_t *cols, Py_ssize_t *k, int64_t col) {
+    Py_ssize_t lo = 0, hi = *k;
+    while (lo < hi) {
+        Py_ssize_t mid = lo + ((hi - lo) >> 1);
+        if (cols[mid] < col) lo = mid + 1;
+        else hi = mid;
+    }
+    if (lo < *k && cols[lo] == col) return;
+    memmove(cols + lo + 1, cols + lo, (size_t)(*k - lo) * sizeof(int64_t));
+    cols[lo] = col;
+    (*k)++;
+}
+
+/* The table row of a state code: nodes index their own row, codes -K..-1 the K rows after the N node rows; any
+ * other value (a corrupt state) reads the last row, code -1 (DONE: only the end token). */
+static const int32_t *table_row(const int32_t *table, int64_t node, int64_t num_nodes, int64_t num_codes) {
+    int64_t r;
+    if (node >= 0 && node < num_nodes) r = node;
+    else if (node < 0 && node >= -num_codes) r = num_nodes + num_codes + node;
+    else r = num_nodes + num_codes - 1;
+    return table + r * T_COLS;
+}
+
+/* mask(out, src, batch, out_stride, src_stride, width, elsize, neg_bits, n, rows, nodes, table, num_nodes, num_codes, child_token,
+ *      blocked, vt, num_dense) -> number of rows masked
+ *
+ * For i < n: logits row rows[i] (or i when rows is 0) is masked by the state nodes[i]. src and out point at
+ * (batch, width) arrays of elsize-byte floats with those row strides (they may be the same array); width columns are used; vt <= width
+ * is the trie's vocabulary; the (num_dense, vt) uint8 array blocked holds the dense rows. A row whose anchor is -1
+ * is unconstrained: copied when out != src, else left alone. */
+static PyObject *py_mask(PyObject *self, PyObject *args) {
+    Py_ssize_t out_p, src_p, batch, out_stride, src_stride, width, n, rows_p, nodes_p, table_p, child_token_p, blocked_p;
+    Py_ssize_t num_nodes, num_codes, vt, num_dense, num_children;
+    int es;
+    unsigned long long neg_bits;
+    if (!PyArg_ParseTuple(args, "nnnnnniKnnnnnnnnnnn", &out_p, &src_p, &batch, &out_stride, &src_stride, &width, &es, &neg_bits, &n,
+                          &rows_p, &nodes_p, &table_p, &num_nodes, &num_codes, &child_token_p, &num_children,
+                          &blocked_p, &vt, &num_dense))
+        return NULL;
+    if (es != 2 && es != 4 && es != 8) {
+        PyErr_Format(PyExc_ValueError, "element size must be 2, 4 or 8 bytes, got %d", es);
+        return NULL;
+    }
+    if (vt > width || (batch > 1 && (width > out_stride || width > src_stride)) || num_codes < 1) {
+        PyErr_SetString(PyExc_ValueError, "inconsistent logits geometry or step table");
+        return NULL;
+    }
+    char *out = (char *)out_p;
+    const char *src = (const char *)src_p;
+    const int64_t *rows = (const int64_t *)rows_p, *nodes = (const int64_t *)nodes_p;
+    const int32_t *table = (const int32_t *)table_p, *child_token = (const int32_t *)child_token_p;
+    const uint8_t *blocked = (const uint8_t *)blocked_p;
+    if (rows) {
+        for (Py_ssize_t i = 0; i < n; i++)
+            if (rows[i] < 0 || rows[i] >= batch) {
+                PyErr_Format(PyExc_IndexError, "logits row %lld is outside the batch of %zd rows", (long long)rows[i], batch);
+                return NULL;
+            }
+    } else if (n > batch) {
+        PyErr_Format(PyExc_IndexError, "%zd states for a batch of %zd logits rows", n, batch);
+        return NULL;
+    }
+    Py_ssize_t masked = 0, cap = 64;
+    int64_t *keep_col = NULL;
+    int oom = 0;
+    char pat[64];
+    for (int b = 0; b < 64; b += es) store_bits(pat + b, es, (uint64_t)neg_bits);
+
+    Py_BEGIN_ALLOW_THREADS
+    keep_col = (int64_t *)malloc(cap * sizeof(int64_t));
+    if (!keep_col) oom = 1;
+    /* Prefetch every row's table row, and in the loop the next row's child tokens: after a logits fill a big
+     * trie is out of cache, and these loads would otherwise stall one after the other. */
+    for (Py_ssize_t i = 0; i < n; i++) __builtin_prefetch(table_row(table, nodes[i], num_nodes, num_codes));
+    for (Py_ssize_t i = 0; i < n && !oom; i++) {
+        if (i + 1 < n) {
+            const int32_t *nt = table_row(table, nodes[i + 1], num_nodes, num_codes);
+            if (nt[T_START] >= 0 && nt[T_START] < num_children) {
+                int64_t span = nt[T_COUNT] < 256 ? nt[T_COUNT] : 256;
+                for (int64_t c = 0; c < span; c += 16) __builtin_prefetch(child_token + nt[T_START] + c);
+            }
+        }
+        int64_t r = rows ? rows[i] : (int64_t)i;  /* checked above */
+        const int32_t *t = table_row(table, nodes[i], num_nodes, num_codes);
+        char *drow = out + (Py_ssize_t)r * out_stride * es;
+        const char *srow = src + (Py_ssize_t)r * src_stride * es;
+        if (t[T_ANCHOR] < 0) {  /* unconstrained */
+            if (drow != srow) memcpy(drow, srow, (size_t)width * es);
+            continue;
+        }
+        masked++;
+        int64_t slot = t[T_SLOT];
+        if (slot >= 0 && slot < num_dense) {
+            /* A dense row: its children are the unblocked columns; the extras (end token, separator) are saved
+             * first and put back, since the dense row may block them. */
+            uint64_t extra_val[T_EXTRA1 - T_ANCHOR + 1];
+            for (int e = T_ANCHOR; e <= T_EXTRA1; e++)
+                if (t[e] >= 0 && t[e] < width) extra_val[e - T_ANCHOR] = load_bits(srow + (Py_ssize_t)t[e] * es, es);
+            dense_row(drow, srow, blocked + slot * vt, vt, width, es, neg_bits, pat);
+            for (int e = T_ANCHOR; e <= T_EXTRA1; e++)
+                if (t[e] >= 0 && t[e] < width) store_bits(drow + (Py_ssize_t)t[e] * es, es, extra_val[e - T_ANCHOR]);
+            continue;
+        }
+        /* A sparse row: the kept columns in ascending order (the children's tokens are sorted, the extras are
+         * inserted), then -inf over the gaps between them. In place, the kept values are never touched, so the
+         * row is only written, like the floor's fill; out of place they are copied across. */
+        int64_t start = t[T_START], count = t[T_COUNT];
+        if (start < 0 || count < 0 || start + count > num_children) count = 0;
+        if (count + 4 > cap) {
+            cap = count + 4;
+            int64_t *c2 = (int64_t *)realloc(keep_col, cap * sizeof(int64_t));
+            if (!c2) { oom = 1; break; }
+            keep_col = c2;
+        }
+        Py_ssize_t k = 0;
+        for (int64_t c = 0; c < count; c++) {
+            int64_t col = child_token[start + c];
+            if (col >= 0 && col < vt && (k == 0 || col > keep_col[k - 1])) keep_col[k++] = col;
+        }
+        for (int e = T_ANCHOR; e <= T_EXTRA1; e++)
+            if (t[e] >= 0 && t[e] < width) insert_sorted(keep_col, &k, t[e]);
+        sparse_row(drow, srow, keep_col, k, width, es, neg_bits, pat);
+    }
+    free(keep_col);
+    Py_END_ALLOW_THREADS
+    if (oom) return PyErr_NoMemory();
+    return PyLong_FromSsize_t(masked);
+}
+
+/* child(out, nodes, tokens, n, child_ptr, child_token, num_nodes) -> None
+ *
+ * out[i] = the child of node nodes[i] by token tokens[i], or -1 where there is none or nodes[i] is not a node.
+ * Children of node m are m's CSR range child_ptr[m]..child_ptr[m+1]-1, sorted by token. The rows' binary searches
+ * run in lockstep, one level for every row per pass, with the next probe prefetched: a big trie's arrays are out of
+ * cache after every logits fill, and this way the rows' cache misses overlap instead of adding up. */
+static PyObject *py_child(PyObject *self, PyObject *args) {
+    Py_ssize_t out_p, nodes_p, tokens_p, n, child_ptr_p, child_token_p, num_nodes;
+    if (!PyArg_ParseTuple(args, "nnnnnnn", &out_p, &nodes_p, &tokens_p, &n, &child_ptr_p, &child_token_p, &num_nodes))
+        return NULL;
+    int64_t *out = (int64_t *)out_p;
+    const int64_t *nodes = (const int64_t *)nodes_p, *tokens = (const int64_t *)tokens_p;
+    const int32_t *child_ptr = (const int32_t *)child_ptr_p, *child_token = (const int32_t *)child_token_p;
+    int64_t *bounds = (int64_t *)malloc((size_t)(n > 0 ? n : 1) * 2 * sizeof(int64_t));
+    if (!bounds) return PyErr_NoMemory();
+    Py_BEGIN_ALLOW_THREADS
+    Py_ssize_t i;
+    for (i = 0; i < n; i++)
+        if (nodes[i] >= 0 && nodes[i] < num_nodes) __builtin_prefetch(child_ptr + nodes[i]);
+    /* bounds[2i], bounds[2i+1]: the search range of row i; an empty range once the row is settled */
+    for (i = 0; i < n; i++) {
+        int64_t m = nodes[i], lo = 0, hi = 0;
+        if (m >= 0 && m < num_nodes && tokens[i] >= 0) {
+            lo = child_ptr[m], hi = child_ptr[m + 1];
+            if (lo < 0) lo = 0;
+            if (hi > num_nodes) hi = num_nodes;
+            if (lo < hi) __builtin_prefetch(child_token + lo + ((hi - lo) >> 1));
+        }
+        bounds[2 * i] = lo, bounds[2 * i + 1] = hi;
+        out[i] = lo;  /* the first child position >= the token, once the search ends */
+    }
+    for (int active = 1; active;) {
+        active = 0;
+        for (i = 0; i < n; i++) {
+            int64_t lo = bounds[2 * i], hi = bounds[2 * i + 1];
+            if (lo >= hi) continue;
+            int64_t mid = lo + ((hi - lo) >> 1);
+            if (child_token[mid] < tokens[i]) lo = mid + 1;
+            else hi = mid;
+            bounds[2 * i] = lo, bounds[2 * i + 1] = hi;
+            if (lo < hi) {
+                __builtin_prefetch(child_token + lo + ((hi - lo) >> 1));
+                active = 1;
+            }
+            out[i] = lo;
+        }
+    }
+    for (i = 0; i < n; i++) {
+        int64_t m = nodes[i], pos = out[i];
+        int ok = m >= 0 && m < num_nodes && tokens[i] >= 0 && pos < num_nodes && pos < child_ptr[m + 1] &&
+                 child_token[pos] == tokens[i];
+        out[i] = ok ? pos : -1;
+    }
+    Py_END_ALLOW_THREADS
+    free(bounds);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"mask", py_mask, METH_VARARGS, "Mask logits rows by their trie states (see _kernel.c)."},
+    {"child", py_child, METH_VARARGS, "The child of each node by each token, or -1 (see _kernel.c)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernel", "trie_decode's fused CPU step.", -1, methods};
+
+PyMODINIT_FUNC PyInit__kernel(void) { return PyModule_Create(&module); }
