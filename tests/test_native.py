@@ -100,6 +100,9 @@ def test_child_equals_searchsorted():
     ref = d.step(nodes.copy(), tokens.copy(), NUMPY)
     got = _native.child(d, torch.from_numpy(nodes), torch.from_numpy(tokens)).numpy()
     assert np.array_equal(got, ref)
+    strided = torch.stack([torch.from_numpy(tokens), torch.from_numpy(tokens)], dim=1)[:, 0]  # generate's ids[:, -1]
+    assert not strided.is_contiguous()
+    assert np.array_equal(_native.child(d, torch.from_numpy(nodes), strided).numpy(), ref)
     assert np.array_equal(got[-len(edges_node):], np.arange(1, trie.num_nodes))
 
 

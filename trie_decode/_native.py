@@ -75,9 +75,11 @@ def static_args(table: Any) -> tuple:
     )
 
 
-def _check_index(t: torch.Tensor, n: int, what: str) -> None:
-    if t.dtype != torch.int64 or t.device.type != "cpu" or t.dim() != 1 or t.numel() != n or not t.is_contiguous():
-        raise ValueError(f"{what} must be a contiguous (n={n},) int64 CPU tensor, got {t.dtype} {tuple(t.shape)}")
+def _index(t: torch.Tensor, n: int, what: str) -> torch.Tensor:
+    """``t`` as a contiguous (n,) int64 CPU tensor (a copy only if it is a strided view), or ValueError."""
+    if t.dtype != torch.int64 or t.device.type != "cpu" or t.dim() != 1 or t.numel() != n:
+        raise ValueError(f"{what} must be a (n={n},) int64 CPU tensor, got {t.dtype} {tuple(t.shape)} on {t.device}")
+    return t if t.is_contiguous() else t.contiguous()
 
 
 def mask_rows(out: torch.Tensor, src: torch.Tensor, nodes: torch.Tensor, rows: Optional[torch.Tensor], table: Any) -> int:
@@ -90,9 +92,9 @@ def mask_rows(out: torch.Tensor, src: torch.Tensor, nodes: torch.Tensor, rows: O
         table: the CPU ``_StepTable`` of (trie, rules).
     """
     n = nodes.numel()
-    _check_index(nodes, n, "nodes")
+    nodes = _index(nodes, n, "nodes")
     if rows is not None:
-        _check_index(rows, n, "rows")
+        rows = _index(rows, n, "rows")
     if out is not src and (out.shape != src.shape or out.dtype != src.dtype or not usable_logits(out)):
         raise ValueError("out must be a CPU tensor of the shape and dtype of src")
     batch, width = src.shape
@@ -113,8 +115,7 @@ def child(dtrie: Any, nodes: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor
         Shape: (R,), int64.
     """
     n = nodes.numel()
-    _check_index(nodes, n, "nodes")
-    _check_index(tokens, n, "tokens")
+    nodes, tokens = _index(nodes, n, "nodes"), _index(tokens, n, "tokens")
     out = torch.empty(n, dtype=torch.int64)
     t = dtrie.tensors
     _kernel.child(out.data_ptr(), nodes.data_ptr(), tokens.data_ptr(), n, t.child_ptr.data_ptr(),
