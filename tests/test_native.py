@@ -131,8 +131,10 @@ def test_wrapper_rejects_bad_arrays():
         _native.mask_rows(logits, logits, torch.zeros(2, dtype=torch.long), torch.zeros(3, dtype=torch.long), table)
     with pytest.raises(ValueError, match="fewer than the trie's vocabulary"):
         _native.mask_rows(logits[:, :10], logits[:, :10], torch.zeros(2, dtype=torch.long), None, table)
-    with pytest.raises(ValueError, match="shape and dtype"):
+    with pytest.raises(ValueError, match="out and src alike"):
         _native.mask_rows(torch.zeros(3, 20), logits, torch.zeros(2, dtype=torch.long), None, table)
+    with pytest.raises(ValueError, match="unit column stride"):
+        _native.mask_rows(logits.t(), logits.t(), torch.zeros(20, dtype=torch.long), None, table)
     with pytest.raises(ValueError, match="int64"):
         _native.child(c.dtries[0], torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.float32))
     # logits the kernel cannot take (integer dtype, column stride) go to the fallback, which raises or copes

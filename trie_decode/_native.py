@@ -49,7 +49,7 @@ def usable_logits(logits: torch.Tensor) -> bool:
     and rows that do not overlap."""
     return (
         logits.dtype in _NEG_INF_BITS
-        and logits.device.type == "cpu"
+        and logits.is_cpu
         and logits.dim() == 2
         and (logits.stride(1) == 1 or logits.shape[1] <= 1)
         and (logits.stride(0) >= logits.shape[1] or logits.shape[0] <= 1)
@@ -77,7 +77,7 @@ def static_args(table: Any) -> tuple:
 
 def _index(t: torch.Tensor, n: int, what: str) -> torch.Tensor:
     """``t`` as a contiguous (n,) int64 CPU tensor (a copy only if it is a strided view), or ValueError."""
-    if t.dtype != torch.int64 or t.device.type != "cpu" or t.dim() != 1 or t.numel() != n:
+    if t.dtype is not torch.int64 or not t.is_cpu or t.dim() != 1 or t.numel() != n:
         raise ValueError(f"{what} must be a (n={n},) int64 CPU tensor, got {t.dtype} {tuple(t.shape)} on {t.device}")
     return t if t.is_contiguous() else t.contiguous()
 
@@ -95,8 +95,8 @@ def mask_rows(out: torch.Tensor, src: torch.Tensor, nodes: torch.Tensor, rows: O
     nodes = _index(nodes, n, "nodes")
     if rows is not None:
         rows = _index(rows, n, "rows")
-    if out is not src and (out.shape != src.shape or out.dtype != src.dtype or not usable_logits(out)):
-        raise ValueError("out must be a CPU tensor of the shape and dtype of src")
+    if not usable_logits(src) or (out is not src and (out.shape != src.shape or out.dtype != src.dtype or not usable_logits(out))):
+        raise ValueError("the kernel takes 2-D CPU float logits with unit column stride, out and src alike")
     batch, width = src.shape
     if width < table.dtrie.vocab_size:
         raise ValueError(f"logits have {width} columns, fewer than the trie's vocabulary ({table.dtrie.vocab_size})")
@@ -117,7 +117,11 @@ def child(dtrie: Any, nodes: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor
     n = nodes.numel()
     nodes, tokens = _index(nodes, n, "nodes"), _index(tokens, n, "tokens")
     out = torch.empty(n, dtype=torch.int64)
-    t = dtrie.tensors
-    _kernel.child(out.data_ptr(), nodes.data_ptr(), tokens.data_ptr(), n, t.child_ptr.data_ptr(),
-                  t.child_token.data_ptr(), dtrie.num_nodes)
+    trie_args = dtrie.__dict__.get("_kernel_child_args")
+    if trie_args is None:
+        t = dtrie.tensors
+        if not (t.child_ptr.is_cpu and t.child_token.is_cpu):
+            raise ValueError("the kernel needs a CPU DeviceTrie")
+        trie_args = dtrie._kernel_child_args = (t.child_ptr.data_ptr(), t.child_token.data_ptr(), dtrie.num_nodes)
+    _kernel.child(out.data_ptr(), nodes.data_ptr(), tokens.data_ptr(), n, *trie_args)
     return out

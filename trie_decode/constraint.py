@@ -283,7 +283,8 @@ class TrieConstraint:
             tails: the rows' last tokens *including* ``tokens`` (at least ``len(trigger)`` columns); needed only
                 with a trigger.
         """
-        tokens = tokens.to(self.device, torch.long)
+        if tokens.dtype is not torch.long or tokens.device != self.device:
+            tokens = tokens.to(self.device, torch.long)
         node = state.node
         ops = self._ops
         groups = self._groups(state.tree)
