@@ -23,7 +23,8 @@ With a trigger (a token sequence) the constraint starts only after the trigger a
 
 Each (trie, rules) pair gets a *step table*: per node and per negative code, the row's child range, dense slot, a
 token it surely keeps (the padding anchor) and its extra tokens (end, separator). Masking a batch is then one table
-gather plus the kernel of :mod:`trie_decode.masking`; rows whose anchor is -1 are unconstrained.
+gather plus the kernel of :mod:`trie_decode.masking` (CUDA, MPS), or one call of the fused C kernel that reads the
+same table (CPU, :mod:`trie_decode._native`); rows whose anchor is -1 are unconstrained.
 """
 
 from __future__ import annotations
