@@ -293,6 +293,8 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_kernel", "trie_decode's fused CPU step.", -1, methods};
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, .m_name = "_kernel", .m_doc = "trie_decode's fused CPU step.", .m_size = -1, .m_methods = methods,
+};
 
 PyMODINIT_FUNC PyInit__kernel(void) { return PyModule_Create(&module); }
