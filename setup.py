@@ -1,7 +1,7 @@
 """Build hook for the optional C kernel (everything else is configured in pyproject.toml).
 
 ``trie_decode._kernel`` is the fused CPU masking step (trie_decode/_kernel.c). It is optional: where no C compiler
-is available the install still succeeds and ``trie_decode._native`` falls back to the numpy/torch path.
+is available the install still succeeds and ``trie_decode.kernels`` falls back to the numpy/torch kernel.
 """
 
 from setuptools import Extension, setup

@@ -6,6 +6,10 @@
 # inline list of strings or of token-id lists (built once per content), or nothing (unconstrained).
 # `trie_args` builds and checks that dict.
 #
+# Trie files are opened only inside the directories named by `TRIE_DECODE_ALLOWED_DIRS` (or registered by name
+# with `TRIE_DECODE_NAMED_TRIES`): closed by default, as for `vllm serve` (see docs/vllm.md, "Security"). Set it
+# before creating the `LLM`: the engine's process inherits it.
+#
 # vLLM starts worker processes, so engine code sits under `if __name__ == "__main__":` (a notebook's
 # `__name__` is `"__main__"` too). On a 2-core CPU the engine takes one to two minutes to start.
 #
@@ -34,6 +38,7 @@ tokenizer = AutoTokenizer.from_pretrained(path)
 languages = sorted({lang.name for lang in pycountry.languages})
 trie_file = Path(tempfile.mkdtemp()) / "languages.trie.safetensors"
 TokenTrie.from_strings(languages, tokenizer, leading_space=True).save(trie_file)
+os.environ["TRIE_DECODE_ALLOWED_DIRS"] = str(trie_file.parent)  # requests may name the trie files in this folder
 print(f"{trie_file}: {len(languages)} languages")
 
 
@@ -98,14 +103,16 @@ if __name__ == "__main__":
 # %% [markdown]
 # ## A bad request is refused before it reaches the batch
 #
-# Offline, `LLM.generate` raises; the engine keeps serving the next requests.
+# Offline, `LLM.generate` raises; the engine keeps serving the next requests. A file outside the allowed folders
+# gets the same refusal whether it exists or not.
 
 # %%
 if __name__ == "__main__":
-    try:
-        llm.generate([prompt("Hi")], SamplingParams(max_tokens=4, extra_args={"trie": str(trie_file) + ".missing"}))
-    except Exception as exc:  # noqa: BLE001 - vLLM wraps the processor's TrieRequestError
-        print(f"refused: {type(exc).__name__}: {str(exc)[:160]}")
+    for bad in (str(trie_file) + ".missing", "/etc/passwd"):
+        try:
+            llm.generate([prompt("Hi")], SamplingParams(max_tokens=4, extra_args={"trie": bad}))
+        except Exception as exc:  # noqa: BLE001 - vLLM wraps the processor's TrieRequestError
+            print(f"refused: {type(exc).__name__}: {str(exc)[:160]}")
     again = llm.generate([prompt("Which language is spoken in France?")],
                          SamplingParams(max_tokens=24, temperature=0.0, extra_args=trie_args(trie_file)), use_tqdm=False)
     print("next request:", repr(again[0].outputs[0].text))

@@ -5,6 +5,9 @@
 # constraint in the request body's `vllm_xargs` (vLLM's per-request `extra_args`). Values cannot nest over HTTP,
 # so an inline list is sent as a JSON string. A bad constraint is an HTTP 400 with the reason.
 #
+# A client may name only trie files the operator makes available: files inside `TRIE_DECODE_ALLOWED_DIRS`, or tries
+# registered by name in `TRIE_DECODE_NAMED_TRIES` (closed by default; see docs/vllm.md, "Security").
+#
 # This example starts the server on a loopback port as a subprocess, sends requests with the standard library,
 # and stops it. In a shell the server command is:
 #
@@ -57,6 +60,8 @@ cmd = [
 ]
 log = open(workdir / "server.log", "wb")
 env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), TOKENIZERS_PARALLELISM="false")
+env["TRIE_DECODE_ALLOWED_DIRS"] = str(workdir)  # requests may name the trie files in this folder ...
+env["TRIE_DECODE_NAMED_TRIES"] = f"countries={trie_file}"  # ... or this trie by its name
 server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 # Never leave a server behind, even if a later cell fails.
 atexit.register(lambda: server.poll() is None and os.killpg(server.pid, signal.SIGKILL))
@@ -101,7 +106,7 @@ def chat_prompt(question: str) -> str:
 numbers = [tokenizer(" " + n, add_special_tokens=False)["input_ids"] for n in ["one", "two", "three", "four"]]
 requests = [
     ("Which country is Paris the capital of?", {"trie": str(trie_file)}),  # a file on the server
-    ("Which country has Tokyo as its capital?", {"trie": str(trie_file)}),
+    ("Which country has Tokyo as its capital?", {"trie": "countries"}),  # the same file, by its registered name
     ("What color is grass?", {"trie": json.dumps(["red", "green", "blue"]), "leading_space": True}),  # inline
     ("How many wheels does a bicycle have?", {"trie": json.dumps(numbers)}),  # inline token ids
     ("Which country is Paris the capital of?", None),  # unconstrained
@@ -116,6 +121,8 @@ for question, xargs in requests:
 # %%
 status, body = complete(chat_prompt("Hi"), {"trie": str(workdir / "missing.trie")})
 print(status, json.dumps(body)[:200])
+status, body = complete(chat_prompt("Hi"), {"trie": "/etc/passwd"})  # outside: refused, and nothing about the file
+print(status, json.dumps(body)[:300])
 status, body = complete(chat_prompt("Hi"), {"trie": json.dumps(["a", "b"]), "on_complete": "sometimes"})
 print(status, json.dumps(body)[:200])
 

@@ -3,14 +3,14 @@
 Why this exists: inside a trie most steps have no choice. Once a name's prefix is unique, every remaining token
 is forced, and token-by-token decoding spends one forward pass on each of them. Here each step makes one real
 decision per row (argmax or a sample from the masked logits), appends the run of tokens the trie forces after it
-(:meth:`~trie_decode.constraint.TrieConstraint.forced_tokens`, built on ``TokenTrie.forced_run``), and feeds all
+(:meth:`~trie_decode.constraint.TrieConstraint.forced_tokens`, built on ``TokenTrie.forced_runs``), and feeds all
 rows' new tokens through *one* forward pass. SGLang's jump-forward decoding does the same for JSON schemas.
 
 A step of the loop, for a batch whose rows emit different numbers of tokens (ragged blocks):
 
-    1. Decide: mask the logits of every unfinished row with its trie state (the same
-       :class:`~trie_decode.constraint.TrieConstraint` the processor uses), run the logits processors, and take
-       the argmax or a sample.
+    1. Decide: run ``generate``'s logits processors, mask the logits of every unfinished row with its trie state
+       (the same :class:`~trie_decode.constraint.TrieConstraint` the processor uses), run the sampling warpers
+       (the order ``generate`` gives a ``TrieLogitsProcessor``), and take the argmax or a sample.
     2. Fast-forward: append each row's forced run (including a forced end token where an entry ends with no way
        on, and the rest of a separator in ``"repeat"`` mode), advancing the row state through it.
     3. Commit: cut rows at a stop token or at ``max_new_tokens``; finished rows leave the batch (their KV-cache
@@ -44,13 +44,13 @@ import copy
 import inspect
 import time
 from dataclasses import dataclass, field, fields
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Optional, Union
 
 import torch
 
 from trie_decode.constraint import RowState, SpanRules, TrieConstraint
 from trie_decode.errors import ConstraintConfigError
-from trie_decode.trie import TokenTrie
+from trie_decode.options import TrieArg, as_tries, build_rules, prompt_groups
 
 try:
     from transformers import DynamicCache, GenerationConfig, LogitsProcessorList
@@ -63,12 +63,11 @@ try:
         TopKLogitsWarper,
         TopPLogitsWarper,
     )
+    from .transformers import TrieLogitsProcessor
 except ImportError as exc:  # pragma: no cover - import guard
     raise ImportError("trie_decode.integrations.fast_forward needs transformers: pip install 'trie-decode[transformers]'") from exc
 
 __all__ = ["fast_forward_generate", "FastForwardStats", "FastForwardOutput"]
-
-TrieArg = Union[TokenTrie, Sequence[TokenTrie]]
 
 # Model kwargs that generate() hands to a custom_generate callable and that this loop understands; anything else
 # (images, token_type_ids, ...) is refused rather than silently ignored.
@@ -154,8 +153,6 @@ def _plain_processors(config: GenerationConfig) -> LogitsProcessorList:
 
 
 def _check_hooked_inputs(logits_processor: Any, stopping_criteria: Any) -> None:
-    from .transformers import TrieLogitsProcessor  # at call time: transformers.py may re-export this module
-
     for proc in logits_processor or ():
         if isinstance(proc, TrieLogitsProcessor):
             raise ConstraintConfigError(
@@ -200,6 +197,9 @@ class _Run:
         self.padded = bool((self.attn == 0).any())  # once True, the 2-D mask is always passed
         self.next_pos = self.attn.sum(1)  # (B,) position of each row's next token
         self.config, self.processors, self.generator = config, processors, generator
+        warpers = [p for p in processors if type(p).__name__.endswith("LogitsWarper")]
+        self.before = LogitsProcessorList([p for p in processors if p not in warpers])
+        self.after = LogitsProcessorList(warpers)
         self.stop = torch.tensor(stop_ids or [-1], dtype=torch.long, device=self.device)
         self.stop_set = set(stop_ids)
         self.pad_id, self.max_new, self.max_time = pad_id, max_new, max_time
@@ -233,10 +233,7 @@ class _Run:
         raw = self.next_logits[pos].float()
         state = self.state.select(idx)
         # raw is already a copy (advanced indexing); keep it unmasked only when raw logits are returned.
-        scores = self.constraint.mask_(raw.clone() if self.want_logits else raw, state)
-        ids = self._current_ids(rows) if len(self.processors) else None
-        if ids is not None:
-            scores = self.processors(ids, scores)
+        scores = self._process(rows, raw.clone() if self.want_logits else raw, state)
         if self.do_sample:
             probs = torch.softmax(scores, dim=-1)
             tokens = torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
@@ -247,6 +244,17 @@ class _Run:
         for r, tok in zip(rows, tokens.tolist()):
             blocks[r].append(tok)
             self.decided[r] += 1
+
+    def _process(self, rows: list[int], scores: torch.Tensor, state: RowState) -> torch.Tensor:
+        """The logits processors in ``generate``'s order: its own processors (min_new_tokens, bad_words, ...), then
+        the trie mask (where ``generate`` runs a user's ``TrieLogitsProcessor``), then the sampling warpers."""
+        ids = self._current_ids(rows) if len(self.processors) else None
+        if self.before:
+            scores = self.before(ids, scores)
+        scores = self.constraint.mask_(scores, state)
+        if self.after:
+            scores = self.after(ids, scores)
+        return scores
 
     def _tails(self, idx: torch.Tensor, tokens: torch.Tensor, valid: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
         """Update the trigger history of rows ``idx`` with ``tokens`` (where ``valid``) and return it."""
@@ -405,9 +413,7 @@ class _Run:
             state = state.select(sel)
             batch_idx = torch.tensor([row_of[r] for r in rows.tolist()], device=self.device)
             raw = logits[batch_idx, offset + block_pos - 1 - base].float()
-            scores = self.constraint.mask_(raw.clone(), state)
-            if len(self.processors):
-                scores = self.processors(self._current_ids(rows.tolist()), scores)
+            scores = self._process(rows.tolist(), raw.clone(), state)
             gen_pos = torch.tensor([starts[r] for r in rows.tolist()], device=self.device) + block_pos
             self._record(rows, gen_pos, scores, raw)
 
@@ -584,25 +590,18 @@ def fast_forward_generate(
         raise ConstraintConfigError("fast_forward_generate starts from an empty cache; do not pass a filled one")
 
     eos_ids = _token_set(getattr(config, "_eos_token_tensor", None)) or _token_set(config.eos_token_id)
-    if end_token_id is None and eos_ids and tokenizer is None:
-        end_token_id = eos_ids[0]
-    from .transformers import _as_tries, build_rules  # at call time: transformers.py re-exports this module
-
     if trie is None:
         raise ConstraintConfigError("fast_forward_generate needs trie=: a TokenTrie, or one per prompt")
-    tries = _as_tries(trie, tokenizer)
+    tries = as_tries(trie, tokenizer)
 
-    rules: SpanRules = build_rules(tokenizer, end_token_id, on_complete, separator, trigger)
+    rules: SpanRules = build_rules(
+        tokenizer, end_token_id, on_complete, separator, trigger, default_end=eos_ids[0] if eos_ids else None
+    )
     stop_ids = sorted(set(eos_ids) | ({rules.end_token_id} if on_complete in ("eos", "repeat") else set()))
     pad = config.pad_token_id
     pad_id = int(_token_set(pad)[0]) if pad is not None else (eos_ids[0] if eos_ids else rules.end_token_id)
 
-    b = input_ids.shape[0]
-    if b % len(tries):
-        raise ConstraintConfigError(
-            f"{len(tries)} tries were given (one per prompt) but the batch has {b} rows, not a multiple of {len(tries)}"
-        )
-    groups = torch.arange(b, device=input_ids.device) // (b // len(tries))
+    groups = prompt_groups(input_ids.shape[0], len(tries), input_ids.device)
     constraint = TrieConstraint(tries, rules, input_ids.device)
     run = _Run(
         model,

@@ -5,17 +5,26 @@ Why this exists: ``model.generate(logits_processor=[TrieLogitsProcessor(trie, to
 will constrain a model to a set of names or ids. transformers' own ``PrefixConstrainedLogitsProcessor`` calls a
 Python function per row per step and walks the trie from the root each time; this processor keeps each row's trie
 node as a tensor on the logits' device and masks all rows with a handful of tensor ops (see
-:mod:`trie_decode.masking`).
+:mod:`trie_decode.kernels`).
 
-Row state under beam search: transformers reorders rows between steps without telling the processor. Each row's
-state is therefore keyed by its generated prefix: a 64-bit polynomial hash of (prompt index, generated tokens),
-computed as one integer dot product over the batch. At each step a row finds its parent row of the previous step
-by the hash of its prefix minus the last token, and advances the parent's state by that token.
+Row state: inside ``generate``'s greedy and sampling loop rows never move, so each row's state simply advances by
+its new token (O(1) per row, no lookup). Under beam search transformers reorders rows between steps without
+telling the processor; each row's state is then keyed by its generated prefix, a 64-bit polynomial hash of (prompt
+index, generated tokens) computed as one integer dot product over the batch, and each row finds its parent row of
+the previous step by the hash of its prefix minus the last token (argsort + searchsorted: no host read). Which
+loop calls the processor is read from the caller's frames (:class:`_GenerateLoop`); an unknown caller gets the
+beam-search treatment.
+
+Masking writes into the scores in place when ``generate`` allows it (it does not keep them, i.e. not
+``output_logits=True`` in greedy/sampling), and otherwise into a reused output buffer, never into a tensor someone
+else can still see.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, Union
+import sys
+import weakref
+from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -23,67 +32,17 @@ import torch
 from trie_decode.constraint import DONE, RowState, SpanRules, TrieConstraint
 from trie_decode.entries import Entry
 from trie_decode.errors import ConstraintConfigError
+from trie_decode.filters import is_per_row
+from trie_decode.forms import entry_identity
+from trie_decode.options import TrieArg, as_tries, build_rules, first_eos, prompt_groups
 from trie_decode.trie import TokenTrie
 
 try:
-    from transformers import LogitsProcessor
+    from transformers import LogitsProcessor, LogitsProcessorList
 except ImportError as exc:  # pragma: no cover - import guard
     raise ImportError("trie_decode.integrations.transformers needs transformers: pip install 'trie-decode[transformers]'") from exc
 
-__all__ = ["TrieLogitsProcessor", "prefix_allowed_tokens_fn", "match", "match_all", "rank", "RankedEntry"]
-
-TrieArg = Union[TokenTrie, Sequence[TokenTrie]]
-
-
-def _tokens_arg(value: Any, tokenizer: Any, what: str) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, str):
-        if tokenizer is None:
-            raise ConstraintConfigError(f"{what} given as text needs a tokenizer; pass tokenizer= or token ids")
-        ids = tokenizer(value, add_special_tokens=False)["input_ids"]
-        if not ids:
-            raise ConstraintConfigError(f"{what} {value!r} tokenizes to nothing")
-        return tuple(int(i) for i in ids)
-    if isinstance(value, int):
-        return (int(value),)
-    return tuple(value)
-
-
-def build_rules(
-    tokenizer: Any,
-    end_token_id: Optional[int],
-    on_complete: str,
-    separator: Any,
-    trigger: Any,
-) -> SpanRules:
-    """Span rules from user-facing options (text is tokenized with ``tokenizer``); shared with fast-forward."""
-    if end_token_id is None:
-        end_token_id = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
-        if isinstance(end_token_id, (list, tuple)):
-            end_token_id = end_token_id[0] if end_token_id else None
-        if end_token_id is None:
-            raise ConstraintConfigError("no end token: pass end_token_id=, or a tokenizer that has an eos_token_id")
-    return SpanRules(
-        end_token_id=int(end_token_id),
-        on_complete=on_complete,
-        separator=_tokens_arg(separator, tokenizer, "separator"),
-        trigger=_tokens_arg(trigger, tokenizer, "trigger"),
-    )
-
-
-def _as_tries(tries: TrieArg, tokenizer: Any) -> list[TokenTrie]:
-    if isinstance(tries, TokenTrie):
-        tries = [tries]
-    tries = list(tries)
-    if not tries:
-        raise ConstraintConfigError("tries is empty: pass one TokenTrie, or one per prompt")
-    for i, t in enumerate(tries):
-        if not isinstance(t, TokenTrie):
-            raise TypeError(f"tries[{i}] is {type(t).__name__}, not a TokenTrie")
-        if tokenizer is not None:
-            t.check_tokenizer(tokenizer)
-    return tries
+__all__ = ["TrieLogitsProcessor", "prefix_allowed_tokens_fn", "match", "match_all", "rank", "RankedEntry", "RankedList"]
 
 
 class _PrefixHasher:
@@ -114,6 +73,96 @@ class _PrefixHasher:
         return h
 
 
+def _spec_rows(allow: Any, deny: Any) -> int:
+    """How many per-prompt filters ``allow``/``deny`` give (0: one filter for every row)."""
+    counts = {len(spec) for spec in (allow, deny) if is_per_row(spec)}
+    if len(counts) > 1:
+        raise ConstraintConfigError(f"allow and deny give different numbers of per-prompt filters: {sorted(counts)}")
+    return counts.pop() if counts else 0
+
+
+def _rows_of(spec: Any, n: int) -> Any:
+    """``spec`` as ``n`` per-prompt specs (a single spec repeated), or as it is when n is 0."""
+    if spec is None or not n:
+        return spec
+    return list(spec) if is_per_row(spec) else [spec] * n
+
+
+class _GenerateLoop:
+    """What the processor may assume about the ``generate`` loop calling it, read once per call from the caller's
+    frames: the one place this module relies on transformers internals (5.x ``generation/utils.py``;
+    tests/test_transformers_internals.py fails loudly if they change).
+
+    - ``_sample`` (greedy and sampling) never reorders rows, and keeps the tensor it passes to the processors only
+      as the raw logits of ``output_logits=True``: so rows need no lookup, and the scores are masked in place
+      unless raw logits are kept.
+    - ``_beam_search`` reorders rows, and passes fresh log-probs (it keeps raw logits separately): in place.
+    - Any other caller (a user's own loop): rows may be reordered, and the scores are left untouched (the result
+      is written into a reusable buffer, see :class:`_OutputBuffers`).
+
+    A new ``generate`` call is recognized by its new ``LogitsProcessorList``.
+    """
+
+    __slots__ = ("reorders", "in_place", "_owner")
+
+    def __init__(self, reorders: bool, in_place: bool, owner: Any) -> None:
+        self.reorders, self.in_place = reorders, in_place
+        self._owner = weakref.ref(owner) if owner is not None else None
+
+    def continues(self, previous: Optional["_GenerateLoop"]) -> bool:
+        """Whether this call belongs to the same generation as ``previous``."""
+        if previous is None or (self._owner is None) != (previous._owner is None):
+            return False
+        return self._owner is None or self._owner() is previous._owner()
+
+    @classmethod
+    def of_caller(cls) -> "_GenerateLoop":
+        frame = sys._getframe(2)
+        owner = None
+        for _ in range(4):
+            if frame is None:
+                break
+            code = frame.f_code.co_name
+            local = frame.f_locals
+            if code == "__call__" and isinstance(local.get("self"), LogitsProcessorList):
+                owner = local["self"]
+            elif code == "_sample" and "output_logits" in local:
+                keeps_raw = bool(local.get("return_dict_in_generate")) and bool(local.get("output_logits"))
+                return cls(reorders=False, in_place=not keeps_raw, owner=owner)
+            elif code == "_beam_search":
+                return cls(reorders=True, in_place=True, owner=owner)
+            frame = frame.f_back
+        return cls(reorders=True, in_place=False, owner=None)
+
+
+class _OutputBuffers:
+    """Output tensors for out-of-place masking, reused once nothing outside this object can see them.
+
+    A fresh (B, V) tensor per step costs more than the masking itself (first-touch page faults: 27 of 32 ms at 256
+    rows). A buffer is reused only when its only Python references are this object's and its storage has no other
+    user (no view, no tuple of returned scores holds it); otherwise a new one is allocated.
+    """
+
+    def __init__(self, keep: int = 3) -> None:
+        self._bufs: list[torch.Tensor] = []
+        self._keep = keep
+
+    def get(self, like: torch.Tensor) -> torch.Tensor:
+        for buf in self._bufs:
+            # References: the list, the loop variable, getrefcount's argument.
+            if (buf.shape == like.shape and buf.dtype == like.dtype and buf.device == like.device
+                    and sys.getrefcount(buf) == 3 and _storage_users(buf) == 1):
+                return buf
+        buf = torch.empty(like.shape, dtype=like.dtype, device=like.device)
+        self._bufs = (self._bufs + [buf])[-self._keep :]
+        return buf
+
+
+def _storage_users(t: torch.Tensor) -> int:
+    """How many tensors use ``t``'s storage (``t`` and its views), not counting the probe's own handle."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata) - 1
+
+
 class TrieLogitsProcessor(LogitsProcessor):
     r"""Constrain generation to the entries of a token trie (one trie for all prompts, or one per prompt).
 
@@ -136,6 +185,11 @@ class TrieLogitsProcessor(LogitsProcessor):
             ``"repeat"``: entries separated by ``separator`` until the end token.
         separator (`str` or token ids, *optional*): used by ``"repeat"``.
         trigger (`str` or token ids, *optional*): the constraint starts only after this token sequence.
+        allow, deny (*optional*): entries (keys, names or indices) each prompt may use / may not use, over one
+            shared trie and with no rebuild: one list for every prompt, or a list of lists, one per prompt
+            (``None`` items: no filter). See :mod:`trie_decode.filters`.
+        distinct (`bool`, defaults to False): with ``on_complete="repeat"``, an entry appears at most once in a
+            row's list.
 
     Examples:
 
@@ -166,11 +220,21 @@ class TrieLogitsProcessor(LogitsProcessor):
         on_complete: str = "eos",
         separator: Any = None,
         trigger: Any = None,
+        allow: Any = None,
+        deny: Any = None,
+        distinct: bool = False,
     ) -> None:
-        self.tries = _as_tries(tries, tokenizer)
+        self.tries = as_tries(tries, tokenizer)
         self.rules = build_rules(tokenizer, end_token_id, on_complete, separator, trigger)
+        self._filter_specs = (allow, deny, bool(distinct))
+        self._filtered = allow is not None or deny is not None or bool(distinct)
+        if self._filtered:  # checked now, so that a bad key fails here rather than inside generate
+            probe = TrieConstraint(self.tries, self.rules, "cpu")
+            n = _spec_rows(allow, deny)
+            probe.filters(n or 1, _rows_of(allow, n), _rows_of(deny, n), distinct=distinct)
         self._constraints: dict[str, TrieConstraint] = {}
         self._hasher = _PrefixHasher()
+        self._max_depth = max(t.max_depth for t in self.tries)
         self.reset()
 
     def reset(self) -> None:
@@ -180,6 +244,9 @@ class TrieLogitsProcessor(LogitsProcessor):
         self._groups: Optional[torch.Tensor] = None
         self._start = 0
         self._last_len = -1
+        self._loop: Optional[_GenerateLoop] = None
+        self._filters = None
+        self._buffers = _OutputBuffers()
         self.steps = 0
 
     def constraint(self, device: torch.device) -> TrieConstraint:
@@ -194,61 +261,82 @@ class TrieLogitsProcessor(LogitsProcessor):
         """Length of ``input_ids`` at the first call of the current generation (where the span starts)."""
         return self._start
 
-    def _row_groups(self, batch: int, device: torch.device) -> torch.Tensor:
-        n = len(self.tries)
-        if n == 1:
-            return torch.zeros(batch, dtype=torch.long, device=device)
-        if batch % n:
-            raise ConstraintConfigError(
-                f"{n} tries were given (one per prompt) but the batch has {batch} rows, not a multiple of {n}"
-            )
-        return torch.arange(batch, device=device) // (batch // n)
+    @property
+    def masks_in_place(self) -> bool:
+        """Whether the current generation's scores are masked in place (see :class:`_GenerateLoop`)."""
+        return self._loop is not None and self._loop.in_place
 
     def _trigger_tails(self, input_ids: torch.Tensor) -> Optional[torch.Tensor]:
         t = len(self.rules.trigger)
         return input_ids[:, -t:] if t else None
 
-    def _begin(self, input_ids: torch.Tensor, device: torch.device) -> None:
+    def _begin(self, input_ids: torch.Tensor, device: torch.device, loop: "_GenerateLoop") -> None:
         batch, cur = input_ids.shape
         constraint = self.constraint(device)
-        self._groups = self._row_groups(batch, device)
+        self._groups = prompt_groups(batch, len(self.tries), device)
         self._state = constraint.start(batch, self._groups, self._trigger_tails(input_ids))
-        self._hashes = self._hasher.hash(self._groups, input_ids[:, :0])
+        self._hashes = self._hasher.hash(self._groups, input_ids[:, :0]) if loop.reorders else None
+        self._filters = None
+        if self._filtered:
+            allow, deny, distinct = self._filter_specs
+            n = _spec_rows(allow, deny)
+            if n and batch % n:
+                raise ConstraintConfigError(f"allow/deny give {n} per-prompt filters but the batch has {batch} rows")
+            per = batch // n if n else batch
+            expand = lambda spec: None if spec is None else (  # noqa: E731
+                [x for x in _rows_of(spec, n) for _ in range(per)] if n else spec)
+            self._filters = constraint.filters(batch, expand(allow), expand(deny), distinct=distinct)
         self._start = cur
+        self._loop = loop
         self.steps = 0
 
-    def _follow(self, input_ids: torch.Tensor, device: torch.device) -> bool:
-        """Advance every row from its parent row; False if the rows do not continue the previous call's rows."""
+    def _follow(self, input_ids: torch.Tensor, device: torch.device, loop: "_GenerateLoop") -> bool:
+        """Advance every row from its parent row; False if the rows do not continue the previous call's rows.
+
+        Inside ``generate``'s sampling loop (greedy or sampling) rows never move: row i's parent is row i, and the
+        step costs O(1) per row. Elsewhere (beam search, or a caller this class does not know) rows may be
+        reordered between calls; each row finds its parent by a hash of its generated prefix, a lookup with no
+        host read (argsort, searchsorted, gather).
+        """
         batch, cur = input_ids.shape
-        if self._state is None or cur != self._last_len + 1 or batch != len(self._state):
+        if self._state is None or cur != self._last_len + 1 or batch != len(self._state) or not loop.continues(self._loop):
             return False
-        ids = input_ids.to(device)
-        prev = self._hasher.hash(self._groups, ids[:, self._start : cur - 1])
+        ids = input_ids if input_ids.device == device else input_ids.to(device)
         constraint = self.constraint(device)
-        if torch.equal(prev, self._hashes):  # rows did not move (greedy, sampling): no lookup needed
-            state = constraint.advance(self._state, ids[:, -1], self._trigger_tails(ids))
-        else:
-            order = torch.argsort(self._hashes)
-            sorted_hashes = self._hashes[order]
-            pos = torch.searchsorted(sorted_hashes, prev).clamp(max=batch - 1)
-            found = sorted_hashes[pos] == prev
-            if not bool(found.any()):
-                return False
-            state = constraint.advance(self._state.select(order[pos]), ids[:, -1], self._trigger_tails(ids))
-            # A row whose prefix was never seen (impossible in generate's own loops) may only end.
-            state.node = torch.where(found, state.node, torch.full_like(state.node, DONE))
+        if not loop.reorders:
+            self._state = constraint.advance(self._state, ids[:, -1], self._trigger_tails(ids), filters=self._filters)
+            return True
+        if self.rules.plain and cur - 1 - self._start > self._max_depth and self._filters is None:
+            # "eos" mode: a prefix longer than every entry has ended its entry (or left the trie): every row is
+            # DONE, whatever its parent. So under beam search the lookup costs O(max depth), not O(tokens generated).
+            self._state = RowState(torch.full_like(self._state.node, DONE), self._state.tree)
+            return True
+        prev = self._hasher.hash(self._groups, ids[:, self._start : cur - 1])
+        order = torch.argsort(self._hashes)
+        sorted_hashes = self._hashes[order]
+        pos = torch.searchsorted(sorted_hashes, prev).clamp(max=batch - 1)
+        found = sorted_hashes[pos] == prev
+        parent = order[pos]
+        if self._filters is not None:
+            self._filters = self._filters.select(parent)
+        state = constraint.advance(self._state.select(parent), ids[:, -1], self._trigger_tails(ids), filters=self._filters)
+        # A row whose prefix was never seen (impossible in generate's own loops) may only end.
+        state.node = torch.where(found, state.node, torch.full_like(state.node, DONE))
         self._state = state
         self._hashes = prev + ids[:, -1].long() * self._hasher.weights(cur - self._start, device)[-1]
         return True
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         device = scores.device
-        if not self._follow(input_ids, device):
-            self._begin(input_ids.to(device), device)
+        loop = _GenerateLoop.of_caller()
+        if not self._follow(input_ids, device, loop):
+            self._begin(input_ids.to(device), device, loop)
         self._last_len = input_ids.shape[1]
         self.steps += 1
-        # Out of place: generate() keeps the tensor it passes in as the raw logits (output_logits=True).
-        return self.constraint(device).mask_(scores, self._state, inplace=False)
+        constraint = self.constraint(device)
+        if loop.in_place:
+            return constraint.mask_(scores, self._state, filters=self._filters)
+        return constraint.mask_(scores, self._state, out=self._buffers.get(scores), filters=self._filters)
 
     # ------------------------------------------------------------------ results
     def match(self, sequences: torch.Tensor, *, prompt_length: Optional[int] = None) -> list[Optional[Entry]]:
@@ -263,55 +351,14 @@ class TrieLogitsProcessor(LogitsProcessor):
     def match_all(self, sequences: torch.Tensor, *, prompt_length: Optional[int] = None) -> list[list[Entry]]:
         """Every entry each row generated, in order (several in ``"repeat"`` mode or with a trigger)."""
         start = self._start if prompt_length is None else prompt_length
-        batch = sequences.shape[0]
-        groups = self._row_groups(batch, torch.device("cpu")).tolist()
         rows = sequences.tolist()
-        return [
-            replay_entries(self.tries[g], self.rules, row[start:], prompt_tail=row[:start]) for g, row in zip(groups, rows)
-        ]
+        tree = prompt_groups(len(rows), len(self.tries)).tolist()
+        replayer = self.constraint(torch.device("cpu"))
+        return replayer.replay([r[start:] for r in rows], tree, [r[:start] for r in rows])
 
 
-_IN_ENTRY, _FREE, _SEPARATOR = "entry", "free", "separator"
-
-
-def replay_entries(trie: TokenTrie, rules: SpanRules, generated: Sequence[int], prompt_tail: Sequence[int] = ()) -> list[Entry]:
-    """Host-side replay of the span rules over a generated row: the entries it completed, in order."""
-    trigger = list(rules.trigger)
-    t = len(trigger)
-    history = list(prompt_tail[-t:]) if t else []
-    phase = _IN_ENTRY if not t or history[-t:] == trigger else _FREE
-    node, sep_pos = 0, 0
-    found: list[Entry] = []
-    for tok in generated:
-        if phase == _IN_ENTRY:
-            child = trie.step(node, tok)
-            if child >= 0:
-                node = child
-            else:
-                entry = trie.entry_at(node)
-                if entry is not None:
-                    found.append(entry)
-                if entry is not None and rules.on_complete == "release":
-                    phase = _FREE
-                elif entry is not None and rules.on_complete == "repeat" and tok == rules.separator[0]:
-                    phase, node, sep_pos = (_IN_ENTRY, 0, 0) if len(rules.separator) == 1 else (_SEPARATOR, -1, 1)
-                else:
-                    return found
-        elif phase == _SEPARATOR:
-            if tok != rules.separator[sep_pos]:
-                return found
-            sep_pos += 1
-            if sep_pos == len(rules.separator):
-                phase, node = _IN_ENTRY, 0
-        if t:
-            history = (history + [tok])[-t:]
-            if phase == _FREE and history == trigger:
-                phase, node = _IN_ENTRY, 0
-    if phase == _IN_ENTRY:
-        entry = trie.entry_at(node)
-        if entry is not None:
-            found.append(entry)
-    return found
+def _rows(generated: torch.Tensor | Sequence[Sequence[int]]) -> list[list[int]]:
+    return generated.tolist() if isinstance(generated, torch.Tensor) else [list(r) for r in generated]
 
 
 def match(trie: TokenTrie, generated: torch.Tensor | Sequence[Sequence[int]], *, end_token_id: Optional[int] = None) -> list[Optional[Entry]]:
@@ -319,19 +366,13 @@ def match(trie: TokenTrie, generated: torch.Tensor | Sequence[Sequence[int]], *,
 
     The longest entry that the row's tokens walk to is returned; trailing end/pad tokens are ignored.
     """
-    rows = generated.tolist() if isinstance(generated, torch.Tensor) else [list(r) for r in generated]
     rules = SpanRules(end_token_id=0 if end_token_id is None else end_token_id)
-    out = []
-    for row in rows:
-        found = replay_entries(trie, rules, row)
-        out.append(found[0] if found else None)
-    return out
+    return [found[0] if found else None for found in TrieConstraint(trie, rules, "cpu").replay(_rows(generated))]
 
 
 def match_all(trie: TokenTrie, generated: torch.Tensor | Sequence[Sequence[int]], rules: SpanRules) -> list[list[Entry]]:
     """Every entry each row generated under ``rules`` (generated tokens only, no prompt)."""
-    rows = generated.tolist() if isinstance(generated, torch.Tensor) else [list(r) for r in generated]
-    return [replay_entries(trie, rules, row) for row in rows]
+    return TrieConstraint(trie, rules, "cpu").replay(_rows(generated))
 
 
 class RankedEntry(tuple):
@@ -351,33 +392,76 @@ class RankedEntry(tuple):
         return self[1]
 
 
+class RankedList(list):
+    """The ranked entries of one prompt (a list of :class:`RankedEntry`, best first).
+
+    Attributes:
+        duplicates: beams that ended on an entry already listed (another tokenization of the same string, or an
+            entry shared by several items) and were merged into it; 0 when every beam was distinct.
+    """
+
+    duplicates: int = 0
+
+
 @torch.no_grad()
-def rank(model: Any, inputs: dict, trie: TrieArg, k: int, *, tokenizer: Any = None, end_token_id: Optional[int] = None, **generate_kwargs: Any) -> list[list[RankedEntry]]:
-    """Top-``k`` entries per prompt with their sequence log-probabilities, by constrained beam search.
+def rank(
+    model: Any,
+    inputs: dict,
+    trie: TrieArg,
+    k: int,
+    *,
+    tokenizer: Any = None,
+    end_token_id: Optional[int] = None,
+    num_beams: Optional[int] = None,
+    length_normalize: bool = False,
+    renormalize: bool = False,
+    allow: Any = None,
+    deny: Any = None,
+    **generate_kwargs: Any,
+) -> list[RankedList]:
+    """Top-``k`` distinct entries per prompt with their sequence log-probabilities, by constrained beam search.
 
     Args:
         model: a transformers causal LM.
         inputs: the tokenized prompts (``input_ids``, ``attention_mask``), left-padded for a batch.
         trie: one trie, or one per prompt.
-        k: number of entries per prompt (beams); fewer are returned when the trie has fewer entries.
+        k: number of distinct entries per prompt; fewer are returned when the trie (or the filters) hold fewer.
+        num_beams: beams of the search (default ``k``); more beams give more room when beams end on duplicates.
+        length_normalize: rank by the mean log-probability per token instead of the sum.
+        renormalize: report log-probabilities renormalized within the trie (at each step, over the tokens the
+            trie allowed), by rescoring the results in one forward pass: the probability of the entry among the
+            trie's entries, summing to 1 over all of them.
+        allow, deny: per-prompt or shared entry filters (see :class:`TrieLogitsProcessor`).
         generate_kwargs: passed to ``generate`` (``max_new_tokens`` defaults to the deepest trie + 1).
 
     Returns:
-        Per prompt, a list of :class:`RankedEntry` sorted by log-probability, best first. The log-probability is the
-        model's (unnormalized by the mask) log-probability of the entry's tokens followed by the end token.
+        Per prompt, a :class:`RankedList` of :class:`RankedEntry`, best first. The log-probability is the sum of the
+        model's raw log-probabilities of the entry's tokens and the end token (its mean with ``length_normalize``;
+        renormalized within the trie with ``renormalize``). Entries are distinct: beams that end on the same entry
+        (or on another form of the same string: same key, else same name) are merged, keeping the best, and counted
+        in ``RankedList.duplicates``. Ties keep beam order (transformers' order).
+
+    Example:
+        >>> ranked = rank(model, tok(prompts, return_tensors="pt", padding=True), trie, k=10)  # doctest: +SKIP
+        >>> [(r.entry.key, round(r.log_prob, 2)) for r in ranked[0]]                              # doctest: +SKIP
     """
     if k < 1:
         raise ConstraintConfigError(f"k must be at least 1, got {k}")
-    processor = TrieLogitsProcessor(trie, tokenizer, end_token_id=end_token_id or _model_eos(model))
+    beams = k if num_beams is None else int(num_beams)
+    if beams < k:
+        raise ConstraintConfigError(f"num_beams ({beams}) must be at least k ({k})")
+    processor = TrieLogitsProcessor(
+        trie, tokenizer, end_token_id=end_token_id if end_token_id is not None else _model_eos(model), allow=allow, deny=deny
+    )
     depth = max(t.max_depth for t in processor.tries)
     generate_kwargs.setdefault("max_new_tokens", depth + 1)
     out = model.generate(
         **inputs,
         logits_processor=[processor],
-        num_beams=k,
-        num_return_sequences=k,
+        num_beams=beams,
+        num_return_sequences=beams,
         do_sample=False,
-        length_penalty=0.0,
+        length_penalty=1.0 if length_normalize else 0.0,
         early_stopping=True,
         output_scores=True,
         return_dict_in_generate=True,
@@ -386,30 +470,75 @@ def rank(model: Any, inputs: dict, trie: TrieArg, k: int, *, tokenizer: Any = No
     )
     entries = processor.match(out.sequences)
     scores = out.sequences_scores.tolist()
-    batch = out.sequences.shape[0] // k
-    ranked: list[list[RankedEntry]] = []
+    if renormalize:
+        scores = _renormalized(model, inputs, out.sequences, processor, length_normalize, scores)
+    batch = out.sequences.shape[0] // beams
+    ranked: list[RankedList] = []
     for p in range(batch):
-        seen: dict[int, RankedEntry] = {}
-        for i in range(p * k, (p + 1) * k):
+        seen: dict[tuple, RankedEntry] = {}
+        merged = 0
+        for i in range(p * beams, (p + 1) * beams):
             entry, score = entries[i], scores[i]
             if entry is None or score == float("-inf") or score != score:
                 continue
-            if entry.index not in seen or seen[entry.index].log_prob < score:
-                seen[entry.index] = RankedEntry(entry, score)
-        ranked.append(sorted(seen.values(), key=lambda r: -r.log_prob))
+            ident = entry_identity(entry)  # the forms of one string (leading_space=[True, False]) are one entry
+            if ident in seen:
+                merged += 1
+                if seen[ident].log_prob >= score:
+                    continue
+            seen[ident] = RankedEntry(entry, score)
+        best = RankedList(sorted(seen.values(), key=lambda r: -r.log_prob)[:k])
+        best.duplicates = merged
+        ranked.append(best)
     return ranked
+
+
+def _renormalized(model: Any, inputs: dict, sequences: torch.Tensor, processor: "TrieLogitsProcessor",
+                  length_normalize: bool, raw: list[float]) -> list[float]:
+    """Each sequence's log-probability renormalized within the trie: at every generated position, the chosen
+    token's log-probability minus the log of the total probability of the tokens the trie allowed there (one
+    forward pass over all sequences; the allowed sets come from the processor's own constraint)."""
+    start = processor.generation_start
+    mask = inputs.get("attention_mask")
+    rows, width = sequences.shape
+    reps = rows // inputs["input_ids"].shape[0]
+    attn = torch.ones_like(sequences)
+    if mask is not None:
+        attn[:, :start] = mask.repeat_interleave(reps, dim=0)
+    end = processor.rules.end_token_id
+    gen = sequences[:, start:]
+    # Positions after the end token are padding: not scored.
+    ended = (gen == end).long().cumsum(1)
+    live = (ended == 0) | ((ended == 1) & (gen == end))
+    attn[:, start:] = live.long()
+    logits = model(input_ids=sequences, attention_mask=attn).logits[:, start - 1 : width - 1].float()
+    logp = torch.log_softmax(logits, dim=-1)
+    constraint = processor.constraint(torch.device("cpu"))
+    state = constraint.start(rows, prompt_groups(rows, len(processor.tries)))
+    total = torch.zeros(rows, dtype=torch.float64)
+    count = torch.zeros(rows, dtype=torch.float64)
+    for j in range(gen.shape[1]):
+        allowed = constraint.allowed(state, logp.shape[-1])
+        lse = torch.logsumexp(logp[:, j].masked_fill(~allowed, float("-inf")), dim=-1)
+        chosen = logp[torch.arange(rows), j, gen[:, j]]
+        step = (chosen - lse).double()
+        total += torch.where(live[:, j], step, torch.zeros_like(step))
+        count += live[:, j].double()
+        state = constraint.advance(state, gen[:, j])
+    out = (total / count.clamp(min=1)) if length_normalize else total
+    return [float(v) if r != float("-inf") else r for v, r in zip(out.tolist(), raw)]
 
 
 def _model_eos(model: Any) -> Optional[int]:
     eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     if eos is None:
         eos = getattr(getattr(model, "config", None), "eos_token_id", None)
-    if isinstance(eos, (list, tuple)):
-        eos = eos[0] if eos else None
-    return eos
+    return first_eos(eos)
 
 
-def prefix_allowed_tokens_fn(trie: TokenTrie, *, end_token_id: int, prompt_length: Optional[int] = None):
+def prefix_allowed_tokens_fn(
+    trie: TokenTrie, *, end_token_id: int, prompt_length: Optional[Union[int, Sequence[int]]] = None
+) -> Callable[[int, torch.Tensor], list[int]]:
     """A ``prefix_allowed_tokens_fn`` for code written for GENRE / ``PrefixConstrainedLogitsProcessor``.
 
     The returned function maps ``(batch_id, input_ids_row)`` to the allowed token ids of that row. It walks the
@@ -418,18 +547,40 @@ def prefix_allowed_tokens_fn(trie: TokenTrie, *, end_token_id: int, prompt_lengt
     Args:
         trie: the trie.
         end_token_id: allowed once an entry is complete, and when nothing else is.
-        prompt_length: where generation starts in ``input_ids``; by default the length seen at the first call.
+        prompt_length: where generation starts in ``input_ids``: one length for every row (left-padded batches
+            share it), or one per ``batch_id``. With it the function is stateless: the answer depends only on its
+            arguments. Without it, the start is detected per ``generate`` call: a row that does not continue what
+            the function saw for that ``batch_id`` at the previous step (one token longer, same prefix) starts a
+            new generation there, so the function may be reused across ``generate`` calls with other prompts,
+            prompt lengths and batch sizes.
+
+    Example:
+        >>> trie = TokenTrie.from_sequences([[5, 6], [7]], vocab_size=10)
+        >>> fn = prefix_allowed_tokens_fn(trie, end_token_id=0, prompt_length=2)
+        >>> fn(0, torch.tensor([1, 2])), fn(0, torch.tensor([1, 2, 5])), fn(0, torch.tensor([1, 2, 7]))
+        ([5, 7], [6], [0])
     """
-    start: dict[str, int] = {}
+    if prompt_length is not None and not isinstance(prompt_length, int):
+        prompt_length = [int(n) for n in prompt_length]
+    seen: dict[int, list[int]] = {}  # batch_id -> (start, row) at the previous call, only without prompt_length
+    starts: dict[int, int] = {}
+
+    def start_of(batch_id: int, row: list[int]) -> int:
+        if isinstance(prompt_length, int):
+            return prompt_length
+        if prompt_length is not None:
+            if not 0 <= batch_id < len(prompt_length):
+                raise ConstraintConfigError(f"batch_id {batch_id} has no prompt_length (got {len(prompt_length)})")
+            return prompt_length[batch_id]
+        prev = seen.get(batch_id)
+        if prev is None or len(row) != len(prev) + 1 or row[:-1] != prev:
+            starts[batch_id] = len(row)  # not a continuation: a new generation starts here
+        seen[batch_id] = row
+        return starts[batch_id]
 
     def allowed(batch_id: int, input_ids: torch.Tensor) -> list[int]:
-        length = int(input_ids.shape[-1])
-        begin = prompt_length
-        if begin is None:
-            begin = start.get("len")
-            if begin is None or length < begin:
-                begin = start["len"] = length
-        node = trie.walk(input_ids[begin:].tolist())
+        row = input_ids.tolist()
+        node = trie.walk(row[start_of(int(batch_id), row):])
         if node < 0:
             return [end_token_id]
         tokens = trie.children(node)[0].tolist()
@@ -438,8 +589,3 @@ def prefix_allowed_tokens_fn(trie: TokenTrie, *, end_token_id: int, prompt_lengt
         return tokens
 
     return allowed
-
-
-from .fast_forward import FastForwardOutput, FastForwardStats, fast_forward_generate  # noqa: E402
-
-__all__ += ["fast_forward_generate", "FastForwardStats", "FastForwardOutput"]

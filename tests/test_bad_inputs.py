@@ -11,6 +11,7 @@ import re
 import numpy as np
 import pytest
 
+from trie_decode.descriptors import tries_from_token_tree_payload, trie_from_prefix_dict
 from trie_decode import (
     DescriptorError,
     EmptyTrieError,
@@ -234,28 +235,28 @@ GOOD_LEAF = {"name": "ok", "tokens": [1, 2]}
     ],
 )
 def test_token_tree_payload_malformed(payload, pattern):
-    _raises(DescriptorError, pattern, TokenTrie.from_token_tree_payload, payload, 10)
+    _raises(DescriptorError, pattern, tries_from_token_tree_payload, payload, 10)
 
 
 def test_token_tree_payload_no_leaves_raises_rather_than_returning_nothing():
     # Also when other descriptors are fine: a path with nothing to generate must not silently vanish.
     payload = _payload({"path": "good", "leaves": [GOOD_LEAF]}, {"path": "empty", "leaves": []})
-    _raises(DescriptorError, r"descriptor 'empty' has no leaves", TokenTrie.from_token_tree_payload, payload, 10)
+    _raises(DescriptorError, r"descriptor 'empty' has no leaves", tries_from_token_tree_payload, payload, 10)
 
 
 def test_token_tree_payload_token_outside_the_vocabulary_names_the_descriptor():
     payload = _payload({"path": "tools", "leaves": [GOOD_LEAF, {"name": "big", "tokens": [3, 10]}]})
     _raises(InvalidTokenError, r"descriptor 'tools'.*entry 1 has token id 10, outside the vocabulary \[0, 10\)",
-            TokenTrie.from_token_tree_payload, payload, 10)
+            tries_from_token_tree_payload, payload, 10)
     payload = _payload({"path": "tools", "leaves": [{"name": "neg", "tokens": [-3]}]})
-    _raises(InvalidTokenError, r"descriptor 'tools'.*entry 0 has token id -3", TokenTrie.from_token_tree_payload,
+    _raises(InvalidTokenError, r"descriptor 'tools'.*entry 0 has token id -3", tries_from_token_tree_payload,
             payload, 10)
 
 
 def test_token_tree_payload_invalid_json_file(tmp_path):
     path = tmp_path / "bad.json"
     path.write_text('{"descriptors": [{"path": "p", "leaves": [')
-    _raises(DescriptorError, r"TokenTreePayload: invalid JSON", TokenTrie.from_token_tree_payload, path, 10)
+    _raises(DescriptorError, r"TokenTreePayload: invalid JSON", tries_from_token_tree_payload, path, 10)
 
 
 # ------------------------------------------------------------------ RTP-LLM prefix dict
@@ -274,8 +275,6 @@ GOOD_DICT = {"1": [5], "1_5": [0]}
     "data, pattern",
     [
         ([1, 2], r"prefix dict must be a JSON object, got list"),
-        ({"end_token_id": 0, "prefix_dict": GOOD_DICT}, r"field 'start_token_id' is missing"),
-        ({"start_token_id": 1, "prefix_dict": GOOD_DICT}, r"field 'end_token_id' is missing"),
         ({"start_token_id": 1, "end_token_id": 0}, r"field 'prefix_dict' is missing"),
         (_rtp(GOOD_DICT, start_token_id="1"), r"start_token_id must be an integer, got '1'"),
         (_rtp(GOOD_DICT, end_token_id=None), r"end_token_id must be an integer, got None"),
@@ -283,15 +282,6 @@ GOOD_DICT = {"1": [5], "1_5": [0]}
         (_rtp(GOOD_DICT, sep=""), r"'sep' must be a non-empty string, got ''"),
         (_rtp(GOOD_DICT, sep=3), r"'sep' must be a non-empty string, got 3"),
         (_rtp([["1", [5]]]), r"'prefix_dict' must be an object"),
-        (_rtp({"2": [5], "2_5": [0]}), r"the start prefix '1' is missing"),
-        (_rtp({"1": [5, 6], "1_5": [0]}), r"candidate 6 of '1' leads to '1_6', which is missing"),
-        (_rtp({"1": [5], "1_5": [7], "1_5_7": [8]}), r"candidate 8 of '1_5_7' leads to '1_5_7_8', which is missing"),
-        (_rtp({"1": [5], "1_5": [0], "2_5": [0]}), r"keys not reachable from the start token, e.g. \['2_5'\]"),
-        (_rtp({"1": [5], "1_5": [0], "1_6": [0], "1_6_3": [0]}), r"not reachable .*\['1_6', '1_6_3'\]"),
-        (_rtp({"1": [5], "1_5": []}), r"'1_5' has no candidates, so no entry reaches the end token"),
-        (_rtp({"1": []}), r"'1' has no candidates, so no entry reaches the end token"),
-        (_rtp({"1": [5, 6], "1_5": [0], "1_6": []}), r"'1_6' has no candidates"),  # a dead branch, not only none
-        (_rtp({"1": [0, 5], "1_5": [0]}), r"end token directly after the start token \('1'\) would be an empty entry"),
         (_rtp({"1": 5, "1_5": [0]}), r"candidates of '1' must be a list of token ids, got int"),
         (_rtp({"1": [5, "6"], "1_5": [0]}), r"candidates of '1' holds '6', not an integer"),
         ('{"start_token_id": 1,', r"prefix dict: invalid JSON"),
@@ -299,12 +289,31 @@ GOOD_DICT = {"1": [5], "1_5": [0]}
     ],
 )
 def test_prefix_dict_malformed(data, pattern):
-    _raises(DescriptorError, pattern, TokenTrie.from_prefix_dict, data, 10)
+    """What RTP-LLM itself refuses to load is refused in both modes."""
+    for strict in (False, True):
+        _raises(DescriptorError, pattern, trie_from_prefix_dict, data, 10, strict=strict)
 
 
-def test_prefix_dict_token_outside_the_vocabulary():
-    data = _rtp({"1": [5, 12], "1_5": [0], "1_12": [0]})
-    _raises(InvalidTokenError, r"token id 12, outside the vocabulary \[0, 10\)", TokenTrie.from_prefix_dict, data, 10)
+def _rtp9(prefix_dict):
+    return {"start_token_id": 1, "end_token_id": 9, "prefix_dict": prefix_dict}
+
+
+@pytest.mark.parametrize(
+    "data, pattern",
+    [
+        (_rtp9({"2": [5], "2_5": [9]}), r"the start key '1' is missing"),
+        (_rtp9({"1": [5, 6], "1_5": [9]}), r"candidate 6 of '1' -> '1_6'"),
+        (_rtp9({"1": [5], "1_5": [9], "2_5": [9]}), r"not reachable from the start key .*'2_5'"),
+        (_rtp9({"1": [5], "1_5": []}), r"keys without a usable candidate .*'1_5'"),
+        (_rtp9({"1": [9, 5], "1_5": [9]}), r"end token is allowed right after the start token"),
+        (_rtp9({"1": [5, 12], "1_5": [9]}), r"outside the vocabulary \[0, 10\).*'1': 12"),
+    ],
+)
+def test_prefix_dict_strict_names_what_rtp_llm_accepts_silently(data, pattern):
+    """RTP-LLM loads these (and so does the default mode, as RTP-LLM reads them: tests/test_rtp_llm.py); strict
+    mode names each."""
+    trie_from_prefix_dict(data, 10)
+    _raises(DescriptorError, r"(?s)\(strict\).*" + pattern, trie_from_prefix_dict, data, 10, strict=True)
 
 
 # ------------------------------------------------------------------ duplicates are fine
@@ -315,5 +324,5 @@ def test_duplicates_are_merged_and_counted_not_rejected():
     assert trie.num_entries == 2 and trie.stats()["duplicates_merged"] == 2
     assert trie.lookup([1, 2]).name == "a"
     payload = _payload({"path": "p", "leaves": [GOOD_LEAF, dict(GOOD_LEAF, name="again")]})
-    trie = TokenTrie.from_token_tree_payload(json.dumps(payload), 10)["p"]
+    trie = tries_from_token_tree_payload(json.dumps(payload), 10)["p"]
     assert trie.num_entries == 1 and trie.num_duplicates == 1 and trie.names() == ["ok"]

@@ -10,66 +10,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trie_decode import ConstraintConfigError, InvalidTokenError, TokenTrie
-from trie_decode._backend import TORCH
 from trie_decode.constraint import DONE, SpanRules, TrieConstraint
 from trie_decode.masking import apply_token_bitmask_inplace
 
+from reference import SpanReference
+
 V = 24
 END = 1
-
-
-class Reference:
-    """One row's constraint, written plainly over a set of token tuples."""
-
-    def __init__(self, entries: set[tuple[int, ...]], rules: SpanRules, prompt_tail: tuple[int, ...] = ()):
-        self.entries, self.rules = entries, rules
-        trig = rules.trigger
-        self.history = list(prompt_tail)
-        self.state = ("entry", ()) if not trig or tuple(prompt_tail[-len(trig):]) == trig else ("free",)
-
-    def children(self, p):
-        return {e[len(p)] for e in self.entries if len(e) > len(p) and e[: len(p)] == p}
-
-    def allowed(self) -> set[int] | None:
-        """None means unconstrained."""
-        kind = self.state[0]
-        r = self.rules
-        if kind == "free":
-            return None
-        if kind == "done":
-            return {r.end_token_id}
-        if kind == "sep":
-            return {r.separator[self.state[1]]}
-        p = self.state[1]
-        kids, terminal = self.children(p), p in self.entries
-        if r.on_complete == "release" and terminal:
-            return None
-        if terminal:
-            kids |= {r.end_token_id} if r.on_complete == "eos" else {r.end_token_id, r.separator[0]}
-        return kids or {r.end_token_id}
-
-    def step(self, tok: int) -> None:
-        r, kind = self.rules, self.state[0]
-        if kind == "entry":
-            p = self.state[1]
-            if tok in self.children(p):
-                self.state = ("entry", p + (tok,))
-            elif p in self.entries and r.on_complete == "release":
-                self.state = ("free",)
-            elif p in self.entries and r.on_complete == "repeat" and tok == r.separator[0]:
-                self.state = ("entry", ()) if len(r.separator) == 1 else ("sep", 1)
-            else:
-                self.state = ("done",)
-        elif kind == "sep":
-            k = self.state[1]
-            if tok != r.separator[k]:
-                self.state = ("done",)
-            else:
-                self.state = ("entry", ()) if k + 1 == len(r.separator) else ("sep", k + 1)
-        self.history.append(tok)
-        trig = r.trigger
-        if trig and self.state == ("free",) and tuple(self.history[-len(trig):]) == trig:
-            self.state = ("entry", ())
 
 
 entry_sets = st.lists(st.lists(st.integers(2, V - 1), min_size=1, max_size=5), min_size=1, max_size=12)
@@ -106,19 +53,15 @@ def test_state_machine_matches_reference(tries, mode, seed, dense, backend):
     rng = random.Random(seed)
     built = [TokenTrie.from_sequences(t, vocab_size=V) for t in tries]
     rules = SpanRules(end_token_id=END, **mode)
-    c = TrieConstraint(built, rules, "cpu", dense_min_fanout=2 if dense else None)
-    if backend == "kernel":
-        assert c._native, "the C kernel (trie_decode._kernel) is not built"
-    else:
-        c._native = False
-    if backend == "torch":
-        c._ops = TORCH
+    kernel = {"kernel": "native", "numpy": "numpy", "torch": "torch"}[backend]
+    c = TrieConstraint(built, rules, "cpu", dense_min_fanout=2 if dense else None, kernel=kernel)
+    assert c.kernel.name == kernel
     rows = 6
     tree = torch.tensor([rng.randrange(len(built)) for _ in range(rows)])
     tails = torch.tensor([[rng.randrange(2, V) for _ in range(3)] for _ in range(rows)])
     if rules.trigger:
         tails[0, -len(rules.trigger):] = torch.tensor(rules.trigger)
-    refs = [Reference({tuple(s) for s in tries[t]}, rules, tuple(tails[i].tolist())) for i, t in enumerate(tree.tolist())]
+    refs = [SpanReference({tuple(s) for s in tries[t]}, rules, tuple(tails[i].tolist())) for i, t in enumerate(tree.tolist())]
     state = c.start(rows, tree, tails)
     history = tails.clone()
     width = V + 5  # logits wider than the trie's vocabulary
@@ -146,6 +89,16 @@ def test_state_machine_matches_reference(tries, mode, seed, dense, backend):
             r.step(tok)
         history = torch.cat([history, torch.tensor(toks)[:, None]], dim=1)
         state = c.advance(state, torch.tensor(toks), history)
+    # The host-side replay of the finished rows runs the same transitions: it finds the reference's entries.
+    generated = history[:, tails.shape[1]:].tolist()
+    cut = [g[: rng.randrange(len(g) + 1)] for g in generated]  # rows that stopped early, too
+    for rows_tokens in (generated, cut):
+        got = c.replay(rows_tokens, tree.tolist(), tails.tolist())
+        for i, toks in enumerate(rows_tokens):
+            ref = SpanReference({tuple(s) for s in tries[tree[i]]}, rules, tuple(tails[i].tolist()))
+            for tok in toks:
+                ref.step(tok)
+            assert [e.tokens for e in got[i]] == ref.finish(), (i, toks)
 
 
 def test_bitmask_round_trip_matches_mask():

@@ -37,7 +37,7 @@ PAYLOAD = {
     ],
 }
 
-# The example of the module docstring.
+# A complete dict: every candidate has a key, entries end with the end token (strict mode accepts it).
 RTP = {
     "start_token_id": 225,
     "end_token_id": 2,
@@ -66,7 +66,7 @@ def _check_payload_tries(tries):
 
 
 def test_token_tree_payload_from_dict():
-    _check_payload_tries(TokenTrie.from_token_tree_payload(PAYLOAD, 70000, fingerprint="fp-1"))
+    _check_payload_tries(tries_from_token_tree_payload(PAYLOAD, 70000, fingerprint="fp-1"))
 
 
 def test_token_tree_payload_from_text_bytes_and_files(tmp_path):
@@ -78,12 +78,12 @@ def test_token_tree_payload_from_text_bytes_and_files(tmp_path):
 
 def test_token_tree_payload_without_model_id_and_unicode_names():
     payload = {"descriptors": [{"path": "p", "leaves": [{"name": "Zürich 東京", "tokens": [1]}]}]}
-    (trie,) = TokenTrie.from_token_tree_payload(payload, 2).values()
+    (trie,) = tries_from_token_tree_payload(payload, 2).values()
     assert trie.names() == ["Zürich 東京"] and trie.options["modelId"] is None
 
 
 def test_prefix_dict_docstring_example():
-    trie = TokenTrie.from_prefix_dict(RTP, 70000, fingerprint="fp")
+    trie = trie_from_prefix_dict(RTP, 70000, fingerprint="fp")
     # The start token (225) is the prompt's last token and the end token (2) marks the end: neither is an entry token.
     assert sorted(trie.sequences()) == [(64000,), (64003, 64001)]
     assert trie.children(trie.root)[0].tolist() == [64000, 64003]
@@ -92,8 +92,11 @@ def test_prefix_dict_docstring_example():
     assert trie.lookup([64000]).name is None
     assert trie.walk([225]) == -1 and trie.walk([64000, 2]) == -1
     assert trie.fingerprint == "fp"
-    assert trie.options == {"source": "rtp_llm_prefix_dict", "start_token_id": 225, "end_token_id": 2, "sep": "_"}
+    assert trie.options == {
+        "source": "rtp_llm_prefix_dict", "start_token_id": 225, "end_token_id": 2, "sep": "_", "strict": False
+    }
     trie.validate()
+    assert trie_from_prefix_dict(RTP, 70000, strict=True).options["strict"] is True
 
 
 def test_prefix_dict_entry_that_is_a_prefix_of_another():
@@ -131,6 +134,19 @@ def test_prefix_dict_does_not_explode_on_repeated_candidates():
     assert trie.sequences() == [tuple(range(1, depth + 1))]
 
 
+def test_prefix_dict_candidates_without_keys_end_there():
+    # RTP-LLM's real dicts list most candidates without a key of their own: after such a candidate RTP-LLM allows
+    # only the end token, so the candidate ends an entry. A key with [] allows only the end token as well.
+    data = {
+        "start_token_id": 225,
+        "end_token_id": 2,
+        "prefix_dict": {"225": [64000, 64003, 64006], "225_64003": [64001, 64004], "225_64006": []},
+    }
+    trie = trie_from_prefix_dict(data, 70000)
+    assert sorted(trie.sequences()) == [(64000,), (64003, 64001), (64003, 64004), (64006,)]
+    assert trie.lookup([64003]) is None  # "225_64003" does not list the end token
+
+
 def _to_prefix_dict(trie: TokenTrie, start: int, end: int, sep: str = "_") -> dict:
     """Inverse of trie_from_prefix_dict: one key per node, candidates = children (+ end if terminal)."""
     out = {}
@@ -148,7 +164,7 @@ def _to_prefix_dict(trie: TokenTrie, start: int, end: int, sep: str = "_") -> di
 def test_prefix_dict_round_trip(sequences, sep):
     # Tokens 0..20; the end token 21 and the start token 22 are outside the entries' tokens.
     trie = TokenTrie.from_sequences(sequences, 23)
-    rebuilt = trie_from_prefix_dict(_to_prefix_dict(trie, start=22, end=21, sep=sep), 23)
+    rebuilt = trie_from_prefix_dict(_to_prefix_dict(trie, start=22, end=21, sep=sep), 23, strict=True)
     assert set(rebuilt.sequences()) == set(trie.sequences())
     for name in ("child_ptr", "token", "level_ptr"):
         assert getattr(rebuilt, name).tolist() == getattr(trie, name).tolist()
@@ -167,7 +183,7 @@ def test_read_json_accepts_parsed_objects_text_and_paths(tmp_path):
 
 @pytest.mark.parametrize("vocab", [23, 100])
 def test_descriptor_tries_save_and_load(tmp_path, vocab):
-    tries = TokenTrie.from_token_tree_payload(
+    tries = tries_from_token_tree_payload(
         {"descriptors": [{"path": "p", "leaves": [{"name": "x", "tokens": [22, 0]}, {"name": "y", "tokens": [1]}]}]},
         vocab,
     )

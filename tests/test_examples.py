@@ -23,10 +23,34 @@ from make_notebooks import SCRIPTS, split_cells  # noqa: E402
 
 sys.path.remove(str(EXAMPLES))
 
+# Script-only examples (no notebook: executing one costs minutes of Ray and engine start-up). Each is run, and its
+# EXPECTED lines checked, by its own test module: vllm_batch_pipeline by tests/test_vllm_batch.py.
+SCRIPT_ONLY = ["vllm_batch_pipeline"]
 TRANSFORMERS = ["entity_linking", "generative_retrieval", "fast_forward", "action_spans"]
 VLLM = ["vllm_offline", "vllm_serve"]
 assert sorted(TRANSFORMERS + VLLM) == sorted(SCRIPTS)
 TIMEOUT = {"vllm_offline": 1200, "vllm_serve": 1200}
+# What each example must print: its answers, not just something. A wrong answer, a missing row or a refusal that
+# did not happen fails the test (the model is greedy and the data fixed, so these lines are stable).
+EXPECTED = {
+    "entity_linking": [r"Mexico\?.*-> entry #\d+ +Spanish", r"Germany\?.*-> entry #\d+ +German "],
+    "generative_retrieval": [r"US-CA +California +log p", r"CA-ON +Ontario +log p"],
+    "fast_forward": [r"'Latin\.' .*identical: True", r"skip_ratio"],
+    "action_spans": [r"Action: convert_currency\n +-> actions: \['convert_currency'\]", r"allowed next tokens: +1 of"],
+    "vllm_offline": [r"Germany\? +' German' +ends with EOS: True", r"refused: ", r"next request: ' French'"],
+    "vllm_serve": [r"200 Which country is Paris the capital of\? +' France'", r"\n400 \{", r"server stopped with 0"],
+    "vllm_batch_pipeline": [r"Which country is Rome in\? +' Italy'", r"people in Germany speak\? +' German'",
+                            r"\n8 rows in "],
+}
+assert sorted(EXPECTED) == sorted(SCRIPTS + SCRIPT_ONLY)
+
+
+def _check_printed(name: str, printed: str) -> None:
+    import re
+
+    for pattern in EXPECTED[name]:
+        assert re.search(pattern, printed), f"examples/{name} did not print /{pattern}/:\n{printed[-3000:]}"
+    assert "identical: False" not in printed
 
 
 def _params(names):
@@ -78,7 +102,7 @@ def test_script_runs(name, smollm2_dir, tmp_path):
         cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=TIMEOUT.get(name, 600),
     )
     assert proc.returncode == 0, f"examples/{name}.py failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    assert proc.stdout.strip(), "the example printed nothing"
+    _check_printed(name, proc.stdout)
     print(f"{name}.py: {time.perf_counter() - start:.0f} s")
 
 
@@ -101,5 +125,5 @@ def test_notebook_executes(name, smollm2_dir, tmp_path, monkeypatch):
     )
     client.execute()  # raises CellExecutionError with the cell and the traceback on the first failing cell
     printed = "".join(o.get("text", "") for c in fresh.cells if c.cell_type == "code" for o in c.outputs)
-    assert printed.strip()
+    _check_printed(name, printed)
     print(f"{name}.ipynb: {time.perf_counter() - start:.0f} s")

@@ -9,7 +9,7 @@ from trie_decode import TokenTrie
 from trie_decode.constraint import SpanRules
 from trie_decode.errors import ConstraintConfigError
 from trie_decode.integrations.fast_forward import FastForwardOutput, fast_forward_generate
-from trie_decode.integrations.transformers import TrieLogitsProcessor, replay_entries
+from trie_decode.integrations.transformers import TrieLogitsProcessor, match_all
 
 LANGUAGE_QUESTIONS = [
     "Which language is spoken in Brazil?",
@@ -96,7 +96,7 @@ def test_greedy_batch1_matches_processor_with_one_pass_per_choice(model, left_to
     assert stats.tokens_emitted == len(row) == stats.step_by_step_passes
     assert stats.forced_tokens == len(row) - choices
     assert stats.skip_ratio == pytest.approx(1 - choices / len(row))
-    assert replay_entries(languages, SpanRules(end_token_id=eos), row)
+    assert match_all(languages, [row], SpanRules(end_token_id=eos))[0]
 
 
 @pytest.mark.model
@@ -138,7 +138,7 @@ def test_greedy_padded_batch8_different_tries_and_exact_scores(model, left_tok, 
     choices = [real_choices(t, row, eos) for t, row in zip(tries, rows)]
     assert stats.decisions == sum(choices)
     assert stats.forward_passes == max(c + int(fed) for c, fed in zip(choices, block_ends))
-    entries = [replay_entries(t, SpanRules(end_token_id=eos), row) for t, row in zip(tries, rows)]
+    entries = [match_all(t, [row], SpanRules(end_token_id=eos))[0] for t, row in zip(tries, rows)]
     assert all(entries)
 
 
@@ -212,7 +212,7 @@ def test_tiny_release_mode_continues_as_free_text(tiny_llama, tokenizer, small_t
     # After the entry every token is a decision: nothing is forced across the span boundary.
     p = inputs["input_ids"].shape[1]
     for r, row in enumerate(out[:, p:].tolist()):
-        entry = replay_entries(small_tries[r], SpanRules(end_token_id=0, on_complete="release"), row)[0]
+        entry = match_all(small_tries[r], [row], SpanRules(end_token_id=0, on_complete="release"))[0][0]
         tail = len(row) - len(entry.tokens)
         assert out.stats.row_forced[r] <= len(entry.tokens) - 1
         assert out.stats.row_tokens[r] == len(row) and tail >= 1

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import torch
 
-from trie_decode import TokenTrie, _native
-from trie_decode._backend import NUMPY
+from trie_decode import TokenTrie
 from trie_decode.constraint import DONE, FREE, SpanRules, TrieConstraint
-from trie_decode.masking import apply_plans_
+from trie_decode.kernels import native as _native
+from trie_decode.kernels.vectorized import NUMPY_KERNEL
 
 V = 300
 END = 1
@@ -36,8 +36,9 @@ def _random_trie(rng: np.random.Generator, n: int) -> TokenTrie:
     return TokenTrie.from_sequences(seqs, vocab_size=V)
 
 
-def _fallback(c: TrieConstraint, logits, state, rows=None, *, inplace=True):
-    return apply_plans_(logits, c.plans(state, rows, NUMPY), inplace=inplace)
+def _fallback(c: TrieConstraint, logits, state, rows=None, *, kernel="numpy"):
+    """The same constraint (same tries, rules and dense rows) masking through another kernel, in place."""
+    return c.with_kernel(kernel).mask_(logits, state, rows)
 
 
 def _states(c: TrieConstraint, rng: np.random.Generator, rows: int) -> torch.Tensor:
@@ -57,7 +58,7 @@ def test_kernel_equals_fallback(on_complete, dense, dtype):
     sep = (3, 4) if on_complete == "repeat" else ()
     rules = SpanRules(end_token_id=END, on_complete=on_complete, separator=sep)
     c = TrieConstraint(tries, rules, "cpu", dense_min_fanout=8 if dense else None)
-    assert c._native
+    assert c.kernel.name == "native"
     if dense:
         assert all(d.num_dense > 0 for d in c.dtries)
     for trial in range(6):
@@ -67,10 +68,14 @@ def test_kernel_equals_fallback(on_complete, dense, dtype):
         state.node[state.tree == 1] = state.node[state.tree == 1].clamp(max=c.dtries[1].num_nodes - 1)
         width = V + 7
         logits = torch.randn(rows, width).to(dtype)
+        # Other processors' bans: random -inf columns, and whole rows at -inf (every kept value banned: the floor).
+        logits[torch.from_numpy(rng.random((rows, width)) < 0.3)] = float("-inf")
+        logits[torch.from_numpy(rng.random(rows) < 0.3)] = float("-inf")
         # in place and out of place
         ref = _fallback(c, logits.clone(), state)
         got = c.mask_(logits.clone(), state)
         assert torch.equal(got, ref)
+        assert torch.equal(_fallback(c, logits.clone(), state, kernel="torch"), ref)
         before = logits.clone()
         got = c.mask_(logits, state, inplace=False)
         assert torch.equal(got, ref) and torch.equal(logits, before)
@@ -97,7 +102,7 @@ def test_child_equals_searchsorted():
     # every real edge too
     edges_node, edges_tok = trie.parent[1:].astype(np.int64), trie.token[1:].astype(np.int64)
     nodes, tokens = np.concatenate([nodes, edges_node]), np.concatenate([tokens, edges_tok])
-    ref = d.step(nodes.copy(), tokens.copy(), NUMPY)
+    ref = NUMPY_KERNEL.child(d, nodes.copy(), tokens.copy())
     got = _native.child(d, torch.from_numpy(nodes), torch.from_numpy(tokens)).numpy()
     assert np.array_equal(got, ref)
     strided = torch.stack([torch.from_numpy(tokens), torch.from_numpy(tokens)], dim=1)[:, 0]  # generate's ids[:, -1]
@@ -146,7 +151,34 @@ def test_wrapper_rejects_bad_arrays():
 
 
 def test_environment_switch_turns_the_kernel_off():
-    code = "from trie_decode import _native; print(_native.AVAILABLE, _native.enabled())"
+    code = ("from trie_decode.kernels import native, select; "
+            "print(native.AVAILABLE, native.enabled(), select('cpu').name)")
     env = {**os.environ, "TRIE_DECODE_NATIVE": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["True", "False"]
+    assert out.split() == ["True", "False", "numpy"]
+
+
+@pytest.mark.parametrize("kernel", ["native", "numpy", "torch"])
+@pytest.mark.parametrize("dense", [False, True])
+def test_rows_other_processors_emptied_keep_the_tries_tokens(kernel, dense):
+    """Every allowed token already -inf (min_new_tokens banned the end token, bad_words the only child): the row's
+    allowed tokens get the finite floor, so it still emits a token of the trie; other rows are untouched."""
+    from trie_decode.kernels.vectorized import ALL_MASKED_FLOOR
+
+    trie = TokenTrie.from_sequences([[5, 6], [5, 7], [9]] + [[10 + i] for i in range(40)], vocab_size=60)
+    c = TrieConstraint(trie, SpanRules(end_token_id=2), "cpu", dense_min_fanout=8 if dense else None, kernel=kernel)
+    state = c.advance(c.start(3), torch.tensor([5, 9, 10]))  # at [5]: {6, 7}; at [9] and [10]: only the end token
+    root = c.start(1)
+    logits = torch.randn(4, 64)
+    logits[0, [6, 7]] = float("-inf")  # both children banned
+    logits[1, 2] = float("-inf")  # the end token banned
+    state = type(state).cat([state, root])
+    logits[3] = float("-inf")  # a whole row banned, at the (dense) root
+    before = logits.clone()
+    out = c.mask_(logits, state)
+    assert out[0].isfinite().nonzero().flatten().tolist() == [6, 7] and (out[0, [6, 7]] == ALL_MASKED_FLOOR).all()
+    assert out[1].isfinite().nonzero().flatten().tolist() == [2] and out[1, 2] == ALL_MASKED_FLOOR
+    assert out[2].isfinite().nonzero().flatten().tolist() == [2] and out[2, 2] == before[2, 2]
+    root_allowed = sorted(trie.children(0)[0].tolist())
+    assert out[3].isfinite().nonzero().flatten().tolist() == root_allowed
+    assert (out[3, root_allowed] == ALL_MASKED_FLOOR).all()

@@ -157,3 +157,72 @@ def test_console_script_help_runs():
     proc = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, f"trie-decode --help exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     assert "usage" in proc.stdout.lower(), proc.stdout
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Every import (module level or inside a function) between the package's own modules, from the source."""
+    import ast
+
+    root = Path(__file__).resolve().parent.parent
+    files = {}
+    for base, prefix in ((root / "trie_decode", "trie_decode"), (root / "integrations", "trie_decode.integrations")):
+        for path in base.rglob("*.py"):
+            rel = path.relative_to(base).with_suffix("").parts
+            name = ".".join((prefix, *rel))
+            files[name.removesuffix(".__init__")] = (path, path.name == "__init__.py")
+    graph: dict[str, set[str]] = {name: set() for name in files}
+    for name, (path, is_pkg) in files.items():
+        package = name if is_pkg else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                    base = f"{base}.{node.module}" if node.module else base
+                else:
+                    base = node.module or ""
+                subs = [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in files]
+                targets = subs or [base]
+            for t in targets:
+                while t and t not in files and "." in t:
+                    t = t.rpartition(".")[0]
+                # Importing an ancestor package is how Python reaches any submodule: not a dependency edge.
+                if t in files and t != name and not name.startswith(t + "."):
+                    graph[name].add(t)
+    return graph
+
+
+def test_no_import_cycles():
+    """Imports go one way (docs/concepts.md, "Where things live"): no cycle, not even through call-time imports."""
+    graph = _module_graph()
+    assert "trie_decode.constraint" in graph and "trie_decode.integrations.vllm" in graph
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            scc = []
+            while True:
+                w = stack.pop()
+                scc.append(w)
+                if w == v:
+                    break
+            if len(scc) > 1:
+                cycles.append(sorted(scc))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    assert not cycles, f"import cycles: {cycles}"

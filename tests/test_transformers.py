@@ -7,12 +7,14 @@ import torch
 
 from trie_decode import TokenTrie, TokenizerMismatchError
 from trie_decode.constraint import SpanRules
+
+from reference import allowed_after
 from trie_decode.integrations.transformers import (
     TrieLogitsProcessor,
     match,
+    match_all,
     prefix_allowed_tokens_fn,
     rank,
-    replay_entries,
 )
 
 QUESTIONS = [
@@ -158,17 +160,6 @@ def _record(processor):
     return wrapped, log
 
 
-def _reference_allowed(entries, rules, gen):
-    """Brute force: the allowed set after generated tokens ``gen`` (eos mode)."""
-    p = tuple(gen)
-    if any(len(e) > len(p) and e[: len(p)] == p for e in entries) or p in entries:
-        kids = {e[len(p)] for e in entries if len(e) > len(p) and e[: len(p)] == p}
-        if p in entries:
-            kids.add(rules.end_token_id)
-        return kids
-    return {rules.end_token_id}
-
-
 @pytest.mark.parametrize("mode", ["greedy", "sample", "beam"])
 def test_every_step_matches_brute_force_tiny_model(tiny_llama, tokenizer, mode):
     entries = [[100, 200, 300], [100, 200, 301], [100, 250], [400], [400, 401, 402], [500, 501]]
@@ -189,7 +180,7 @@ def test_every_step_matches_brute_force_tiny_model(tiny_llama, tokenizer, mode):
                 gen = gen[: gen.index(2) + 1]
                 expected = {2}
             else:
-                expected = _reference_allowed(refs, processor.rules, gen)
+                expected = allowed_after(refs, processor.rules, gen)
             assert set(allowed[row].nonzero().flatten().tolist()) == expected, (mode, gen)
             checked += 1
     assert checked >= 6
@@ -270,7 +261,7 @@ def test_match_helpers():
     trie = TokenTrie.from_sequences([[5, 6], [5, 6, 7], [9]], vocab_size=12, names=["a", "b", "c"])
     assert [e.name if e else None for e in match(trie, [[5, 6, 1, 1], [5, 6, 7, 1], [9, 1, 0], [4, 1]])] == ["a", "b", "c", None]
     rules = SpanRules(end_token_id=1, on_complete="repeat", separator=(10,))
-    assert [e.name for e in replay_entries(trie, rules, [5, 6, 10, 9, 10, 5, 6, 7, 1])] == ["a", "c", "b"]
+    assert [e.name for e in match_all(trie, [[5, 6, 10, 9, 10, 5, 6, 7, 1]], rules)[0]] == ["a", "c", "b"]
 
 
 def test_raw_logits_are_not_masked(tiny_llama, tokenizer):

@@ -18,6 +18,8 @@ from hypothesis import strategies as st
 
 from trie_decode import TokenTrie
 
+from reference import TrieReference
+
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -38,43 +40,6 @@ def entry_sets(draw, max_entries: int = 30):
     return vocab, [list(s) for s in sequences]
 
 
-class Reference:
-    """What the trie must answer, computed from plain tuples."""
-
-    def __init__(self, sequences: list[list[int]]) -> None:
-        tuples = [tuple(s) for s in sequences]
-        self.first_index: dict[tuple[int, ...], int] = {}
-        for i, t in enumerate(tuples):
-            self.first_index.setdefault(t, i)
-        # Entries are numbered by first appearance in the input.
-        self.entries = list(self.first_index)
-        self.entry_number = {t: n for n, t in enumerate(self.entries)}
-        self.prefixes = {t[:k] for t in tuples for k in range(len(t) + 1)}
-        self.next_tokens: dict[tuple[int, ...], set[int]] = {p: set() for p in self.prefixes}
-        for p in self.prefixes:
-            if p:
-                self.next_tokens[p[:-1]].add(p[-1])
-        # Breadth-first with siblings sorted by token == sorted by (depth, tokens).
-        self.bfs_order = sorted(self.prefixes, key=lambda p: (len(p), p))
-
-    def forced_run(self, prefix: tuple[int, ...]) -> list[int]:
-        run, p = [], prefix
-        while p not in self.first_index and len(self.next_tokens[p]) == 1:
-            (tok,) = self.next_tokens[p]
-            run.append(tok)
-            p = p + (tok,)
-        return run
-
-    def forced_token_share(self) -> float:
-        forced = total = 0
-        for entry in self.entries:
-            for k in range(len(entry)):
-                p = entry[:k]
-                total += 1
-                forced += p not in self.first_index and len(self.next_tokens[p]) == 1
-        return round(forced / total, 4)
-
-
 def _names(sequences):
     # Unique per input position, so "the name of the first occurrence" is observable.
     return [f"n{i}-{'.'.join(map(str, s))}" for i, s in enumerate(sequences)]
@@ -87,7 +52,7 @@ def test_trie_matches_brute_force(case):
     names = _names(sequences)
     keys = [f"k{i}" for i in range(len(sequences))]
     trie = TokenTrie.from_sequences(sequences, vocab, names=names, keys=keys)
-    ref = Reference(sequences)
+    ref = TrieReference(sequences)
     trie.validate()
 
     assert trie.num_nodes == len(ref.prefixes)  # distinct non-empty prefixes + the root
@@ -142,7 +107,7 @@ def test_trie_matches_brute_force(case):
 def test_breadth_first_layout(case):
     vocab, sequences = case
     trie = TokenTrie.from_sequences(sequences, vocab)
-    ref = Reference(sequences)
+    ref = TrieReference(sequences)
 
     # Node ids are exactly the breadth-first numbering with siblings sorted by token.
     assert [trie.tokens_of(n) for n in range(trie.num_nodes)] == ref.bfs_order
@@ -188,7 +153,7 @@ def test_structure_is_independent_of_input_order(case, rnd):
 def test_stats_match_brute_force(case):
     vocab, sequences = case
     trie = TokenTrie.from_sequences(sequences, vocab)
-    ref = Reference(sequences)
+    ref = TrieReference(sequences)
     stats = trie.stats()
     assert stats["entries"] == len(ref.entries)
     assert stats["nodes"] == len(ref.prefixes)
@@ -251,7 +216,7 @@ def test_wide_vocab_keys_do_not_collide(seed):
     rows = rng.integers(vocab - 1000, vocab, size=(2000, 4))
     trie = TokenTrie.from_sequences(rows, vocab)
     trie.validate()
-    ref = Reference(rows.tolist())
+    ref = TrieReference(rows.tolist())
     assert trie.num_nodes == len(ref.prefixes)
     for row in rows[:200].tolist():
         assert trie.lookup(row).tokens == tuple(row)

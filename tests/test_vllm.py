@@ -21,23 +21,27 @@ NUMBERS = ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine
 
 
 @pytest.fixture(scope="module")
-def llm(smollm2_dir):
+def llm(smollm2_dir, tmp_path_factory):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM
 
     from trie_decode.integrations.vllm import TrieLogitsProcessor
 
-    engine = LLM(
-        smollm2_dir,
-        dtype="float32",
-        max_model_len=1024,
-        max_num_seqs=16,
-        enforce_eager=True,
-        seed=0,
-        logits_processors=[TrieLogitsProcessor],
-    )
-    yield engine
-    del engine
+    with pytest.MonkeyPatch.context() as mp:
+        # Trie files only from this session's temporary folders (issue 13: closed by default). Set before the
+        # engine starts: its process inherits it, and the frontend (this process) reads it for every request.
+        mp.setenv("TRIE_DECODE_ALLOWED_DIRS", str(tmp_path_factory.getbasetemp()))
+        engine = LLM(
+            smollm2_dir,
+            dtype="float32",
+            max_model_len=1024,
+            max_num_seqs=16,
+            enforce_eager=True,
+            seed=0,
+            logits_processors=[TrieLogitsProcessor],
+        )
+        yield engine
+        del engine
 
 
 def _chat(tokenizer, question: str) -> list[int]:
@@ -160,6 +164,8 @@ def _bad_requests(tmp_path, tokenizer):
 
     corrupt = tmp_path / "corrupt.trie"
     corrupt.write_bytes(b"\x00" * 64)
+    fifo = tmp_path / "fifo.trie"
+    os.mkfifo(fifo)
     other = tmp_path / "other_tokenizer.trie"
     TokenTrie.from_sequences([[1, 2], [3]], len(tokenizer), fingerprint="0" * 32).save(other)
     big = len(tokenizer) + 5
@@ -181,6 +187,8 @@ def _bad_requests(tmp_path, tokenizer):
         "bad trigger": {"trie": ["a"], "trigger": [1.5]},
         "leading_space on ids": {"trie": [[1]], "leading_space": True},
         "oversized": {"trie": ["x"] * 100_001},
+        "outside the allowed folders": {"trie": "/etc/passwd"},
+        "fifo": {"trie": str(fifo)},
     }
 
 
@@ -194,8 +202,6 @@ def test_bad_requests_rejected_then_engine_still_serves(llm, tokenizer, tmp_path
         with pytest.raises((VLLMValidationError, ValueError)) as info:
             llm.generate(["Hi"], SamplingParams(max_tokens=4, extra_args=extra), use_tqdm=False)
         assert "trie" in str(info.value) or "extra_args" in str(info.value), (label, str(info.value))
-    with pytest.raises((VLLMValidationError, ValueError)):
-        llm.generate(["Hi"], SamplingParams(max_tokens=4, min_tokens=2, extra_args={"trie": ["a"]}), use_tqdm=False)
     out = llm.generate(["Pick a color:"], SamplingParams(max_tokens=8, temperature=0, extra_args=trie_args(COLORS)), use_tqdm=False)
     assert out[0].outputs[0].text in COLORS
 
@@ -252,3 +258,33 @@ def test_fast_forward_driver_matches_plain_decoding(llm, tokenizer, country_file
         assert f.text in codes
         assert f.forced > 0 and f.rounds >= 2, f
         assert t.rounds == 1, "without resubmission a request is submitted once"
+
+
+def test_vllm_constraints_never_push_a_row_out_of_the_trie(llm, tokenizer):
+    """vLLM's own constraints run before ours (min_tokens, logit_bias, bad_words): when they ban every token the
+    trie allows, the row still emits a token of the trie (the floor rule), never anything else."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from trie_decode import TokenTrie
+    from trie_decode.integrations.vllm import trie_args
+
+    eos = tokenizer.eos_token_id
+    trie = TokenTrie.from_strings(COLORS, tokenizer)
+    first = {c: tokenizer(c, add_special_tokens=False)["input_ids"][0] for c in COLORS}
+    ids = _chat(tokenizer, "What color is grass?")
+    cases = {
+        # the end token is banned for 6 tokens, longer than any color: the row ends the entry anyway (EOS repeats)
+        "min_tokens": dict(min_tokens=6),
+        # every first token is pushed far down by logit_bias, or banned by bad_words
+        "logit_bias": dict(logit_bias={t: -1.0e30 for t in first.values()}),
+        "bad_words": dict(bad_words=list(COLORS)),
+    }
+    params = [SamplingParams(max_tokens=8, temperature=t, seed=1, extra_args=trie_args(COLORS), **kw)
+              for kw in cases.values() for t in (0.0, 1.0)]
+    outs = llm.generate([TokensPrompt(prompt_token_ids=ids)] * len(params), params, use_tqdm=False)
+    for (label, out) in zip([k for k in cases for _ in (0, 1)], outs):
+        toks = list(out.outputs[0].token_ids)
+        while toks and toks[-1] == eos:
+            toks.pop()
+        assert trie.lookup(toks) is not None, (label, out.outputs[0].text, out.outputs[0].token_ids)

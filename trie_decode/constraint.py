@@ -2,108 +2,39 @@
 
 Why this exists: the transformers processor, the fast-forward loop and the vLLM processors all need the same
 thing: a batch of rows, each constrained by one of several tries, each at some point of a span (inside an entry,
-after it, waiting for a trigger), advanced by one token per step and masked accordingly. That logic lives here,
-as array operations over all rows at once, so the integrations stay thin and behave identically.
+after it, waiting for a trigger), advanced by one token per step and masked accordingly. ``TrieConstraint`` is that
+one object; the integrations only keep their framework's bookkeeping.
 
-A row's state is one int64 ``node`` (plus the index of its trie):
+Where the pieces live: the span rules and the state codes (DONE, FREE, separator positions) in
+:mod:`trie_decode.spans`; the trie's arrays and step tables on the logits' device in :mod:`trie_decode.device`; the
+per-step work, picked once per device, in :mod:`trie_decode.kernels`. Host-side questions about finished or
+running rows (which entries a row generated, which tokens are forced next) are answered here too, from the same
+rules.
 
-    node >= 0     inside an entry, at that trie node
-    DONE (-1)     only the end token may follow
-    FREE (-2)     unconstrained: released after an entry, or waiting for the trigger
-    -2 - k        (k >= 1, repeat mode) emitting separator token number k
-
-End of an entry (``on_complete``):
-    "eos"     the end token is allowed at terminal nodes (with the children, if the entry prefixes another);
-              once chosen, the row allows only the end token.
-    "release" at a terminal node every token is allowed; a child continues the entry, anything else ends the span
-              and the row is unconstrained (or waits for the trigger again).
-    "repeat"  lists of entries: at a terminal node the separator's first token starts the separator (its remaining
-              tokens are forced), after which a new entry starts at the root; the end token ends the list.
-With a trigger (a token sequence) the constraint starts only after the trigger appears; the row is FREE until then.
-
-Each (trie, rules) pair gets a *step table*: per node and per negative code, the row's child range, dense slot, a
-token it surely keeps (the padding anchor) and its extra tokens (end, separator). Masking a batch is then one table
-gather plus the kernel of :mod:`trie_decode.masking` (CUDA, MPS), or one call of the fused C kernel that reads the
-same table (CPU, :mod:`trie_decode._native`); rows whose anchor is -1 are unconstrained.
+Dimension letters: R state rows, B logits rows, V vocabulary width, L generated tokens.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 import torch
 
-from . import _native
-from ._backend import NUMPY, TORCH, Ops
+from . import kernels
 from .device import DeviceTrie
+from .entries import Entry
 from .errors import ConstraintConfigError, InvalidTokenError
-from .masking import MaskPlan, apply_plans_, pack_bitmask, plans_to_bool
+from .filters import EntryOrder, RowFilters, apply_filters_, completed_ranks, entry_indices, is_per_row
+from .kernels.grouped import row_groups
+from .kernels.vectorized import ALL_MASKED_FLOOR, NUMPY_KERNEL, TORCH_KERNEL, plans_to_bool
+from .masking import pack_bitmask
+from .spans import DONE, FREE, ON_COMPLETE_MODES, SpanRules, forced_tokens
 from .trie import TokenTrie
 
-__all__ = ["SpanRules", "RowState", "TrieConstraint", "DONE", "FREE"]
-
-DONE, FREE = -1, -2
-ON_COMPLETE_MODES = ("eos", "release", "repeat")
-# Step table columns.
-_START, _COUNT, _SLOT, _ANCHOR, _EXTRA0, _EXTRA1 = range(6)
-
-
-def _token_tuple(value: Any, what: str) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, int) and not isinstance(value, bool):
-        value = (value,)
-    try:
-        out = tuple(value)
-    except TypeError as exc:
-        raise ConstraintConfigError(f"{what} must be a token id or a sequence of token ids, got {value!r}") from exc
-    for tok in out:
-        if isinstance(tok, bool) or not isinstance(tok, (int, np.integer)):
-            raise ConstraintConfigError(f"{what} must hold integer token ids, got {tok!r}")
-        if tok < 0:
-            raise ConstraintConfigError(f"{what} holds a negative token id {tok}")
-    return tuple(int(t) for t in out)
-
-
-@dataclass(frozen=True)
-class SpanRules:
-    """How a constrained span starts and ends.
-
-    Args:
-        end_token_id: the token that ends an entry (``"eos"``/``"repeat"``) and the fallback of any row that would
-            otherwise allow nothing; usually the model's EOS id.
-        on_complete: ``"eos"`` (default), ``"release"`` or ``"repeat"`` (see the module docstring).
-        separator: token ids between entries in ``"repeat"`` mode (e.g. the tokens of ``", "``).
-        trigger: token ids after which the constraint starts; empty = it starts with generation.
-    """
-
-    end_token_id: int
-    on_complete: str = "eos"
-    separator: tuple[int, ...] = ()
-    trigger: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        end = self.end_token_id
-        if isinstance(end, bool) or not isinstance(end, (int, np.integer)) or end < 0:
-            raise ConstraintConfigError(f"end_token_id must be a non-negative token id, got {end!r}")
-        object.__setattr__(self, "end_token_id", int(end))
-        if self.on_complete not in ON_COMPLETE_MODES:
-            raise ConstraintConfigError(f"on_complete must be one of {ON_COMPLETE_MODES}, got {self.on_complete!r}")
-        object.__setattr__(self, "separator", _token_tuple(self.separator, "separator"))
-        object.__setattr__(self, "trigger", _token_tuple(self.trigger, "trigger"))
-        if self.on_complete == "repeat" and not self.separator:
-            raise ConstraintConfigError('on_complete="repeat" needs a separator (token ids between entries)')
-        if self.on_complete != "repeat" and self.separator:
-            raise ConstraintConfigError(f'a separator is only used with on_complete="repeat", not {self.on_complete!r}')
-
-    def check_vocab(self, width: int) -> None:
-        """Raise :class:`InvalidTokenError` if a configured token is outside ``[0, width)``."""
-        for what, toks in (("end_token_id", (self.end_token_id,)), ("separator", self.separator), ("trigger", self.trigger)):
-            for tok in toks:
-                if tok >= width:
-                    raise InvalidTokenError(f"{what} token {tok} is outside the vocabulary [0, {width})")
+__all__ = ["SpanRules", "RowState", "TrieConstraint", "DONE", "FREE", "ON_COMPLETE_MODES", "mask_end_only_"]
 
 
 @dataclass
@@ -138,56 +69,6 @@ class RowState:
         return self.node == DONE
 
 
-class _StepTable:
-    """The step table of one (trie, rules) pair on one device. Shape: (N + K, 6), int32 (K code rows at the end,
-    so that a negative code indexes its own row)."""
-
-    def __init__(self, dtrie: DeviceTrie, rules: SpanRules) -> None:
-        trie = dtrie.trie
-        n = trie.num_nodes
-        sep = rules.separator
-        fanout = trie.fanout
-        slot = dtrie.tensors.dense_slot.cpu().numpy()
-        terminal = trie.node_entry >= 0
-        end = rules.end_token_id
-        table = np.full((n, 6), -1, dtype=np.int32)
-        table[:, _START] = trie.child_ptr[:-1]
-        table[:, _COUNT] = np.where(slot >= 0, 0, fanout)
-        table[:, _SLOT] = slot
-        first_child = trie.token[np.minimum(trie.child_ptr[:-1], n - 1)]
-        table[:, _ANCHOR] = np.where(fanout > 0, first_child, end)
-        if rules.on_complete == "release":
-            table[terminal, _ANCHOR] = -1  # an entry is complete: the row is unconstrained
-        else:
-            table[terminal, _EXTRA0] = end
-            if rules.on_complete == "repeat":
-                table[terminal, _EXTRA1] = sep[0]
-        # Code rows, for codes -K .. -1 in this order (so that table[code] is the code's row).
-        codes = {DONE: (0, 0, -1, end, end, -1), FREE: (0, 0, -1, -1, -1, -1)}
-        for k in range(1, len(sep)):
-            codes[-2 - k] = (0, 0, -1, sep[k], sep[k], -1)
-        self.num_codes = len(codes)
-        code_rows = np.array([codes[c] for c in range(-self.num_codes, 0)], dtype=np.int32)
-        full = np.concatenate([table, code_rows])
-        self.tensor = torch.from_numpy(full).to(dtrie.device)
-        self.array = self.tensor.numpy() if dtrie.device.type == "cpu" else None
-        self.max_width = int(table[:, _COUNT].max()) if n else 0
-        self.dtrie = dtrie
-        self.kernel_args = _native.static_args(self) if dtrie.device.type == "cpu" else None
-
-    @classmethod
-    def get(cls, dtrie: DeviceTrie, rules: SpanRules) -> "_StepTable":
-        """The table of (dtrie, rules), built once and kept with the DeviceTrie (so per request it costs nothing)."""
-        cache = dtrie.__dict__.setdefault("_step_tables", {})
-        table = cache.get(rules)
-        if table is None:
-            table = cache[rules] = cls(dtrie, rules)
-        return table
-
-    def on(self, ops: Ops) -> Any:
-        return self.array if ops is NUMPY else self.tensor
-
-
 class TrieConstraint:
     """A set of tries plus span rules: starts, advances and masks rows, all rows at once.
 
@@ -195,7 +76,10 @@ class TrieConstraint:
         tries: one trie, or several (each row then names its trie by index).
         rules: the :class:`SpanRules`.
         device: the logits' device.
-        dense_min_fanout: nodes with at least this many children are masked from a dense row (default 2048).
+        dense_min_fanout: nodes with at least this many children are masked from a dense row (default
+            max(256, V // 16)).
+        kernel: force a kernel (``"native"``, ``"numpy"`` or ``"torch"``; see :mod:`trie_decode.kernels`); by
+            default the fastest one for the device.
 
     Example:
         >>> import torch
@@ -219,6 +103,7 @@ class TrieConstraint:
         device: torch.device | str,
         *,
         dense_min_fanout: Optional[int] = None,
+        kernel: Optional[str] = None,
     ) -> None:
         tries = [tries] if isinstance(tries, TokenTrie) else list(tries)
         if not tries:
@@ -226,6 +111,8 @@ class TrieConstraint:
         for i, t in enumerate(tries):
             if not isinstance(t, TokenTrie):
                 raise TypeError(f"tries[{i}] is {type(t).__name__}, not a TokenTrie")
+        if not isinstance(rules, SpanRules):
+            raise TypeError(f"rules must be SpanRules, not {type(rules).__name__}")
         self.tries = tries
         self.rules = rules
         self.device = torch.device(device)
@@ -235,13 +122,19 @@ class TrieConstraint:
             self.dtries = [DeviceTrie.get(t, self.device) for t in tries]
         else:
             self.dtries = [DeviceTrie(t, self.device, dense_min_fanout=dense_min_fanout) for t in tries]
-        self.tables = [_StepTable.get(d, rules) for d in self.dtries]
-        # Index arithmetic runs in numpy on CPU (10x less dispatch overhead than torch), in torch elsewhere; on CPU
-        # the whole step runs in the C kernel when it was built (see trie_decode._native).
-        self._ops = NUMPY if self.device.type == "cpu" else TORCH
-        self._native = self.device.type == "cpu" and _native.enabled()
-        self._plain = rules.on_complete == "eos" and not rules.trigger  # the next state is the trie's child
+        self.tables = [d.table(rules) for d in self.dtries]
+        self.kernel = kernels.select(self.device, kernel)
+        self._prepared = self.kernel.prepare(self.tables)
+        # Plans (allowed sets, bitmasks) come from the vectorized kernel of the device's array backend.
+        self._planner = NUMPY_KERNEL if self.device.type == "cpu" else TORCH_KERNEL
         self._trigger = torch.tensor(rules.trigger, dtype=torch.long, device=self.device)
+
+    def with_kernel(self, kernel: str) -> "TrieConstraint":
+        """The same constraint (same tries, rules and dense rows) stepping with another kernel (to compare them)."""
+        other = copy.copy(self)
+        other.kernel = kernels.select(self.device, kernel)
+        other._prepared = other.kernel.prepare(self.tables)
+        return other
 
     # ------------------------------------------------------------------ state
     def start(self, num_rows: int, tree: Optional[torch.Tensor] = None, tails: Optional[torch.Tensor] = None) -> RowState:
@@ -262,6 +155,11 @@ class TrieConstraint:
             node = torch.where(self._tail_is_trigger(tails, num_rows), node, torch.full_like(node, FREE))
         return RowState(node, tree)
 
+    def done(self, num_rows: int, tree: Optional[torch.Tensor] = None) -> RowState:
+        """The state of rows that may only emit the end token (e.g. a request that must end at once)."""
+        tree = torch.zeros(num_rows, dtype=torch.long, device=self.device) if tree is None else tree.to(self.device, torch.long)
+        return RowState(torch.full((num_rows,), DONE, dtype=torch.long, device=self.device), tree)
+
     def _tail_is_trigger(self, tails: Optional[torch.Tensor], num_rows: int) -> torch.Tensor:
         t = len(self.rules.trigger)
         if tails is None or tails.shape[-1] < t:
@@ -269,13 +167,12 @@ class TrieConstraint:
         return (tails[:, -t:].to(self.device) == self._trigger).all(dim=1)
 
     def _groups(self, tree: torch.Tensor) -> list[tuple[int, Optional[torch.Tensor]]]:
-        """(trie index, row positions or None for all rows) for every trie that has rows."""
-        if len(self.tries) == 1:
-            return [(0, None)]
-        present = torch.unique(tree).tolist()
-        return [(i, (tree == i).nonzero().squeeze(1)) for i in present]
+        return row_groups(tree, len(self.tries))
 
-    def advance(self, state: RowState, tokens: torch.Tensor, tails: Optional[torch.Tensor] = None) -> RowState:
+    def advance(
+        self, state: RowState, tokens: torch.Tensor, tails: Optional[torch.Tensor] = None, *,
+        filters: Optional[RowFilters] = None,
+    ) -> RowState:
         """The state after each row appends ``tokens`` (a new RowState; ``state`` is unchanged).
 
         Args:
@@ -283,140 +180,30 @@ class TrieConstraint:
             tokens: the token each row appended. Shape: (R,), int64.
             tails: the rows' last tokens *including* ``tokens`` (at least ``len(trigger)`` columns); needed only
                 with a trigger.
+            filters: the rows' filters; when they are ``distinct``, each entry a row completes is denied to it
+                from now on (updated in place).
         """
         if tokens.dtype is not torch.long or tokens.device != self.device:
             tokens = tokens.to(self.device, torch.long)
-        node = state.node
-        ops = self._ops
-        groups = self._groups(state.tree)
-        new = None if groups[0][1] is None else torch.full_like(node, DONE)
-        for i, rows in groups:
-            n = node if rows is None else node[rows]
-            t = tokens if rows is None else tokens[rows]
-            if self._native:
-                out = _native.child(self.dtries[i], n, t)  # torch in and out
-                if not self._plain:
-                    out = torch.from_numpy(self._span_moves(i, n.numpy(), t.numpy(), out.numpy(), NUMPY))
-            elif ops is NUMPY:
-                n_, t_ = n.numpy(), t.numpy()
-                out = torch.from_numpy(self._span_moves(i, n_, t_, self.dtries[i].step(n_, t_, ops), ops))
-            else:
-                out = self._span_moves(i, n, t, self.dtries[i].step(n, t, ops), ops)
-            if rows is None:
-                new = out
-            else:
-                new[rows] = out
+        new = self.kernel.advance_rows(self._prepared, state.node, state.tree, tokens)
+        if filters is not None and filters.distinct:
+            done, rank = completed_ranks(state.node, new, self.dtries[0], filters.order)
+            filters.add_denied(rank, done)
         if self.rules.trigger:
             fires = (new == FREE) & self._tail_is_trigger(tails, len(tokens))
             new = torch.where(fires, torch.zeros_like(new), new)
         return RowState(new, state.tree)
 
-    def _span_moves(self, i: int, node: Any, tok: Any, child: Any, ops: Ops) -> Any:
-        """The span rules on top of the trie step: ``child`` (the child of each node by each token, -1 for
-        non-children and for every negative code) becomes each row's next state code (modified in place)."""
-        rules = self.rules
-        mode = rules.on_complete
-        if self._plain:
-            return child
-        table = self.tables[i].on(ops)
-        row = table[node]
-        left = child < 0
-        if mode == "eos":
-            child[left & (node == FREE)] = FREE
-        elif mode == "release":
-            released = left & (((node >= 0) & (row[:, _ANCHOR] < 0)) | (node == FREE))
-            child[released] = FREE
-        else:  # repeat
-            sep = rules.separator
-            at_end = left & (node >= 0) & (row[:, _EXTRA1] >= 0) & (tok == sep[0])
-            child[at_end] = 0 if len(sep) == 1 else -3
-            in_sep = left & (node <= -3)
-            k = -2 - node  # separator position expected next, for rows in the separator
-            ok = in_sep & (tok == row[:, _ANCHOR])
-            child[ok & (k + 1 >= len(sep))] = 0
-            more = ok & (k + 1 < len(sep))
-            child[more] = node[more] - 1
-            child[left & (node == FREE)] = FREE
-        return child
-
     # ------------------------------------------------------------------ masks
-    def plans(self, state: RowState, rows: Optional[torch.Tensor], ops: Ops) -> list[MaskPlan]:
-        """Mask plans of the constrained rows of ``state`` (unconstrained rows are left out).
-
-        Args:
-            rows: logits row of each state row; None means state row i is logits row i.
-            ops: the backend of the index arithmetic (the plans hold torch tensors either way).
-        """
-        plans = []
-        node_all = state.node.numpy() if ops is NUMPY else state.node
-        rows_all = None if rows is None else (rows.numpy() if ops is NUMPY else rows)
-        for i, pos in self._groups(state.tree):
-            if pos is not None:
-                pos = pos.numpy() if ops is NUMPY else pos
-            node = node_all if pos is None else node_all[pos]
-            lrows = (rows_all if pos is None else (pos if rows_all is None else rows_all[pos]))
-            plan = self._plan_group(i, node, lrows, ops)
-            if plan is not None:
-                plans.append(plan)
-        return plans
-
-    def _plan_group(self, i: int, node: Any, rows: Optional[Any], ops: Ops) -> Optional[MaskPlan]:
-        """Plan the mask of the rows of one trie (arrays of ``ops``' backend in, torch tensors out).
-
-        Steps:
-          1. Gather each row's step-table row (child range, dense slot, anchor, extras).
-          2. One host read: the number of child tokens to keep, of unconstrained rows, of dense rows.
-          3. Drop unconstrained rows.
-          4. Lay the kept (row, token) pairs out flat: every child of every sparse row (a ragged gather, so the
-             cost is the number of allowed tokens, not rows x widest row), then each row's anchor and extras.
-        """
-        table = self.tables[i].on(ops)
-        info = ops.int64(table[node])
-        count, anchor, slot = info[:, _COUNT], info[:, _ANCHOR], info[:, _SLOT]
-        if ops is NUMPY:
-            total, n_free, n_dense = int(count.sum()), int((anchor < 0).sum()), int((slot >= 0).sum())
-        else:
-            total, n_free, n_dense = torch.stack([count.sum(), (anchor < 0).sum(), (slot >= 0).sum()]).tolist()
-        masked_rows = rows
-        if n_free:
-            keep = ops.nonzero(anchor >= 0)
-            if len(keep) == 0:
-                return None
-            info = info[keep]
-            masked_rows = keep if rows is None else rows[keep]
-            count, anchor, slot = info[:, _COUNT], info[:, _ANCHOR], info[:, _SLOT]
-            total = int(count.sum())
-        r = info.shape[0]
-        extras = info[:, _ANCHOR : _EXTRA1 + 1 if self.rules.on_complete == "repeat" else _EXTRA0 + 1]
-        x = extras.shape[1]
-        local = ops.arange(r, info)
-        if total:
-            a = self.dtries[i].on(ops)
-            row_of = ops.repeat(local, count, total)
-            ends = ops.cumsum(count)
-            child = info[:, _START][row_of] + (ops.arange(total, info) - (ends - count)[row_of])
-            row_flat = ops.cat([row_of, ops.repeat(local, None, x)], 0)
-            col_flat = ops.cat([ops.int64(a.child_token[child]), extras.reshape(-1)], 0)
-        else:
-            row_flat, col_flat = ops.repeat(local, None, x), extras.reshape(-1)
-        # Extras of -1 (none) point at the row's anchor: a column the row keeps anyway.
-        missing = col_flat < 0
-        col_flat = col_flat + missing * (anchor[row_flat] - col_flat)
-        logits_rows = row_flat if masked_rows is None else masked_rows[row_flat]
-        plan = MaskPlan(
-            rows=_to_torch(logits_rows),
-            cols=_to_torch(col_flat),
-            masked_rows=None if masked_rows is None else _to_torch(masked_rows),
-        )
-        if n_dense:
-            dense_pos = ops.nonzero(slot >= 0)
-            dense_rows = dense_pos if masked_rows is None else masked_rows[dense_pos]
-            plan.dense_rows = _to_torch(dense_rows)
-            plan.dense_blocked = _to_torch(self.dtries[i].on(ops).dense_blocked[slot[dense_pos]])
-        return plan
-
     def mask_(
-        self, logits: torch.Tensor, state: RowState, rows: Optional[torch.Tensor] = None, *, inplace: bool = True
+        self,
+        logits: torch.Tensor,
+        state: RowState,
+        rows: Optional[torch.Tensor] = None,
+        *,
+        inplace: bool = True,
+        out: Optional[torch.Tensor] = None,
+        filters: Optional[RowFilters] = None,
     ) -> torch.Tensor:
         """Set every disallowed logit of the constrained rows to -inf; return the masked logits.
 
@@ -425,63 +212,230 @@ class TrieConstraint:
             state: the state of the rows to mask.
             rows: logits row of each state row (default: state row i is logits row i).
             inplace: modify ``logits`` (default) or return a new tensor and leave ``logits`` unchanged.
+            out: write the result into this tensor (same shape, dtype and device; its contents are overwritten)
+                and leave ``logits`` unchanged: out-of-place masking without an allocation per step.
+            filters: per-row allow/deny sets (:meth:`filters`): children whose entries are all excluded are
+                blocked too.
         """
         if logits.shape[-1] < self.vocab_size:
             raise InvalidTokenError(
                 f"logits have {logits.shape[-1]} columns but the trie's vocabulary has {self.vocab_size} tokens: "
                 "the trie was built for a larger vocabulary than this model's"
             )
-        if self._native and _native.usable_logits(logits):
-            return self._mask_native(logits, state, rows, inplace)
-        return apply_plans_(logits, self.plans(state, rows, self._ops), inplace=inplace)
-
-    def _mask_native(
-        self, logits: torch.Tensor, state: RowState, rows: Optional[torch.Tensor], inplace: bool
-    ) -> torch.Tensor:
-        """:meth:`mask_` through the fused CPU kernel (one pass per row; see :mod:`trie_decode._native`)."""
         src = logits
-        if inplace:
+        covers_all = self.kernel.writes_every_row and rows is None and len(state) == logits.shape[0]
+        if out is not None:
+            if out.shape != logits.shape or out.dtype != logits.dtype or out.device != logits.device:
+                raise ValueError(f"out must match the logits ({tuple(logits.shape)}, {logits.dtype}, {logits.device}), "
+                                 f"got {tuple(out.shape)}, {out.dtype}, {out.device}")
+            if out is not logits and not covers_all:
+                out.copy_(logits)  # rows no state covers must be copied: copy, then mask in place
+                src = out
+        elif inplace:
             out = logits
-        elif rows is None and len(state) == logits.shape[0]:
-            out = torch.empty(logits.shape, dtype=logits.dtype)  # every row is written: masked, or copied through
+        elif covers_all:
+            out = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         else:
             out = src = logits.clone()  # rows no state covers must be copied: clone, then mask in place
-        for i, pos in self._groups(state.tree):
-            nodes = state.node if pos is None else state.node[pos]
-            lrows = rows if pos is None else (pos if rows is None else rows[pos])
-            _native.mask_rows(out, src, nodes, lrows, self.tables[i])
+        if rows is not None and rows.device != logits.device:
+            rows = rows.to(logits.device)
+        self.kernel.mask_rows(self._prepared, out, src, state.node, state.tree, rows)
+        if filters is not None:
+            apply_filters_(out, state.node, filters, self.dtries[0], self.rules, rows)
         return out
 
     def allowed(self, state: RowState, width: Optional[int] = None) -> torch.Tensor:
         """Boolean mask of each row's allowed tokens (unconstrained rows allow all). Shape: (R, width), bool."""
         width = width or self.vocab_size
-        return plans_to_bool(self.plans(state, None, self._ops), len(state), width)
+        planner = self._planner
+        plans = []
+        for i, pos in self._groups(state.tree):
+            nodes = state.node if pos is None else state.node[pos]
+            rows = pos
+            if planner.ops.name == "numpy":
+                nodes, rows = nodes.numpy(), None if pos is None else pos.numpy()
+            plan = planner.plan(self.tables[i], nodes, rows)
+            if plan is not None:
+                plans.append(plan)
+        return plans_to_bool(plans, len(state), width)
 
     def bitmask(self, state: RowState, width: Optional[int] = None) -> torch.Tensor:
         """The allowed tokens as an int32 bitmask. Shape: (R, ceil(width / 32)), int32 (XGrammar's format)."""
         return pack_bitmask(self.allowed(state, width))
 
-    def forced_tokens(self, state: RowState, max_tokens: int = 1 << 30) -> list[list[int]]:
-        """Per row, the tokens forced from its state, host-side (used by fast-forward): the trie's unique run,
-        plus the end token where an entry ends with no way on in ``"eos"`` mode, or the rest of the separator."""
-        rules = self.rules
-        out: list[list[int]] = []
-        for n, t in zip(state.node.tolist(), state.tree.tolist()):
-            run: list[int] = []
-            if n >= 0:
-                trie = self.tries[t]
-                run = trie.forced_run(n)[:max_tokens]
-                if rules.on_complete == "eos" and len(run) < max_tokens:
-                    last = trie.walk(run, n) if run else n
-                    if trie.child_ptr[last + 1] == trie.child_ptr[last]:
-                        run.append(rules.end_token_id)
-            elif n <= -3:
-                run = list(rules.separator[-2 - n :])[:max_tokens]
-            elif n == DONE:
-                run = [rules.end_token_id][:max_tokens]
-            out.append(run)
+    def filters(
+        self,
+        num_rows: int,
+        allow: Optional[Sequence[Any]] = None,
+        deny: Optional[Sequence[Any]] = None,
+        *,
+        distinct: bool = False,
+        max_entries: int = 64,
+    ) -> RowFilters:
+        """Per-row filters over this constraint's trie (one shared trie: filters restrict it per row, no rebuild).
+
+        Args:
+            num_rows: R.
+            allow: per row, the entries it may use (entry keys or indices; None: all), or one spec for every row.
+            deny: per row, the entries it may not use, or one spec for every row.
+            distinct: in ``"repeat"`` lists, each entry a row emits is denied to it for the rest of the list.
+            max_entries: with ``distinct``, room for that many emitted entries per row.
+
+        Example:
+            >>> import torch
+            >>> from trie_decode import TokenTrie
+            >>> from trie_decode.constraint import SpanRules, TrieConstraint
+            >>> trie = TokenTrie.from_sequences([[3, 4], [3, 5], [6]], vocab_size=8, keys=["a", "b", "c"])
+            >>> c = TrieConstraint(trie, SpanRules(end_token_id=0), "cpu")
+            >>> f = c.filters(1, deny=["a", "c"])
+            >>> c.mask_(torch.zeros(1, 8), c.start(1), filters=f).isfinite().nonzero()[:, 1].tolist()
+            [3]
+        """
+        if len(self.tries) != 1:
+            raise ConstraintConfigError("filters restrict one shared trie: this constraint has several tries")
+        if self.rules.on_complete == "release":
+            raise ConstraintConfigError('filters need on_complete="eos" or "repeat" (a released row is unconstrained)')
+        if distinct and self.rules.on_complete != "repeat":
+            raise ConstraintConfigError('distinct=True needs on_complete="repeat" (a list of entries)')
+        trie = self.tries[0]
+
+        def per_row(spec: Any, what: str) -> list[Optional[np.ndarray]]:
+            if spec is None:
+                return [None] * num_rows
+            if is_per_row(spec):
+                if len(spec) != num_rows:
+                    raise ConstraintConfigError(f"{what} has {len(spec)} row specs for {num_rows} rows")
+                seen: dict[int, np.ndarray] = {}  # rows repeating one spec object (a prompt's beams): convert once
+                out = []
+                for s in spec:
+                    if s is not None and id(s) not in seen:
+                        seen[id(s)] = entry_indices(trie, s, what)
+                    out.append(None if s is None else seen[id(s)])
+                return out
+            idx = entry_indices(trie, spec, what)
+            return [idx] * num_rows
+
+        out = RowFilters(EntryOrder.of(trie), per_row(allow, "allow"), per_row(deny, "deny"), self.device,
+                         distinct_capacity=max_entries if distinct else 0)
+        out.distinct = distinct
         return out
 
+    def stop_at_forced(self, state: RowState, min_run: torch.Tensor, tail_only: torch.Tensor) -> RowState:
+        """The state to mask with when rows must end where a forced run begins (vLLM's fast-forward driver).
 
-def _to_torch(x: Any) -> Any:
-    return torch.from_numpy(x) if isinstance(x, np.ndarray) else x
+        A row inside an entry, at a node from which at least ``min_run`` tokens are forced (and, where
+        ``tail_only``, where that run completes the entry) is shown as DONE: only the end token is allowed, which
+        at a non-terminal node unambiguously means "stopped here". Rows with ``min_run`` 0 are unchanged.
+
+        Args:
+            min_run: Shape: (R,), int64. tail_only: Shape: (R,), bool.
+        """
+        node = state.node
+        at = node.clamp(min=0)
+        stop = torch.zeros_like(node, dtype=torch.bool)
+        for i, d in enumerate(self.dtries):  # T static: element-wise per trie, no grouping read on the host
+            length, ends_entry = d.forced_runs()
+            mine = state.tree == i if len(self.dtries) > 1 else torch.ones_like(stop)
+            a = torch.where(mine, at, 0).clamp(max=d.num_nodes - 1)
+            stop = stop | (mine & (node >= 0) & (min_run > 0) & (length[a] >= min_run) & (ends_entry[a] | ~tail_only))
+        return RowState(torch.where(stop, torch.full_like(node, DONE), node), state.tree)
+
+    # ------------------------------------------------------------------ host-side answers
+    def forced_tokens(self, state: RowState, max_tokens: int = 1 << 30) -> list[list[int]]:
+        """Per row, the tokens forced from its state, host-side (used by fast-forward): the trie's forced run, plus
+        the end token where an entry ends with no way on in ``"eos"`` mode, or the rest of the separator (see
+        :func:`trie_decode.spans.forced_tokens`)."""
+        nodes = state.node.cpu().numpy()
+        tree = state.tree.cpu().numpy()
+        out: list[list[int]] = [[] for _ in range(len(nodes))]
+        for i in np.unique(tree).tolist():
+            pos = np.flatnonzero(tree == i)
+            for p, run in zip(pos.tolist(), forced_tokens(self.tries[i], self.rules, nodes[pos], max_tokens)):
+                out[p] = run
+        return out
+
+    def replay(
+        self,
+        generated: Union[torch.Tensor, Sequence[Sequence[int]]],
+        tree: Optional[Sequence[int]] = None,
+        prompt_tails: Optional[Sequence[Sequence[int]]] = None,
+    ) -> list[list[Entry]]:
+        """The entries each row completed, in order, by running the rows through this constraint's own transitions.
+
+        An entry counts as completed when a row at its terminal node takes a token that is not a child (the end
+        token, a separator, any token in ``"release"`` mode), or when the row ends there.
+
+        Args:
+            generated: each row's generated tokens (no prompt); rows may differ in length. Shape: (R, L).
+            tree: each row's trie index (default 0).
+            prompt_tails: each row's prompt (or its last ``len(trigger)`` tokens), for a trigger at the prompt's end.
+        """
+        rows = generated.tolist() if isinstance(generated, torch.Tensor) else [list(r) for r in generated]
+        r = len(rows)
+        found: list[list[Entry]] = [[] for _ in range(r)]
+        if r == 0:
+            return found
+        width = max((len(x) for x in rows), default=0)
+        t = len(self.rules.trigger)
+        tails = np.full((r, t), -1, dtype=np.int64)
+        if t and prompt_tails is not None:
+            for i, tail in enumerate(prompt_tails):
+                tail = list(tail)[-t:]
+                if tail:
+                    tails[i, t - len(tail) :] = tail
+        pad = np.full((r, width), -1, dtype=np.int64)
+        lengths = np.array([len(x) for x in rows], dtype=np.int64)
+        for i, x in enumerate(rows):
+            pad[i, : len(x)] = x
+        full = np.concatenate([tails, pad], axis=1)
+        tree_t = torch.zeros(r, dtype=torch.long) if tree is None else torch.as_tensor(list(tree), dtype=torch.long)
+        host = self if self.device.type == "cpu" else TrieConstraint(self.tries, self.rules, "cpu")
+        state = host.start(r, tree_t, torch.from_numpy(tails) if t else None)
+        tree_np = tree_t.numpy()
+        terminal = [tr.node_entry for tr in self.tries]
+
+        def entry_at(i: int, node: int) -> Optional[Entry]:
+            idx = int(terminal[tree_np[i]][node]) if node >= 0 else -1
+            return self.tries[tree_np[i]].entry(idx) if idx >= 0 else None
+
+        for j in range(width):
+            live = np.flatnonzero(lengths > j)
+            if len(live) < r:
+                sub = state.select(torch.from_numpy(live))
+            else:
+                sub = state
+            tok = torch.from_numpy(pad[live, j])
+            tail = torch.from_numpy(full[live, j + 1 : j + 1 + t]) if t else None
+            new = host.advance(sub, tok, tail)
+            old_n, new_n = sub.node.numpy(), new.node.numpy()
+            for k in np.flatnonzero(old_n >= 0).tolist():
+                i = int(live[k])
+                tr = self.tries[tree_np[i]]
+                if new_n[k] >= 0 and new_n[k] != 0 and tr.parent[new_n[k]] == old_n[k]:
+                    continue  # went down to a child: the entry goes on
+                e = entry_at(i, int(old_n[k]))
+                if e is not None:
+                    found[i].append(e)
+            if len(live) < r:
+                state.assign(torch.from_numpy(live), new)
+            else:
+                state = new
+        for i, n in enumerate(state.node.tolist()):
+            e = entry_at(i, n)
+            if e is not None:
+                found[i].append(e)
+        return found
+
+
+def mask_end_only_(logits: torch.Tensor, rows: torch.Tensor, end_token_id: int) -> torch.Tensor:
+    """Mask logits rows ``rows`` to the end token only (a DONE row with no trie, e.g. a request that must end).
+
+    Args:
+        logits: Shape: (B, V), modified in place. rows: Shape: (R,), int64, on the logits' device.
+    """
+    keep = logits[rows, end_token_id]
+    logits.index_fill_(0, rows, float("-inf"))
+    floor = torch.full_like(keep, ALL_MASKED_FLOOR)
+    logits[rows, end_token_id] = torch.where(keep == float("-inf"), floor, keep)
+    return logits
+

@@ -9,12 +9,13 @@ Per trie node the device keeps 17 bytes:
                                nodes are numbered breadth-first with siblings sorted by token
     terminal:    (N,)   bool   an entry ends at the node
 
-``edge_key`` turns "the child of node n by token t" into one ``searchsorted`` for a whole batch. Nodes with very
+``edge_key`` turns "the child of node n by token t" into one ``searchsorted`` for a whole batch (the vectorized
+kernel; the C kernel searches the CSR children directly). Nodes with very
 many children (the root of a big trie) also get a dense boolean row, so masking them is one row copy instead of a
 scatter of tens of thousands of tokens (STATIC's dense first levels, chosen by fanout rather than by depth).
 
 On a CPU device the same arrays are also exposed as zero-copy numpy views, for the numpy backend of the kernel
-(see :mod:`trie_decode._backend`).
+(see :mod:`trie_decode.kernels.arrays`). A :class:`StepTable` per set of span rules lives beside the arrays.
 
 Dimension letters: R rows, N nodes, V the trie's vocabulary size, H dense nodes.
 """
@@ -28,10 +29,11 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from ._backend import NUMPY, Ops
+from .kernels.arrays import NUMPY, Ops
+from .spans import SpanRules, step_table
 from .trie import TokenTrie
 
-__all__ = ["DeviceTrie"]
+__all__ = ["DeviceTrie", "StepTable"]
 
 # A dense row costs ~3 passes over V; a sparse row one gather and one scatter per child: past ~V/16 children
 # the dense row is cheaper (see docs/performance.md).
@@ -95,7 +97,11 @@ class DeviceTrie:
             else None
         )
         self.num_dense = len(wide)
+        self._tables: dict[SpanRules, StepTable] = {}
+        self._forced: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         self.sparse_max_fanout = int(fanout[dense_slot < 0].max()) if (dense_slot < 0).any() else 0
+        self.max_fanout = int(fanout.max()) if len(fanout) else 0
+        self._parent: Optional[torch.Tensor] = None
 
     @classmethod
     def get(cls, trie: TokenTrie, device: torch.device | str) -> "DeviceTrie":
@@ -115,24 +121,56 @@ class DeviceTrie:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in vars(self.tensors).values())
 
-    def step(self, nodes: Any, tokens: Any, ops: Ops) -> Any:
-        """The child of each node by each token, -1 where there is none or where the node is negative.
+    def table(self, rules: SpanRules) -> "StepTable":
+        """The step table of ``rules`` over this trie on this device (built once per rules, kept with the trie)."""
+        found = self._tables.get(rules)
+        if found is None:
+            found = self._tables[rules] = StepTable(self, rules)
+        return found
 
-        Args:
-            nodes: Shape: (R,), int64. tokens: Shape: (R,), int64 (both arrays of ``ops``' backend).
-        Returns:
-            Shape: (R,), int64.
-        """
-        a = self.on(ops)
-        key = nodes * self.vocab_size + tokens
-        pos = ops.searchsorted(a.edge_key, key)
-        pos[pos >= self.num_nodes] = 0  # the root's key (-1) never matches a real key
-        hit = (a.edge_key[pos] == key) & (nodes >= 0) & (tokens >= 0) & (tokens < self.vocab_size)
-        pos[~hit] = -1
-        return pos
+    @property
+    def parent_tensor(self) -> torch.Tensor:
+        """The parent of every node (-1 at the root) on this device. Shape: (N,), int64. Built on first use."""
+        if self._parent is None:
+            self._parent = torch.from_numpy(self.trie.parent.astype(np.int64)).to(self.device)
+        return self._parent
+
+    def forced_runs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The trie's forced runs on this device (:meth:`TokenTrie.forced_runs`): per node the run length,
+        Shape: (N,), int64, and whether the run completes the entry, Shape: (N,), bool. Built on first use."""
+        if self._forced is None:
+            runs = self.trie.forced_runs()
+            self._forced = (
+                torch.from_numpy(runs.length.astype(np.int64)).to(self.device),
+                torch.from_numpy(runs.ends_entry.copy()).to(self.device),
+            )
+        return self._forced
 
     def __repr__(self) -> str:
         return (
             f"DeviceTrie(nodes={self.num_nodes}, device={self.device}, dense_nodes={self.num_dense}, "
             f"sparse_max_fanout={self.sparse_max_fanout})"
         )
+
+
+class StepTable:
+    """The step table of one (trie, rules) pair on one device (:func:`trie_decode.spans.step_table`).
+
+    Attributes:
+        tensor: the table on the device. Shape: (N + K, 6), int32.
+        array: a zero-copy numpy view of it on CPU, else None.
+        dtrie, rules: what it was built from.
+        num_codes: K.
+        kernel_cache: per-kernel data derived from the table (e.g. the C kernel's static arguments).
+    """
+
+    def __init__(self, dtrie: DeviceTrie, rules: SpanRules) -> None:
+        host = step_table(dtrie.trie, rules, dtrie.tensors.dense_slot.cpu().numpy())
+        self.dtrie, self.rules = dtrie, rules
+        self.num_codes = rules.num_codes
+        self.tensor = torch.from_numpy(host).to(dtrie.device)
+        self.array = self.tensor.numpy() if dtrie.device.type == "cpu" else None
+        self.kernel_cache: dict[str, Any] = {}
+
+    def on(self, ops: Ops) -> Any:
+        return self.array if ops is NUMPY else self.tensor

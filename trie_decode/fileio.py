@@ -9,18 +9,22 @@ instead of producing a wrong constraint.
 
 from __future__ import annotations
 
+import errno
 import json
+import math
 import os
+import stat
 import struct
+import threading
 import zlib
 from pathlib import Path
-from typing import Mapping
+from typing import BinaryIO, Mapping
 
 import numpy as np
 
 from .errors import TrieFileError
 
-__all__ = ["write_arrays", "read_arrays", "FORMAT_NAME", "FORMAT_VERSION"]
+__all__ = ["write_arrays", "read_arrays", "open_regular_file", "FORMAT_NAME", "FORMAT_VERSION"]
 
 FORMAT_NAME = "trie_decode.TokenTrie"
 FORMAT_VERSION = 1
@@ -40,77 +44,172 @@ def write_arrays(path: str | os.PathLike[str], arrays: Mapping[str, np.ndarray],
     meta["format"] = FORMAT_NAME
     meta["format_version"] = str(FORMAT_VERSION)
     meta["crc32"] = json.dumps({name: _crc(a) for name, a in arrays.items()}, sort_keys=True)
-    tmp = Path(str(path) + ".tmp")
-    save_file({name: np.ascontiguousarray(a) for name, a in arrays.items()}, str(tmp), metadata=meta)
-    os.replace(tmp, path)
+    # A temporary name of this process and thread: concurrent writers of the same path never share one.
+    tmp = Path(f"{os.fspath(path)}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        save_file({name: np.ascontiguousarray(a) for name, a in arrays.items()}, str(tmp), metadata=meta)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
-def read_arrays(path: str | os.PathLike[str], *, verify: bool = True) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+def open_regular_file(path: str | os.PathLike[str], *, follow_symlinks: bool = True) -> BinaryIO:
+    """Open ``path`` for reading only if it is a regular file, without ever blocking on it.
+
+    The file is opened with ``O_NONBLOCK`` (opening a FIFO does not wait for a writer) and the *opened* descriptor is
+    checked with ``fstat``, so a path swapped for something else between a check and the open cannot slip through.
+    With ``follow_symlinks=False`` the last component must not be a symbolic link (``O_NOFOLLOW``).
+
+    Raises:
+        TrieFileError: missing, not a regular file (directory, FIFO, device, socket), or unreadable.
+    """
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    if not follow_symlinks:
+        flags |= getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError as exc:
+        raise TrieFileError(f"trie file not found: {path}") from exc
+    except IsADirectoryError as exc:  # pragma: no cover - Linux opens directories read-only; the fstat below catches it
+        raise TrieFileError(f"trie file not found: {path} is a directory, not a file") from exc
+    except OSError as exc:
+        if exc.errno == errno.ELOOP and not follow_symlinks:
+            raise TrieFileError(f"{path} is a symbolic link, not a regular trie file") from exc
+        raise TrieFileError(f"cannot open trie file {path}: {exc.strerror}") from exc
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise TrieFileError(f"trie file not found: {path} is a directory, not a file")
+        if not stat.S_ISREG(st.st_mode):
+            raise TrieFileError(f"{path} is not a regular file (a FIFO, device or socket): not a trie file")
+        handle = os.fdopen(fd, "rb")
+        try:
+            handle.raw.name = os.fsdecode(path)  # error messages name the path, not the descriptor number
+        except (AttributeError, TypeError):  # pragma: no cover
+            pass
+        return handle
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _strict_int(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{value!r:.40} is not an integer")
+    return value
+
+
+def read_arrays(
+    source: str | os.PathLike[str] | BinaryIO, *, verify: bool = True
+) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """Memory-map the arrays of a trie file.
 
     Args:
-        path: the file written by :func:`write_arrays`.
-        verify: recompute every array's CRC-32 (reads the whole file once; ~0.1 s per 100 MB). Turn off only for
-            files you just wrote yourself.
+        source: the file written by :func:`write_arrays`: a path, or a binary file object opened on it (e.g. by
+            :func:`open_regular_file`; the caller keeps ownership and may close it afterwards, the mapping stays).
+        verify: recompute every array's CRC-32 (reads the whole file once; ~0.1 s per 100 MB) and require one for
+            every array. Turn off only for files you just wrote yourself.
 
     Returns:
-        (arrays, metadata): read-only arrays backed by the file, and the header's metadata.
+        (arrays, metadata): read-only arrays backed by the file, and the header's metadata (strings).
 
     Raises:
-        TrieFileError: missing file, not a safetensors file, truncated, CRC mismatch, wrong format or version.
+        TrieFileError: missing or not a regular file, not a safetensors file, truncated, CRC mismatch, wrong format
+            or version, a malformed header (bad dtypes, shapes or offsets).
     """
-    path = Path(path)
-    if not path.is_file():
-        raise TrieFileError(f"trie file not found: {path}")
-    size = path.stat().st_size
+    if isinstance(source, (str, bytes, os.PathLike)):
+        with open_regular_file(source) as handle:
+            return _read_open(handle, str(os.fsdecode(source)), verify)
+    label = getattr(source, "name", None)
+    return _read_open(source, label if isinstance(label, str) else "<trie file>", verify)
+
+
+def _read_open(handle: BinaryIO, path: str, verify: bool) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    try:
+        st = os.fstat(handle.fileno())
+    except (OSError, AttributeError, ValueError) as exc:
+        raise TrieFileError(f"{path}: cannot read the trie file ({exc})") from exc
+    if not stat.S_ISREG(st.st_mode):
+        raise TrieFileError(f"{path} is not a regular file: not a trie file")
+    size = st.st_size
     if size < 8:
         raise TrieFileError(f"{path} is not a trie file: {size} bytes, too short for a safetensors header")
-    with open(path, "rb") as handle:
-        (header_len,) = struct.unpack("<Q", handle.read(8))
+    try:
+        head = os.pread(handle.fileno(), 8, 0)
+        (header_len,) = struct.unpack("<Q", head)
         if header_len > min(_MAX_HEADER, size - 8):
             raise TrieFileError(f"{path} is truncated or not a safetensors file (header of {header_len} bytes)")
-        try:
-            header = json.loads(handle.read(header_len))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise TrieFileError(f"{path} has a corrupted safetensors header: {exc}") from exc
+        raw_header = os.pread(handle.fileno(), header_len, 8)
+    except (OSError, struct.error) as exc:
+        raise TrieFileError(f"{path}: cannot read the trie file header ({exc})") from exc
+    if len(raw_header) != header_len:
+        raise TrieFileError(f"{path} is truncated (it changed while being read)")
+    try:
+        header = json.loads(raw_header)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise TrieFileError(f"{path} has a corrupted safetensors header: {exc}") from exc
     if not isinstance(header, dict):
         raise TrieFileError(f"{path} has a corrupted safetensors header (not a JSON object)")
     metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict):
-        raise TrieFileError(f"{path} has a corrupted safetensors header (__metadata__ is not an object)")
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise TrieFileError(f"{path} has a corrupted safetensors header (__metadata__ is not an object of strings)")
     if metadata.get("format") != FORMAT_NAME:
-        raise TrieFileError(f"{path} is a safetensors file but not a trie_decode trie (format={metadata.get('format')!r})")
+        raise TrieFileError(
+            f"{path} is a safetensors file but not a trie_decode trie (format={metadata.get('format')!r:.80})"
+        )
     version = metadata.get("format_version")
     if version != str(FORMAT_VERSION):
-        raise TrieFileError(f"{path} has trie format version {version!r}; this trie_decode reads version {FORMAT_VERSION}")
+        raise TrieFileError(
+            f"{path} has trie format version {version!r:.40}; this trie_decode reads version {FORMAT_VERSION}"
+        )
     data_start = 8 + header_len
     data_len = size - data_start
-    whole = np.memmap(path, dtype=np.uint8, mode="r") if size > data_start else np.zeros(0, np.uint8)
+    whole = None
     arrays: dict[str, np.ndarray] = {}
     for name, info in header.items():
         try:
-            dtype = _DTYPES[info["dtype"]]
-            shape = tuple(int(d) for d in info["shape"])
-            begin, end = (int(x) for x in info["data_offsets"])
+            if not isinstance(info, dict):
+                raise TypeError("not an object")
+            dtype = np.dtype(_DTYPES[info["dtype"]])
+            shape = tuple(_strict_int(d) for d in info["shape"])
+            begin, end = (_strict_int(x) for x in info["data_offsets"])
         except (KeyError, TypeError, ValueError) as exc:
-            raise TrieFileError(f"{path}: malformed header entry for array {name!r}: {info!r}") from exc
-        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-        if end > data_len or begin < 0 or end - begin != nbytes:
+            raise TrieFileError(f"{path}: malformed header entry for array {name!r:.80}: {info!r:.200}") from exc
+        if any(d < 0 for d in shape) or len(shape) > 8:
+            raise TrieFileError(f"{path}: malformed header entry for array {name!r:.80}: shape {list(shape)}")
+        nbytes = math.prod(shape) * dtype.itemsize  # Python ints: a huge declared shape cannot wrap around
+        if begin < 0 or end > data_len or end - begin != nbytes:
             raise TrieFileError(
-                f"{path} is truncated or corrupted: array {name!r} needs bytes {begin}..{end} of {data_len}"
+                f"{path} is truncated or corrupted: array {name!r:.80} needs bytes {begin}..{end} of {data_len}"
             )
+        if nbytes == 0:
+            arrays[name] = np.zeros(shape, dtype=dtype)
+            continue
+        if whole is None:
+            try:
+                whole = np.memmap(handle, dtype=np.uint8, mode="r", shape=(size,))
+            except (OSError, ValueError) as exc:
+                raise TrieFileError(f"{path}: cannot memory-map the trie file ({exc})") from exc
         raw = whole[data_start + begin : data_start + end]
-        arrays[name] = raw.view(dtype).reshape(shape) if nbytes else np.zeros(shape, dtype=dtype)
+        if (data_start + begin) % dtype.itemsize:
+            raw = np.array(raw)  # misaligned (a valid writer never does this): copy, so every array is aligned
+            raw.flags.writeable = False
+        arrays[name] = raw.view(dtype).reshape(shape)
     if verify:
+        table = metadata.get("crc32")
         try:
-            expected = json.loads(metadata.get("crc32", ""))
-        except json.JSONDecodeError as exc:
+            expected = json.loads(table) if table is not None else None
+        except (json.JSONDecodeError, RecursionError) as exc:
             raise TrieFileError(f"{path}: corrupted checksum table in the metadata") from exc
         if not isinstance(expected, dict):
             raise TrieFileError(f"{path}: corrupted checksum table in the metadata")
         for name, crc in expected.items():
             if name not in arrays:
-                raise TrieFileError(f"{path} is missing array {name!r}")
+                raise TrieFileError(f"{path} is missing array {name!r:.80}")
             if _crc(arrays[name]) != crc:
-                raise TrieFileError(f"{path} is corrupted: array {name!r} fails its CRC-32 check")
+                raise TrieFileError(f"{path} is corrupted: array {name!r:.80} fails its CRC-32 check")
+        unchecked = sorted(set(arrays) - set(expected))
+        if unchecked:
+            raise TrieFileError(f"{path}: arrays {unchecked[:8]} have no CRC-32 in the checksum table")
     return arrays, metadata

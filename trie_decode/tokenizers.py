@@ -1,63 +1,545 @@
-"""Tokenizer helpers: the vocabulary fingerprint and batched tokenization of entry strings.
+"""Tokenizer helpers: the vocabulary fingerprint, each token's bytes, and tokenization of entry strings in context.
 
 Why this exists: a trie is a set of token ids, meaningless under any other tokenizer. Every trie records a
 fingerprint of the vocabulary it was built with, and every consumer (processor, vLLM, ``TokenTrie.load``) checks
-it, so a mismatch is an error at construction instead of garbage at generation time. Only duck typing is used
-(``get_vocab``, ``__call__``, ``len``): the core never imports transformers.
+it, so a mismatch is an error at construction instead of garbage at generation time. The fingerprint hashes what
+each id *means* (its bytes), not how a loader spells it, so the same model files give the same fingerprint through
+any loader (a Hugging Face fast tokenizer, ``MistralCommonBackend``, a converted tiktoken or SentencePiece file).
+
+The second half is tokenization: a model writes an entry with different ids depending on what precedes it
+(``"France"`` vs ``" France"``, SentencePiece's dummy prefix ``"▁"``). :func:`tokenize_in_context` returns the ids
+the tokenizer produces for an entry *after a given text*, which is what the model writes there.
+
+Only duck typing is used (``get_vocab``, ``__call__``, ``len``, a fast tokenizer's ``backend_tokenizer``): the core
+never imports transformers.
+
+Example:
+    >>> from tokenizers import Tokenizer, models, pre_tokenizers
+    >>> from transformers import PreTrainedTokenizerFast
+    >>> backend = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1, "b": 2}, unk_token="[UNK]"))
+    >>> backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    >>> tok = PreTrainedTokenizerFast(tokenizer_object=backend)
+    >>> token_bytes(tok)
+    [b'[UNK]', b'a', b'b']
+    >>> len(tokenizer_fingerprint(tok))
+    32
+    >>> tokenize_in_context(["b", "a b"], tok, "a")   # after the word "a", the model writes " b" and " a b"
+    [[2], [1, 2]]
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Sequence
+import unicodedata
+from typing import Any, Optional, Sequence
 
-__all__ = ["tokenizer_fingerprint", "tokenizer_vocab_size", "tokenize_strings"]
+import numpy as np
+
+from .errors import InvalidEntryError, TrieDecodeError
+
+__all__ = [
+    "tokenizer_fingerprint",
+    "legacy_tokenizer_fingerprint",
+    "fingerprint_matches",
+    "tokenizer_vocab_size",
+    "tokenize_strings",
+    "tokenize_in_context",
+    "separator_after",
+    "special_token_strings",
+    "ends_with_special_token",
+    "token_bytes",
+    "byte_scheme",
+    "encode_texts",
+    "normalize_strings",
+    "ContextError",
+    "NORMAL_FORMS",
+    "SPACE_ANCHOR",
+    "LINE_ANCHOR",
+]
+
+#: Unicode normal forms accepted by ``normalize=`` (recorded in the trie's options).
+NORMAL_FORMS = ("NFC", "NFKC", "NFD", "NFKD")
+#: The text an entry is tokenized after for ``leading_space=True`` (as ``" " + entry``): a word.
+SPACE_ANCHOR = "x"
+#: The text an entry is tokenized after for ``leading_space=False``: a newline (the entry starts a line).
+LINE_ANCHOR = "\n"
 
 _CACHE: dict[int, tuple[Any, int, str]] = {}
+_BYTES_CACHE: dict[int, tuple[Any, int, tuple[np.ndarray, bytes, Optional[list[bytes]]]]] = {}
+_SPECIAL_CACHE: dict[int, tuple[Any, int, frozenset[str]]] = {}
+
+
+class ContextError(TrieDecodeError, ValueError):
+    """The text before the entries merges with them: the context's own tokens change when an entry follows.
+
+    Typical causes: a prompt that ends with a space (the model writes the space *inside* the entry's first token,
+    ``" France"``), or a prompt whose last character glues to the entry (``'"'`` before a name in Llama 3's
+    pre-tokenizer). The message names the first entry affected and the fix.
+    """
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Each token's bytes
+
+
+def _byte_decoder_table() -> dict[int, int]:
+    """GPT-2's byte-level alphabet, inverted: code point of the printable stand-in -> the byte it stands for."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {c: b for b, c in zip(bs, cs)}
+
+
+_BYTE_DECODER = _byte_decoder_table()
+_BYTE_ENCODER = {b: chr(c) for c, b in _BYTE_DECODER.items()}
+_TO_LATIN1 = str.maketrans({c: chr(b) for c, b in _BYTE_DECODER.items()})
+_BYTE_PIECES = {f"<0x{b:02X}>": bytes([b]) for b in range(256)}
+
+
+def byte_scheme(tokenizer: Any) -> str:
+    """How a tokenizer's token strings map to bytes: ``"bytelevel"`` (GPT-2 style: SmolLM2, Llama 3, Qwen, DeepSeek,
+    Tekken), ``"sentencepiece"`` (``"▁"`` for a space, ``<0xNN>`` byte-fallback pieces: Llama 2, Mistral, Gemma),
+    ``"mistral-common"`` (a ``MistralCommonBackend``, read through mistral_common) or ``"text"`` (token strings are
+    the text itself, e.g. WordPiece).
+
+    Example:
+        >>> byte_scheme(object())
+        'text'
+    """
+    if _mistral_inner(tokenizer) is not None:
+        return "mistral-common"
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    decoder = getattr(backend, "decoder", None) if backend is not None else None
+    if decoder is not None:
+        try:
+            spec = decoder.__getstate__()
+            spec = spec.decode("utf-8") if isinstance(spec, bytes) else str(spec)
+        except Exception:  # noqa: BLE001 - an exotic decoder: fall back to its class name
+            spec = type(decoder).__name__
+        if "ByteLevel" in spec:
+            return "bytelevel"
+        if "ByteFallback" in spec or "Metaspace" in spec or "\u2581" in spec or "\\u2581" in spec:
+            return "sentencepiece"
+    return "text"
+
+
+def _mistral_inner(tokenizer: Any) -> Any:
+    """The mistral_common tokenizer (Tekkenizer or SentencePieceTokenizer) inside a ``MistralCommonBackend``."""
+    inner = getattr(getattr(getattr(tokenizer, "tokenizer", None), "instruct_tokenizer", None), "tokenizer", None)
+    return inner if inner is not None and hasattr(inner, "n_words") else None
+
+
+def _added_tokens(tokenizer: Any) -> dict[int, str]:
+    decoder = getattr(tokenizer, "added_tokens_decoder", None)
+    if not isinstance(decoder, dict):
+        return {}
+    return {int(i): str(getattr(t, "content", t)) for i, t in decoder.items()}
+
+
+def _mistral_bytes(inner: Any) -> list[bytes]:
+    n = int(inner.n_words)
+    model = getattr(inner, "_model", None)
+    num_special = int(getattr(inner, "num_special_tokens", 0) or 0)
+    ranks = getattr(model, "_mergeable_ranks", None)
+    if isinstance(ranks, dict) and num_special:  # Tekken: a tiktoken encoding behind the special tokens
+        out = [b""] * n
+        for i in range(num_special):
+            out[i] = str(inner.id_to_piece(i)).encode("utf-8")
+        for piece, rank in ranks.items():
+            if 0 <= rank + num_special < n:
+                out[rank + num_special] = bytes(piece)
+        return out
+    if model is not None and hasattr(model, "is_byte"):  # SentencePiece
+        pieces = [model.id_to_piece(i) for i in range(n)]
+        out = []
+        for i, p in enumerate(pieces):
+            if model.is_byte(i) and p in _BYTE_PIECES:
+                out.append(_BYTE_PIECES[p])
+            elif model.is_control(i) or model.is_unknown(i):
+                out.append(p.encode("utf-8"))
+            else:
+                out.append(p.replace("\u2581", " ").encode("utf-8"))
+        return out
+    from mistral_common.tokens.tokenizers.base import SpecialTokenPolicy  # pragma: no cover - other backends
+
+    return [bytes(inner.id_to_byte_piece(i, SpecialTokenPolicy.KEEP)) for i in range(n)]  # pragma: no cover
+
+
+def _token_strings(tokenizer: Any, n: int) -> list[Optional[str]]:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and hasattr(backend, "id_to_token"):
+        id_to_token = backend.id_to_token
+        return [id_to_token(i) for i in range(n)]
+    vocab = tokenizer.get_vocab()
+    out: list[Optional[str]] = [None] * n
+    for t, i in vocab.items():
+        if 0 <= int(i) < n:
+            out[int(i)] = str(t)
+    return out
+
+
+def token_bytes(tokenizer: Any) -> list[bytes]:
+    """The bytes each token id stands for, by id (``b""`` for an id with no token).
+
+    Ordinary tokens give the bytes they decode to (a byte-level token its bytes, a SentencePiece piece its text
+    with ``"▁"`` as a space, a ``<0xNN>`` byte-fallback piece its byte); added and special tokens give their text.
+    The result is the same whichever loader read the model files (a fast tokenizer, ``MistralCommonBackend``).
+    Cached per tokenizer object (recomputed when its length changes).
+
+    Example:
+        >>> from transformers import AutoTokenizer                         # doctest: +SKIP
+        >>> from trie_decode.integrations.smollm2 import smollm2_path      # doctest: +SKIP
+        >>> tok = AutoTokenizer.from_pretrained(smollm2_path())             # doctest: +SKIP
+        >>> token_bytes(tok)[tok.convert_tokens_to_ids("ĠParis")]          # doctest: +SKIP
+        b' Paris'
+    """
+    lengths, blob, parts = _bytes_table(tokenizer)
+    if parts is None:  # byte-level: sliced from the one decoded blob on first use
+        ends = np.cumsum(lengths).tolist()
+        parts = [blob[a:b] for a, b in zip([0] + ends[:-1], ends)]
+        _BYTES_CACHE[id(tokenizer)] = _BYTES_CACHE[id(tokenizer)][:2] + ((lengths, blob, parts),)
+    return parts
+
+
+def _bytes_table(tokenizer: Any) -> tuple[np.ndarray, bytes, Optional[list[bytes]]]:
+    """(byte length of each id, all ids' bytes concatenated, the per-id list if already built); cached."""
+    size = tokenizer_vocab_size(tokenizer)
+    cached = _BYTES_CACHE.get(id(tokenizer))
+    if cached is not None and cached[0] is tokenizer and cached[1] == size:
+        return cached[2]
+    scheme = byte_scheme(tokenizer)
+    out: Optional[list[bytes]] = None
+    if scheme == "mistral-common":
+        out = _mistral_bytes(_mistral_inner(tokenizer))
+        out += [b""] * (size - len(out))
+    else:
+        pieces = _token_strings(tokenizer, size)
+        added = _added_tokens(tokenizer)
+        if scheme == "bytelevel":
+            # Added tokens hold plain text: re-spell them in the byte-level alphabet so that one translate() over
+            # the whole vocabulary decodes everything (a per-token loop costs 3x more).
+            for i, content in added.items():
+                if 0 <= i < size:
+                    pieces[i] = "".join(_BYTE_ENCODER[b] for b in content.encode("utf-8"))
+            texts = [p or "" for p in pieces]
+            try:
+                blob = "".join(texts).translate(_TO_LATIN1).encode("latin-1")
+                table = (np.fromiter(map(len, texts), dtype=np.int64, count=size), blob, None)
+                _BYTES_CACHE[id(tokenizer)] = (tokenizer, size, table)
+                return table
+            except UnicodeEncodeError:  # a piece outside the byte-level alphabet: decode what can be decoded
+                out = [bytes(_BYTE_DECODER.get(ord(c), 0) for c in t) for t in texts]
+        elif scheme == "sentencepiece":
+            out = []
+            for i, p in enumerate(pieces):
+                if p is None:
+                    out.append(b"")
+                elif i in added:
+                    out.append(added[i].encode("utf-8"))
+                elif p in _BYTE_PIECES:
+                    out.append(_BYTE_PIECES[p])
+                else:
+                    out.append(p.replace("\u2581", " ").encode("utf-8"))
+        else:
+            out = [(p or "").encode("utf-8") for p in pieces]
+            for i, content in added.items():
+                if 0 <= i < size:
+                    out[i] = content.encode("utf-8")
+    table = (np.fromiter(map(len, out), dtype=np.int64, count=len(out)), b"".join(out), out)
+    _BYTES_CACHE[id(tokenizer)] = (tokenizer, size, table)
+    return table
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Fingerprints
+
+
+def _size_key(tokenizer: Any) -> int:
+    return len(tokenizer) if hasattr(tokenizer, "__len__") else -1
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
-    """A short, stable hash of a tokenizer's vocabulary (token string → id, added tokens included).
+    """A short, stable hash of a tokenizer's vocabulary: the bytes of every token id, in id order.
 
-    Two tokenizers with the same fingerprint map every string to the same ids. Costs ~0.3 s for SmolLM2's 49k
-    vocabulary; the result is cached per tokenizer object (and recomputed if its length changes).
+    Two tokenizers with the same fingerprint give every id the same meaning, whichever loader read them (a Hugging
+    Face fast tokenizer and ``MistralCommonBackend`` over the same Mistral files agree, although the latter's
+    ``get_vocab`` is lossy). Adding a token changes it. ~20-50 ms for a 50k vocabulary (one pass over the token
+    strings); cached per tokenizer object (recomputed if its length changes).
+
+    Tries saved before this version recorded :func:`legacy_tokenizer_fingerprint`; :func:`fingerprint_matches`
+    (used by ``TokenTrie.check_tokenizer`` and ``TokenTrie.load``) accepts both.
+
+    Raises:
+        TypeError: not a tokenizer (no ``get_vocab``).
     """
-    # The length is part of the cache key: add_tokens() on the same object changes the vocabulary.
-    size = len(tokenizer) if hasattr(tokenizer, "__len__") else -1
+    size = _size_key(tokenizer)
     cached = _CACHE.get(id(tokenizer))
     if cached is not None and cached[0] is tokenizer and cached[1] == size:
         return cached[2]
-    get_vocab = getattr(tokenizer, "get_vocab", None)
-    if get_vocab is None:
+    if not hasattr(tokenizer, "get_vocab"):
         raise TypeError(f"expected a Hugging Face tokenizer with get_vocab(), got {type(tokenizer).__name__}")
-    vocab = get_vocab()
-    items = sorted((int(i), str(t)) for t, i in vocab.items())
-    digest = hashlib.sha256(json.dumps(items, ensure_ascii=False).encode("utf-8")).hexdigest()[:32]
+    lengths, blob, _ = _bytes_table(tokenizer)
+    h = hashlib.sha256(b"trie_decode token bytes v2\0")
+    h.update(lengths.astype("<i8").tobytes())
+    h.update(blob)
+    digest = h.hexdigest()[:32]
     _CACHE[id(tokenizer)] = (tokenizer, size, digest)
     return digest
 
 
+def legacy_tokenizer_fingerprint(tokenizer: Any) -> str:
+    """The fingerprint tries recorded before token-bytes fingerprints: a hash of ``get_vocab()`` (string -> id).
+
+    Kept so that old trie files still load with the tokenizer they were built with; ~0.3 s for 50k tokens.
+    """
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    if get_vocab is None:
+        raise TypeError(f"expected a Hugging Face tokenizer with get_vocab(), got {type(tokenizer).__name__}")
+    items = sorted((int(i), str(t)) for t, i in get_vocab().items())
+    return hashlib.sha256(json.dumps(items, ensure_ascii=False).encode("utf-8")).hexdigest()[:32]
+
+
+def fingerprint_matches(fingerprint: str, tokenizer: Any) -> bool:
+    """Whether a recorded fingerprint is ``tokenizer``'s: the current one, or the legacy one of older tries.
+
+    Example:
+        >>> from tokenizers import Tokenizer, models
+        >>> from transformers import PreTrainedTokenizerFast
+        >>> tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "b": 1}, unk_token="a")))
+        >>> fingerprint_matches(tokenizer_fingerprint(tok), tok), fingerprint_matches(legacy_tokenizer_fingerprint(tok), tok)
+        (True, True)
+        >>> fingerprint_matches("0" * 32, tok)
+        False
+    """
+    if fingerprint == tokenizer_fingerprint(tokenizer):
+        return True
+    return fingerprint == legacy_tokenizer_fingerprint(tokenizer)
+
+
 def tokenizer_vocab_size(tokenizer: Any) -> int:
-    """Number of token ids the tokenizer can produce (base vocabulary plus added tokens)."""
+    """Number of token ids the tokenizer can produce (base vocabulary plus added tokens): the largest id + 1.
+
+    This is the tokenizer's width, which may exceed the model's logits (Llama 3.2 ships 128,257 ids for 128,256
+    logits); the constraint accepts narrower logits as long as every trie token and the end token fit.
+    """
     size = len(tokenizer)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and hasattr(backend, "get_vocab_size"):
+        # A fast tokenizer: its sizes and added ids, without building the whole string -> id dict (~5x faster).
+        size = max(size, int(backend.get_vocab_size(with_added_tokens=True)))
+        added = _added_tokens(tokenizer)
+        if added:
+            size = max(size, max(added) + 1)
+        return int(size)
     vocab = tokenizer.get_vocab()
     if vocab:
         size = max(size, max(vocab.values()) + 1)
     return int(size)
 
 
-def tokenize_strings(strings: Sequence[str], tokenizer: Any, *, leading_space: bool = False) -> list[list[int]]:
-    """Tokenize entry strings in one batched call, without special tokens.
+# ---------------------------------------------------------------------------------------------------------------
+# Tokenization
+
+
+def normalize_strings(strings: Sequence[str], normalize: Optional[str]) -> list[str]:
+    """``strings`` in Unicode normal form ``normalize`` (None: unchanged).
+
+    Raises:
+        InvalidEntryError: ``normalize`` is not one of :data:`NORMAL_FORMS`.
+
+    Example:
+        >>> normalize_strings(["Co\\u0302te"], "NFC") == ["C\\u00f4te"]
+        True
+    """
+    if normalize is None:
+        return list(strings)
+    if normalize not in NORMAL_FORMS:
+        raise InvalidEntryError(f"normalize must be one of {NORMAL_FORMS} or None, got {normalize!r}")
+    return [unicodedata.normalize(normalize, s) for s in strings]
+
+
+def encode_texts(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
+    """Token ids of each text, without special tokens, in one batched call (any Hugging Face-style tokenizer)."""
+    if not texts:
+        return []
+    encoded = tokenizer(list(texts), add_special_tokens=False)
+    ids = encoded["input_ids"] if isinstance(encoded, dict) or hasattr(encoded, "keys") else encoded
+    return [[int(t) for t in x] for x in ids]
+
+
+_NO_SPACE_AFTER = frozenset("\"'([{<`/\u00ab\u201c\u2018")
+
+
+def separator_after(context: str) -> str:
+    """The text a model writes between ``context`` and an entry: ``" "`` after a word or punctuation that ends a
+    phrase (``"The answer is"``, ``"Answer:"``, ``"[/INST]"``), ``""`` at the start of a text, after whitespace (a
+    newline, a chat header ending with one) and after an opening quote or bracket (``'"'``, ``"("``).
+
+    Example:
+        >>> [separator_after(c) for c in ("The answer is", "Answer:", "\\n", '"', "")]
+        [' ', ' ', '', '', '']
+    """
+    if not context or context[-1].isspace() or context[-1] in _NO_SPACE_AFTER:
+        return ""
+    return " "
+
+
+def tokenize_in_context(
+    strings: Sequence[str],
+    tokenizer: Any,
+    context: str,
+    *,
+    separator: Optional[str] = None,
+    on_unstable: str = "raise",
+) -> list[list[int]]:
+    """The ids the tokenizer gives each string right after ``context``: the ids a model writes there.
+
+    Each ``context + separator + s`` is tokenized (one batched call) and the context's own ids are cut off the
+    front. That holds only when the context's ids are a prefix of the result (a *stable* context); otherwise the
+    end of the context and the start of the entry share a token, and the model, having the context's ids in its
+    prompt already, cannot write the entry's canonical ids.
 
     Args:
         strings: the entries' texts.
-        tokenizer: a Hugging Face tokenizer (a fast one tokenizes a million names in seconds).
-        leading_space: tokenize ``" " + s`` instead of ``s``. Byte-level BPE tokenizers encode a word after a space
-            with different ids (``"Paris"`` vs ``" Paris"``); choose the form the model will write where the entry
-            starts (after ``"Answer:"`` it is usually the spaced form, at the start of a chat reply the bare one).
+        tokenizer: a Hugging Face-style tokenizer (``MistralCommonBackend`` included).
+        context: the text the entries follow (the end of the prompt, or a trigger). ``""``, or a context that ends
+            with a special token (``"[/INST]"``), means the entry starts a text of its own, which for SentencePiece
+            tokenizers adds the dummy prefix ``"▁"``.
+        separator: the text between context and entry; by default :func:`separator_after` (a space after a word,
+            nothing after a newline or an opening quote). Entries that start with whitespace get none.
+        on_unstable: ``"raise"`` (:class:`ContextError` naming the first such entry and the fix) or ``"raw"`` (use
+            the entry's own tokenization, ``separator + s`` as if the context were absent, for those entries).
+
+    Raises:
+        ContextError: with ``on_unstable="raise"``, the context merges with an entry.
+
+    Example:
+        >>> from transformers import AutoTokenizer                                    # doctest: +SKIP
+        >>> tok = AutoTokenizer.from_pretrained(smollm2_path())                        # doctest: +SKIP
+        >>> tokenize_in_context(["Paris"], tok, "The answer is") == [tok(" Paris")["input_ids"]]  # doctest: +SKIP
+        True
+        >>> tokenize_in_context(["Paris"], tok, "Answer:\\n") == [tok("Paris")["input_ids"]]         # doctest: +SKIP
+        True
     """
-    texts = [" " + s for s in strings] if leading_space else list(strings)
-    encoded = tokenizer(texts, add_special_tokens=False)
-    ids = encoded["input_ids"] if isinstance(encoded, dict) or hasattr(encoded, "keys") else encoded
-    return [list(x) for x in ids]
+    if on_unstable not in ("raise", "raw"):
+        raise InvalidEntryError(f"on_unstable must be 'raise' or 'raw', got {on_unstable!r}")
+    texts, split, head = _split_after(strings, tokenizer, context, separator)
+    out: list[list[int]] = []
+    raw_needed: list[int] = []
+    for i, ids in enumerate(split):
+        if ids is not None:
+            out.append(ids)
+            continue
+        if on_unstable == "raise":
+            full = encode_texts(tokenizer, [context + texts[i]])[0]
+            raise ContextError(_unstable_message(tokenizer, context, texts[i], i, head, full))
+        out.append([])
+        raw_needed.append(i)
+    if raw_needed:
+        for i, ids in zip(raw_needed, encode_texts(tokenizer, [texts[i] for i in raw_needed])):
+            out[i] = ids
+    return out
+
+
+def special_token_strings(tokenizer: Any) -> frozenset[str]:
+    """The text of every special or added token (``all_special_tokens``, ``added_tokens_decoder``); cached.
+
+    Hugging Face tokenizers split text at every added token, special or not (DeepSeek's ``"<｜Assistant｜>"``,
+    Gemma's ``"\\n"``), so the text after one is tokenized on its own.
+    """
+    cached = _SPECIAL_CACHE.get(id(tokenizer))
+    size = _size_key(tokenizer)
+    if cached is not None and cached[0] is tokenizer and cached[1] == size:
+        return cached[2]
+    found = {str(t) for t in (getattr(tokenizer, "all_special_tokens", None) or [])}
+    decoder = getattr(tokenizer, "added_tokens_decoder", None)
+    if isinstance(decoder, dict):
+        found |= {str(getattr(t, "content", t)) for t in decoder.values()}
+    result = frozenset(t for t in found if t)
+    _SPECIAL_CACHE[id(tokenizer)] = (tokenizer, size, result)
+    return result
+
+
+def ends_with_special_token(tokenizer: Any, context: str) -> bool:
+    """Whether ``context`` ends with a special or added token's text (``"[/INST]"``, ``"<｜Assistant｜>"``).
+
+    After a special token the model starts a new segment: chat formats encode the reply on its own (mistral_common
+    encodes a Mistral reply with SentencePiece's dummy prefix: ``"▁France"``), and Hugging Face tokenizers split
+    text at special tokens. So an entry after one is tokenized as a text of its own.
+    """
+    return bool(context) and any(context.endswith(t) for t in special_token_strings(tokenizer))
+
+
+def _split_after(
+    strings: Sequence[str], tokenizer: Any, context: str, separator: Optional[str]
+) -> tuple[list[str], list[Optional[list[int]]], list[int]]:
+    """(texts with their separator, in-context ids of each text or None where the context merges, context ids)."""
+    if not isinstance(context, str):
+        raise InvalidEntryError(f"context must be a string (the text the entries follow), got {type(context).__name__}")
+    fresh = not context or ends_with_special_token(tokenizer, context)
+    if separator is None:
+        separator = "" if fresh else separator_after(context)
+    texts = [s if s[:1].isspace() else separator + s for s in strings]
+    if fresh:
+        return texts, encode_texts(tokenizer, texts), []
+    head = encode_texts(tokenizer, [context])[0]
+    full = encode_texts(tokenizer, [context + t for t in texts])
+    k = len(head)
+    return texts, [ids[k:] if ids[:k] == head and len(ids) > k else None for ids in full], head
+
+
+def _unstable_message(tokenizer: Any, context: str, entry: str, index: int, head: list[int], ids: list[int]) -> str:
+    stripped = context.rstrip(" \t")
+    if stripped != context:
+        fix = (
+            f"the context ends with whitespace ({context[len(stripped):]!r}); the model writes the space inside the "
+            f"entry's first token. End the prompt without it (prompt.rstrip(' ')) and build with "
+            f"context={stripped[-40:]!r} or leading_space=True"
+        )
+    else:
+        fix = (
+            f"its last token merges with the entry. Either end the prompt one token earlier and start the entries "
+            f"with that text (token healing), or build with on_unstable='raw' to keep the entry's own tokens there"
+        )
+    return (
+        f"context {context[-40:]!r} is not a stable prefix of entry {index} ({entry!r:.60}): alone it is {head[-4:]} "
+        f"at its end, but followed by the entry it tokenizes to {ids[max(0, len(head) - 4):len(head) + 2]}...: {fix}"
+    )
+
+
+def tokenize_strings(
+    strings: Sequence[str], tokenizer: Any, *, leading_space: bool = False, context: Optional[str] = None
+) -> list[list[int]]:
+    """Tokenize entry strings in one batched call, without special tokens, as the model writes them in context.
+
+    Args:
+        strings: the entries' texts.
+        tokenizer: a Hugging Face tokenizer (a fast one tokenizes a million names in seconds), or a
+            ``MistralCommonBackend``.
+        leading_space: the form after a word and a space (``"... is France"``: byte-level ``"ĠFrance"``,
+            SentencePiece ``"▁France"``); False: the form at the start of a line, i.e. after a newline or a chat
+            header that ends with one (``"France"``). Both are computed after an anchor text (:data:`SPACE_ANCHOR`,
+            :data:`LINE_ANCHOR`), so SentencePiece's dummy prefix never adds a ``"▁"`` of its own; an entry that
+            merges with the anchor keeps its own tokenization (``" " + s`` or ``s``).
+        context: instead of ``leading_space``, the exact text the entries follow (see :func:`tokenize_in_context`;
+            raises :class:`ContextError` when the context merges with an entry).
+
+    Example:
+        >>> from transformers import AutoTokenizer                                       # doctest: +SKIP
+        >>> tok = AutoTokenizer.from_pretrained(smollm2_path())                           # doctest: +SKIP
+        >>> tokenize_strings(["Paris"], tok, leading_space=True) == [tok(" Paris")["input_ids"]]  # doctest: +SKIP
+        True
+    """
+    strings = list(strings)
+    if context is not None:
+        return tokenize_in_context(strings, tokenizer, context)
+    # An entry that merges with the anchor keeps its own tokenization (of " " + s, or s).
+    if leading_space:
+        return tokenize_in_context(strings, tokenizer, SPACE_ANCHOR, separator=" ", on_unstable="raw")
+    return tokenize_in_context(strings, tokenizer, LINE_ANCHOR, separator="", on_unstable="raw")

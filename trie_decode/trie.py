@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from typing import Any, BinaryIO, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -35,7 +35,7 @@ from ._build import BuiltArrays, build_arrays, check_tokens, to_ragged
 from .entries import Entry, StringTable
 from .errors import InvalidEntryError, InvalidTokenError, TokenizerMismatchError, TrieFileError
 from .fileio import read_arrays, write_arrays
-from .tokenizers import tokenize_strings, tokenizer_fingerprint, tokenizer_vocab_size
+from .tokenizers import fingerprint_matches, tokenizer_fingerprint, tokenizer_vocab_size
 
 __all__ = ["TokenTrie", "TrieStats"]
 
@@ -46,11 +46,54 @@ class TrieStats(dict):
     """Counts that describe a trie (a dict, printable and JSON-serializable)."""
 
 
+class ForcedRuns:
+    """Where the model has no choice: the one definition of a forced run, used by fast-forward (transformers and
+    vLLM), the vLLM stop-at-forced option, ``TokenTrie.forced_run`` and ``TokenTrie.stats``.
+
+    A node is *forced* when it has exactly one child and no entry ends there. The run from a node follows forced
+    nodes down to the first node that is not forced.
+
+    Attributes:
+        forced: whether each node is forced. Shape: (N,), bool.
+        length: number of tokens in the run from each node (0 at branching nodes, entry ends and leaves).
+            Shape: (N,), int32.
+        end: the node where the run from each node stops (the node itself when the length is 0). Shape: (N,), int32.
+        ends_entry: whether the run from each node ends at a leaf, i.e. completes an entry with no way on.
+            Shape: (N,), bool.
+    """
+
+    __slots__ = ("forced", "length", "end", "ends_entry")
+
+    def __init__(self, forced: np.ndarray, length: np.ndarray, end: np.ndarray, ends_entry: np.ndarray) -> None:
+        self.forced, self.length, self.end, self.ends_entry = forced, length, end, ends_entry
+        for array in (forced, length, end, ends_entry):
+            array.flags.writeable = False
+
+    @classmethod
+    def of(cls, trie: "TokenTrie") -> "ForcedRuns":
+        """Computed one depth level at a time, deepest first (a child's run is known before its parent's)."""
+        n = trie.num_nodes
+        ptr = trie.child_ptr.astype(np.int64)
+        fanout = np.diff(ptr)
+        forced = (fanout == 1) & (trie.node_entry < 0)
+        first_child = np.minimum(ptr[:-1], n - 1)
+        length = np.zeros(n, dtype=np.int32)
+        end = np.arange(n, dtype=np.int32)
+        level = trie.level_ptr
+        for depth in range(len(level) - 2, -1, -1):
+            lo, hi = int(level[depth]), int(level[depth + 1])
+            f = forced[lo:hi]
+            child = first_child[lo:hi]
+            length[lo:hi] = np.where(f, 1 + length[child], 0)
+            end[lo:hi] = np.where(f, end[child], end[lo:hi])
+        return cls(forced, length, end, fanout[end] == 0)
+
+
 class TokenTrie:
     """An immutable trie over token-id sequences, stored as flat numpy arrays.
 
-    Build it with :meth:`from_sequences`, :meth:`from_strings`, :meth:`from_token_tree_payload` or
-    :meth:`from_prefix_dict`; save it with :meth:`save` and memory-map it back with :meth:`load`.
+    Build it with :meth:`from_sequences` or :meth:`from_strings` (JSON descriptors: :mod:`trie_decode.descriptors`);
+    save it with :meth:`save` and memory-map it back with :meth:`load`.
 
     An entry that is a prefix of another entry is a terminal node with children. Duplicate entries are merged
     (``stats()["duplicates"]`` counts them); an entry keeps the name and key of its first occurrence.
@@ -69,6 +112,8 @@ class TokenTrie:
         "_names",
         "_keys",
         "_parent",
+        "_forced",
+        "extra",
         "__weakref__",
     )
 
@@ -99,6 +144,9 @@ class TokenTrie:
         self._names = names
         self._keys = keys
         self._parent: Optional[np.ndarray] = None
+        self._forced: Optional[ForcedRuns] = None
+        #: Arrays that ride along in the trie's file (e.g. a catalog's items per entry, :mod:`trie_decode.catalogs`).
+        self.extra: dict[str, np.ndarray] = {}
         for array in (child_ptr, token, node_entry, entry_node, level_ptr):
             if array.flags.writeable:
                 array.flags.writeable = False
@@ -178,22 +226,49 @@ class TokenTrie:
         strings: Sequence[str],
         tokenizer: Any,
         *,
-        leading_space: bool = False,
+        leading_space: Any = None,
+        context: Any = None,
         keys: Optional[Sequence[Any]] = None,
+        normalize: Optional[str] = None,
     ) -> "TokenTrie":
-        """Build a trie from entry strings with a Hugging Face tokenizer (one batched call, no special tokens).
+        """Build a trie from entry strings with the model's tokenizer, holding the ids the model writes in context.
+
+        A model writes an entry with different ids depending on what precedes it. Say where the entries go and the
+        trie holds those ids: ``context="The answer is"`` (the end of the prompt, or the trigger) tokenizes
+        ``"The answer is France"`` and keeps the ids after the context's own (checking that the context's ids are
+        unchanged by what follows, else :class:`~trie_decode.tokenizers.ContextError` with the fix). The shortcuts
+        ``leading_space=True`` (after a word and a space) and ``False`` (at the start of a line: after a newline
+        or a chat header ending with one) do the same after a fixed anchor text, so SentencePiece's dummy prefix
+        is handled for every family. Several forms may be stored at once (lists for either argument): all forms of
+        a string are entries with the same name and key, and ``match``/``rank`` report the entry, not the form.
+        :func:`trie_decode.forms.check_prompt` tells whether a given prompt and the trie agree.
 
         Args:
             strings: the entries' texts; they become the entries' names.
             tokenizer: the tokenizer of the model that will generate (its fingerprint is recorded).
-            leading_space: tokenize ``" " + s`` (see :func:`~trie_decode.tokenize_strings`).
-            keys: optional external id per string.
+            leading_space: a bool or a list of bools (see :func:`~trie_decode.tokenize_strings`). Default: False
+                when no ``context`` is given.
+            context: a string or a list of strings: the text the entries follow (see
+                :func:`~trie_decode.tokenizers.tokenize_in_context`; a space is put between a context that ends
+                with a word and the entry, none after a newline or an opening quote).
+            keys: optional external id per string (shared by the string's forms).
+            normalize: ``"NFC"`` (or ``"NFKC"``, ``"NFD"``, ``"NFKD"``): normalize each string before tokenizing,
+                as Qwen's tokenizer does to its input; recorded in ``options``. Names stay as given.
+
+        Raises:
+            InvalidEntryError: not a list of non-empty strings, or a bad option. EmptyTrieError: no strings.
+            ContextError: a context merges with an entry (e.g. it ends with a space).
 
         Example:
             >>> from transformers import AutoTokenizer                      # doctest: +SKIP
             >>> tok = AutoTokenizer.from_pretrained(model_dir)              # doctest: +SKIP
-            >>> trie = TokenTrie.from_strings(["France", "Germany"], tok)   # doctest: +SKIP
+            >>> trie = TokenTrie.from_strings(["France", "Germany"], tok, context="The answer is")  # doctest: +SKIP
+            >>> both = TokenTrie.from_strings(["France"], tok, leading_space=[True, False])          # doctest: +SKIP
+            >>> [both.entry(i).name for i in range(both.num_entries)]                                # doctest: +SKIP
+            ['France', 'France']
         """
+        from .forms import resolve_forms, tokenize_forms
+
         if isinstance(strings, (str, bytes)):
             raise InvalidEntryError("expected a collection of strings, got a single string")
         strings = list(strings)
@@ -206,29 +281,29 @@ class TokenTrie:
             from .errors import EmptyTrieError
 
             raise EmptyTrieError("the set of entries is empty: a trie needs at least one entry")
-        sequences = tokenize_strings(strings, tokenizer, leading_space=leading_space)
+        if keys is not None and len(keys) != len(strings):
+            raise InvalidEntryError(f"keys has {len(keys)} items but there are {len(strings)} strings")
+        forms = resolve_forms(leading_space, context)
+        sequences, source = tokenize_forms(strings, tokenizer, forms, normalize=normalize)
+        options: dict[str, Any] = {"source": "strings"}
+        spaces = [v for kind, v in forms if kind == "leading_space"]
+        contexts = [v for kind, v in forms if kind == "context"]
+        if spaces:
+            options["leading_space"] = spaces[0] if len(spaces) == 1 and not isinstance(leading_space, list) else spaces
+        if contexts:
+            options["context"] = contexts[0] if isinstance(context, str) else contexts
+        if normalize is not None:
+            options["normalize"] = normalize
+        if len(forms) > 1:
+            options["forms"] = len(forms)
         return cls.from_sequences(
             sequences,
             tokenizer_vocab_size(tokenizer),
-            names=strings,
-            keys=keys,
+            names=[strings[i] for i in source],
+            keys=[keys[i] for i in source] if keys is not None else None,
             fingerprint=tokenizer_fingerprint(tokenizer),
-            options={"source": "strings", "leading_space": leading_space},
+            options=options,
         )
-
-    @classmethod
-    def from_token_tree_payload(cls, payload: Any, vocab_size: int, *, fingerprint: str = "") -> dict[str, "TokenTrie"]:
-        """Build one trie per descriptor path from a TokenTreePayload (see :mod:`trie_decode.descriptors`)."""
-        from .descriptors import tries_from_token_tree_payload
-
-        return tries_from_token_tree_payload(payload, vocab_size, fingerprint=fingerprint)
-
-    @classmethod
-    def from_prefix_dict(cls, payload: Any, vocab_size: int, *, fingerprint: str = "") -> "TokenTrie":
-        """Build a trie from an RTP-LLM prefix-dict JSON (see :mod:`trie_decode.descriptors`)."""
-        from .descriptors import trie_from_prefix_dict
-
-        return trie_from_prefix_dict(payload, vocab_size, fingerprint=fingerprint)
 
     # ------------------------------------------------------------------ sizes
     root: int = 0
@@ -270,8 +345,7 @@ class TokenTrie:
     def stats(self) -> TrieStats:
         """Entries, nodes, depth, bytes per node, fanout histogram, and the share of forced (no-choice) steps."""
         fanout = self.fanout
-        terminal = self.node_entry >= 0
-        forced_nodes = (fanout == 1) & ~terminal
+        forced_nodes = self.forced_runs().forced
         hist_edges = [0, 1, 2, 3, 5, 9, 17, 33, 65, 129, 257, 1025, 4097, 1 << 62]
         counts, _ = np.histogram(fanout, bins=hist_edges)
         labels = [f"{lo}" if hi - lo == 1 else f"{lo}-{hi - 1}" for lo, hi in zip(hist_edges[:-1], hist_edges[1:])]
@@ -338,13 +412,19 @@ class TokenTrie:
         """Whether an entry ends at ``node``."""
         return bool(self.node_entry[self._check_node(node)] >= 0)
 
+    def forced_runs(self) -> "ForcedRuns":
+        """Per node, the run of tokens forced from it (computed once, vectorized: see :class:`ForcedRuns`)."""
+        if self._forced is None:
+            self._forced = ForcedRuns.of(self)
+        return self._forced
+
     def forced_run(self, node: int) -> list[int]:
         """The tokens that follow ``node`` while there is exactly one way on (one child and no entry ending)."""
         node = self._check_node(node)
+        ptr, token = self.child_ptr, self.token
         run: list[int] = []
-        ptr, token, node_entry = self.child_ptr, self.token, self.node_entry
-        while node_entry[node] < 0 and ptr[node + 1] - ptr[node] == 1:
-            node = int(ptr[node])
+        for _ in range(int(self.forced_runs().length[node])):
+            node = int(ptr[node])  # a forced node's only child is its first child
             run.append(int(token[node]))
         return run
 
@@ -397,20 +477,42 @@ class TokenTrie:
                     f"the trie uses token ids up to {self.vocab_size - 1} but the tokenizer has only {vocab} tokens"
                 )
             return
-        actual = tokenizer_fingerprint(tokenizer)
-        if actual != self.fingerprint:
+        if not fingerprint_matches(self.fingerprint, tokenizer):  # the current or the legacy (pre-0.2) fingerprint
+            actual = tokenizer_fingerprint(tokenizer)
             raise TokenizerMismatchError(
                 f"this trie was built for a tokenizer with vocabulary fingerprint {self.fingerprint}, "
                 f"but the tokenizer given has fingerprint {actual}: rebuild the trie with this tokenizer"
             )
 
     def validate(self) -> None:
-        """Check every structural invariant in O(N) vectorized passes; raise :class:`TrieFileError` on failure."""
-        n = self.num_nodes
+        """Check every structural invariant in O(N) vectorized passes; raise :class:`TrieFileError` on failure.
+
+        After it passes, every array has the dtype and shape the layout says, every pointer is in range, the nodes
+        form a tree in breadth-first order (no cycles, no orphans), and every leaf ends an entry, so walking and
+        masking cannot index out of bounds or loop.
+        """
 
         def fail(msg: str) -> None:
             raise TrieFileError(f"invalid trie: {msg}")
 
+        layout = (
+            ("child_ptr", self.child_ptr, np.int32),
+            ("token", self.token, np.int32),
+            ("node_entry", self.node_entry, np.int32),
+            ("entry_node", self.entry_node, np.int32),
+            ("level_ptr", self.level_ptr, np.int64),
+        )
+        for label, array, dtype in layout:
+            if not isinstance(array, np.ndarray) or array.ndim != 1 or array.dtype != np.dtype(dtype):
+                got = f"{getattr(array, 'dtype', type(array).__name__)} of shape {getattr(array, 'shape', '?')}"
+                fail(f"{label} must be a 1-D {np.dtype(dtype).name} array, not {got}")
+        if (
+            isinstance(self.vocab_size, bool)
+            or not isinstance(self.vocab_size, (int, np.integer))
+            or not 0 < self.vocab_size <= MAX_VOCAB_SIZE
+        ):
+            fail(f"vocab_size {self.vocab_size!r:.40} is not in [1, 2**31]")
+        n = self.num_nodes
         if n < 2:
             fail("it has no nodes besides the root")
         if self.child_ptr.shape != (n + 1,) or self.node_entry.shape != (n,):
@@ -423,16 +525,19 @@ class TokenTrie:
         tok = self.token[1:]
         if tok.size and (int(tok.min()) < 0 or int(tok.max()) >= self.vocab_size):
             fail(f"a token id is outside [0, {self.vocab_size})")
+        lp = self.level_ptr
+        if lp.size < 3 or lp[0] != 0 or lp[1] != 1 or lp[-1] != n or np.any(np.diff(lp) <= 0):
+            fail("level_ptr is inconsistent")
+        # child_ptr is monotone from 1 to n, so every node but the root has exactly one parent (the cached parent
+        # array is recomputed here: validate() must not trust a cache built before the arrays were checked).
+        parent = np.concatenate([np.array([-1], dtype=np.int64), np.repeat(np.arange(n, dtype=np.int64), np.diff(ptr))])
         # Siblings strictly increasing: within each parent's run, token[i] < token[i+1].
-        same_parent = self.parent[2:] == self.parent[1:-1]
+        same_parent = parent[2:] == parent[1:-1]
         if np.any(same_parent & (self.token[2:] <= self.token[1:-1])):
             fail("children are not sorted by token or hold a duplicate")
-        lp = self.level_ptr
-        if lp[0] != 0 or lp[1] != 1 or lp[-1] != n or np.any(np.diff(lp) <= 0):
-            fail("level_ptr is inconsistent")
         # Breadth-first numbering: each node's parent is one level up (so it comes first: no cycles, no orphans).
         depth = np.searchsorted(lp, np.arange(n), side="right") - 1
-        if np.any(depth[self.parent[1:]] != depth[1:] - 1):
+        if np.any(depth[parent[1:]] != depth[1:] - 1):
             fail("level_ptr does not match the parent links (nodes are not in breadth-first order)")
         e = self.num_entries
         if e == 0:
@@ -447,13 +552,33 @@ class TokenTrie:
         if np.any(leaves & (self.node_entry < 0)):
             fail("a leaf node is not the end of an entry")
         for label, table in (("names", self._names), ("keys", self._keys)):
-            if table is not None and (
+            if table is None:
+                continue
+            blob, offsets = table.blob, table.offsets
+            if (
+                not isinstance(blob, np.ndarray)
+                or not isinstance(offsets, np.ndarray)
+                or blob.ndim != 1
+                or blob.dtype != np.uint8
+                or offsets.ndim != 1
+                or offsets.dtype != np.int64
+            ):
+                fail(f"the {label} table must be a 1-D uint8 blob with 1-D int64 offsets")
+            if (
                 len(table) != e
-                or table.offsets[0] != 0
-                or table.offsets[-1] != len(table.blob)
-                or np.any(np.diff(table.offsets) < 0)
+                or offsets[0] != 0
+                or offsets[-1] != len(blob)
+                or np.any(np.diff(offsets) < 0)
             ):
                 fail(f"the {label} table does not match the entries")
+            # Every entry's text must decode: the blob is UTF-8 and no entry starts inside a character.
+            try:
+                blob.tobytes().decode("utf-8")
+            except UnicodeDecodeError:
+                fail(f"the {label} table is not UTF-8 text")
+            starts = offsets[:-1][offsets[:-1] < len(blob)]
+            if np.any((blob[starts] & 0xC0) == 0x80):
+                fail(f"the {label} table splits a character between entries")
 
     # ------------------------------------------------------------------ files
     def save(self, path: str | os.PathLike[str]) -> None:
@@ -477,40 +602,70 @@ class TokenTrie:
             "num_nodes": str(self.num_nodes),
             "num_duplicates": str(self.num_duplicates),
         }
+        for name, array in self.extra.items():
+            if name in arrays:
+                raise TrieFileError(f"extra array {name!r} would replace one of the trie's own arrays")
+            arrays[name] = array
         write_arrays(path, arrays, metadata)
 
     @classmethod
     def load(
-        cls, path: str | os.PathLike[str], *, tokenizer: Any = None, verify: bool = True
+        cls, path: str | os.PathLike[str] | BinaryIO, *, tokenizer: Any = None, verify: bool = True
     ) -> "TokenTrie":
         """Memory-map a trie file written by :meth:`save`.
 
         Args:
-            path: the file.
+            path: the file, or a binary file object opened on it (see :func:`trie_decode.fileio.open_regular_file`).
+                Only a regular file is read (a FIFO or device is refused without blocking).
             tokenizer: if given, raise :class:`TokenizerMismatchError` unless it is the trie's tokenizer.
             verify: check the arrays' CRC-32s and the structural invariants (reads the file once).
 
         Raises:
-            TrieFileError: missing, truncated, corrupted, or not a trie file.
+            TrieFileError: missing, truncated, corrupted, or not a trie file; arrays of the wrong dtype or shape;
+                metadata that is malformed or disagrees with the arrays.
             TokenizerMismatchError: ``tokenizer`` differs from the one the trie was built with.
         """
+        label = path if isinstance(path, (str, os.PathLike)) else getattr(path, "name", "<trie file>")
         arrays, meta = read_arrays(path, verify=verify)
         required = ("child_ptr", "token", "node_entry", "entry_node", "level_ptr")
         missing = [name for name in required if name not in arrays]
         if missing:
-            raise TrieFileError(f"{path} is missing arrays {missing}")
+            raise TrieFileError(f"{label} is missing arrays {missing}")
+        expected = {"child_ptr": np.int32, "token": np.int32, "node_entry": np.int32, "entry_node": np.int32,
+                    "level_ptr": np.int64, "names_blob": np.uint8, "keys_blob": np.uint8,
+                    "names_offsets": np.int64, "keys_offsets": np.int64}
+        for name, dtype in expected.items():
+            if name in arrays and (arrays[name].ndim != 1 or arrays[name].dtype != np.dtype(dtype)):
+                raise TrieFileError(
+                    f"{label}: array {name!r} is {arrays[name].dtype} of shape {arrays[name].shape}, "
+                    f"expected a 1-D {np.dtype(dtype).name} array"
+                )
         try:
             vocab_size = int(meta["vocab_size"])
             options = json.loads(meta.get("options", "{}"))
             num_duplicates = int(meta.get("num_duplicates", "0"))
-        except (KeyError, ValueError) as exc:
-            raise TrieFileError(f"{path}: malformed metadata ({exc})") from exc
+            fingerprint = meta.get("fingerprint", "")
+            if not isinstance(options, dict):
+                raise ValueError("options is not a JSON object")
+            if not 0 < vocab_size <= MAX_VOCAB_SIZE:
+                raise ValueError(f"vocab_size {vocab_size} is not in [1, 2**31]")
+            if num_duplicates < 0:
+                raise ValueError(f"num_duplicates {num_duplicates} is negative")
+            for key in ("num_nodes", "num_entries"):  # written by save(); must agree with the arrays when present
+                if key in meta:
+                    count = len(arrays["token" if key == "num_nodes" else "entry_node"])
+                    if int(meta[key]) != count:
+                        raise ValueError(f"{key} says {int(meta[key])} but the arrays hold {count}")
+        except (KeyError, ValueError, TypeError, RecursionError) as exc:
+            raise TrieFileError(f"{label}: malformed metadata ({exc})") from exc
         tables = {}
-        for label in ("names", "keys"):
-            if f"{label}_blob" in arrays or f"{label}_offsets" in arrays:
-                if f"{label}_blob" not in arrays or f"{label}_offsets" not in arrays:
-                    raise TrieFileError(f"{path} has only half of the {label} table ({label}_blob/{label}_offsets)")
-                tables[label] = StringTable(arrays[f"{label}_blob"], arrays[f"{label}_offsets"])
+        for table_label in ("names", "keys"):
+            if f"{table_label}_blob" in arrays or f"{table_label}_offsets" in arrays:
+                if f"{table_label}_blob" not in arrays or f"{table_label}_offsets" not in arrays:
+                    raise TrieFileError(
+                        f"{label} has only half of the {table_label} table ({table_label}_blob/{table_label}_offsets)"
+                    )
+                tables[table_label] = StringTable(arrays[f"{table_label}_blob"], arrays[f"{table_label}_offsets"])
         trie = cls(
             child_ptr=arrays["child_ptr"],
             token=arrays["token"],
@@ -520,10 +675,12 @@ class TokenTrie:
             vocab_size=vocab_size,
             names=tables.get("names"),
             keys=tables.get("keys"),
-            fingerprint=meta.get("fingerprint", ""),
+            fingerprint=fingerprint,
             options=options,
             num_duplicates=num_duplicates,
         )
+        own = set(required) | {f"{t}_{part}" for t in ("names", "keys") for part in ("blob", "offsets")}
+        trie.extra = {name: a for name, a in arrays.items() if name not in own}
         if verify:
             trie.validate()
         if tokenizer is not None:

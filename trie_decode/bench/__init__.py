@@ -68,7 +68,8 @@ def build_parser(prog: str = "trie-decode bench") -> argparse.ArgumentParser:
     p.add_argument("--mem-limit", type=float, help="GiB of RSS after which a peer's process is killed")
     p.add_argument("--steps", type=int, help="decode steps per repeat (default 64, quick 32)")
     p.add_argument("--repeats", type=int, help="repeats per measurement (default 5, quick 3)")
-    p.add_argument("--tokenizer", help="tokenizer folder (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--tokenizer", help="tokenizer folder, or a family: gemma3 (262k ids), llama3.2, deepseek, qwen3.6, "
+                   "mistral-v1, mistral-v3, mistral-tekken, smollm2 (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
                    help="one process per peer in the step suite (default: on, off with --quick)")
     return p

@@ -338,7 +338,51 @@ def _device_bitmask(bitmask: Any, device: Any) -> Any:
     return bitmask.to(device, non_blocking=True)
 
 
-class XGrammarPeer(StepPeer):
+class _BitmaskPeer(StepPeer):
+    """The lifecycle shared by the bitmask engines (XGrammar, llguidance): one matcher per row, fed each row's token
+    (reset at EOS, the next name starts), then every row's bitmask filled and applied to the logits in one call.
+
+    Subclasses define the engine's verbs: :meth:`_matcher`, :meth:`_accept`, :meth:`_fill`, :meth:`_allocate`,
+    :meth:`_apply`.
+    """
+
+    def _matcher(self) -> Any:
+        raise NotImplementedError
+
+    def _accept(self, matcher: Any, token: int) -> bool:
+        raise NotImplementedError
+
+    def _fill(self, matcher: Any, bitmask: Any, row: int) -> None:
+        raise NotImplementedError
+
+    def _allocate(self, batch_size: int) -> Any:
+        raise NotImplementedError
+
+    def _apply(self, logits: Any, bitmask: Any) -> None:
+        raise NotImplementedError
+
+    def start(self, batch_size: int, device: Any) -> None:
+        self._matchers = [self._matcher() for _ in range(batch_size)]
+        self._bitmask = self._allocate(batch_size)
+        self.info.setdefault("advance_failures", 0)
+
+    def step(self, logits: Any, tokens: Any | None) -> Any:
+        ms = self._matchers
+        if tokens is not None:
+            eos = self._eos
+            for m, t in zip(ms, tokens.tolist()):
+                if t == eos:
+                    m.reset()
+                elif not self._accept(m, t):
+                    self.info["advance_failures"] += 1
+        bitmask = self._bitmask
+        for i, m in enumerate(ms):
+            self._fill(m, bitmask, i)
+        self._apply(logits, _device_bitmask(bitmask, logits.device))
+        return logits
+
+
+class XGrammarPeer(_BitmaskPeer):
     name = "xgrammar"
     description = 'XGrammar choice grammar root ::= "a" | ..., GrammarMatcher per row, bitmask fill + apply'
 
@@ -363,26 +407,20 @@ class XGrammarPeer(StepPeer):
         self.setup_parts = {"grammar_text_s": t1 - t0, "compile_s": time.perf_counter() - t1}
         self.info["grammar_chars"] = len(grammar)
 
-    def start(self, batch_size: int, device: Any) -> None:
-        xgr = self._xgr
-        self._matchers = [xgr.GrammarMatcher(self._compiled) for _ in range(batch_size)]
-        self._bitmask = xgr.allocate_token_bitmask(batch_size, self._vocab)
-        self.info.setdefault("advance_failures", 0)
+    def _matcher(self) -> Any:
+        return self._xgr.GrammarMatcher(self._compiled)
 
-    def step(self, logits: Any, tokens: Any | None) -> Any:
-        ms = self._matchers
-        if tokens is not None:
-            eos = self._eos
-            for m, t in zip(ms, tokens.tolist()):
-                if t == eos:
-                    m.reset()
-                elif not m.accept_token(t):
-                    self.info["advance_failures"] += 1
-        bitmask = self._bitmask
-        for i, m in enumerate(ms):
-            m.fill_next_token_bitmask(bitmask, i)
-        self._xgr.apply_token_bitmask_inplace(logits, _device_bitmask(bitmask, logits.device))
-        return logits
+    def _accept(self, matcher: Any, token: int) -> bool:
+        return matcher.accept_token(token)
+
+    def _fill(self, matcher: Any, bitmask: Any, row: int) -> None:
+        matcher.fill_next_token_bitmask(bitmask, row)
+
+    def _allocate(self, batch_size: int) -> Any:
+        return self._xgr.allocate_token_bitmask(batch_size, self._vocab)
+
+    def _apply(self, logits: Any, bitmask: Any) -> None:
+        self._xgr.apply_token_bitmask_inplace(logits, bitmask)
 
     def rejects(self, token_seqs: Sequence[Sequence[int]]) -> list[int] | None:
         m = self._xgr.GrammarMatcher(self._compiled)
@@ -394,7 +432,7 @@ class XGrammarPeer(StepPeer):
         return bad
 
 
-class LLGuidancePeer(StepPeer):
+class LLGuidancePeer(_BitmaskPeer):
     name = "llguidance"
     description = "llguidance choice (lark alternation), LLMatcher per row, bitmask fill + torch apply"
 
@@ -433,31 +471,24 @@ class LLGuidancePeer(StepPeer):
         self.setup_parts = {"grammar_text_s": t1 - t0, "first_matcher_s": time.perf_counter() - t1}
         self.info["grammar_chars"] = len(self._grammar)
 
-    def start(self, batch_size: int, device: Any) -> None:
-        ll = self._ll
-        self._matchers = [ll.LLMatcher(self._tok, self._grammar, log_level=1) for _ in range(batch_size)]
-        for m in self._matchers:
-            _ll_check(m)
-        self._bitmask = self._llt.allocate_token_bitmask(batch_size, self._vocab)
-        self.info.setdefault("advance_failures", 0)
+    def _matcher(self) -> Any:
+        m = self._ll.LLMatcher(self._tok, self._grammar, log_level=1)
+        _ll_check(m)
+        return m
 
-    def step(self, logits: Any, tokens: Any | None) -> Any:
-        ms = self._matchers
-        if tokens is not None:
-            eos = self._eos
-            for m, t in zip(ms, tokens.tolist()):
-                if t == eos:
-                    m.reset()
-                elif not m.consume_token(t):
-                    self.info["advance_failures"] += 1
-        bitmask = self._bitmask
-        fill = self._llt.fill_next_token_bitmask
-        for i, m in enumerate(ms):
-            fill(m, bitmask, i)
-            if m.is_error():  # vLLM checks after each fill too (and logs); a matcher in error never recovers
-                _ll_check(m)
-        self._llt.apply_token_bitmask_inplace(logits, _device_bitmask(bitmask, logits.device))
-        return logits
+    def _accept(self, matcher: Any, token: int) -> bool:
+        return matcher.consume_token(token)
+
+    def _fill(self, matcher: Any, bitmask: Any, row: int) -> None:
+        self._llt.fill_next_token_bitmask(matcher, bitmask, row)
+        if matcher.is_error():  # vLLM checks after each fill too (and logs); a matcher in error never recovers
+            _ll_check(matcher)
+
+    def _allocate(self, batch_size: int) -> Any:
+        return self._llt.allocate_token_bitmask(batch_size, self._vocab)
+
+    def _apply(self, logits: Any, bitmask: Any) -> None:
+        self._llt.apply_token_bitmask_inplace(logits, bitmask)
 
     def rejects(self, token_seqs: Sequence[Sequence[int]]) -> list[int] | None:
         m = self._probe
@@ -672,6 +703,10 @@ class GenreMarisaBuild(BuildPeer):
 
 STEP_PEERS: dict[str, str] = {
     "trie_decode": "trie_decode.bench.ours:TrieDecodePeer",
+    "trie_decode-repeat": "trie_decode.bench.ours:TrieDecodeRepeatPeer",
+    "trie_decode-processor": "trie_decode.bench.ours:TrieDecodeProcessorPeer",
+    "trie_decode-processor-beam": "trie_decode.bench.ours:TrieDecodeProcessorBeamPeer",
+    "trie_decode-torch": "trie_decode.bench.ours:TrieDecodeTorchPeer",
     "genre-dict": "trie_decode.bench.peers:GenreDictPeer",
     "genre-marisa": "trie_decode.bench.peers:GenreMarisaPeer",
     "xgrammar": "trie_decode.bench.peers:XGrammarPeer",
@@ -691,6 +726,8 @@ BUILD_PEERS: dict[str, str] = {
 
 # The third-party modules each peer needs; checked before a worker process is started for it.
 REQUIRES: dict[str, tuple[str, ...]] = {
+    "trie_decode-processor": ("transformers",),
+    "trie_decode-processor-beam": ("transformers",),
     "genre-dict": ("transformers",),
     "genre-marisa": ("transformers", "marisa_trie"),
     "xgrammar": ("xgrammar",),

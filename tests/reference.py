@@ -1,0 +1,122 @@
+"""The one brute-force reference of the test suite: a trie and its span rules written plainly over tuples.
+
+Every test that checks the trie, the constraint's masks and transitions, the processors' per-step allowed sets or
+the replay of finished rows imports these models (as XGrammar's tests import ``xgrammar.testing``), so the
+expected behaviour is written once.
+"""
+
+from __future__ import annotations
+
+from trie_decode.constraint import SpanRules
+
+__all__ = ["SpanReference", "TrieReference", "allowed_after"]
+
+
+class SpanReference:
+    """One row's constraint, written plainly over a set of token tuples: what it may emit (:meth:`allowed`), and
+    the entries it has completed so far (``completed``, in order)."""
+
+    def __init__(self, entries: set[tuple[int, ...]], rules: SpanRules, prompt_tail: tuple[int, ...] = ()):
+        self.entries, self.rules = entries, rules
+        trig = rules.trigger
+        self.history = list(prompt_tail)
+        self.state = ("entry", ()) if not trig or tuple(prompt_tail[-len(trig):]) == trig else ("free",)
+        self.completed: list[tuple[int, ...]] = []
+
+    def children(self, p):
+        return {e[len(p)] for e in self.entries if len(e) > len(p) and e[: len(p)] == p}
+
+    def allowed(self) -> set[int] | None:
+        """None means unconstrained."""
+        kind = self.state[0]
+        r = self.rules
+        if kind == "free":
+            return None
+        if kind == "done":
+            return {r.end_token_id}
+        if kind == "sep":
+            return {r.separator[self.state[1]]}
+        p = self.state[1]
+        kids, terminal = self.children(p), p in self.entries
+        if r.on_complete == "release" and terminal:
+            return None
+        if terminal:
+            kids |= {r.end_token_id} if r.on_complete == "eos" else {r.end_token_id, r.separator[0]}
+        return kids or {r.end_token_id}
+
+    def step(self, tok: int) -> None:
+        r, kind = self.rules, self.state[0]
+        if kind == "entry":
+            p = self.state[1]
+            if p in self.entries and tok not in self.children(p):
+                self.completed.append(p)
+            if tok in self.children(p):
+                self.state = ("entry", p + (tok,))
+            elif p in self.entries and r.on_complete == "release":
+                self.state = ("free",)
+            elif p in self.entries and r.on_complete == "repeat" and tok == r.separator[0]:
+                self.state = ("entry", ()) if len(r.separator) == 1 else ("sep", 1)
+            else:
+                self.state = ("done",)
+        elif kind == "sep":
+            k = self.state[1]
+            if tok != r.separator[k]:
+                self.state = ("done",)
+            else:
+                self.state = ("entry", ()) if k + 1 == len(r.separator) else ("sep", k + 1)
+        self.history.append(tok)
+        trig = r.trigger
+        if trig and self.state == ("free",) and tuple(self.history[-len(trig):]) == trig:
+            self.state = ("entry", ())
+
+
+    def finish(self) -> list[tuple[int, ...]]:
+        """The completed entries, counting the one the row stands at the end of (generation stopped there)."""
+        if self.state[0] == "entry" and self.state[1] in self.entries:
+            return self.completed + [self.state[1]]
+        return list(self.completed)
+
+
+def allowed_after(entries, rules: SpanRules, generated, prompt_tail=()) -> set[int] | None:
+    """The allowed set of a row after ``generated`` (None: unconstrained), by the brute-force reference."""
+    ref = SpanReference({tuple(e) for e in entries}, rules, tuple(prompt_tail))
+    for tok in generated:
+        ref.step(int(tok))
+    return ref.allowed()
+
+
+class TrieReference:
+    """What a trie must answer (children, entries, forced runs), computed from plain tuples."""
+
+    def __init__(self, sequences: list[list[int]]) -> None:
+        tuples = [tuple(s) for s in sequences]
+        self.first_index: dict[tuple[int, ...], int] = {}
+        for i, t in enumerate(tuples):
+            self.first_index.setdefault(t, i)
+        # Entries are numbered by first appearance in the input.
+        self.entries = list(self.first_index)
+        self.entry_number = {t: n for n, t in enumerate(self.entries)}
+        self.prefixes = {t[:k] for t in tuples for k in range(len(t) + 1)}
+        self.next_tokens: dict[tuple[int, ...], set[int]] = {p: set() for p in self.prefixes}
+        for p in self.prefixes:
+            if p:
+                self.next_tokens[p[:-1]].add(p[-1])
+        # Breadth-first with siblings sorted by token == sorted by (depth, tokens).
+        self.bfs_order = sorted(self.prefixes, key=lambda p: (len(p), p))
+
+    def forced_run(self, prefix: tuple[int, ...]) -> list[int]:
+        run, p = [], prefix
+        while p not in self.first_index and len(self.next_tokens[p]) == 1:
+            (tok,) = self.next_tokens[p]
+            run.append(tok)
+            p = p + (tok,)
+        return run
+
+    def forced_token_share(self) -> float:
+        forced = total = 0
+        for entry in self.entries:
+            for k in range(len(entry)):
+                p = entry[:k]
+                total += 1
+                forced += p not in self.first_index and len(self.next_tokens[p]) == 1
+        return round(forced / total, 4)

@@ -1,0 +1,101 @@
+"""What TrieLogitsProcessor assumes about transformers' generate loops, checked against the installed transformers.
+
+The processor reads, from its caller's frames, which loop calls it (``_GenerateLoop``): in ``_sample`` rows never
+move and the scores tensor is kept only as the raw logits of ``output_logits=True``; ``_beam_search`` passes fresh
+log-probs. If transformers changes either, these tests fail loudly (the processor would then fall back to its safe
+path: lookups by prefix hash and out-of-place masking).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+from trie_decode import TokenTrie
+from trie_decode.integrations.transformers import TrieLogitsProcessor
+
+END = 2
+ENTRIES = [[100, 200, 300], [100, 250], [400], [400, 401]]
+
+
+def test_sample_loop_keeps_the_processed_tensor_only_as_raw_logits():
+    from transformers.generation.utils import GenerationMixin
+
+    src = inspect.getsource(GenerationMixin._sample)
+    assert "output_logits = generation_config.output_logits" in src
+    assert "return_dict_in_generate = generation_config.return_dict_in_generate" in src
+    call = src.index("next_token_scores = logits_processor(input_ids, next_token_logits)")
+    keep = src.index("raw_logits += (next_token_logits,)")
+    assert call < keep
+    assert src.count("next_token_logits") == 3, "_sample uses next_token_logits somewhere new: in-place unsafe?"
+
+
+def test_beam_search_passes_fresh_log_probs():
+    from transformers.generation.utils import GenerationMixin
+
+    src = inspect.getsource(GenerationMixin._beam_search)
+    assert "log_probs = nn.functional.log_softmax(logits, dim=-1)" in src
+    assert "log_probs = logits_processor(flat_running_sequences, log_probs)" in src
+    assert "raw_logits += (logits.clone(),)" in src
+
+
+class _Spy(TrieLogitsProcessor):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.seen = []
+
+    def __call__(self, input_ids, scores):
+        out = super().__call__(input_ids, scores)
+        self.seen.append((self.masks_in_place, out is scores, self._loop.reorders))
+        return out
+
+
+@pytest.mark.parametrize("kwargs, in_place, reorders", [
+    (dict(do_sample=False), True, False),
+    (dict(do_sample=True), True, False),
+    (dict(do_sample=False, return_dict_in_generate=True, output_logits=True), False, False),
+    (dict(num_beams=3, num_return_sequences=3, do_sample=False), True, True),
+])
+def test_processor_masks_in_place_exactly_when_generate_allows(tiny_llama, kwargs, in_place, reorders):
+    trie = TokenTrie.from_sequences(ENTRIES, vocab_size=tiny_llama.config.vocab_size)
+    spy = _Spy(trie, end_token_id=END)
+    inputs = {"input_ids": torch.tensor([[5, 6, 7]]), "attention_mask": torch.tensor([[1, 1, 1]])}
+    tiny_llama.generate(**inputs, logits_processor=[spy], max_new_tokens=4, pad_token_id=END, eos_token_id=END, **kwargs)
+    assert spy.seen and all(s == (in_place, in_place, reorders) for s in spy.seen), spy.seen
+
+
+def test_kept_scores_and_raw_logits_are_never_overwritten(tiny_llama):
+    """output_scores and output_logits keep every step's tensors: each must hold its own step's values (a reused
+    output buffer or an in-place mask would overwrite them)."""
+    trie = TokenTrie.from_sequences(ENTRIES, vocab_size=tiny_llama.config.vocab_size)
+    proc = TrieLogitsProcessor(trie, end_token_id=END)
+    inputs = {"input_ids": torch.tensor([[5, 6, 7], [8, 9, 10]]), "attention_mask": torch.ones(2, 3, dtype=torch.long)}
+    out = tiny_llama.generate(**inputs, logits_processor=[proc], max_new_tokens=4, pad_token_id=END, eos_token_id=END,
+                              do_sample=False, return_dict_in_generate=True, output_scores=True, output_logits=True)
+    assert len({s.data_ptr() for s in out.scores}) == len(out.scores), "a score tensor was reused"
+    for step, (scores, raw) in enumerate(zip(out.scores, out.logits)):
+        assert raw.isfinite().all(), "raw logits were masked"
+        finite = scores.isfinite().sum(dim=1)
+        assert (finite < scores.shape[1]).all() and (finite >= 1).all()
+        chosen = out.sequences[:, 3 + step]
+        assert torch.equal(scores[torch.arange(2), chosen], raw[torch.arange(2), chosen])
+
+
+def test_direct_calls_leave_the_scores_untouched_and_reuse_a_buffer():
+    trie = TokenTrie.from_sequences(ENTRIES, vocab_size=1000)
+    proc = TrieLogitsProcessor(trie, end_token_id=END)
+    ids = torch.tensor([[1, 2]])
+    scores = torch.randn(1, 1000)
+    before = scores.clone()
+    first = proc(ids, scores)
+    assert torch.equal(scores, before) and not proc.masks_in_place
+    ptr = first.data_ptr()
+    del first  # nothing holds the first output any more: the next call may reuse its memory
+    second = proc(torch.tensor([[1, 2, 100]]), scores)
+    assert second.data_ptr() == ptr and torch.equal(scores, before)
+    held = second
+    third = proc(torch.tensor([[1, 2, 100, 250]]), scores)
+    assert third.data_ptr() != held.data_ptr(), "a buffer the caller still holds was reused"
+    assert second[0].isfinite().nonzero().flatten().tolist() == [200, 250]

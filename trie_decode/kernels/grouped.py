@@ -1,0 +1,70 @@
+"""Running a per-trie kernel over a batch whose rows use several tries: one call per distinct trie in the batch.
+
+Why this exists: the native (C) and numpy kernels read one trie's step table per call. A batch may mix tries (one
+per prompt in transformers, one per request in vLLM); this base class splits the rows by trie and calls the kernel
+once per trie present, in one place for both kernels. Finding the tries present reads the row-to-trie map on the
+host, which is free on a CPU. The torch kernel for CUDA and MPS (:mod:`.fixed`) merges the tries' tables instead,
+so that its step has no host read.
+
+Dimension letters: R state rows, B logits rows, T tries.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+
+from ..spans import DONE
+
+__all__ = ["GroupedKernel", "row_groups"]
+
+
+def row_groups(tree: torch.Tensor, num_tries: int) -> list[tuple[int, Optional[torch.Tensor]]]:
+    """(trie index, row positions, or None for "all rows") for every trie that has rows.
+
+    Args:
+        tree: each row's trie index. Shape: (R,), int64.
+    """
+    if num_tries == 1:
+        return [(0, None)]
+    present = torch.unique(tree).tolist()
+    return [(i, (tree == i).nonzero().squeeze(1)) for i in present]
+
+
+class GroupedKernel:
+    """A kernel that works one step table at a time; subclasses define :meth:`advance` and :meth:`mask` for one
+    table, this class runs them over the tries of a batch."""
+
+    name = "abstract"
+    writes_every_row = False
+
+    def advance(self, table: Any, node: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def mask(self, out: torch.Tensor, src: torch.Tensor, node: torch.Tensor, rows: Optional[torch.Tensor], table: Any) -> None:
+        raise NotImplementedError
+
+    def prepare(self, tables: Sequence[Any]) -> Sequence[Any]:
+        """Per-constraint data: the step tables themselves."""
+        return tables
+
+    def advance_rows(self, tables: Sequence[Any], node: torch.Tensor, tree: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Each row's next state code (before the trigger check). Shape: (R,), int64."""
+        groups = row_groups(tree, len(tables))
+        if groups[0][1] is None:
+            return self.advance(tables[0], node, tokens)
+        new = torch.full_like(node, DONE)
+        for i, rows in groups:
+            new[rows] = self.advance(tables[i], node[rows], tokens[rows])
+        return new
+
+    def mask_rows(
+        self, tables: Sequence[Any], out: torch.Tensor, src: torch.Tensor, node: torch.Tensor, tree: torch.Tensor,
+        rows: Optional[torch.Tensor],
+    ) -> None:
+        """Mask logits rows ``rows`` (default: row i for state row i) of ``src`` into ``out``, every trie's rows."""
+        for i, pos in row_groups(tree, len(tables)):
+            nodes = node if pos is None else node[pos]
+            lrows = rows if pos is None else (pos if rows is None else rows[pos])
+            self.mask(out, src, nodes, lrows, tables[i])

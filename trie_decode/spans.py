@@ -1,0 +1,218 @@
+"""Span rules: where a constrained span starts, how it ends, and what a row may do at each point of it.
+
+Why this exists: a constrained span is more than a walk down a trie. It may start only after a trigger, end on the
+end token, release the row into free text, or go on with a separator and another entry. These rules are written
+once, here, as a *step table* (what a row at each node or code may emit) and a *transition* over arrays (where a row
+goes on each token). Every consumer uses them: the per-step masking of every kernel, the state update, the host-side
+replay that tells which entries a finished row generated (``TrieConstraint.replay``), and the forced tokens of
+fast-forward (:func:`forced_tokens`).
+
+A row's state is one int64 code (plus the index of its trie):
+
+    node >= 0     inside an entry, at that trie node
+    DONE (-1)     only the end token may follow
+    FREE (-2)     unconstrained: released after an entry, or waiting for the trigger
+    -2 - k        (k >= 1, repeat mode) emitting separator token number k
+
+End of an entry (``on_complete``):
+    "eos"     the end token is allowed at terminal nodes (with the children, if the entry prefixes another);
+              once chosen, the row allows only the end token.
+    "release" at a terminal node every token is allowed; a child continues the entry, anything else ends the span
+              and the row is unconstrained (or waits for the trigger again).
+    "repeat"  lists of entries: at a terminal node the separator's first token starts the separator (its remaining
+              tokens are forced), after which a new entry starts at the root; the end token ends the list.
+With a trigger (a token sequence) the constraint starts only after the trigger appears; the row is FREE until then.
+
+Dimension letters: N trie nodes, K state codes (DONE, FREE, separator positions), R rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from .errors import ConstraintConfigError, InvalidTokenError
+from .trie import TokenTrie
+
+__all__ = ["SpanRules", "DONE", "FREE", "ON_COMPLETE_MODES", "step_table", "span_moves", "forced_tokens"]
+
+DONE, FREE = -1, -2
+ON_COMPLETE_MODES = ("eos", "release", "repeat")
+# Step table columns: child range start and count, dense slot, a token the row surely keeps (the anchor; -1 for an
+# unconstrained row), and up to two extra tokens (end, separator).
+START, COUNT, SLOT, ANCHOR, EXTRA0, EXTRA1 = range(6)
+
+
+def token_tuple(value: Any, what: str) -> tuple[int, ...]:
+    """``value`` (None, one token id, or a sequence of them) as a tuple of non-negative ints, or a named error."""
+    if value is None:
+        return ()
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        value = (value,)
+    try:
+        out = tuple(value)
+    except TypeError as exc:
+        raise ConstraintConfigError(f"{what} must be a token id or a sequence of token ids, got {value!r}") from exc
+    for tok in out:
+        if isinstance(tok, bool) or not isinstance(tok, (int, np.integer)):
+            raise ConstraintConfigError(f"{what} must hold integer token ids, got {tok!r}")
+        if tok < 0:
+            raise ConstraintConfigError(f"{what} holds a negative token id {tok}")
+    return tuple(int(t) for t in out)
+
+
+@dataclass(frozen=True)
+class SpanRules:
+    """How a constrained span starts and ends.
+
+    Args:
+        end_token_id: the token that ends an entry (``"eos"``/``"repeat"``) and the fallback of any row that would
+            otherwise allow nothing; usually the model's EOS id.
+        on_complete: ``"eos"`` (default), ``"release"`` or ``"repeat"`` (see the module docstring).
+        separator: token ids between entries in ``"repeat"`` mode (e.g. the tokens of ``", "``).
+        trigger: token ids after which the constraint starts; empty = it starts with generation.
+    """
+
+    end_token_id: int
+    on_complete: str = "eos"
+    separator: tuple[int, ...] = ()
+    trigger: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        end = self.end_token_id
+        if isinstance(end, bool) or not isinstance(end, (int, np.integer)) or end < 0:
+            raise ConstraintConfigError(f"end_token_id must be a non-negative token id, got {end!r}")
+        object.__setattr__(self, "end_token_id", int(end))
+        if self.on_complete not in ON_COMPLETE_MODES:
+            raise ConstraintConfigError(f"on_complete must be one of {ON_COMPLETE_MODES}, got {self.on_complete!r}")
+        object.__setattr__(self, "separator", token_tuple(self.separator, "separator"))
+        object.__setattr__(self, "trigger", token_tuple(self.trigger, "trigger"))
+        if self.on_complete == "repeat" and not self.separator:
+            raise ConstraintConfigError('on_complete="repeat" needs a separator (token ids between entries)')
+        if self.on_complete != "repeat" and self.separator:
+            raise ConstraintConfigError(f'a separator is only used with on_complete="repeat", not {self.on_complete!r}')
+
+    def check_vocab(self, width: int) -> None:
+        """Raise :class:`InvalidTokenError` if a configured token is outside ``[0, width)``."""
+        for what, toks in (("end_token_id", (self.end_token_id,)), ("separator", self.separator), ("trigger", self.trigger)):
+            for tok in toks:
+                if tok >= width:
+                    raise InvalidTokenError(f"{what} token {tok} is outside the vocabulary [0, {width})")
+
+    @property
+    def plain(self) -> bool:
+        """True when a row's next state is simply the trie child (``"eos"`` without a trigger)."""
+        return self.on_complete == "eos" and not self.trigger
+
+    @property
+    def num_codes(self) -> int:
+        """K: the negative state codes these rules use (DONE, FREE and one per separator token after the first)."""
+        return 2 + max(len(self.separator) - 1, 0)
+
+
+def step_table(trie: TokenTrie, rules: SpanRules, dense_slot: np.ndarray) -> np.ndarray:
+    """What a row may emit at each node and code: the span rules as one table.
+
+    Args:
+        dense_slot: each node's row in the dense masks, or -1 (a node with a dense row lists no children here).
+            Shape: (N,), int32.
+    Returns:
+        Shape: (N + K, 6), int32; the K code rows come last, in the order -K .. -1, so that a negative code indexes
+        its own row. Columns: START, COUNT, SLOT, ANCHOR, EXTRA0, EXTRA1.
+    """
+    n = trie.num_nodes
+    sep = rules.separator
+    fanout = trie.fanout
+    terminal = trie.node_entry >= 0
+    end = rules.end_token_id
+    table = np.full((n, 6), -1, dtype=np.int32)
+    table[:, START] = trie.child_ptr[:-1]
+    table[:, COUNT] = np.where(dense_slot >= 0, 0, fanout)
+    table[:, SLOT] = dense_slot
+    first_child = trie.token[np.minimum(trie.child_ptr[:-1], n - 1)]
+    table[:, ANCHOR] = np.where(fanout > 0, first_child, end)
+    if rules.on_complete == "release":
+        table[terminal, ANCHOR] = -1  # an entry is complete: the row is unconstrained
+    else:
+        table[terminal, EXTRA0] = end
+        if rules.on_complete == "repeat":
+            table[terminal, EXTRA1] = sep[0]
+    codes = {DONE: (0, 0, -1, end, end, -1), FREE: (0, 0, -1, -1, -1, -1)}
+    for k in range(1, len(sep)):
+        codes[-2 - k] = (0, 0, -1, sep[k], sep[k], -1)
+    code_rows = np.array([codes[c] for c in range(-rules.num_codes, 0)], dtype=np.int32)
+    return np.concatenate([table, code_rows])
+
+
+def span_moves(table: Any, rules: SpanRules, node: Any, tok: Any, child: Any) -> Any:
+    """The span rules on top of the trie step, for numpy arrays or torch tensors alike (element-wise selects only:
+    no boolean indexing, so on a GPU the step needs no host synchronization).
+
+    Args:
+        table: the rules' step table (see :func:`step_table`), same backend as the other arguments.
+        node: each row's state before the token. tok: the token. Shape: (R,), int64.
+        child: the trie child of each node by each token, -1 for non-children and for every negative code.
+            Shape: (R,), int64.
+    Returns:
+        Each row's next state (before the trigger check, see ``TrieConstraint.advance``). Shape: (R,), int64.
+    """
+    if rules.plain:
+        return child
+    where = torch.where if isinstance(child, torch.Tensor) else np.where
+    row = table[node]
+    left = child < 0
+    free = left & (node == FREE)
+    if rules.on_complete == "release":
+        released = left & (node >= 0) & (row[:, ANCHOR] < 0)
+        return where(released | free, FREE, child)
+    if rules.on_complete == "repeat":
+        sep = rules.separator
+        at_end = left & (node >= 0) & (row[:, EXTRA1] >= 0) & (tok == sep[0])
+        out = where(at_end, 0 if len(sep) == 1 else -3, child)
+        k = -2 - node  # separator position expected next, for rows in the separator
+        ok = left & (node <= -3) & (tok == row[:, ANCHOR])
+        out = where(ok & (k + 1 >= len(sep)), 0, out)
+        out = where(ok & (k + 1 < len(sep)), node - 1, out)
+        return where(free, FREE, out)
+    return where(free, FREE, child)  # eos with a trigger: a row waiting for the trigger keeps waiting
+
+
+def forced_tokens(trie: TokenTrie, rules: SpanRules, nodes: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """The tokens forced from each state: the trie's forced run (:meth:`TokenTrie.forced_runs`), then the end token
+    where an entry ends with no way on in ``"eos"`` mode; the rest of the separator; the end token after DONE.
+
+    Args:
+        nodes: each row's state code (see the module docstring), all rows of ``trie``.
+        max_tokens: cap on each row's run.
+    """
+    nodes = np.asarray(nodes, dtype=np.int64)
+    runs = trie.forced_runs()
+    inside = nodes >= 0
+    at = np.where(inside, nodes, 0)
+    length = np.where(inside, runs.length[at], 0).astype(np.int64)
+    # Walk every row's run at once, one token per iteration (a forced node's only child is its first child).
+    width = int(min(length.max(initial=0), max_tokens))
+    cols = np.zeros((len(nodes), width), dtype=np.int64)
+    cur = at.copy()
+    for j in range(width):
+        cur = np.where(j < length, trie.child_ptr[cur], cur)
+        cols[:, j] = trie.token[cur]
+    end = rules.end_token_id
+    ends_here = inside & runs.ends_entry[at] if rules.on_complete == "eos" else np.zeros(len(nodes), dtype=bool)
+    out: list[list[int]] = []
+    for i, n in enumerate(nodes.tolist()):
+        if n >= 0:
+            run = cols[i, : min(int(length[i]), max_tokens)].tolist()
+            if ends_here[i] and len(run) < max_tokens:
+                run.append(end)
+        elif n <= -3:
+            run = list(rules.separator[-2 - n :])[:max_tokens]
+        elif n == DONE:
+            run = [end][:max_tokens]
+        else:
+            run = []
+        out.append(run)
+    return out
