@@ -42,7 +42,7 @@ from trie_decode.constraint import ON_COMPLETE_MODES, SpanRules
 from trie_decode.errors import TrieDecodeError
 from trie_decode.filters import entry_indices
 from trie_decode.options import build_rules
-from trie_decode.tokenizers import tokenize_strings, tokenizer_fingerprint, tokenizer_vocab_size
+from trie_decode.tokenizers import fingerprint_matches, tokenize_strings, tokenizer_fingerprint, tokenizer_vocab_size
 from trie_decode.trie import TokenTrie
 
 from .vllm_access import (
@@ -469,17 +469,22 @@ class TrieResolver:
             trie = self._load_file(req.payload, admit) if req.source == "file" else self._build_inline(req, admit)
         except TrieAccessError as exc:
             raise TrieRequestError(str(exc)) from None
-        if trie.fingerprint and trie.fingerprint != self.fingerprint:
+        if trie.fingerprint and trie.fingerprint != self.fingerprint and not self._legacy_match(trie.fingerprint):
             raise TrieRequestError(
                 f"extra_args['trie']: the trie was built for a tokenizer with fingerprint {trie.fingerprint}, "
                 f"the engine's tokenizer has {self.fingerprint}: rebuild it with the served model's tokenizer"
             )
-        if trie.vocab_size > self.vocab_size or (self.logits_width is not None and trie.vocab_size > self.logits_width):
+        top = int(trie.token.max()) + 1  # the trie's tokens must fit the logits; its vocab_size may be wider
+        if trie.vocab_size > self.vocab_size or (self.logits_width is not None and top > self.logits_width):
             raise TrieRequestError(
-                f"extra_args['trie']: the trie's vocabulary ({trie.vocab_size}) exceeds the engine's "
-                f"({self.vocab_size} tokens, logits width {self.logits_width})"
+                f"extra_args['trie']: the trie's vocabulary ({trie.vocab_size}, tokens up to {top - 1}) exceeds the "
+                f"engine's ({self.vocab_size} tokens, logits width {self.logits_width})"
             )
         return trie
+
+    def _legacy_match(self, fingerprint: str) -> bool:
+        """Whether a trie saved with the previous fingerprint computation matches the engine's tokenizer."""
+        return fingerprint_matches(fingerprint, self.tokenizer)
 
     def rules(self, req: TrieRequest) -> SpanRules:
         """The request's span rules (text options tokenized with the engine's tokenizer)."""

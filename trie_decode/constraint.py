@@ -118,6 +118,9 @@ class TrieConstraint:
         self.device = torch.device(device)
         self.vocab_size = max(t.vocab_size for t in tries)
         rules.check_vocab(self.vocab_size)
+        # The narrowest logits this constraint can mask: every trie token and every rule token must fit.
+        self.needed_width = 1 + max([int(t.token.max()) for t in tries] + [rules.end_token_id]
+                                    + list(rules.separator) + list(rules.trigger))
         if dense_min_fanout is None:
             self.dtries = [DeviceTrie.get(t, self.device) for t in tries]
         else:
@@ -217,11 +220,21 @@ class TrieConstraint:
             filters: per-row allow/deny sets (:meth:`filters`): children whose entries are all excluded are
                 blocked too.
         """
-        if logits.shape[-1] < self.vocab_size:
-            raise InvalidTokenError(
-                f"logits have {logits.shape[-1]} columns but the trie's vocabulary has {self.vocab_size} tokens: "
-                "the trie was built for a larger vocabulary than this model's"
-            )
+        width = logits.shape[-1]
+        if width < self.vocab_size:
+            if width < self.needed_width:
+                raise InvalidTokenError(
+                    f"logits have {width} columns but the trie uses token ids up to {self.needed_width - 1}: "
+                    "the trie was built for a larger vocabulary than this model's"
+                )
+            # A tokenizer wider than the model's logits (Llama 3.2: 128,257 ids, 128,256 logits), every trie token
+            # inside them: mask a padded copy (rare: the cost of one copy).
+            wide = torch.full((logits.shape[0], self.vocab_size), float("-inf"), dtype=logits.dtype, device=logits.device)
+            wide[:, :width] = logits
+            self.mask_(wide, state, rows, filters=filters)
+            target = logits if (inplace and out is None) else (out if out is not None else torch.empty_like(logits))
+            target.copy_(wide[:, :width])
+            return target
         src = logits
         covers_all = self.kernel.writes_every_row and rows is None and len(state) == logits.shape[0]
         if out is not None:
