@@ -96,6 +96,12 @@ def _byte_decoder_table() -> dict[int, int]:
     return {c: b for b, c in zip(bs, cs)}
 
 
+def byte_decoder_table() -> dict[int, int]:
+    """GPT-2's byte-level alphabet, inverted (code point of a printable stand-in -> its byte); shared with the
+    benchmark's outlines-core vocabulary."""
+    return dict(_byte_decoder_table())
+
+
 _BYTE_DECODER = _byte_decoder_table()
 _BYTE_ENCODER = {b: chr(c) for c, b in _BYTE_DECODER.items()}
 _TO_LATIN1 = str.maketrans({c: chr(b) for c, b in _BYTE_DECODER.items()})

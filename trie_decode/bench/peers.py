@@ -48,6 +48,8 @@ import json
 import time
 from typing import Any, ClassVar, Sequence
 
+from ..tokenizers import byte_decoder_table
+
 __all__ = [
     "StepPeer",
     "BuildPeer",
@@ -519,7 +521,7 @@ def _outlines_vocabulary(tokenizer: Any) -> tuple[Any, int]:
     """outlines-core ``Vocabulary`` built by hand: raw token bytes -> ids, special tokens (EOS included) left out."""
     import outlines_core as oc
 
-    byte_decoder = {v: k for k, v in _bytes_to_unicode().items()}
+    byte_decoder = {chr(c): b for c, b in byte_decoder_table().items()}
     special = set(tokenizer.all_special_tokens)
     mapping: dict[bytes, list[int]] = {}
     for tok, idx in tokenizer.get_vocab().items():
@@ -532,19 +534,6 @@ def _outlines_vocabulary(tokenizer: Any) -> tuple[Any, int]:
         mapping.setdefault(raw, []).append(int(idx))
     eos = int(tokenizer.eos_token_id)
     return oc.Vocabulary(eos, mapping), len(mapping)
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte <-> printable-character table used by byte-level BPE vocabularies."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, (chr(c) for c in cs)))
 
 
 def _rust_regex_escape(s: str) -> str:
