@@ -34,12 +34,14 @@ from trie_decode.integrations.smollm2 import smollm2_path
 path = smollm2_path()
 tokenizer = AutoTokenizer.from_pretrained(path)
 
-# A trie file, built once offline (or with `trie-decode build`), then named by path in requests.
-languages = sorted({lang.name for lang in pycountry.languages})
-trie_file = Path(tempfile.mkdtemp()) / "languages.trie.safetensors"
-TokenTrie.from_strings(languages, tokenizer, leading_space=True).save(trie_file)
-os.environ["TRIE_DECODE_ALLOWED_DIRS"] = str(trie_file.parent)  # requests may name the trie files in this folder
-print(f"{trie_file}: {len(languages)} languages")
+# A trie file, built once offline (or with `trie-decode build`), then named by path in requests. Under the
+# `__main__` guard: vLLM's worker processes import this module again, and must not build (or allow) another one.
+if __name__ == "__main__":
+    languages = sorted({lang.name for lang in pycountry.languages})
+    trie_file = Path(tempfile.mkdtemp()) / "languages.trie.safetensors"
+    TokenTrie.from_strings(languages, tokenizer, leading_space=True).save(trie_file)
+    os.environ["TRIE_DECODE_ALLOWED_DIRS"] = str(trie_file.parent)  # requests may name the trie files in this folder
+    print(f"{trie_file.name}: {len(languages)} languages")
 
 
 def prompt(question: str, prefill: str = "The answer is") -> str:

@@ -22,6 +22,7 @@ else can still see.
 
 from __future__ import annotations
 
+import inspect
 import sys
 import weakref
 from typing import Any, Callable, Optional, Sequence, Union
@@ -96,17 +97,20 @@ class _GenerateLoop:
     - ``_sample`` (greedy and sampling) never reorders rows, and keeps the tensor it passes to the processors only
       as the raw logits of ``output_logits=True``: so rows need no lookup, and the scores are masked in place
       unless raw logits are kept.
-    - ``_beam_search`` reorders rows, and passes fresh log-probs (it keeps raw logits separately): in place.
+    - ``_beam_search`` reorders rows, and passes fresh log-probs (it keeps raw logits separately): in place. It
+      records each running beam's parent row of every step in its ``running_beam_indices`` (Shape: (batch, beams,
+      max new tokens), flat row indices of the previous step): rows follow their parents with no lookup.
     - Any other caller (a user's own loop): rows may be reordered, and the scores are left untouched (the result
       is written into a reusable buffer, see :class:`_OutputBuffers`).
 
-    A new ``generate`` call is recognized by its new ``LogitsProcessorList``.
+    A new ``generate`` call is recognized by its new ``LogitsProcessorList``. Reading the frames costs a few
+    microseconds: the sampling loop's many locals are read only when a generation starts.
     """
 
-    __slots__ = ("reorders", "in_place", "_owner")
+    __slots__ = ("reorders", "in_place", "parents", "_owner")
 
-    def __init__(self, reorders: bool, in_place: bool, owner: Any) -> None:
-        self.reorders, self.in_place = reorders, in_place
+    def __init__(self, reorders: bool, in_place: bool, owner: Any, parents: Optional[torch.Tensor] = None) -> None:
+        self.reorders, self.in_place, self.parents = reorders, in_place, parents
         self._owner = weakref.ref(owner) if owner is not None else None
 
     def continues(self, previous: Optional["_GenerateLoop"]) -> bool:
@@ -116,21 +120,28 @@ class _GenerateLoop:
         return self._owner is None or self._owner() is previous._owner()
 
     @classmethod
-    def of_caller(cls) -> "_GenerateLoop":
+    def of_caller(cls, previous: Optional["_GenerateLoop"]) -> "_GenerateLoop":
+        """The loop calling the processor (``previous``: the loop of the processor's last call, reused when the
+        same generation calls again)."""
         frame = sys._getframe(2)
         owner = None
         for _ in range(4):
             if frame is None:
                 break
             code = frame.f_code.co_name
-            local = frame.f_locals
-            if code == "__call__" and isinstance(local.get("self"), LogitsProcessorList):
-                owner = local["self"]
-            elif code == "_sample" and "output_logits" in local:
+            if code == "__call__":
+                candidate = frame.f_locals.get("self")
+                if isinstance(candidate, LogitsProcessorList):
+                    owner = candidate
+            elif code == "_sample" and "output_logits" in frame.f_code.co_varnames:
+                if (previous is not None and not previous.reorders and previous._owner is not None
+                        and owner is not None and previous._owner() is owner):
+                    return previous  # the same generation: its locals were read at its first call
+                local = frame.f_locals
                 keeps_raw = bool(local.get("return_dict_in_generate")) and bool(local.get("output_logits"))
                 return cls(reorders=False, in_place=not keeps_raw, owner=owner)
             elif code == "_beam_search":
-                return cls(reorders=True, in_place=True, owner=owner)
+                return cls(reorders=True, in_place=True, owner=owner, parents=frame.f_locals.get("running_beam_indices"))
             frame = frame.f_back
         return cls(reorders=True, in_place=False, owner=None)
 
@@ -233,6 +244,7 @@ class TrieLogitsProcessor(LogitsProcessor):
             n = _spec_rows(allow, deny)
             probe.filters(n or 1, _rows_of(allow, n), _rows_of(deny, n), distinct=distinct)
         self._constraints: dict[str, TrieConstraint] = {}
+        self._last_constraint: Optional[TrieConstraint] = None
         self._hasher = _PrefixHasher()
         self._max_depth = max(t.max_depth for t in self.tries)
         self.reset()
@@ -251,10 +263,14 @@ class TrieLogitsProcessor(LogitsProcessor):
 
     def constraint(self, device: torch.device) -> TrieConstraint:
         """The :class:`TrieConstraint` on ``device`` (built once per device)."""
+        last = self._last_constraint
+        if last is not None and last.device == device:
+            return last
         key = str(device)
         if key not in self._constraints:
             self._constraints[key] = TrieConstraint(self.tries, self.rules, device)
-        return self._constraints[key]
+        self._last_constraint = self._constraints[key]
+        return self._last_constraint
 
     @property
     def generation_start(self) -> int:
@@ -275,7 +291,7 @@ class TrieLogitsProcessor(LogitsProcessor):
         constraint = self.constraint(device)
         self._groups = prompt_groups(batch, len(self.tries), device)
         self._state = constraint.start(batch, self._groups, self._trigger_tails(input_ids))
-        self._hashes = self._hasher.hash(self._groups, input_ids[:, :0]) if loop.reorders else None
+        self._hashes = self._hasher.hash(self._groups, input_ids[:, :0]) if loop.reorders and loop.parents is None else None
         self._filters = None
         if self._filtered:
             allow, deny, distinct = self._filter_specs
@@ -293,10 +309,11 @@ class TrieLogitsProcessor(LogitsProcessor):
     def _follow(self, input_ids: torch.Tensor, device: torch.device, loop: "_GenerateLoop") -> bool:
         """Advance every row from its parent row; False if the rows do not continue the previous call's rows.
 
-        Inside ``generate``'s sampling loop (greedy or sampling) rows never move: row i's parent is row i, and the
-        step costs O(1) per row. Elsewhere (beam search, or a caller this class does not know) rows may be
-        reordered between calls; each row finds its parent by a hash of its generated prefix, a lookup with no
-        host read (argsort, searchsorted, gather).
+        Every way costs O(1) per row, whatever the number of generated tokens. Inside ``generate``'s sampling loop
+        (greedy or sampling) rows never move: row i's parent is row i. Beam search names each row's parent (see
+        :class:`_GenerateLoop`). Elsewhere (a caller this class does not know) rows may be reordered between
+        calls; each row finds its parent by a hash of its generated prefix, a lookup with no host read (argsort,
+        searchsorted, gather), and the hash is O(generated tokens), except in ``"eos"`` mode past the deepest entry.
         """
         batch, cur = input_ids.shape
         if self._state is None or cur != self._last_len + 1 or batch != len(self._state) or not loop.continues(self._loop):
@@ -305,6 +322,17 @@ class TrieLogitsProcessor(LogitsProcessor):
         constraint = self.constraint(device)
         if not loop.reorders:
             self._state = constraint.advance(self._state, ids[:, -1], self._trigger_tails(ids), filters=self._filters)
+            return True
+        if loop.parents is not None and self._hashes is None:
+            column = cur - 1 - self._start
+            parents = loop.parents.reshape(-1, loop.parents.shape[-1])
+            if parents.shape[0] != batch or not 0 <= column < parents.shape[1]:
+                return False
+            parent = parents[:, column].to(device, torch.long)
+            if self._filters is not None:
+                self._filters = self._filters.select(parent)
+            self._state = constraint.advance(self._state.select(parent), ids[:, -1], self._trigger_tails(ids),
+                                             filters=self._filters)
             return True
         if self.rules.plain and cur - 1 - self._start > self._max_depth and self._filters is None:
             # "eos" mode: a prefix longer than every entry has ended its entry (or left the trie): every row is
@@ -328,7 +356,7 @@ class TrieLogitsProcessor(LogitsProcessor):
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         device = scores.device
-        loop = _GenerateLoop.of_caller()
+        loop = _GenerateLoop.of_caller(self._loop)
         if not self._follow(input_ids, device, loop):
             self._begin(input_ids.to(device), device, loop)
         self._last_len = input_ids.shape[1]
@@ -337,6 +365,10 @@ class TrieLogitsProcessor(LogitsProcessor):
         if loop.in_place:
             return constraint.mask_(scores, self._state, filters=self._filters)
         return constraint.mask_(scores, self._state, out=self._buffers.get(scores), filters=self._filters)
+
+    # LogitsProcessorList reads every processor's signature at every step (``inspect.signature``, ~15 us, more than
+    # the whole mask at batch 1); a precomputed ``__signature__`` is inspect's documented shortcut.
+    __call__.__signature__ = inspect.signature(__call__)  # type: ignore[attr-defined]
 
     # ------------------------------------------------------------------ results
     def match(self, sequences: torch.Tensor, *, prompt_length: Optional[int] = None) -> list[Optional[Entry]]:

@@ -99,3 +99,51 @@ def test_direct_calls_leave_the_scores_untouched_and_reuse_a_buffer():
     third = proc(torch.tensor([[1, 2, 100, 250]]), scores)
     assert third.data_ptr() != held.data_ptr(), "a buffer the caller still holds was reused"
     assert second[0].isfinite().nonzero().flatten().tolist() == [200, 250]
+
+
+def test_beam_search_records_each_beams_parent_row():
+    """Beam search keeps, per running beam and generated position, the flat row of the previous step it extends
+    (``running_beam_indices``): the processor follows rows by it instead of a lookup."""
+    from transformers.generation.utils import GenerationMixin
+
+    loop = inspect.getsource(GenerationMixin._beam_search)
+    assert "running_beam_indices = torch.full(" in loop
+    assert "running_beam_indices=running_beam_indices" in loop
+    top_k = inspect.getsource(GenerationMixin._get_top_k_continuations)
+    assert "batch_modified_indices = topk_current_beam_indices + batch_offset" in top_k
+    assert "topk_running_beam_indices[:, :, cur_len - decoder_prompt_len] = batch_modified_indices" in top_k
+
+
+class _ParentSpy(TrieLogitsProcessor):
+    """Records whether each call followed rows by beam search's parent indices."""
+
+    def __init__(self, *args, hash_only: bool = False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.hash_only, self.by_parent = hash_only, []
+
+    def _follow(self, input_ids, device, loop):
+        if self.hash_only:
+            loop.parents = None  # the lookup by prefix hash of an unknown caller
+        self.by_parent.append(loop.parents is not None)
+        return super()._follow(input_ids, device, loop)
+
+
+@pytest.mark.parametrize("on_complete", ["eos", "repeat"])
+def test_beam_parents_equal_the_prefix_hash_lookup(tiny_llama, on_complete):
+    """Rows followed by beam search's parent indices and rows found by prefix hash give the same beams, scores
+    and matches (the tiny model's random scores reorder beams at every step)."""
+    entries = [[100, 200, 300], [100, 200, 301], [100, 250], [100, 250, 7], [400], [400, 401, 402], [400, 403]]
+    trie = TokenTrie.from_sequences(entries, vocab_size=tiny_llama.config.vocab_size)
+    extra = dict(separator=[9]) if on_complete == "repeat" else {}
+    inputs = {"input_ids": torch.tensor([[5, 6, 7], [8, 9, 10]]), "attention_mask": torch.ones(2, 3, dtype=torch.long)}
+    runs = []
+    for hash_only in (False, True):
+        spy = _ParentSpy(trie, end_token_id=END, on_complete=on_complete, hash_only=hash_only, **extra)
+        out = tiny_llama.generate(**inputs, logits_processor=[spy], max_new_tokens=8, num_beams=4, num_return_sequences=4,
+                                  do_sample=False, pad_token_id=END, eos_token_id=END, return_dict_in_generate=True,
+                                  output_scores=True)
+        assert spy.by_parent[1:] and all(b != hash_only for b in spy.by_parent[1:]), spy.by_parent
+        runs.append((out.sequences, out.sequences_scores, [e and e.tokens for e in spy.match(out.sequences)]))
+    (seq_a, score_a, match_a), (seq_b, score_b, match_b) = runs
+    assert torch.equal(seq_a, seq_b) and torch.allclose(score_a, score_b) and match_a == match_b
+    assert all(m is not None for m in match_a)

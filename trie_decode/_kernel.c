@@ -25,7 +25,7 @@
 #include <wchar.h>
 
 /* Step table columns (trie_decode/spans.py). */
-enum { T_START, T_COUNT, T_SLOT, T_ANCHOR, T_EXTRA0, T_EXTRA1, T_COLS };
+enum { T_START, T_COUNT, T_SLOT, T_ANCHOR, T_EXTRA0, T_EXTRA1, T_ON_TOKEN, T_ON_MATCH, T_OTHERWISE, T_COLS };
 
 /* The row functions are compiled for AVX-512, AVX2 and the baseline, and picked at load time: filling is the
  * floor of masking and must run at the speed of torch's own vectorized fill. */
@@ -138,8 +138,10 @@ static const int32_t *table_row(const int32_t *table, int64_t node, int64_t num_
  *      num_codes, child_token, blocked, vt, num_dense) -> number of rows masked
  *
  * For i < n: logits row rows[i] (or i when rows is 0) is masked by the state nodes[i]. src and out point at
- * (batch, width) arrays of elsize-byte floats with those row strides (they may be the same array); width columns are used; vt <= width
- * is the trie's vocabulary; the (num_dense, vt) uint8 array blocked holds the dense rows. A row whose anchor is -1
+ * (batch, width) arrays of elsize-byte floats with those row strides (they may be the same array); width columns are used; vt
+ * is the trie's vocabulary and the row length of the (num_dense, vt) uint8 array blocked that holds the dense rows. Logits
+ * narrower than the vocabulary (a tokenizer wider than the model's output) are masked over their own width: the
+ * caller checks that every token the trie and its rules can keep lies inside it. A row whose anchor is -1
  * is unconstrained: copied when out != src, else left alone. A masked row whose kept values are all -inf gets
  * floor_bits (a finite value) in its kept columns. */
 static PyObject *py_mask(PyObject *self, PyObject *args) {
@@ -156,10 +158,11 @@ static PyObject *py_mask(PyObject *self, PyObject *args) {
         PyErr_Format(PyExc_ValueError, "element size must be 2, 4 or 8 bytes, got %d", es);
         return NULL;
     }
-    if (vt > width || (batch > 1 && (width > out_stride || width > src_stride)) || num_codes < 1) {
+    if (vt < 0 || (batch > 1 && (width > out_stride || width > src_stride)) || num_codes < 1) {
         PyErr_SetString(PyExc_ValueError, "inconsistent logits geometry or step table");
         return NULL;
     }
+    Py_ssize_t vm = vt < width ? vt : width;  /* the columns of the vocabulary these logits have */
     char *out = (char *)out_p;
     const char *src = (const char *)src_p;
     const int64_t *rows = (const int64_t *)rows_p, *nodes = (const int64_t *)nodes_p;
@@ -208,20 +211,20 @@ static PyObject *py_mask(PyObject *self, PyObject *args) {
         if (slot >= 0 && slot < num_dense) {
             /* A dense row: its children are the unblocked columns; the extras (end token, separator) are saved
              * first and put back, since the dense row may block them. */
-            uint64_t extra_val[T_EXTRA1 - T_ANCHOR + 1];
+            uint64_t extra_val[T_EXTRA1 - T_ANCHOR + 1] = {0};
             for (int e = T_ANCHOR; e <= T_EXTRA1; e++)
                 if (t[e] >= 0 && t[e] < width) extra_val[e - T_ANCHOR] = load_bits(srow + (Py_ssize_t)t[e] * es, es);
             const uint8_t *brow = blocked + slot * vt;
-            dense_row(drow, srow, brow, vt, width, es, neg_bits, pat);
+            dense_row(drow, srow, brow, vm, width, es, neg_bits, pat);
             int alive = 0;
             for (int e = T_ANCHOR; e <= T_EXTRA1; e++)
                 if (t[e] >= 0 && t[e] < width) {
                     store_bits(drow + (Py_ssize_t)t[e] * es, es, extra_val[e - T_ANCHOR]);
                     alive |= extra_val[e - T_ANCHOR] != neg_bits;
                 }
-            for (Py_ssize_t j = 0; j < vt && !alive; j++) alive = !brow[j] && load_bits(drow + j * es, es) != neg_bits;
+            for (Py_ssize_t j = 0; j < vm && !alive; j++) alive = !brow[j] && load_bits(drow + j * es, es) != neg_bits;
             if (!alive) {  /* every kept value was already -inf: the floor instead */
-                for (Py_ssize_t j = 0; j < vt; j++)
+                for (Py_ssize_t j = 0; j < vm; j++)
                     if (!brow[j]) store_bits(drow + j * es, es, (uint64_t)floor_bits);
                 for (int e = T_ANCHOR; e <= T_EXTRA1; e++)
                     if (t[e] >= 0 && t[e] < width) store_bits(drow + (Py_ssize_t)t[e] * es, es, (uint64_t)floor_bits);
@@ -242,7 +245,7 @@ static PyObject *py_mask(PyObject *self, PyObject *args) {
         Py_ssize_t k = 0;
         for (int64_t c = 0; c < count; c++) {
             int64_t col = child_token[start + c];
-            if (col >= 0 && col < vt && (k == 0 || col > keep_col[k - 1])) keep_col[k++] = col;
+            if (col >= 0 && col < vm && (k == 0 || col > keep_col[k - 1])) keep_col[k++] = col;
         }
         for (int e = T_ANCHOR; e <= T_EXTRA1; e++)
             if (t[e] >= 0 && t[e] < width) insert_sorted(keep_col, &k, t[e]);
@@ -256,16 +259,24 @@ static PyObject *py_mask(PyObject *self, PyObject *args) {
     return PyLong_FromSsize_t(masked);
 }
 
-/* child(out, nodes, tokens, n, child_ptr, child_token, num_nodes) -> None
+/* child(out, nodes, tokens, n, child_ptr, child_token, num_nodes, table, num_codes) -> None
  *
- * out[i] = the child of node nodes[i] by token tokens[i], or -1 where there is none or nodes[i] is not a node.
+ * out[i] = the child of node nodes[i] by token tokens[i]; where there is none (or nodes[i] is not a node): -1 when
+ * table is 0, else the step table's move for that state (trie_decode/spans.py: ON_MATCH on the token ON_TOKEN,
+ * OTHERWISE on any other), so that one call is the whole state update.
  * Children of node m are m's CSR range child_ptr[m]..child_ptr[m+1]-1, sorted by token. The rows' binary searches
  * run in lockstep, one level for every row per pass, with the next probe prefetched: a big trie's arrays are out of
  * cache after every logits fill, and this way the rows' cache misses overlap instead of adding up. */
 static PyObject *py_child(PyObject *self, PyObject *args) {
-    Py_ssize_t out_p, nodes_p, tokens_p, n, child_ptr_p, child_token_p, num_nodes;
-    if (!PyArg_ParseTuple(args, "nnnnnnn", &out_p, &nodes_p, &tokens_p, &n, &child_ptr_p, &child_token_p, &num_nodes))
+    Py_ssize_t out_p, nodes_p, tokens_p, n, child_ptr_p, child_token_p, num_nodes, table_p, num_codes;
+    if (!PyArg_ParseTuple(args, "nnnnnnnnn", &out_p, &nodes_p, &tokens_p, &n, &child_ptr_p, &child_token_p, &num_nodes,
+                          &table_p, &num_codes))
         return NULL;
+    if (table_p && num_codes < 1) {
+        PyErr_SetString(PyExc_ValueError, "a step table has at least one code row");
+        return NULL;
+    }
+    const int32_t *table = (const int32_t *)table_p;
     int64_t *out = (int64_t *)out_p;
     const int64_t *nodes = (const int64_t *)nodes_p, *tokens = (const int64_t *)tokens_p;
     const int32_t *child_ptr = (const int32_t *)child_ptr_p, *child_token = (const int32_t *)child_token_p;
@@ -307,7 +318,12 @@ static PyObject *py_child(PyObject *self, PyObject *args) {
         int64_t m = nodes[i], pos = out[i];
         int ok = m >= 0 && m < num_nodes && tokens[i] >= 0 && pos < num_nodes && pos < child_ptr[m + 1] &&
                  child_token[pos] == tokens[i];
-        out[i] = ok ? pos : -1;
+        if (ok) out[i] = pos;
+        else if (!table) out[i] = -1;
+        else {
+            const int32_t *t = table_row(table, m, num_nodes, num_codes);
+            out[i] = (t[T_ON_TOKEN] >= 0 && tokens[i] == t[T_ON_TOKEN]) ? t[T_ON_MATCH] : t[T_OTHERWISE];
+        }
     }
     Py_END_ALLOW_THREADS
     free(bounds);

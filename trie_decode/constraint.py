@@ -221,20 +221,13 @@ class TrieConstraint:
                 blocked too.
         """
         width = logits.shape[-1]
-        if width < self.vocab_size:
-            if width < self.needed_width:
-                raise InvalidTokenError(
-                    f"logits have {width} columns but the trie uses token ids up to {self.needed_width - 1}: "
-                    "the trie was built for a larger vocabulary than this model's"
-                )
-            # A tokenizer wider than the model's logits (Llama 3.2: 128,257 ids, 128,256 logits), every trie token
-            # inside them: mask a padded copy (rare: the cost of one copy).
-            wide = torch.full((logits.shape[0], self.vocab_size), float("-inf"), dtype=logits.dtype, device=logits.device)
-            wide[:, :width] = logits
-            self.mask_(wide, state, rows, filters=filters)
-            target = logits if (inplace and out is None) else (out if out is not None else torch.empty_like(logits))
-            target.copy_(wide[:, :width])
-            return target
+        if width < self.needed_width:
+            # Narrower logits are fine (a tokenizer wider than the model's output: Llama 3.2 has 128,257 ids and
+            # 128,256 logits) as long as every token a row can keep lies inside them; the kernels mask their width.
+            raise InvalidTokenError(
+                f"logits have {width} columns but the trie uses token ids up to {self.needed_width - 1}: "
+                "the trie was built for a larger vocabulary than this model's"
+            )
         src = logits
         covers_all = self.kernel.writes_every_row and rows is None and len(state) == logits.shape[0]
         if out is not None:
@@ -260,6 +253,9 @@ class TrieConstraint:
     def allowed(self, state: RowState, width: Optional[int] = None) -> torch.Tensor:
         """Boolean mask of each row's allowed tokens (unconstrained rows allow all). Shape: (R, width), bool."""
         width = width or self.vocab_size
+        if width < self.needed_width:
+            raise InvalidTokenError(f"width {width} is narrower than the tokens this constraint can allow "
+                                    f"(ids up to {self.needed_width - 1})")
         planner = self._planner
         plans = []
         for i, pos in self._groups(state.tree):

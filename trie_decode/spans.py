@@ -37,13 +37,15 @@ import torch
 from .errors import ConstraintConfigError, InvalidTokenError
 from .trie import TokenTrie
 
-__all__ = ["SpanRules", "DONE", "FREE", "ON_COMPLETE_MODES", "step_table", "span_moves", "forced_tokens"]
+__all__ = ["SpanRules", "DONE", "FREE", "ON_COMPLETE_MODES", "TABLE_COLUMNS", "step_table", "span_moves", "forced_tokens"]
 
 DONE, FREE = -1, -2
 ON_COMPLETE_MODES = ("eos", "release", "repeat")
-# Step table columns: child range start and count, dense slot, a token the row surely keeps (the anchor; -1 for an
-# unconstrained row), and up to two extra tokens (end, separator).
-START, COUNT, SLOT, ANCHOR, EXTRA0, EXTRA1 = range(6)
+# Step table columns. What a row may emit: child range start and count, dense slot, a token the row surely keeps
+# (the anchor; -1 for an unconstrained row), and up to two extra tokens (end, separator). Where a row goes on a token
+# that is not a child: to ON_MATCH on the token ON_TOKEN (-1: none), to OTHERWISE on any other.
+START, COUNT, SLOT, ANCHOR, EXTRA0, EXTRA1, ON_TOKEN, ON_MATCH, OTHERWISE = range(9)
+TABLE_COLUMNS = 9
 
 
 def token_tuple(value: Any, what: str) -> tuple[int, ...]:
@@ -114,42 +116,57 @@ class SpanRules:
 
 
 def step_table(trie: TokenTrie, rules: SpanRules, dense_slot: np.ndarray) -> np.ndarray:
-    """What a row may emit at each node and code: the span rules as one table.
+    """The span rules as one table: what a row may emit at each node and code, and where it goes on a token that
+    is not a child of its node. Every kernel reads this table; none re-derives a rule.
 
     Args:
         dense_slot: each node's row in the dense masks, or -1 (a node with a dense row lists no children here).
             Shape: (N,), int32.
     Returns:
-        Shape: (N + K, 6), int32; the K code rows come last, in the order -K .. -1, so that a negative code indexes
-        its own row. Columns: START, COUNT, SLOT, ANCHOR, EXTRA0, EXTRA1.
+        Shape: (N + K, 9), int32; the K code rows come last, in the order -K .. -1, so that a negative code indexes
+        its own row. Columns: START, COUNT, SLOT, ANCHOR, EXTRA0, EXTRA1, ON_TOKEN, ON_MATCH, OTHERWISE.
+
+    Moves on a token that is not a child (a child always continues the entry):
+        inside an entry         -> DONE; at a terminal node in ``"release"`` mode -> FREE (the span ends); at a
+                                   terminal node in ``"repeat"`` mode the separator's first token starts the
+                                   separator (its code -3, or the root when it is one token long)
+        DONE                    -> DONE
+        FREE                    -> FREE (the trigger check in ``TrieConstraint.advance`` may start an entry)
+        separator code -2 - k   -> on the separator's token k, its next code (the root after the last), else DONE
     """
     n = trie.num_nodes
     sep = rules.separator
     fanout = trie.fanout
     terminal = trie.node_entry >= 0
     end = rules.end_token_id
-    table = np.full((n, 6), -1, dtype=np.int32)
+    after_sep0 = 0 if len(sep) <= 1 else -3
+    table = np.full((n, TABLE_COLUMNS), -1, dtype=np.int32)
     table[:, START] = trie.child_ptr[:-1]
     table[:, COUNT] = np.where(dense_slot >= 0, 0, fanout)
     table[:, SLOT] = dense_slot
     first_child = trie.token[np.minimum(trie.child_ptr[:-1], n - 1)]
     table[:, ANCHOR] = np.where(fanout > 0, first_child, end)
+    table[:, ON_MATCH] = DONE
+    table[:, OTHERWISE] = DONE
     if rules.on_complete == "release":
         table[terminal, ANCHOR] = -1  # an entry is complete: the row is unconstrained
+        table[terminal, OTHERWISE] = FREE
     else:
         table[terminal, EXTRA0] = end
         if rules.on_complete == "repeat":
             table[terminal, EXTRA1] = sep[0]
-    codes = {DONE: (0, 0, -1, end, end, -1), FREE: (0, 0, -1, -1, -1, -1)}
+            table[terminal, ON_TOKEN] = sep[0]
+            table[terminal, ON_MATCH] = after_sep0
+    codes = {DONE: (0, 0, -1, end, end, -1, -1, DONE, DONE), FREE: (0, 0, -1, -1, -1, -1, -1, FREE, FREE)}
     for k in range(1, len(sep)):
-        codes[-2 - k] = (0, 0, -1, sep[k], sep[k], -1)
+        codes[-2 - k] = (0, 0, -1, sep[k], sep[k], -1, sep[k], -3 - k if k + 1 < len(sep) else 0, DONE)
     code_rows = np.array([codes[c] for c in range(-rules.num_codes, 0)], dtype=np.int32)
     return np.concatenate([table, code_rows])
 
 
 def span_moves(table: Any, rules: SpanRules, node: Any, tok: Any, child: Any) -> Any:
-    """The span rules on top of the trie step, for numpy arrays or torch tensors alike (element-wise selects only:
-    no boolean indexing, so on a GPU the step needs no host synchronization).
+    """Each row's next state: the trie child, else the step table's move (see :func:`step_table`); for numpy
+    arrays or torch tensors alike (element-wise selects only: no host synchronization on a GPU).
 
     Args:
         table: the rules' step table (see :func:`step_table`), same backend as the other arguments.
@@ -160,24 +177,12 @@ def span_moves(table: Any, rules: SpanRules, node: Any, tok: Any, child: Any) ->
         Each row's next state (before the trigger check, see ``TrieConstraint.advance``). Shape: (R,), int64.
     """
     if rules.plain:
-        return child
+        return child  # every move off the trie goes to DONE (-1), which is what a missing child reads as
     where = torch.where if isinstance(child, torch.Tensor) else np.where
     row = table[node]
-    left = child < 0
-    free = left & (node == FREE)
-    if rules.on_complete == "release":
-        released = left & (node >= 0) & (row[:, ANCHOR] < 0)
-        return where(released | free, FREE, child)
-    if rules.on_complete == "repeat":
-        sep = rules.separator
-        at_end = left & (node >= 0) & (row[:, EXTRA1] >= 0) & (tok == sep[0])
-        out = where(at_end, 0 if len(sep) == 1 else -3, child)
-        k = -2 - node  # separator position expected next, for rows in the separator
-        ok = left & (node <= -3) & (tok == row[:, ANCHOR])
-        out = where(ok & (k + 1 >= len(sep)), 0, out)
-        out = where(ok & (k + 1 < len(sep)), node - 1, out)
-        return where(free, FREE, out)
-    return where(free, FREE, child)  # eos with a trigger: a row waiting for the trigger keeps waiting
+    on = row[:, ON_TOKEN]
+    move = where((tok == on) & (on >= 0), row[:, ON_MATCH], row[:, OTHERWISE])
+    return where(child >= 0, child, move)
 
 
 def forced_tokens(trie: TokenTrie, rules: SpanRules, nodes: Sequence[int], max_tokens: int) -> list[list[int]]:

@@ -83,8 +83,9 @@ def _sample(processors: Any, input_ids: Any, scores: Any) -> Any:
     return processors(input_ids, scores)
 
 
-def _beam_search(processors: Any, input_ids: Any, scores: Any) -> Any:
-    """Calls the processors the way ``generate``'s beam search does (rows may move: every row looks up its parent)."""
+def _beam_search(processors: Any, input_ids: Any, scores: Any, running_beam_indices: Any = None) -> Any:
+    """Calls the processors the way ``generate``'s beam search does: rows may move, and the loop's
+    ``running_beam_indices`` names each row's parent (here every row continues itself, as in the protocol)."""
     return processors(input_ids, scores)
 
 
@@ -116,8 +117,15 @@ class TrieDecodeProcessorPeer(TrieDecodePeer):
 
 class TrieDecodeProcessorBeamPeer(TrieDecodeProcessorPeer):
     name = "trie_decode-processor-beam"
-    description = "transformers TrieLogitsProcessor.__call__ as generate's beam search calls it (prefix-hash lookups)"
-    loop = staticmethod(_beam_search)
+    description = "transformers TrieLogitsProcessor.__call__ as generate's beam search calls it (parents by beam index)"
+
+    def start(self, batch_size: int, device: Any) -> None:
+        super().start(batch_size, device)
+        rows = torch.arange(batch_size, dtype=torch.int32, device=device)
+        self._parents = rows.view(1, batch_size, 1).expand(1, batch_size, self.MAX_STEPS).contiguous()
+
+    def loop(self, processors: Any, input_ids: Any, scores: Any) -> Any:
+        return _beam_search(processors, input_ids, scores, self._parents)
 
 
 class TrieDecodeBuildPeer(BuildPeer):

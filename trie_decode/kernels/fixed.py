@@ -37,7 +37,7 @@ class MergedTables:
 
     Attributes:
         table: every trie's node rows (child ranges and dense slots offset), then the rules' K code rows.
-            Shape: (N + K, 6), int64.
+            Shape: (N + K, 9), int64.
         child_token: token of the edge into each node. Shape: (N,), int64.
         parent: parent of each node, -1 at the roots. Shape: (N,), int64.
         edge_key: ``parent * V + token``, ascending (each root holds ``offset * V - 1``). Shape: (N,), int64.
@@ -144,14 +144,14 @@ class FixedShapeKernel:
         if m.dense_allowed is not None:
             slot = info[:, SLOT]
             is_dense = (slot >= 0) & constrained
-            allowed = m.dense_allowed[slot.clamp(min=0)] & is_dense.unsqueeze(1)
-            v = m.vocab_size
+            v = min(m.vocab_size, x.shape[1])  # logits may be narrower than the tries' vocabulary
+            allowed = m.dense_allowed[slot.clamp(min=0), :v] & is_dense.unsqueeze(1)
             alive = alive | (allowed & (x[:, :v] != NEG_INF)).any(dim=1)
             dense_vals = torch.where(allowed, torch.where(alive.unsqueeze(1), x[:, :v], ALL_MASKED_FLOOR), NEG_INF)
         kept = torch.where((alive | ~constrained).unsqueeze(1), kept, ALL_MASKED_FLOOR)
         x.masked_fill_(constrained.unsqueeze(1), NEG_INF)
         if dense_vals is not None:
-            x[:, : m.vocab_size] = torch.where(is_dense.unsqueeze(1), dense_vals, x[:, : m.vocab_size])
+            x[:, :v] = torch.where(is_dense.unsqueeze(1), dense_vals, x[:, :v])
         x.scatter_(1, cols, kept)
         if rows is not None:
             out.index_copy_(0, rows, x)

@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..spans import span_moves
+from ..spans import TABLE_COLUMNS
 from .grouped import GroupedKernel
 from .vectorized import ALL_MASKED_FLOOR, NUMPY_KERNEL
 
@@ -79,7 +79,7 @@ def static_args(table: Any) -> tuple:
                              ("child_ptr", t.child_ptr, torch.int32), ("dense_blocked", t.dense_blocked, torch.bool)):
         if arr.device.type != "cpu" or arr.dtype != dtype or not arr.is_contiguous():
             raise ValueError(f"{name} must be a contiguous {dtype} CPU tensor")
-    if tuple(table.tensor.shape) != (d.num_nodes + table.num_codes, 6) or t.child_token.numel() != d.num_nodes:
+    if tuple(table.tensor.shape) != (d.num_nodes + table.num_codes, TABLE_COLUMNS) or t.child_token.numel() != d.num_nodes:
         raise ValueError("step table and trie sizes disagree")
     if t.child_ptr.numel() != d.num_nodes + 1 or tuple(t.dense_blocked.shape) != (d.num_dense, d.vocab_size):
         raise ValueError("trie arrays have inconsistent shapes")
@@ -102,7 +102,8 @@ def mask_rows(out: torch.Tensor, src: torch.Tensor, nodes: torch.Tensor, rows: O
     """Mask rows of ``src`` into ``out`` (they may be the same tensor) by their trie states; returns rows masked.
 
     Args:
-        out, src: Shape: (B, W), same shape and dtype, W >= the trie's vocabulary (see :func:`usable_logits`).
+        out, src: Shape: (B, W), same shape and dtype (see :func:`usable_logits`); W may be narrower than the
+            trie's vocabulary when every token the rows can keep lies below W (``TrieConstraint.needed_width``).
         nodes: each state row's node or code. Shape: (R,), int64.
         rows: logits row of each state row (None: state row i is logits row i; R must then be <= B).
         table: the CPU :class:`~trie_decode.device.StepTable` of (trie, rules).
@@ -114,19 +115,20 @@ def mask_rows(out: torch.Tensor, src: torch.Tensor, nodes: torch.Tensor, rows: O
     if not usable_logits(src) or (out is not src and (out.shape != src.shape or out.dtype != src.dtype or not usable_logits(out))):
         raise ValueError("the kernel takes 2-D CPU float logits with unit column stride, out and src alike")
     batch, width = src.shape
-    if width < table.dtrie.vocab_size:
-        raise ValueError(f"logits have {width} columns, fewer than the trie's vocabulary ({table.dtrie.vocab_size})")
     return _kernel.mask(
         out.data_ptr(), src.data_ptr(), batch, out.stride(0), src.stride(0), width, src.element_size(),
         _NEG_INF_BITS[src.dtype], _FLOOR_BITS[src.dtype], n, 0 if rows is None else rows.data_ptr(), nodes.data_ptr(), *static_args(table),
     )
 
 
-def child(dtrie: Any, nodes: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """The child of each node by each token, -1 where there is none (``DeviceTrie.step`` for a CPU trie).
+def child(dtrie: Any, nodes: torch.Tensor, tokens: torch.Tensor, table: Any = None) -> torch.Tensor:
+    """The child of each node by each token; where there is none, -1, or with a step ``table`` the span rules' move
+    (:func:`trie_decode.spans.span_moves` in one C pass).
 
     Args:
+        dtrie: a CPU :class:`~trie_decode.device.DeviceTrie`.
         nodes, tokens: Shape: (R,), int64, CPU.
+        table: the CPU :class:`~trie_decode.device.StepTable` of (``dtrie``, rules), or None.
     Returns:
         Shape: (R,), int64.
     """
@@ -139,7 +141,14 @@ def child(dtrie: Any, nodes: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor
         if not (t.child_ptr.is_cpu and t.child_token.is_cpu):
             raise ValueError("the kernel needs a CPU DeviceTrie")
         trie_args = dtrie._kernel_child_args = (t.child_ptr.data_ptr(), t.child_token.data_ptr(), dtrie.num_nodes)
-    _kernel.child(out.data_ptr(), nodes.data_ptr(), tokens.data_ptr(), n, *trie_args)
+    if table is None:
+        moves = (0, 0)
+    else:
+        if table.dtrie is not dtrie:
+            raise ValueError("the step table belongs to another trie")
+        static_args(table)  # checks the table's dtype, device and shape once
+        moves = (table.tensor.data_ptr(), table.num_codes)
+    _kernel.child(out.data_ptr(), nodes.data_ptr(), tokens.data_ptr(), n, *trie_args, *moves)
     return out
 
 
@@ -154,10 +163,7 @@ class NativeKernel(GroupedKernel):
 
     def advance(self, table: Any, node: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """Each row's next state code (before the trigger check). Shape: (R,), int64 CPU tensors in and out."""
-        out = child(table.dtrie, node, tokens)
-        if table.rules.plain:
-            return out
-        return torch.from_numpy(span_moves(table.array, table.rules, node.numpy(), tokens.numpy(), out.numpy()))
+        return child(table.dtrie, node, tokens, None if table.rules.plain else table)
 
     def mask(self, out: torch.Tensor, src: torch.Tensor, node: torch.Tensor, rows: Optional[torch.Tensor], table: Any) -> None:
         """Mask the state rows' logits rows of ``src`` into ``out`` (the same tensor, or one of the same shape)."""

@@ -183,11 +183,12 @@ def apply_plans_(logits: torch.Tensor, plans: Sequence[MaskPlan]) -> torch.Tenso
         alive = torch.zeros(logits.shape[0], dtype=torch.int32, device=device)
         alive.index_add_(0, p.rows, (kept[i] != NEG_INF).to(torch.int32))
         if d is not None:
-            v = p.dense_blocked.shape[1]
-            d[:, :v].masked_fill_(p.dense_blocked, NEG_INF)
+            v = min(p.dense_blocked.shape[1], width)  # logits may be narrower than the trie's vocabulary
+            blocked = p.dense_blocked[:, :v]
+            d[:, :v].masked_fill_(blocked, NEG_INF)
             d[:, v:] = NEG_INF
             alive.index_add_(0, p.dense_rows, (d[:, :v] != NEG_INF).any(1).to(torch.int32))
-            dead = (alive[p.dense_rows] == 0).unsqueeze(1) & ~p.dense_blocked
+            dead = (alive[p.dense_rows] == 0).unsqueeze(1) & ~blocked
             d[:, :v] = torch.where(dead, torch.full_like(d[:, :v], ALL_MASKED_FLOOR), d[:, :v])
             logits.index_copy_(0, p.dense_rows, d)
         kept[i] = torch.where(alive[p.rows] == 0, torch.full_like(kept[i], ALL_MASKED_FLOOR), kept[i])
