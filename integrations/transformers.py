@@ -39,7 +39,7 @@ from trie_decode.options import TrieArg, as_tries, build_rules, first_eos, promp
 from trie_decode.trie import TokenTrie
 
 try:
-    from transformers import LogitsProcessor, LogitsProcessorList
+    from transformers import LogitsProcessor, LogitsProcessorList, PrefixConstrainedLogitsProcessor
 except ImportError as exc:  # pragma: no cover - import guard
     raise ImportError("trie_decode.integrations.transformers needs transformers: pip install 'trie-decode[transformers]'") from exc
 
@@ -573,18 +573,20 @@ def prefix_allowed_tokens_fn(
 ) -> Callable[[int, torch.Tensor], list[int]]:
     """A ``prefix_allowed_tokens_fn`` for code written for GENRE / ``PrefixConstrainedLogitsProcessor``.
 
-    The returned function maps ``(batch_id, input_ids_row)`` to the allowed token ids of that row. It walks the
-    row's generated tokens from the root (as GENRE does), so prefer :class:`TrieLogitsProcessor` for speed.
+    The returned function maps ``(batch_id, input_ids_row)`` to the allowed token ids of that row: the trie's
+    step table in ``"eos"`` mode (children, plus the end token where an entry ends; only the end token once the row
+    left the trie). It walks the row's generated tokens from the root at every call (as GENRE does), so prefer
+    :class:`TrieLogitsProcessor` for speed. It is stateless: reuse it across ``generate`` calls, prompt lengths,
+    batch sizes, sampling and beam search.
 
     Args:
         trie: the trie.
         end_token_id: allowed once an entry is complete, and when nothing else is.
         prompt_length: where generation starts in ``input_ids``: one length for every row (left-padded batches
-            share it), or one per ``batch_id``. With it the function is stateless: the answer depends only on its
-            arguments. Without it, the start is detected per ``generate`` call: a row that does not continue what
-            the function saw for that ``batch_id`` at the previous step (one token longer, same prefix) starts a
-            new generation there, so the function may be reused across ``generate`` calls with other prompts,
-            prompt lengths and batch sizes.
+            share it), or one per ``batch_id``. Without it, the start is the length of ``input_ids`` when the
+            ``generate`` call's own ``PrefixConstrainedLogitsProcessor`` first calls the function (read from the
+            calling frame); a direct call without ``prompt_length`` is an error, since a row alone does not say
+            where its prompt ends.
 
     Example:
         >>> trie = TokenTrie.from_sequences([[5, 6], [7]], vocab_size=10)
@@ -594,30 +596,32 @@ def prefix_allowed_tokens_fn(
     """
     if prompt_length is not None and not isinstance(prompt_length, int):
         prompt_length = [int(n) for n in prompt_length]
-    seen: dict[int, list[int]] = {}  # batch_id -> (start, row) at the previous call, only without prompt_length
-    starts: dict[int, int] = {}
+    constraint = TrieConstraint(trie, SpanRules(end_token_id=end_token_id), "cpu")
+    # The start of each generate call, keyed by that call's PrefixConstrainedLogitsProcessor (a new one per call).
+    starts: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
 
-    def start_of(batch_id: int, row: list[int]) -> int:
+    def start_of(batch_id: int) -> int:
         if isinstance(prompt_length, int):
             return prompt_length
         if prompt_length is not None:
             if not 0 <= batch_id < len(prompt_length):
                 raise ConstraintConfigError(f"batch_id {batch_id} has no prompt_length (got {len(prompt_length)})")
             return prompt_length[batch_id]
-        prev = seen.get(batch_id)
-        if prev is None or len(row) != len(prev) + 1 or row[:-1] != prev:
-            starts[batch_id] = len(row)  # not a continuation: a new generation starts here
-        seen[batch_id] = row
-        return starts[batch_id]
+        caller = sys._getframe(2)
+        owner = caller.f_locals.get("self") if caller.f_code.co_name == "__call__" else None
+        if not isinstance(owner, PrefixConstrainedLogitsProcessor):
+            raise ConstraintConfigError(
+                "prefix_allowed_tokens_fn without prompt_length must be called by generate() "
+                "(transformers' PrefixConstrainedLogitsProcessor); pass prompt_length=... to call it directly"
+            )
+        if owner not in starts:
+            starts[owner] = int(caller.f_locals["input_ids"].shape[-1])
+        return starts[owner]
 
     def allowed(batch_id: int, input_ids: torch.Tensor) -> list[int]:
         row = input_ids.tolist()
-        node = trie.walk(row[start_of(int(batch_id), row):])
-        if node < 0:
-            return [end_token_id]
-        tokens = trie.children(node)[0].tolist()
-        if trie.is_terminal(node) or not tokens:
-            tokens.append(end_token_id)
-        return tokens
+        node = trie.walk(row[start_of(int(batch_id)) :])
+        state = RowState(torch.tensor([DONE if node < 0 else node]), torch.zeros(1, dtype=torch.long))
+        return constraint.allowed_tokens(state)[0]
 
     return allowed

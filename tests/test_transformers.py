@@ -257,6 +257,36 @@ def test_prefix_allowed_tokens_fn_drop_in(tiny_llama, tokenizer):
     assert a.tolist() == b.tolist()
 
 
+@pytest.mark.parametrize("kwargs", [
+    dict(do_sample=False),
+    dict(do_sample=True, top_k=0),
+    dict(num_beams=3, num_return_sequences=3, do_sample=False),
+])
+def test_prefix_allowed_tokens_fn_is_reusable(tiny_llama, kwargs):
+    """One function reused across generate calls with other prompt lengths and batch sizes, greedy, sampling and
+    beam search (every beam of a prompt shares a batch_id), and a chained call whose prompt is the previous output:
+    each call equals the processor's output on the same inputs, and with a fresh function."""
+    entries = [[100, 200, 300], [100, 250], [400, 401], [400, 401, 402], [500]]
+    trie = TokenTrie.from_sequences(entries, vocab_size=tiny_llama.config.vocab_size)
+    fn = prefix_allowed_tokens_fn(trie, end_token_id=2)
+    gen = dict(max_new_tokens=5, pad_token_id=2, eos_token_id=2, **kwargs)
+    prompts = [torch.arange(10, 13).repeat(2, 1), torch.arange(20, 29).view(1, 9), torch.arange(30, 35).repeat(3, 1)]
+    previous = None
+    for ids in prompts + ["chained"]:
+        if ids == "chained":
+            ids = previous[:1]  # the previous output, EOS included, as the next prompt
+        results = []
+        for constraint in (dict(prefix_allowed_tokens_fn=fn),
+                           dict(prefix_allowed_tokens_fn=prefix_allowed_tokens_fn(trie, end_token_id=2)),
+                           dict(logits_processor=[TrieLogitsProcessor(trie, end_token_id=2)])):
+            torch.manual_seed(0)
+            results.append(tiny_llama.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **constraint, **gen))
+        assert results[0].tolist() == results[1].tolist() == results[2].tolist()
+        generated = results[0][:, ids.shape[1]:].tolist()
+        assert all(tuple(t for t in row if t != 2) in {tuple(e) for e in entries} for row in generated), generated
+        previous = results[0]
+
+
 def test_match_helpers():
     trie = TokenTrie.from_sequences([[5, 6], [5, 6, 7], [9]], vocab_size=12, names=["a", "b", "c"])
     assert [e.name if e else None for e in match(trie, [[5, 6, 1, 1], [5, 6, 7, 1], [9, 1, 0], [4, 1]])] == ["a", "b", "c", None]

@@ -29,9 +29,9 @@ from .entries import Entry
 from .errors import ConstraintConfigError, InvalidTokenError
 from .filters import EntryOrder, RowFilters, apply_filters_, completed_ranks, entry_indices, is_per_row
 from .kernels.grouped import row_groups
-from .kernels.vectorized import ALL_MASKED_FLOOR, NUMPY_KERNEL, TORCH_KERNEL, plans_to_bool
+from .kernels.vectorized import ALL_MASKED_FLOOR, plans_to_bool, plans_to_lists
 from .masking import pack_bitmask
-from .spans import DONE, FREE, ON_COMPLETE_MODES, SpanRules, forced_tokens
+from .spans import DONE, FREE, ON_COMPLETE_MODES, SpanRules, completes_entry, forced_tokens
 from .trie import TokenTrie
 
 __all__ = ["SpanRules", "RowState", "TrieConstraint", "DONE", "FREE", "ON_COMPLETE_MODES", "mask_end_only_"]
@@ -129,7 +129,7 @@ class TrieConstraint:
         self.kernel = kernels.select(self.device, kernel)
         self._prepared = self.kernel.prepare(self.tables)
         # Plans (allowed sets, bitmasks) come from the vectorized kernel of the device's array backend.
-        self._planner = NUMPY_KERNEL if self.device.type == "cpu" else TORCH_KERNEL
+        self._planner = kernels.planner(self.device)
         self._trigger = torch.tensor(rules.trigger, dtype=torch.long, device=self.device)
 
     def with_kernel(self, kernel: str) -> "TrieConstraint":
@@ -157,11 +157,6 @@ class TrieConstraint:
         if self.rules.trigger:
             node = torch.where(self._tail_is_trigger(tails, num_rows), node, torch.full_like(node, FREE))
         return RowState(node, tree)
-
-    def done(self, num_rows: int, tree: Optional[torch.Tensor] = None) -> RowState:
-        """The state of rows that may only emit the end token (e.g. a request that must end at once)."""
-        tree = torch.zeros(num_rows, dtype=torch.long, device=self.device) if tree is None else tree.to(self.device, torch.long)
-        return RowState(torch.full((num_rows,), DONE, dtype=torch.long, device=self.device), tree)
 
     def _tail_is_trigger(self, tails: Optional[torch.Tensor], num_rows: int) -> torch.Tensor:
         t = len(self.rules.trigger)
@@ -250,9 +245,8 @@ class TrieConstraint:
             apply_filters_(out, state.node, filters, self.dtries[0], self.rules, rows)
         return out
 
-    def allowed(self, state: RowState, width: Optional[int] = None) -> torch.Tensor:
-        """Boolean mask of each row's allowed tokens (unconstrained rows allow all). Shape: (R, width), bool."""
-        width = width or self.vocab_size
+    def _plans(self, state: RowState, width: int) -> list:
+        """The vectorized planner's mask plans of every trie's rows (see :mod:`trie_decode.kernels.vectorized`)."""
         if width < self.needed_width:
             raise InvalidTokenError(f"width {width} is narrower than the tokens this constraint can allow "
                                     f"(ids up to {self.needed_width - 1})")
@@ -262,11 +256,30 @@ class TrieConstraint:
             nodes = state.node if pos is None else state.node[pos]
             rows = pos
             if planner.ops.name == "numpy":
-                nodes, rows = nodes.numpy(), None if pos is None else pos.numpy()
+                nodes, rows = nodes.cpu().numpy(), None if pos is None else pos.cpu().numpy()
             plan = planner.plan(self.tables[i], nodes, rows)
             if plan is not None:
                 plans.append(plan)
-        return plans_to_bool(plans, len(state), width)
+        return plans
+
+    def allowed(self, state: RowState, width: Optional[int] = None) -> torch.Tensor:
+        """Boolean mask of each row's allowed tokens (unconstrained rows allow all). Shape: (R, width), bool."""
+        width = width or self.vocab_size
+        return plans_to_bool(self._plans(state, width), len(state), width)
+
+    def allowed_tokens(self, state: RowState, width: Optional[int] = None) -> list[Optional[list[int]]]:
+        """Each row's allowed token ids, sorted, read on the host (None: the row is unconstrained): the sparse
+        form of :meth:`allowed`, for host-side callers (a ``prefix_allowed_tokens_fn``, beam bookkeeping).
+
+        Example:
+            >>> from trie_decode import TokenTrie
+            >>> trie = TokenTrie.from_sequences([[3, 4], [3, 5], [6]], vocab_size=8)
+            >>> c = TrieConstraint(trie, SpanRules(end_token_id=0), "cpu")
+            >>> c.allowed_tokens(c.advance(c.start(2), torch.tensor([3, 6])))
+            [[4, 5], [0]]
+        """
+        width = width or self.vocab_size
+        return plans_to_lists(self._plans(state, width), len(state), width)
 
     def bitmask(self, state: RowState, width: Optional[int] = None) -> torch.Tensor:
         """The allowed tokens as an int32 bitmask. Shape: (R, ceil(width / 32)), int32 (XGrammar's format)."""
@@ -417,14 +430,12 @@ class TrieConstraint:
             tail = torch.from_numpy(full[live, j + 1 : j + 1 + t]) if t else None
             new = host.advance(sub, tok, tail)
             old_n, new_n = sub.node.numpy(), new.node.numpy()
-            for k in np.flatnonzero(old_n >= 0).tolist():
-                i = int(live[k])
-                tr = self.tries[tree_np[i]]
-                if new_n[k] >= 0 and new_n[k] != 0 and tr.parent[new_n[k]] == old_n[k]:
-                    continue  # went down to a child: the entry goes on
-                e = entry_at(i, int(old_n[k]))
-                if e is not None:
-                    found[i].append(e)
+            for ti in np.unique(tree_np[live]).tolist():
+                mine = np.flatnonzero(tree_np[live] == ti)
+                tr = self.tries[ti]
+                ended = completes_entry(old_n[mine], new_n[mine], tr.node_entry >= 0, tr.parent)
+                for k in mine[ended].tolist():
+                    found[int(live[k])].append(entry_at(int(live[k]), int(old_n[k])))
             if len(live) < r:
                 state.assign(torch.from_numpy(live), new)
             else:

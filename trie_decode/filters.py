@@ -26,6 +26,7 @@ import torch
 
 from .errors import ConstraintConfigError
 from .kernels.vectorized import ALL_MASKED_FLOOR, NEG_INF
+from .spans import completes_entry
 from .trie import TokenTrie
 
 __all__ = ["EntryOrder", "RowFilters", "entry_indices", "is_per_row", "apply_filters_"]
@@ -326,9 +327,5 @@ def completed_ranks(node_before: torch.Tensor, node_after: torch.Tensor, dtrie: 
     """Which rows completed an entry with their last token (they stood at its end and did not go down to a child)
     and the entry's rank. Both Shape: (R,)."""
     _, _, node_rank = order.on(node_before.device)
-    parent = dtrie.parent_tensor
-    n = node_before.clamp(min=0)
-    r = node_rank[n]
-    went_down = (node_after >= 1) & (parent[node_after.clamp(min=0)] == node_before)
-    done = (node_before >= 0) & (r >= 0) & ~went_down
-    return done, r
+    r = node_rank[node_before.clamp(min=0)]
+    return completes_entry(node_before, node_after, dtrie.tensors.terminal, dtrie.parent_tensor), r

@@ -37,7 +37,7 @@ import torch
 from .errors import ConstraintConfigError, InvalidTokenError
 from .trie import TokenTrie
 
-__all__ = ["SpanRules", "DONE", "FREE", "ON_COMPLETE_MODES", "TABLE_COLUMNS", "step_table", "span_moves", "forced_tokens"]
+__all__ = ["SpanRules", "DONE", "FREE", "ON_COMPLETE_MODES", "TABLE_COLUMNS", "step_table", "span_moves", "completes_entry", "forced_tokens"]
 
 DONE, FREE = -1, -2
 ON_COMPLETE_MODES = ("eos", "release", "repeat")
@@ -183,6 +183,23 @@ def span_moves(table: Any, rules: SpanRules, node: Any, tok: Any, child: Any) ->
     on = row[:, ON_TOKEN]
     move = where((tok == on) & (on >= 0), row[:, ON_MATCH], row[:, OTHERWISE])
     return where(child >= 0, child, move)
+
+
+def completes_entry(node_before: Any, node_after: Any, terminal: Any, parent: Any) -> Any:
+    """Which rows completed an entry with their last token: they stood at a terminal node and did not go down to a
+    child (the end token, a separator, a release, leaving the trie). numpy arrays or torch tensors alike.
+
+    Args:
+        node_before, node_after: each row's state code before and after the token. Shape: (R,), int64.
+        terminal: whether an entry ends at each node. Shape: (N,), bool. parent: each node's parent. Shape: (N,).
+    Returns:
+        Shape: (R,), bool.
+    """
+    where = torch.where if isinstance(node_after, torch.Tensor) else np.where
+    before = where(node_before >= 0, node_before, 0)
+    after = where(node_after >= 1, node_after, 0)
+    went_down = (node_after >= 1) & (parent[after] == node_before)
+    return (node_before >= 0) & terminal[before] & ~went_down
 
 
 def forced_tokens(trie: TokenTrie, rules: SpanRules, nodes: Sequence[int], max_tokens: int) -> list[list[int]]:

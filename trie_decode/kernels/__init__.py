@@ -40,12 +40,18 @@ import torch
 
 from . import native
 from .fixed import FIXED_KERNEL
-from .vectorized import NUMPY_KERNEL
+from .vectorized import NUMPY_KERNEL, TORCH_KERNEL
 
-__all__ = ["select", "KERNELS"]
+__all__ = ["select", "planner", "KERNELS"]
 
 KERNELS = ("native", "numpy", "torch")
 _NATIVE = native.NativeKernel()
+
+
+def planner(device: torch.device | str) -> Any:
+    """The kernel that plans allowed sets and bitmasks (``TrieConstraint.allowed``/``bitmask``/``allowed_tokens``)
+    for logits on ``device``: the vectorized kernel over numpy on CPU, over torch elsewhere."""
+    return NUMPY_KERNEL if torch.device(device).type == "cpu" else TORCH_KERNEL
 
 
 def select(device: torch.device | str, name: Optional[str] = None) -> Any:

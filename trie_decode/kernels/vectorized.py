@@ -26,7 +26,7 @@ from ..spans import ANCHOR, COUNT, EXTRA0, EXTRA1, SLOT, START, span_moves
 from .arrays import NUMPY, TORCH, Ops
 from .grouped import GroupedKernel
 
-__all__ = ["MaskPlan", "VectorizedKernel", "apply_plans_", "plans_to_bool", "NUMPY_KERNEL", "TORCH_KERNEL", "ALL_MASKED_FLOOR"]
+__all__ = ["MaskPlan", "VectorizedKernel", "apply_plans_", "plans_to_bool", "plans_to_lists", "NUMPY_KERNEL", "TORCH_KERNEL", "ALL_MASKED_FLOOR"]
 
 NEG_INF = float("-inf")
 #: The logit a row's allowed tokens get when another processor already set all of them to -inf: finite, so a token
@@ -222,6 +222,27 @@ def plans_to_bool(plans: Sequence[MaskPlan], batch_size: int, width: int) -> tor
             mask[p.dense_rows, :v] = ~p.dense_blocked[:, :v]
         mask[p.rows, p.cols] = True
     return mask
+
+
+def plans_to_lists(plans: Sequence[MaskPlan], batch_size: int, width: int) -> list[Optional[list[int]]]:
+    """The allowed set of every row as a sorted list of token ids (None: the row is unconstrained); the host-side,
+    sparse reading of the same plans :func:`plans_to_bool` reads densely.
+    """
+    out: list[Optional[list[int]]] = [None] * batch_size
+    for p in plans:
+        masked = range(batch_size) if p.masked_rows is None else p.masked_rows.tolist()
+        for r in masked:
+            out[r] = []
+        rows, cols = p.rows.cpu(), p.cols.cpu()
+        keep = cols < width
+        key = torch.unique(rows[keep] * width + cols[keep])  # sorted: by row, then token
+        for r, c in zip((key // width).tolist(), (key % width).tolist()):
+            out[r].append(c)
+        if p.dense_rows is not None:
+            v = min(p.dense_blocked.shape[1], width)
+            for r, blocked in zip(p.dense_rows.tolist(), p.dense_blocked[:, :v].cpu()):
+                out[r] = sorted(set(out[r]) | set(torch.nonzero(~blocked).flatten().tolist()))
+    return out
 
 
 def _to_torch(x: Any) -> Any:
