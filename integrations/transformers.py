@@ -33,9 +33,9 @@ import torch
 from trie_decode.constraint import DONE, RowState, SpanRules, TrieConstraint
 from trie_decode.entries import Entry
 from trie_decode.errors import ConstraintConfigError
-from trie_decode.filters import is_per_row
+from trie_decode.filters import entry_indices
 from trie_decode.forms import entry_identity
-from trie_decode.options import TrieArg, as_tries, build_rules, first_eos, prompt_groups
+from trie_decode.options import TrieArg, as_tries, build_rules, filter_rows, first_eos, prompt_filters, prompt_groups
 from trie_decode.trie import TokenTrie
 
 try:
@@ -72,21 +72,6 @@ class _PrefixHasher:
             else:
                 h = h + (tokens.long() * w).sum(dim=1)
         return h
-
-
-def _spec_rows(allow: Any, deny: Any) -> int:
-    """How many per-prompt filters ``allow``/``deny`` give (0: one filter for every row)."""
-    counts = {len(spec) for spec in (allow, deny) if is_per_row(spec)}
-    if len(counts) > 1:
-        raise ConstraintConfigError(f"allow and deny give different numbers of per-prompt filters: {sorted(counts)}")
-    return counts.pop() if counts else 0
-
-
-def _rows_of(spec: Any, n: int) -> Any:
-    """``spec`` as ``n`` per-prompt specs (a single spec repeated), or as it is when n is 0."""
-    if spec is None or not n:
-        return spec
-    return list(spec) if is_per_row(spec) else [spec] * n
 
 
 class _GenerateLoop:
@@ -237,12 +222,22 @@ class TrieLogitsProcessor(LogitsProcessor):
     ) -> None:
         self.tries = as_tries(tries, tokenizer)
         self.rules = build_rules(tokenizer, end_token_id, on_complete, separator, trigger)
-        self._filter_specs = (allow, deny, bool(distinct))
         self._filtered = allow is not None or deny is not None or bool(distinct)
-        if self._filtered:  # checked now, so that a bad key fails here rather than inside generate
+        self._filter_specs: tuple = (None, None, False, 0)
+        if self._filtered:  # resolved (keys to entry indices) and checked now, once: a bad key fails here
             probe = TrieConstraint(self.tries, self.rules, "cpu")
-            n = _spec_rows(allow, deny)
-            probe.filters(n or 1, _rows_of(allow, n), _rows_of(deny, n), distinct=distinct)
+            n = prompt_filters(allow, deny)
+
+            def resolve(spec: Any, what: str) -> Any:
+                if spec is None:
+                    return None
+                if n:
+                    return [None if s is None else entry_indices(self.tries[0], s, what) for s in spec]
+                return entry_indices(self.tries[0], spec, what)
+
+            allow, deny = resolve(allow, "allow"), resolve(deny, "deny")
+            probe.filters(n or 1, filter_rows(allow, n, n or 1), filter_rows(deny, n, n or 1), distinct=distinct)
+            self._filter_specs = (allow, deny, bool(distinct), n)
         self._constraints: dict[str, TrieConstraint] = {}
         self._last_constraint: Optional[TrieConstraint] = None
         self._hasher = _PrefixHasher()
@@ -294,14 +289,9 @@ class TrieLogitsProcessor(LogitsProcessor):
         self._hashes = self._hasher.hash(self._groups, input_ids[:, :0]) if loop.reorders and loop.parents is None else None
         self._filters = None
         if self._filtered:
-            allow, deny, distinct = self._filter_specs
-            n = _spec_rows(allow, deny)
-            if n and batch % n:
-                raise ConstraintConfigError(f"allow/deny give {n} per-prompt filters but the batch has {batch} rows")
-            per = batch // n if n else batch
-            expand = lambda spec: None if spec is None else (  # noqa: E731
-                [x for x in _rows_of(spec, n) for _ in range(per)] if n else spec)
-            self._filters = constraint.filters(batch, expand(allow), expand(deny), distinct=distinct)
+            allow, deny, distinct, n = self._filter_specs
+            self._filters = constraint.filters(batch, filter_rows(allow, n, batch), filter_rows(deny, n, batch),
+                                               distinct=distinct)
         self._start = cur
         self._loop = loop
         self.steps = 0

@@ -21,10 +21,11 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from .errors import ConstraintConfigError
+from .filters import is_per_row
 from .spans import SpanRules, token_tuple
 from .trie import TokenTrie
 
-__all__ = ["TrieArg", "as_tries", "tokens_arg", "build_rules", "first_eos", "prompt_groups"]
+__all__ = ["TrieArg", "as_tries", "tokens_arg", "build_rules", "first_eos", "prompt_groups", "prompt_filters", "filter_rows"]
 
 TrieArg = Union[TokenTrie, Sequence[TokenTrie]]
 
@@ -123,3 +124,36 @@ def prompt_groups(batch: int, num_tries: int, device: torch.device | str = "cpu"
             f"{num_tries} tries were given (one per prompt) but the batch has {batch} rows, not a multiple of {num_tries}"
         )
     return torch.arange(batch, device=device) // (batch // num_tries)
+
+
+def prompt_filters(allow: Any, deny: Any) -> int:
+    """How many per-prompt filter specs ``allow``/``deny`` give: 0 when each is one spec shared by every row (see
+    :func:`trie_decode.filters.is_per_row`).
+
+    Raises:
+        ConstraintConfigError: ``allow`` and ``deny`` give different numbers of per-prompt specs.
+    """
+    counts = {len(spec) for spec in (allow, deny) if is_per_row(spec)}
+    if len(counts) > 1:
+        raise ConstraintConfigError(f"allow and deny give different numbers of per-prompt filters: {sorted(counts)}")
+    return counts.pop() if counts else 0
+
+
+def filter_rows(spec: Any, prompts: int, batch: int) -> Any:
+    """A filter spec for every row of a batch: a shared spec as it is; ``prompts`` per-prompt specs (``prompts`` > 0)
+    each repeated over its prompt's contiguous rows (beams, return sequences), laid out as :func:`prompt_groups`.
+
+    Example:
+        >>> filter_rows([["a"], ["b"]], 2, 4)
+        [['a'], ['a'], ['b'], ['b']]
+
+    Raises:
+        ConstraintConfigError: ``batch`` is not a multiple of ``prompts``.
+    """
+    if spec is None or not prompts:
+        return spec
+    if batch % prompts:
+        raise ConstraintConfigError(f"allow/deny give {prompts} per-prompt filters but the batch has {batch} rows")
+    per = batch // prompts
+    specs = list(spec) if is_per_row(spec) else [spec] * prompts
+    return [s for s in specs for _ in range(per)]

@@ -76,6 +76,15 @@ class SpanRules:
         on_complete: ``"eos"`` (default), ``"release"`` or ``"repeat"`` (see the module docstring).
         separator: token ids between entries in ``"repeat"`` mode (e.g. the tokens of ``", "``).
         trigger: token ids after which the constraint starts; empty = it starts with generation.
+
+    Example:
+        >>> rules = SpanRules(end_token_id=2, on_complete="repeat", separator=[5, 6])
+        >>> rules.separator, rules.plain, rules.num_codes   # DONE, FREE, and one code for the separator's 2nd token
+        ((5, 6), False, 3)
+        >>> SpanRules(end_token_id=2, on_complete="stop")
+        Traceback (most recent call last):
+        ...
+        trie_decode.errors.ConstraintConfigError: on_complete must be one of ('eos', 'release', 'repeat'), got 'stop'
     """
 
     end_token_id: int
