@@ -25,8 +25,6 @@ from .errors import DescriptorError, TrieDecodeError
 
 __all__ = ["main", "read_entries"]
 
-_PROGRESS_MIN = 200_000
-_CHUNK = 100_000
 
 
 def read_entries(path: Path) -> tuple[list[str], Optional[list[str]]]:
@@ -58,22 +56,6 @@ def read_entries(path: Path) -> tuple[list[str], Optional[list[str]]]:
     if jsonl and keys and len(keys) != len(texts):
         raise DescriptorError(f"{path}: 'id' is present on {len(keys)} of {len(texts)} lines; give it on all or none")
     return texts, (keys if keys else None)
-
-
-def _tokenize_with_progress(texts: list[str], tokenizer, leading_space: bool) -> list[list[int]]:
-    from .tokenizers import tokenize_strings
-
-    if len(texts) < _PROGRESS_MIN or not sys.stderr.isatty():
-        return tokenize_strings(texts, tokenizer, leading_space=leading_space)
-    out: list[list[int]] = []
-    start = time.perf_counter()
-    for i in range(0, len(texts), _CHUNK):
-        out.extend(tokenize_strings(texts[i : i + _CHUNK], tokenizer, leading_space=leading_space))
-        done = min(i + _CHUNK, len(texts))
-        bar = "#" * int(30 * done / len(texts))
-        print(f"\rtokenizing [{bar:<30}] {done:,}/{len(texts):,} {time.perf_counter() - start:.1f}s", end="", file=sys.stderr)
-    print(file=sys.stderr)
-    return out
 
 
 def _cmd_build_prefix_dict(args: argparse.Namespace) -> int:
@@ -145,7 +127,6 @@ def _cmd_build(args: argparse.Namespace) -> int:
         return _cmd_build_codes(args)
     from transformers import AutoTokenizer
 
-    from .tokenizers import tokenizer_fingerprint, tokenizer_vocab_size
     from .trie import TokenTrie
 
     path = Path(args.entries)
@@ -158,25 +139,22 @@ def _cmd_build(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     t1 = time.perf_counter()
-    sequences = _tokenize_with_progress(texts, tokenizer, args.leading_space)
+    spaces = [True, False] if args.both_spaces else (True if args.leading_space else None)
+    if len(texts) >= 200_000:
+        print(f"tokenizing {len(texts):,} entries ...", file=sys.stderr)
+    context = args.context[0] if args.context and len(args.context) == 1 else args.context
+    trie = TokenTrie.from_strings(texts, tokenizer, leading_space=spaces, context=context, keys=keys,
+                                  normalize=args.normalize)
     t2 = time.perf_counter()
-    trie = TokenTrie.from_sequences(
-        sequences,
-        tokenizer_vocab_size(tokenizer),
-        names=texts,
-        keys=keys,
-        fingerprint=tokenizer_fingerprint(tokenizer),
-        options={"source": str(path.name), "leading_space": args.leading_space, "tokenizer": str(args.tokenizer)},
-    )
-    t3 = time.perf_counter()
     trie.save(args.output)
-    t4 = time.perf_counter()
+    t3 = time.perf_counter()
     stats = trie.stats()
+    forms = f", {trie.options['forms']} forms each" if trie.options.get("forms") else ""
     print(
-        f"built {args.output}: {stats['entries']:,} entries ({stats['duplicates_merged']:,} duplicates merged), "
+        f"built {args.output}: {stats['entries']:,} entries{forms} ({stats['duplicates_merged']:,} duplicates merged), "
         f"{stats['nodes']:,} nodes, {stats['bytes_per_node']} bytes/node"
     )
-    print(f"time: tokenizer load {t1 - t0:.2f}s, tokenize {t2 - t1:.2f}s, build {t3 - t2:.2f}s, save {t4 - t3:.2f}s")
+    print(f"time: tokenizer load {t1 - t0:.2f}s, tokenize and build {t2 - t1:.2f}s, save {t3 - t2:.2f}s")
     return 0
 
 
@@ -228,8 +206,10 @@ def _check_build_args(build: argparse.ArgumentParser, args: argparse.Namespace) 
             build.error("--prefix-dict needs --vocab-size (the model's logits width) or --tokenizer")
         if args.vocab_size is not None and args.vocab_size <= 0:
             build.error(f"--vocab-size must be positive, got {args.vocab_size}")
-        if args.leading_space:
-            build.error("--leading-space only applies to an entries file")
+        for flag, given in (("--leading-space", args.leading_space), ("--both-spaces", args.both_spaces),
+                            ("--context", args.context), ("--normalize", args.normalize)):
+            if given:
+                build.error(f"{flag} only applies to an entries file")
         return
     if not args.tokenizer:
         build.error("--tokenizer is required to build from an entries file")
@@ -253,6 +233,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     build.add_argument("--tokenizer", help="a Hugging Face tokenizer folder or name (required with entries)")
     build.add_argument("-o", "--output", required=True, help="the trie file to write (.safetensors)")
     build.add_argument("--leading-space", action="store_true", help='tokenize " " + entry (the form after a space)')
+    build.add_argument("--both-spaces", action="store_true",
+                       help="store both forms of every entry (after a space and at the start of a line)")
+    build.add_argument("--context", action="append", metavar="TEXT",
+                       help="the text the entries follow (the end of the prompt): store the ids the model writes there "
+                            "(repeatable: one form per context)")
+    build.add_argument("--normalize", choices=["NFC", "NFKC", "NFD", "NFKD"],
+                       help="Unicode-normalize entries before tokenizing (NFC for Qwen); recorded in the file")
     build.add_argument(
         "--prefix-dict", metavar="FILE", help="build from an RTP-LLM prefix dict (tree_decode_config JSON)"
     )
