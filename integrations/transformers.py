@@ -34,7 +34,7 @@ from trie_decode.constraint import DONE, RowState, SpanRules, TrieConstraint
 from trie_decode.entries import Entry
 from trie_decode.errors import ConstraintConfigError
 from trie_decode.filters import entry_indices
-from trie_decode.forms import entry_identity
+from trie_decode.forms import entry_identity, warn_prompt
 from trie_decode.options import TrieArg, as_tries, build_rules, filter_rows, first_eos, prompt_filters, prompt_groups
 from trie_decode.trie import TokenTrie
 
@@ -186,6 +186,11 @@ class TrieLogitsProcessor(LogitsProcessor):
             (``None`` items: no filter). See :mod:`trie_decode.filters`.
         distinct (`bool`, defaults to False): with ``on_complete="repeat"``, an entry appears at most once in a
             row's list.
+        check_prompt (`bool`, defaults to False): at the start of each generation, check every prompt against its
+            trie (:func:`trie_decode.check_prompt`; needs ``tokenizer``, and no ``trigger``) and issue a
+            :class:`~trie_decode.PromptMismatchWarning` with the exact fix for each disagreement: a prompt that ends
+            with a space, or a trie whose ids are not what the model writes after this prompt. It costs one batched
+            tokenization of up to 200 entries per distinct prompt.
 
     Examples:
 
@@ -219,8 +224,13 @@ class TrieLogitsProcessor(LogitsProcessor):
         allow: Any = None,
         deny: Any = None,
         distinct: bool = False,
+        check_prompt: bool = False,
     ) -> None:
         self.tries = as_tries(tries, tokenizer)
+        if check_prompt and (tokenizer is None or trigger is not None):
+            raise ConstraintConfigError("check_prompt=True needs the tokenizer and no trigger (the span must start "
+                                        "right after the prompt)")
+        self._check_with = tokenizer if check_prompt else None
         self.rules = build_rules(tokenizer, end_token_id, on_complete, separator, trigger)
         self._filtered = allow is not None or deny is not None or bool(distinct)
         self._filter_specs: tuple = (None, None, False, 0)
@@ -295,6 +305,19 @@ class TrieLogitsProcessor(LogitsProcessor):
         self._start = cur
         self._loop = loop
         self.steps = 0
+        if self._check_with is not None:
+            self._warn_prompts(input_ids)
+
+    def _warn_prompts(self, input_ids: torch.Tensor) -> None:
+        """Check each distinct prompt of the batch against its trie (see ``check_prompt`` in the class docs)."""
+        pad = getattr(self._check_with, "pad_token_id", None)
+        seen: set[tuple] = set()
+        for row, tree in zip(input_ids.tolist(), self._groups.tolist()):
+            while pad is not None and row and row[0] == pad:
+                row = row[1:]  # left padding
+            if (tree, tuple(row)) not in seen:
+                seen.add((tree, tuple(row)))
+                warn_prompt(self.tries[tree], self._check_with, row)
 
     def _follow(self, input_ids: torch.Tensor, device: torch.device, loop: "_GenerateLoop") -> bool:
         """Advance every row from its parent row; False if the rows do not continue the previous call's rows.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trie_decode import TokenTrie, TokenizerMismatchError
+from trie_decode import ConstraintConfigError, TokenTrie, TokenizerMismatchError
 from trie_decode.constraint import SpanRules
 
 from reference import allowed_after
@@ -304,3 +304,28 @@ def test_raw_logits_are_not_masked(tiny_llama, tokenizer):
     )
     assert out.logits[0].isfinite().all()
     assert out.scores[0].isfinite().sum().item() == 2  # tokens 100 and 102
+
+
+def test_check_prompt_warns_with_the_fix(model, tokenizer):
+    """check_prompt=True: a prompt ending with a space, and a trie form the model does not write after the prompt,
+    each give a PromptMismatchWarning naming the fix; a prompt and trie that agree give none."""
+    import warnings
+
+    from trie_decode import PromptMismatchWarning
+
+    names = ["France", "Germany", "Italy"]
+    spaced = TokenTrie.from_strings(names, tokenizer, leading_space=True)
+    bare = TokenTrie.from_strings(names, tokenizer, leading_space=False)
+    cases = [("The answer is", spaced, []), ("The answer is ", spaced, ["trailing_space"]),
+             ("The answer is", bare, ["form_mismatch"])]
+    for prompt, trie, codes in cases:
+        ids = tokenizer([prompt, prompt], return_tensors="pt")
+        proc = TrieLogitsProcessor(trie, tokenizer, check_prompt=True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.generate(**ids, logits_processor=[proc], max_new_tokens=1, do_sample=False)
+        found = [w.message for w in caught if issubclass(w.category, PromptMismatchWarning)]
+        assert [str(m).split(":")[0] for m in found] == codes, (prompt, found)
+        assert all("Fix:" in str(m) for m in found)
+    with pytest.raises(ConstraintConfigError, match="check_prompt=True needs the tokenizer"):
+        TrieLogitsProcessor(spaced, check_prompt=True, end_token_id=0)

@@ -4,6 +4,7 @@ The core (this package) needs numpy, torch and safetensors only. Framework glue 
 ``trie_decode.integrations`` (transformers, vLLM).
 """
 
+from .descriptors import trie_from_prefix_dict
 from .entries import Entry
 from .errors import (
     ConstraintConfigError,
@@ -15,6 +16,7 @@ from .errors import (
     TrieDecodeError,
     TrieFileError,
 )
+from .forms import PromptMismatchWarning, check_prompt, heal_prompt, warn_prompt
 from .tokenizers import tokenize_strings, tokenizer_fingerprint, tokenizer_vocab_size
 from .trie import TokenTrie, TrieStats
 
@@ -23,10 +25,15 @@ __version__ = "0.1.0"
 __all__ = [
     "TokenTrie",
     "TrieStats",
+    "trie_from_prefix_dict",
     "Entry",
     "tokenizer_fingerprint",
     "tokenizer_vocab_size",
     "tokenize_strings",
+    "check_prompt",
+    "heal_prompt",
+    "warn_prompt",
+    "PromptMismatchWarning",
     "TrieDecodeError",
     "EmptyTrieError",
     "InvalidTokenError",
