@@ -168,6 +168,17 @@ def _check_hooked_inputs(logits_processor: Any, stopping_criteria: Any) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- the loop
+def _kept_window(cache: Any) -> Optional[int]:
+    """How many slots a sliding-window layer of ``cache`` keeps (its window minus one: the current token), or None.
+
+    Fast-forward feeds ragged blocks whose pad slots (masked) take cache slots too. A sliding window counts slots, so
+    the model attends exactly as step-by-step decoding would only while every slot is still kept: the run checks
+    that before each forward pass.
+    """
+    windows = [int(layer.sliding_window) for layer in getattr(cache, "layers", ()) if getattr(layer, "is_sliding", False)]
+    return min(windows) - 1 if windows else None
+
+
 class _Run:
     """State of one fast-forward generation. All per-row bookkeeping that the forward pass needs is in tensors;
     the ragged blocks are short host lists (one per row) because the forced runs come from the host-side trie."""
@@ -189,6 +200,7 @@ class _Run:
         generator: Optional[torch.Generator],
     ) -> None:
         self.model, self.cache, self.constraint = model, cache, constraint
+        self.window = _kept_window(cache)
         self.device = input_ids.device
         b, p = input_ids.shape
         self.b, self.p = b, p
@@ -370,6 +382,12 @@ class _Run:
             self.attn = torch.cat([attn, valid.long()], dim=1)
         else:
             self.attn = torch.cat([self.attn, valid.long()], dim=1)
+        if self.window is not None and self.attn.shape[1] > self.window:
+            raise ConstraintConfigError(
+                f"fast_forward_generate: the cache would hold {self.attn.shape[1]} slots (prompt, generated tokens and "
+                f"the pad slots of ragged blocks), more than the model's sliding window keeps ({self.window}); "
+                "generate fewer tokens, or use generate(logits_processor=[TrieLogitsProcessor(...)])"
+            )
         self.next_pos[idx] += lengths
         offset = self.p if first else 0  # input index of block token 0
         # Input indices whose logits are needed: each unfinished row's last fed token (its next decision), and,
@@ -501,7 +519,8 @@ def fast_forward_generate(
     matter on exact near-ties), padded with the pad token after each row's end.
 
     Args:
-        model: a transformers decoder-only LM whose cache is a ``DynamicCache`` without sliding-window layers.
+        model: a transformers decoder-only LM whose cache is a ``DynamicCache``. With sliding-window layers
+            (Gemma 3), prompt + generated tokens + pad slots must fit in the window (checked: a named error).
         input_ids: the prompts, left-padded. Shape: (B, P), int64.
         logits_processor, stopping_criteria, generation_config: supplied by ``generate`` when used as the hook.
             Supported stopping criteria: max length / ``max_new_tokens``, EOS and ``max_time``.
@@ -581,10 +600,15 @@ def fast_forward_generate(
     cache = model_kwargs.get("past_key_values")
     if cache is None:
         cache = DynamicCache(config=model.config)
-    if not isinstance(cache, DynamicCache) or any(getattr(cache, "is_sliding", None) or ()):
+    if not isinstance(cache, DynamicCache):
+        raise ConstraintConfigError(f"fast_forward_generate needs a DynamicCache, got {type(cache).__name__}")
+    window = _kept_window(cache)
+    if window is not None and input_ids.shape[1] + (max_length - input_ids.shape[1]) > window:
         raise ConstraintConfigError(
-            f"fast_forward_generate needs a DynamicCache without sliding-window layers, got {type(cache).__name__}: "
-            "masked pad slots would count against a sliding window"
+            f"fast_forward_generate: prompt ({input_ids.shape[1]}) + max_new_tokens ({max_length - input_ids.shape[1]}) "
+            f"exceed the model's sliding window ({window} tokens kept); fast-forward's pad slots count against the "
+            "window, so it runs only while everything fits in it: generate fewer tokens, or use "
+            "generate(logits_processor=[TrieLogitsProcessor(...)])"
         )
     if cache.get_seq_length() > 0:
         raise ConstraintConfigError("fast_forward_generate starts from an empty cache; do not pass a filled one")

