@@ -4,6 +4,16 @@ Why this exists: ``trie_from_prefix_dict`` claims that a trie built from an RTP-
 RTP-LLM does. This module is the other side of that claim, written independently of ``trie_decode`` and as plainly
 as possible: the state is the joined key string, like RTP-LLM's, and every answer is a dict or set lookup.
 
+Which RTP-LLM: revision ``537e984c4d85f58129abff8f1651a830ef39e82b`` of https://github.com/alibaba/rtp-llm, read
+there: ``rtp_llm/cpp/models/logits_processor/DFAUtil.h`` and the tests that pin its behaviour,
+``rtp_llm/cpp/utils/test/DFAUtilTest.cc`` (``TreeDFATest``: invalid transition enters the error state, the error
+state allows only the end token and freezes, a finished DFA ignores input, negative candidates never reach run
+time) and ``rtp_llm/cpp/utils/test/PrefixToCandidateTokensTest.cc`` (``[]`` keys stay valid with no candidates,
+negative and beyond-int32 candidates skipped, a beyond-int32 start or end id fails the load). Other revisions
+differ: older ones throw on an invalid transition instead of entering the error state; the newest loader
+(``PrefixToCandidateTokens.cc``, versioned snapshots) refuses ``[]`` lists, negative ids, an empty ``sep`` or
+``prefix_dict`` and ``start_token_id == end_token_id``.
+
 What it models (RTP-LLM, ``rtp_llm/cpp/models/logits_processor``):
 
 - loading (``PrefixToCandidateTokens.h``, as pinned by ``rtp_llm/cpp/utils/test/PrefixToCandidateTokensTest.cc``):

@@ -10,7 +10,6 @@ the build time and the ``trie-decode build --prefix-dict`` command.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 import time
@@ -35,11 +34,17 @@ WEIGHTED = FIXTURES / "logits_processor" / "gir_prefix_with_weight_dict.json"
 UTILS = FIXTURES / "utils" / "gir_prefix_dict.json"
 
 
-def _gir_prefix_dict_like() -> dict:
-    spec = importlib.util.spec_from_file_location("gir_prefix_dict_like", FIXTURES / "gir_prefix_dict_like.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.gir_prefix_dict_like()
+GIR_LISTING = FIXTURES / "logits_processor" / "gir_prefix_dict.txt"
+
+
+def _gir_prefix_dict() -> dict:
+    """RTP-LLM's ``gir_prefix_dict`` listing (``key<TAB>id,id,...`` per line) as a prefix dict. The listing has no
+    ``start_token_id``/``end_token_id``/``sep``: RTP-LLM's defaults (225, 2, ``"_"``) apply, as in its test."""
+    prefix = {}
+    for line in GIR_LISTING.read_text().splitlines():
+        key, ids = line.split("\t")
+        prefix[key] = [int(t) for t in ids.split(",")]
+    return {"prefix_dict": prefix}
 
 
 # ------------------------------------------------------------------ comparing with the reference
@@ -344,21 +349,36 @@ def test_fixture_utils_dict_allows_only_the_end_token():
     assert "fields this reader ignores: ['prefix_weight_dict']" in message
 
 
-def test_fixture_gir_prefix_dict_like():
-    data = _gir_prefix_dict_like()
+def test_fixture_gir_prefix_dict():
+    data = _gir_prefix_dict()
+    prefix = data["prefix_dict"]
+    # The listing as reconstructed (tests/fixtures/rtp_llm/README.md): 7,835 sorted start-key candidates, eight keys
+    # below them; 48,685 characters like the original.
+    assert len(GIR_LISTING.read_text()) == 48_685 and len(prefix) == 9
+    root = prefix["225"]
+    assert len(root) == 7_835 and root == sorted(set(root)) and (root[0], root[-1]) == (64000, 92530)
     start = time.perf_counter()
     trie = trie_from_prefix_dict(json.dumps(data), 100_000)
     assert time.perf_counter() - start < 0.5
-    # 9,453 first-step candidates, four of them with a key; each first-step key has one keyed candidate.
-    assert trie.fanout[0] == 9_453
-    assert trie.num_entries == (9_453 - 4) + 5 + 3 + 2 + 250
+    assert trie.options["start_token_id"] == 225 and trie.options["end_token_id"] == 2 and trie.options["sep"] == "_"
+    # 7,835 first-step candidates, four of them with a key; each first-step key has one keyed candidate.
+    assert trie.fanout[0] == 7_835
+    assert trie.num_entries == (7_835 - 4) + 5 + 3 + 2 + 250
     assert trie.children(trie.walk([64000]))[0].tolist() == [64001, 64004, 64026, 64035, 64060]
     assert trie.lookup([64011]) is not None and trie.lookup([64000, 64035]) is not None
     assert trie.lookup([64000]) is None  # RTP-LLM does not allow the end token there
     compare = _Compare(data, 100_000, trie)
     compare.random_walks(rows=32, steps=5, batches=4, seed=3)
-    compare.check([[64008, 64001, 2, 2], [64008, 68956, 2], [92530, 2], [64006, 64004, 2]])
-    with pytest.raises(DescriptorError, match=r"9705 candidates lead to a missing key"):
+    # TreeLogitsProcessorTest.testUpdateStatus's paths (to the end token and one token past it) and the rows of
+    # testProcess: at the start key 64000, 64003 and 64011 stay, 64001 is masked.
+    compare.check([[64000, 64001, 2, 1], [64003, 64001, 2, 1], [64006, 64004, 2, 1], [64008, 64001, 2, 1],
+                   [64008, 68956, 2], [92530, 2]])
+    assert [compare.ref.run(p).status for p in ([64000, 64001, 2, 1], [64008, 64001, 2])] == [
+        "225_64000_64001_2", "225_64008_64001_2"]
+    first = compare.constraint.allowed(compare.constraint.start(1))[0]
+    assert first[[64000, 64003, 64011]].all() and not first[64001]
+    assert {"error", "after_end", "key_depth_0", "key_depth_1", "key_depth_2"} <= set(compare.kinds)
+    with pytest.raises(DescriptorError, match=r"8087 candidates lead to a missing key"):
         trie_from_prefix_dict(data, 100_000, strict=True)
 
 

@@ -260,9 +260,52 @@ def test_fast_forward_driver_matches_plain_decoding(llm, tokenizer, country_file
         assert t.rounds == 1, "without resubmission a request is submitted once"
 
 
-def test_vllm_constraints_never_push_a_row_out_of_the_trie(llm, tokenizer):
-    """vLLM's own constraints run before ours (min_tokens, logit_bias, bad_words): when they ban every token the
-    trie allows, the row still emits a token of the trie (the floor rule), never anything else."""
+def test_vllm_constraints_that_empty_a_row_never_push_it_out_of_the_trie(llm, tokenizer):
+    """vLLM's own constraints run before ours (allowed_token_ids, bad_words, then min_tokens and logit_bias, then
+    the trie processor). Each case bans every token the trie allows at some step; the row still emits a token of the trie at
+    the floor (docs/vllm.md). The banned token coming out proves the floor fired: vLLM had set it to -inf (with the
+    floor at -inf the whole row is -inf and greedy emits token 0)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from trie_decode.integrations.vllm import trie_args
+
+    eos = tokenizer.eos_token_id
+    word = lambda w: tokenizer(w, add_special_tokens=False)["input_ids"]  # noqa: E731
+    dark, red, light, blue = (word(w)[0] for w in (" dark", " red", " light", " blue"))
+    assert all(len(word(w)) == 1 for w in (" dark", " red", " light", " blue"))
+    entries = [[dark, red], [light, blue]]  # each first token has one continuation
+    first = {dark: red, light: blue}
+    ids = _chat(tokenizer, "What color is the sea?")
+    minus_inf = float("-inf")  # offline SamplingParams keeps it (the OpenAI server clamps biases to [-100, 100])
+    cases = {
+        # the only continuation of each first token is a bad word ("red" bans both "red" and " red")
+        "bad_words": dict(bad_words=["red", "blue"]),
+        # the end token is banned for 5 tokens, longer than any entry: the row ends its entry with the end token at
+        # the floor, and vLLM (0.32) stops a request at EOS even before min_tokens
+        "min_tokens": dict(min_tokens=5),
+        # every first token at -inf
+        "logit_bias": dict(logit_bias={dark: minus_inf, light: minus_inf}),
+        "all_three": dict(min_tokens=5, bad_words=["red", "blue"], logit_bias={dark: minus_inf, light: minus_inf}),
+        # no token of the trie but the end token is allowed
+        "allowed_token_ids": dict(allowed_token_ids=[eos, word(" green")[0]]),
+    }
+    labels = [(k, t) for k in cases for t in (0.0, 1.0)]
+    params = [SamplingParams(max_tokens=8, temperature=t, seed=1, extra_args=trie_args(entries), **cases[k])
+              for k, t in labels]
+    assert params[4].logit_bias[dark] == minus_inf
+    outs = llm.generate([TokensPrompt(prompt_token_ids=ids)] * len(params), params, use_tqdm=False)
+    for (label, temperature), out in zip(labels, outs):
+        toks = list(out.outputs[0].token_ids)
+        assert toks[0] in first and toks[1] == first[toks[0]], (label, temperature, toks)  # inside the trie
+        assert toks[2:] == [eos], (label, temperature, toks)  # with min_tokens too: 3 tokens, not 5
+        if ("logit_bias" in cases[label] or "allowed_token_ids" in cases[label]) and temperature == 0.0:
+            assert toks[0] == min(dark, light), toks  # equal floors: greedy takes the lowest id
+
+
+def test_the_same_request_twice_gives_the_same_output(llm, tokenizer, country_file, country_names):
+    """Reuse: every request of a batch submitted again (same prompt, same extra_args) after other requests over the
+    same tries gives the same tokens: a file trie, an inline list, filters; greedy and seeded sampling."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -270,21 +313,50 @@ def test_vllm_constraints_never_push_a_row_out_of_the_trie(llm, tokenizer):
     from trie_decode.integrations.vllm import trie_args
 
     eos = tokenizer.eos_token_id
-    trie = TokenTrie.from_strings(COLORS, tokenizer)
-    first = {c: tokenizer(c, add_special_tokens=False)["input_ids"][0] for c in COLORS}
-    ids = _chat(tokenizer, "What color is grass?")
-    cases = {
-        # the end token is banned for 6 tokens, longer than any color: the row ends the entry anyway (EOS repeats)
-        "min_tokens": dict(min_tokens=6),
-        # every first token is pushed far down by logit_bias, or banned by bad_words
-        "logit_bias": dict(logit_bias={t: -1.0e30 for t in first.values()}),
-        "bad_words": dict(bad_words=list(COLORS)),
-    }
-    params = [SamplingParams(max_tokens=8, temperature=t, seed=1, extra_args=trie_args(COLORS), **kw)
-              for kw in cases.values() for t in (0.0, 1.0)]
-    outs = llm.generate([TokensPrompt(prompt_token_ids=ids)] * len(params), params, use_tqdm=False)
-    for (label, out) in zip([k for k in cases for _ in (0, 1)], outs):
-        toks = list(out.outputs[0].token_ids)
-        while toks and toks[-1] == eos:
-            toks.pop()
-        assert trie.lookup(toks) is not None, (label, out.outputs[0].text, out.outputs[0].token_ids)
+    europe = [c for c in ("France", "Germany", "Italy", "Spain", "Portugal", "Norway") if c in country_names]
+    assert len(europe) >= 4
+    specs = [
+        trie_args(country_file),
+        trie_args(COLORS, leading_space=True),
+        {**trie_args(country_file), "allow": europe},
+        {**trie_args(COLORS, leading_space=True), "deny": ["red", "blue", "green"]},
+    ]
+    questions = ["Name a country in Europe.", "What color is the sky?", "Name a country.", "Name a color."]
+    prompts = [TokensPrompt(prompt_token_ids=_chat(tokenizer, q)) for q in questions]
+
+    def run(spec_list, seed):
+        params = [SamplingParams(max_tokens=16, temperature=t, seed=seed + i, extra_args=dict(spec))
+                  for i, spec in enumerate(spec_list) for t in (0.0, 1.0)]
+        outs = llm.generate([p for p in prompts for _ in (0, 1)], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    first = run(specs, 7)
+    # Other requests over the same tries (other filters, other prompts, another seed) in between.
+    run([{**trie_args(country_file), "deny": europe}, trie_args(COLORS[:3], leading_space=True),
+         {**trie_args(country_file), "allow": europe[:1]}, {**trie_args(COLORS, leading_space=True), "allow": ["red"]}],
+        99)
+    again = run(specs, 7)
+    assert again == first
+    country = TokenTrie.load(country_file)
+    colors = TokenTrie.from_strings(COLORS, tokenizer, leading_space=True)
+    for i, toks in enumerate(first):
+        trie = country if i // 2 in (0, 2) else colors
+        assert _member(trie, toks, eos), (i, tokenizer.decode(toks))
+    names = [tokenizer.decode(t[:-1] if t and t[-1] == eos else t).strip() for t in first]
+    assert all(n in europe for n in names[4:6]), names
+    assert not any(n in ("red", "blue", "green") for n in names[6:8]), names
+
+
+def test_fast_forward_driver_twice_gives_the_same_output(llm, tokenizer, country_file):
+    """Reuse: integrations.vllm_fastforward.generate called twice with the same arguments gives the same results."""
+    from trie_decode.integrations.vllm_fastforward import generate
+
+    codes = [f"ref-{a}-catalogue-section-{b}" for a in ("alpha", "beta") for b in ("north", "south")]
+    prompts = [_chat(tokenizer, q) for q in ("Which country is London in?", "Give a reference code.",
+                                              "Name a country in Africa.")]
+    tries = [country_file, codes, country_file]
+    for kwargs in (dict(resubmit=True), dict(temperature=1.0, seed=5)):
+        first = generate(llm, prompts, tries, max_tokens=24, fast_forward=True, min_run=2, **kwargs)
+        again = generate(llm, prompts, tries, max_tokens=24, fast_forward=True, min_run=2, **kwargs)
+        assert again == first, (kwargs, first, again)
+        assert first[1].text in codes and first[1].forced > 0, first[1]

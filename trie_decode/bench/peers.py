@@ -546,7 +546,7 @@ def _rust_regex_escape(s: str) -> str:
         return "".join("\\" + ch if ch in meta else ch for ch in s)
 
 
-class OutlinesCorePeer(StepPeer):
+class OutlinesCorePeer(_BitmaskPeer):
     name = "outlines-core"
     description = "outlines-core alternation regex Index (longest first), Guide per row, write_mask_into + apply"
 
@@ -556,13 +556,13 @@ class OutlinesCorePeer(StepPeer):
         from outlines_core.kernels import torch as oc_torch
 
         self._oc = oc
-        self._apply = oc_torch.apply_token_bitmask_inplace
+        self._kernel = oc_torch.apply_token_bitmask_inplace
         self._vocab = vocab_size_of(tokenizer)
         t0 = time.perf_counter()
         self._vocabulary, n_keys = _outlines_vocabulary(tokenizer)
         t1 = time.perf_counter()
         for b in (1, 2):  # torch.compile'd: batch 1 is specialized, 2 compiles the dynamic-shape kernel
-            self._apply(torch.zeros((b, self._vocab)), torch.full((b, (self._vocab + 31) // 32), -1, dtype=torch.int32))
+            self._kernel(torch.zeros((b, self._vocab)), torch.full((b, (self._vocab + 31) // 32), -1, dtype=torch.int32))
         self.prepare_parts = {"vocabulary_s": t1 - t0, "kernel_warmup_s": time.perf_counter() - t1}
 
     def setup(self, names: Sequence[str], tokenizer: Any) -> None:
@@ -576,32 +576,29 @@ class OutlinesCorePeer(StepPeer):
         self.setup_parts = {"regex_text_s": t1 - t0, "index_s": time.perf_counter() - t1}
         self.info["regex_chars"] = len(pattern)
 
-    def start(self, batch_size: int, device: Any) -> None:
+    def _matcher(self) -> Any:
+        return self._oc.Guide(self._index)
+
+    def _accept(self, guide: Any, token: int) -> bool:
+        try:
+            guide.advance(token, return_tokens=False)  # advance(EOS) in a final state raises: EOS resets instead
+            return True
+        except ValueError:
+            return False
+
+    def _allocate(self, batch_size: int) -> Any:
         import torch
 
-        self._guides = [self._oc.Guide(self._index) for _ in range(batch_size)]
         self._words = (self._vocab + 31) // 32
-        self._bitmask = torch.full((batch_size, self._words), -1, dtype=torch.int32)
-        self._row_ptrs = [self._bitmask[i].data_ptr() for i in range(batch_size)]
-        self.info.setdefault("advance_failures", 0)
+        bitmask = torch.full((batch_size, self._words), -1, dtype=torch.int32)
+        self._row_ptrs = [bitmask[i].data_ptr() for i in range(batch_size)]
+        return bitmask
 
-    def step(self, logits: Any, tokens: Any | None) -> Any:
-        gs = self._guides
-        if tokens is not None:
-            eos = self._eos
-            for g, t in zip(gs, tokens.tolist()):
-                if t == eos:
-                    g.reset()  # advance(EOS) in a final state raises; a finished request is simply replaced
-                else:
-                    try:
-                        g.advance(t, return_tokens=False)
-                    except ValueError:
-                        self.info["advance_failures"] += 1
-        words = self._words
-        for g, ptr in zip(gs, self._row_ptrs):
-            g.write_mask_into(ptr, words, 4)
-        self._apply(logits, _device_bitmask(self._bitmask, logits.device))
-        return logits
+    def _fill(self, guide: Any, bitmask: Any, row: int) -> None:
+        guide.write_mask_into(self._row_ptrs[row], self._words, 4)
+
+    def _apply(self, logits: Any, bitmask: Any) -> None:
+        self._kernel(logits, bitmask)
 
     def rejects(self, token_seqs: Sequence[Sequence[int]]) -> list[int] | None:
         g = self._oc.Guide(self._index)
