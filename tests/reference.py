@@ -14,10 +14,14 @@ __all__ = ["SpanReference", "TrieReference", "allowed_after"]
 
 class SpanReference:
     """One row's constraint, written plainly over a set of token tuples: what it may emit (:meth:`allowed`), and
-    the entries it has completed so far (``completed``, in order)."""
+    the entries it has completed so far (``completed``, in order).
 
-    def __init__(self, entries: set[tuple[int, ...]], rules: SpanRules, prompt_tail: tuple[int, ...] = ()):
-        self.entries, self.rules = entries, rules
+    Filters are the entry set itself: an allow/deny filter is the reference over the allowed entries minus the
+    denied ones; ``distinct`` removes each entry from the set once the row completes it."""
+
+    def __init__(self, entries: set[tuple[int, ...]], rules: SpanRules, prompt_tail: tuple[int, ...] = (),
+                 distinct: bool = False):
+        self.entries, self.rules, self.distinct = set(entries), rules, distinct
         trig = rules.trigger
         self.history = list(prompt_tail)
         self.state = ("entry", ()) if not trig or tuple(prompt_tail[-len(trig):]) == trig else ("free",)
@@ -41,20 +45,26 @@ class SpanReference:
         if r.on_complete == "release" and terminal:
             return None
         if terminal:
-            kids |= {r.end_token_id} if r.on_complete == "eos" else {r.end_token_id, r.separator[0]}
+            kids.add(r.end_token_id)
+            # A separator starts another entry: in a distinct list only while one is left besides this one.
+            if r.on_complete == "repeat" and (not self.distinct or self.entries - {p}):
+                kids.add(r.separator[0])
         return kids or {r.end_token_id}
 
     def step(self, tok: int) -> None:
         r, kind = self.rules, self.state[0]
         if kind == "entry":
             p = self.state[1]
-            if p in self.entries and tok not in self.children(p):
+            terminal, kids = p in self.entries, self.children(p)
+            if terminal and tok not in kids:
                 self.completed.append(p)
-            if tok in self.children(p):
+                if self.distinct:
+                    self.entries.discard(p)
+            if tok in kids:
                 self.state = ("entry", p + (tok,))
-            elif p in self.entries and r.on_complete == "release":
+            elif terminal and r.on_complete == "release":
                 self.state = ("free",)
-            elif p in self.entries and r.on_complete == "repeat" and tok == r.separator[0]:
+            elif terminal and r.on_complete == "repeat" and tok == r.separator[0]:
                 self.state = ("entry", ()) if len(r.separator) == 1 else ("sep", 1)
             else:
                 self.state = ("done",)
