@@ -55,14 +55,25 @@ import numpy as np
 import torch
 
 from trie_decode.constraint import RowState, TrieConstraint, mask_end_only_
+from trie_decode.device import default_dense_min_fanout
 from trie_decode.trie import TokenTrie
 
-from .vllm_access import TrieAccessError, check_configuration, current_limits, load_allowed_file
+from .vllm_access import (
+    GROUP_CACHE_SIZE,
+    STAMP_KEY,
+    TrieAccessError,
+    check_configuration,
+    current_limits,
+    load_allowed_file,
+    make_stamp,
+)
 from .vllm_requests import (
+    _LRU,
     OPTION_KEYS,
     TrieRequest,
     TrieRequestError,
     TrieResolver,
+    _trie_nbytes,
     parse_trie_request,
     trie_args,
 )
@@ -155,7 +166,9 @@ def validate_trie_params(sampling_params: Any) -> None:
     This runs in the frontend (vLLM 0.32: ``InputProcessor._validate_params``, called by ``process_inputs`` on the
     API server's event loop, before the request is sent to the engine core), so it is also where a request's cost
     is bounded: the server's access policy and limits (:mod:`.vllm_access`) apply, uncached work counts against
-    the build budget, and a built inline trie is handed to the engine core.
+    the build budget, and a built inline trie is handed to the engine core. An admitted request's ``extra_args``
+    is replaced by a copy with the front-end's stamp (``extra_args["trie_checked"]``, whatever a client sent
+    there), which lets the engine diagnose a refusal (:meth:`TrieResolver.refused_in_engine`).
     """
     extra = getattr(sampling_params, "extra_args", None)
     if not extra or "trie" not in extra:
@@ -165,12 +178,12 @@ def validate_trie_params(sampling_params: Any) -> None:
         req = parse_trie_request(extra, max_entries=limits.max_inline_entries, max_bytes=limits.max_inline_bytes)
         config = _frontend_model_config()
         if config is not None:
-            resolver = _resolver_for(config)
-            resolver.trie(req, admit=True)  # cost-bounded; resolve() below then finds it cached
-            trie, _ = resolver.resolve(req)
-            resolver.filters(req, trie)
-        elif req.source == "file":
-            load_allowed_file(req.payload)  # no tokenizer at hand: check the file at least (same access policy)
+            stamp = _resolver_for(config).admit(req)  # cost-bounded; the engine finds inline tries handed off
+        else:
+            if req.source == "file":
+                load_allowed_file(req.payload)  # no tokenizer at hand: check the file at least (same access policy)
+            stamp = make_stamp()
+        sampling_params.extra_args = {**extra, STAMP_KEY: stamp}  # a new dict: the caller's stays as it was
     except TrieRequestError:
         raise
     except TrieAccessError as exc:
@@ -208,13 +221,29 @@ class _Row:
 
 class _Group:
     """The constraints of one distinct (trie, rules): ``host`` advances rows on the CPU, ``device`` masks them on the
-    logits' device (the same object when that is the CPU)."""
+    logits' device (the same object when that is the CPU). ``nbytes``: what the group keeps alive, counted
+    generously (the trie, and on each device its arrays built so far and its step tables)."""
 
     def __init__(self, trie: TokenTrie, rules: Any, device: torch.device) -> None:
-        self.host = TrieConstraint(trie, rules, "cpu")
-        self.device = self.host if device.type == "cpu" else TrieConstraint(trie, rules, device)
+        # Device arrays of the group's own (not DeviceTrie.get's shared cache, which keeps every trie and step
+        # table it has seen): dropping the group frees them, so the groups' byte bound holds.
+        fanout = default_dense_min_fanout(trie.vocab_size)
+        self.host = TrieConstraint(trie, rules, "cpu", dense_min_fanout=fanout)
+        self.device = (
+            self.host if device.type == "cpu" else TrieConstraint(trie, rules, device, dense_min_fanout=fanout)
+        )
         self.trigger_len = len(rules.trigger)
         self._filters: tuple[tuple, Any] = ((), None)
+        self._trie_bytes = _trie_nbytes(trie)
+
+    @property
+    def nbytes(self) -> int:
+        """Measured when asked: kernels build some device arrays on first use."""
+        return self._trie_bytes + sum(
+            d.nbytes + sum(t.tensor.numel() * t.tensor.element_size() for t in c.tables)
+            for c in {id(self.host): self.host, id(self.device): self.device}.values()
+            for d in c.dtries
+        )
 
     def filters_for(self, rows: Sequence["_Row"]) -> Any:
         """The allow/deny filters of these rows in this order (None when none has one), rebuilt only when the
@@ -235,15 +264,19 @@ class _SlotTable:
     ``add_request`` on V2. Per step: :meth:`catch_up` folds each row's new tokens into its node (all rows of a trie
     at once per token position), :meth:`mask_` copies the nodes to the device in one transfer per trie in the batch
     and masks there.
-    """
 
-    MAX_IDLE_GROUPS = 256
+    ``groups`` keeps the constraints of recent (trie, rules) pairs for reuse: at most ``GROUP_CACHE_SIZE`` (256) and
+    ``TRIE_DECODE_VLLM_GROUP_CACHE_MB`` (default 1024) of them, least recently used first out; a group a row
+    uses is never dropped. A request the engine cannot resolve gets a row that may only end (logged and counted by
+    :meth:`TrieResolver.refused_in_engine`).
+    """
 
     def __init__(self, resolver: TrieResolver, device: torch.device) -> None:
         self.resolver = resolver
         self.device = torch.device(device)
         self.rows: dict[int, _Row] = {}
-        self.groups: dict[Hashable, _Group] = {}
+        self.groups = _LRU(GROUP_CACHE_SIZE, current_limits().group_cache_bytes, lambda g: g.nbytes,
+                           in_use=lambda: {r.group for r in self.rows.values()}, live_sizes=True)
 
     def new_row(self, params: Any, prompt: Optional[Sequence[int]], output: Optional[list]) -> Optional[_Row]:
         """The row of a newly added request, or None when it has no trie (vLLM's ``new_state`` callback)."""
@@ -255,17 +288,16 @@ class _SlotTable:
             trie, rules = self.resolver.resolve(req)
             allow, deny = self.resolver.filters(req, trie)
         except Exception as exc:  # noqa: BLE001 - never let a request crash the engine core
-            # Only reachable when the frontend could not validate (e.g. the file changed since): end the request.
-            logger.error("trie_decode: request rejected in the engine (%s); it will end at once", exc)
+            # The front-end admitted it, the engine cannot use it (vLLM lets no processor fail one request): end it
+            # at once, and tell the operator why (settings that differ between the processes, a changed file).
+            self.resolver.refused_in_engine(extra, exc)
             return _Row(group=None, started=True)
         key = (req.trie_key(), id(trie), rules)
-        if key not in self.groups:
-            if len(self.groups) >= self.MAX_IDLE_GROUPS:  # drop constraints no row uses (tries stay in the LRU)
-                used = {r.group for r in self.rows.values()}
-                for k in [k for k in self.groups if k not in used]:
-                    del self.groups[k]
-            self.groups[key] = _Group(trie, rules, self.device)
-        t = self.groups[key].trigger_len
+        group = self.groups.get(key)
+        if group is None:
+            group = _Group(trie, rules, self.device)
+            self.groups.put(key, group)
+        t = group.trigger_len
         return _Row(
             group=key, output=output, tail=tuple(prompt[-t:]) if (prompt and t) else (),
             prefix=req.prefix, stop_at=req.stop_at_forced, tail_only=req.forced_tail_only, allow=allow, deny=deny,

@@ -36,18 +36,32 @@ Configuration (environment variables, read by every process of the server; see d
                                   holding one. Names: letters, digits, ``_ . -`` (up to 128). Default: none.
     TRIE_DECODE_VLLM_MAX_INLINE_ENTRIES / _BYTES   per-request inline caps (default 2,000 entries, 64 KiB of
                                   UTF-8 text or 4 bytes per token id).
+    TRIE_DECODE_VLLM_MAX_FILTER_ITEMS  entries one request's ``allow`` or ``deny`` may name (default 100,000).
     TRIE_DECODE_VLLM_BUILD_BUDGET seconds of uncached building/loading per window, per process (default 1.0;
                                   ``inf`` turns the budget off, e.g. for offline batch jobs).
     TRIE_DECODE_VLLM_BUILD_WINDOW the window in seconds (default 10): at most 10% of the frontend's time.
     TRIE_DECODE_VLLM_INLINE_CACHE_MB / _FILE_CACHE_MB  byte bounds of the trie caches (default 256 / 4096; the
                                   file cache counts mapped file sizes; counts: 64 inline, 32 files).
+    TRIE_DECODE_VLLM_GROUP_CACHE_MB  byte bound of each engine processor's constraints (tries, device arrays and
+                                  step tables of the (trie, rules) pairs requests used; default 1024, at most 256
+                                  of them; the ones running requests use are never dropped).
     TRIE_DECODE_VLLM_HANDOFF_DIR  where the frontend hands built inline tries to the engine core (default
                                   ``$TMPDIR/trie_decode-<uid>/inline``, mode 0700, checked); ``off`` disables it.
+
+**Front-end and engine must agree.** The front-end (API server) admits a request under its settings; the engine
+core resolves the trie again under *its own* environment, and a logits processor cannot fail one request there
+(vLLM 0.32 has no such hook: an exception would stop the engine), so a request the engine refuses only gets the
+end token (HTTP 200, empty text, ``finish_reason`` ``"stop"``). To make that loud, the front-end stamps each
+admitted request (``extra_args[STAMP_KEY]``: a digest of the settings that decide admission, and for a file the
+real path and ``(st_dev, st_ino, st_mtime_ns)`` it loaded); the engine compares the stamp with its own view and
+logs an ERROR naming the cause and the fix, once per distinct cause (:func:`diagnose_engine_refusal`). The stamp is
+diagnostic only: the engine never opens anything because a stamp says so.
 """
 
 from __future__ import annotations
 
 import atexit
+import hashlib
 import json
 import logging
 import os
@@ -76,6 +90,10 @@ __all__ = [
     "current_limits",
     "build_budget",
     "handoff_store",
+    "settings_digest",
+    "make_stamp",
+    "diagnose_engine_refusal",
+    "STAMP_KEY",
     "ENV_ALLOWED_DIRS",
     "ENV_NAMED_TRIES",
 ]
@@ -91,10 +109,16 @@ ENV_BUILD_WINDOW = "TRIE_DECODE_VLLM_BUILD_WINDOW"
 ENV_INLINE_CACHE_MB = "TRIE_DECODE_VLLM_INLINE_CACHE_MB"
 ENV_FILE_CACHE_MB = "TRIE_DECODE_VLLM_FILE_CACHE_MB"
 ENV_HANDOFF_DIR = "TRIE_DECODE_VLLM_HANDOFF_DIR"
+ENV_MAX_FILTER_ITEMS = "TRIE_DECODE_VLLM_MAX_FILTER_ITEMS"
+ENV_GROUP_CACHE_MB = "TRIE_DECODE_VLLM_GROUP_CACHE_MB"
 _ALL_ENV = (
     ENV_ALLOWED_DIRS, ENV_NAMED_TRIES, ENV_MAX_INLINE_ENTRIES, ENV_MAX_INLINE_BYTES, ENV_BUILD_BUDGET,
-    ENV_BUILD_WINDOW, ENV_INLINE_CACHE_MB, ENV_FILE_CACHE_MB, ENV_HANDOFF_DIR,
+    ENV_BUILD_WINDOW, ENV_INLINE_CACHE_MB, ENV_FILE_CACHE_MB, ENV_HANDOFF_DIR, ENV_MAX_FILTER_ITEMS,
+    ENV_GROUP_CACHE_MB,
 )
+#: The key of ``extra_args`` where the front-end records what it admitted (set by the front-end, replacing
+#: whatever a client sent; read by the engine for diagnostics only).
+STAMP_KEY = "trie_checked"
 
 DEFAULT_MAX_INLINE_ENTRIES = 2_000
 DEFAULT_MAX_INLINE_BYTES = 64 * 1024
@@ -102,8 +126,11 @@ DEFAULT_BUILD_BUDGET = 1.0
 DEFAULT_BUILD_WINDOW = 10.0
 DEFAULT_INLINE_CACHE_MB = 256
 DEFAULT_FILE_CACHE_MB = 4096
+DEFAULT_MAX_FILTER_ITEMS = 100_000
+DEFAULT_GROUP_CACHE_MB = 1024
 INLINE_CACHE_SIZE = 64
 FILE_CACHE_SIZE = 32
+GROUP_CACHE_SIZE = 256
 MAX_PATH_CHARS = 4096
 STALE_HANDOFF_S = 3600.0
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}")
@@ -170,6 +197,8 @@ class Limits:
     build_window_s: float = DEFAULT_BUILD_WINDOW
     inline_cache_bytes: int = DEFAULT_INLINE_CACHE_MB << 20
     file_cache_bytes: int = DEFAULT_FILE_CACHE_MB << 20
+    max_filter_items: int = DEFAULT_MAX_FILTER_ITEMS
+    group_cache_bytes: int = DEFAULT_GROUP_CACHE_MB << 20
 
     @classmethod
     def from_env(cls) -> "Limits":
@@ -180,6 +209,8 @@ class Limits:
             build_window_s=_env_number(ENV_BUILD_WINDOW, DEFAULT_BUILD_WINDOW, float, 0.001),
             inline_cache_bytes=_env_number(ENV_INLINE_CACHE_MB, DEFAULT_INLINE_CACHE_MB, int, 0) << 20,
             file_cache_bytes=_env_number(ENV_FILE_CACHE_MB, DEFAULT_FILE_CACHE_MB, int, 0) << 20,
+            max_filter_items=_env_number(ENV_MAX_FILTER_ITEMS, DEFAULT_MAX_FILTER_ITEMS, int, 1),
+            group_cache_bytes=_env_number(ENV_GROUP_CACHE_MB, DEFAULT_GROUP_CACHE_MB, int, 0) << 20,
         )
 
 
@@ -559,6 +590,146 @@ def load_allowed_file(value: str) -> TokenTrie:
             return TokenTrie.load(handle, verify=True)
         except (TrieDecodeError, OSError, ValueError, KeyError, TypeError, IndexError, MemoryError) as exc:
             raise policy.load_failed(resolved, exc) from None
+
+
+# ---------------------------------------------------------------------------------------------- front-end stamp
+def _settings() -> dict:
+    """What decides whether a request is admitted (and is read from the environment by every process)."""
+    policy, limits = current_policy(), current_limits()
+    return {
+        "allowed_dirs": [list(policy._lexical), list(policy._real)],  # type: ignore[attr-defined]
+        "named": sorted(policy.named.items()),
+        "max_inline_entries": limits.max_inline_entries,
+        "max_inline_bytes": limits.max_inline_bytes,
+        "max_filter_items": limits.max_filter_items,
+    }
+
+
+def settings_digest() -> str:
+    """A short digest of the settings that decide admission (allowed directories, named tries, per-request caps).
+
+    Equal in the front-end and the engine core when both read the same environment; :func:`make_stamp` records it
+    so that the engine can tell "the processes disagree" from other causes of a refusal.
+
+    Example:
+        >>> len(settings_digest())
+        16
+    """
+    return _current("digest", lambda: hashlib.sha256(json.dumps(_settings(), sort_keys=True).encode()).hexdigest()[:16])
+
+
+def make_stamp(origin: Optional[tuple] = None) -> str:
+    """The front-end's record of an admitted request, for ``extra_args[STAMP_KEY]`` (a string: it crosses process
+    boundaries unchanged).
+
+    Args:
+        origin: for a trie file, ``(real_path, st_dev, st_ino, st_mtime_ns)`` of the descriptor it loaded.
+
+    Example:
+        >>> json.loads(make_stamp(("/data/a.trie", 1, 2, 3)))["file"]
+        ['/data/a.trie', 1, 2, 3]
+    """
+    stamp: dict[str, Any] = {"v": 1, "settings": settings_digest()}
+    if origin is not None:
+        stamp["file"] = [str(origin[0]), int(origin[1]), int(origin[2]), int(origin[3])]
+    return json.dumps(stamp)
+
+
+def _read_stamp(raw: Any) -> Optional[dict]:
+    """A well-formed stamp, or None."""
+    if not isinstance(raw, str) or len(raw) > 2 * MAX_PATH_CHARS:
+        return None
+    try:
+        stamp = json.loads(raw)
+    except (json.JSONDecodeError, RecursionError):
+        return None
+    if not isinstance(stamp, dict) or stamp.get("v") != 1 or not isinstance(stamp.get("settings"), str):
+        return None
+    f = stamp.get("file")
+    if f is not None and not (isinstance(f, list) and len(f) == 4 and isinstance(f[0], str)
+                              and all(isinstance(x, int) and not isinstance(x, bool) for x in f[1:])):
+        return None
+    return stamp
+
+
+#: Causes of an engine-side refusal (:func:`diagnose_engine_refusal`).
+CAUSE_SETTINGS = "settings_mismatch"
+CAUSE_FILE_CHANGED = "file_changed"
+CAUSE_UNCHECKED = "not_checked_by_frontend"
+CAUSE_OTHER = "unexpected"
+_FIX_SETTINGS = (
+    "set TRIE_DECODE_ALLOWED_DIRS, TRIE_DECODE_NAMED_TRIES and the TRIE_DECODE_VLLM_MAX_* limits in the environment "
+    "before starting the server (offline: before creating the LLM; its engine process reads its own environment), "
+    "the same for every process"
+)
+
+
+def diagnose_engine_refusal(value: Any, stamp: Any, exc: BaseException) -> tuple[str, tuple, str]:
+    """Why the engine core refused a request that the front-end admitted, for the server log.
+
+    Args:
+        value: the request's ``extra_args["trie"]`` (a name or path for a file; anything else for inline lists).
+        stamp: the request's ``extra_args[STAMP_KEY]`` (:func:`make_stamp`), or None.
+        exc: the engine's error.
+
+    Returns:
+        ``(cause, key, message)``: ``cause`` one of ``"settings_mismatch"`` (the engine's settings differ from the
+        front-end's), ``"file_changed"`` (the file is not the one the front-end loaded), ``"not_checked_by_frontend"``
+        (no valid stamp), ``"unexpected"``; ``key`` identifies the distinct cause (log it once per key); ``message``
+        names the cause and the fix.
+
+    Example:
+        >>> diagnose_engine_refusal("/x.trie", None, ValueError("refused"))[0]
+        'not_checked_by_frontend'
+    """
+    why = f"{type(exc).__name__}: {str(exc)[:300]}"
+    found = _read_stamp(stamp)
+    if found is None:
+        return CAUSE_UNCHECKED, (CAUSE_UNCHECKED,), (
+            f"the request reached the engine without the front-end's stamp (extra_args[{STAMP_KEY!r}]): its front-end "
+            "did not run this processor's validate_params (another trie_decode version in the API server, or a client "
+            f"of the engine core that bypasses vLLM's InputProcessor); the engine refused it ({why}). Run the same "
+            "trie_decode in every process and submit requests through vLLM's front-end"
+        )
+    ours = settings_digest()
+    if found["settings"] != ours:
+        policy, limits = current_policy(), current_limits()
+        return CAUSE_SETTINGS, (CAUSE_SETTINGS, found["settings"], ours), (
+            f"the engine process's trie settings differ from the front-end's (settings digest {found['settings']} in "
+            f"the front-end, {ours} here: allowed directories {list(policy.allowed_dirs)}, named tries "
+            f"{sorted(policy.named)}, inline limits {limits.max_inline_entries} entries / {limits.max_inline_bytes} "
+            f"bytes, filter limit {limits.max_filter_items}); the front-end admitted the request, the engine refused "
+            f"it ({why}). Fix: {_FIX_SETTINGS}"
+        )
+    if found.get("file") is not None and isinstance(value, str):
+        path, dev, ino, mtime_ns = found["file"]
+        how, now = "", ""
+        try:
+            resolved = current_policy().resolve(value)  # the engine's view of the same string: stats allowed paths only
+        except TrieAccessError:
+            resolved = None
+        if resolved is None:
+            how, now = "outside", "no longer inside the allowed directories (a link on its path changed)"
+        elif resolved.path != path:
+            how, now = "elsewhere", f"now resolves to {resolved.path}"
+        else:
+            try:
+                st = os.stat(path)
+                if (st.st_dev, st.st_ino, st.st_mtime_ns) != (dev, ino, mtime_ns):
+                    how, now = "replaced", "replaced or modified"
+            except OSError as err:
+                how, now = "gone", f"gone ({err.strerror})"
+        if how:
+            return CAUSE_FILE_CHANGED, (CAUSE_FILE_CHANGED, path, how), (
+                f"the trie file {path} changed between the front-end's check and the engine's load ({now}); the "
+                f"engine refused the request ({why}). Fix: replace trie files atomically (write a new file and rename "
+                "it over the old one: TokenTrie.save and trie-decode build do), never rewrite or delete one that "
+                "requests may name"
+            )
+    return CAUSE_OTHER, (CAUSE_OTHER, type(exc).__name__, str(exc)[:200]), (
+        f"the engine refused a request the front-end admitted, with the same settings and file ({why}); please "
+        "report it"
+    )
 
 
 def check_configuration() -> AccessPolicy:

@@ -21,9 +21,11 @@ Request keys (in ``extra_args``; see :func:`trie_args` for a typed builder):
     stop_at_forced  an int k >= 1: end the request with the end token as soon as it reaches a node (inside an
                     entry, not an entry's end) from which at least k tokens are forced (fast-forward driver)
     forced_tail_only  with stop_at_forced: stop only where the forced run completes the entry (default False)
+    allow, deny     entry keys or indices the request may / may not use
 
 Keys that start with ``trie`` or look like a misspelling of one of these are rejected; other keys are left to other
-processors.
+processors. ``trie_checked`` is not a client's option: the front-end sets it on every request it admits (replacing
+what a client sent) to tell the engine core what it checked (:func:`.vllm_access.make_stamp`).
 """
 
 from __future__ import annotations
@@ -31,12 +33,13 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import logging
 import os
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable, Optional, Sequence, Union
+from typing import Any, Callable, Collection, Hashable, Optional, Sequence, Union
 
 from trie_decode.constraint import ON_COMPLETE_MODES, SpanRules
 from trie_decode.errors import TrieDecodeError
@@ -46,15 +49,19 @@ from trie_decode.tokenizers import fingerprint_matches, tokenize_strings, tokeni
 from trie_decode.trie import TokenTrie
 
 from .vllm_access import (
+    DEFAULT_MAX_FILTER_ITEMS,
     DEFAULT_MAX_INLINE_BYTES,
     DEFAULT_MAX_INLINE_ENTRIES,
     FILE_CACHE_SIZE,
     INLINE_CACHE_SIZE,
+    STAMP_KEY,
     TrieAccessError,
     build_budget,
     current_limits,
     current_policy,
+    diagnose_engine_refusal,
     handoff_store,
+    make_stamp,
 )
 
 __all__ = [
@@ -73,8 +80,11 @@ OPTION_KEYS = (
     "trie", "on_complete", "trigger", "separator", "leading_space", "prefix", "stop_at_forced", "forced_tail_only",
     "allow", "deny",
 )
-#: Most entries one request's ``allow`` or ``deny`` filter may name.
-MAX_FILTER_ITEMS = int(os.environ.get("TRIE_DECODE_VLLM_MAX_FILTER_ITEMS", 100_000))
+logger = logging.getLogger("trie_decode.vllm")
+
+#: Default of the most entries one request's ``allow`` or ``deny`` filter may name (the limit in force comes from
+#: TRIE_DECODE_VLLM_MAX_FILTER_ITEMS at call time; see :mod:`.vllm_access`).
+MAX_FILTER_ITEMS = DEFAULT_MAX_FILTER_ITEMS
 #: Default inline payload limits per request (entries, and UTF-8 bytes of strings / 4 bytes per token id): a list at
 #: the limit costs a few hundred milliseconds of tokenizing on a slow CPU (docs/vllm.md, "Security"). Bigger sets belong
 #: in a trie file or a named trie. The limits in force come from the environment at call time
@@ -191,7 +201,7 @@ def parse_trie_request(
         max_entries = limits.max_inline_entries if max_entries is None else max_entries
         max_bytes = limits.max_inline_bytes if max_bytes is None else max_bytes
     for key in extra_args:
-        if key in OPTION_KEYS or not isinstance(key, str):
+        if key in OPTION_KEYS or key == STAMP_KEY or not isinstance(key, str):
             continue
         close = difflib.get_close_matches(key, OPTION_KEYS, n=1, cutoff=0.75)
         if key.lower().startswith("trie") or close:
@@ -272,8 +282,9 @@ def _filter_option(value: Any, what: str) -> Optional[tuple]:
             _fail(f"extra_args[{what!r}] must be a list of entry keys or indices (or its JSON), got invalid JSON: {exc}")
     if not isinstance(value, (list, tuple)):
         _fail(f"extra_args[{what!r}] must be a list of entry keys or entry indices, got {type(value).__name__}")
-    if len(value) > MAX_FILTER_ITEMS:
-        _fail(f"extra_args[{what!r}] names {len(value)} entries, over the limit of {MAX_FILTER_ITEMS}")
+    cap = current_limits().max_filter_items
+    if len(value) > cap:
+        _fail(f"extra_args[{what!r}] names {len(value)} entries, over the limit of {cap}")
     if not (all(isinstance(v, str) for v in value) or all(isinstance(v, int) and not isinstance(v, bool) for v in value)):
         _fail(f"extra_args[{what!r}] must hold only entry keys (strings) or only entry indices (integers)")
     return tuple(value)
@@ -317,12 +328,24 @@ def trie_args(
 
 class _LRU:
     """A least-recently-used cache bounded by count and by bytes (``sizeof`` of each value); the newest value stays
-    even when it alone is over the byte bound (it is in use)."""
+    even when it alone is over the byte bound (it is in use), and so do the keys ``in_use()`` returns (called once
+    per eviction pass), so the bounds may be exceeded by what is in use, never by what is idle. With
+    ``live_sizes``, every value is measured again before each eviction pass (values that grow after they are put,
+    like constraints whose kernels build arrays on first use)."""
 
-    def __init__(self, size: int, max_bytes: Optional[int] = None, sizeof: Callable[[Any], int] = lambda v: 0) -> None:
+    def __init__(
+        self,
+        size: int,
+        max_bytes: Optional[int] = None,
+        sizeof: Callable[[Any], int] = lambda v: 0,
+        in_use: Optional[Callable[[], Collection[Hashable]]] = None,
+        live_sizes: bool = False,
+    ) -> None:
         self.size = size
         self.max_bytes = max_bytes
         self.sizeof = sizeof
+        self.in_use = in_use
+        self.live_sizes = live_sizes
         self.items: "OrderedDict[Hashable, tuple[Any, int]]" = OrderedDict()
         self.nbytes = 0
         self.lock = threading.Lock()
@@ -343,11 +366,23 @@ class _LRU:
                 self.nbytes -= old[1]
             self.items[key] = (value, size)
             self.nbytes += size
-            while len(self.items) > 1 and (
-                len(self.items) > self.size or (self.max_bytes is not None and self.nbytes > self.max_bytes)
-            ):
-                _, (_, dropped) = self.items.popitem(last=False)
-                self.nbytes -= dropped
+            if self.live_sizes:
+                for k in list(self.items):
+                    v = self.items[k][0]
+                    self.items[k] = (v, int(self.sizeof(v)))
+                self.nbytes = sum(n for _, n in self.items.values())
+            if not self._over():
+                return
+            keep = self.in_use() if self.in_use is not None else ()
+            for old_key in list(self.items):  # oldest first
+                if not self._over():
+                    break
+                if old_key == key or old_key in keep:
+                    continue
+                self.nbytes -= self.items.pop(old_key)[1]
+
+    def _over(self) -> bool:
+        return len(self.items) > self.size or (self.max_bytes is not None and self.nbytes > self.max_bytes)
 
     def get_or_build(self, key: Hashable, build: Callable[[], Any]) -> Any:
         found = self.get(key)
@@ -358,6 +393,13 @@ class _LRU:
 
     def __len__(self) -> int:
         return len(self.items)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self.items
+
+    def __getitem__(self, key: Hashable) -> Any:
+        """The value of ``key`` without refreshing it (a lookup on a hot path; raises KeyError)."""
+        return self.items[key][0]
 
 
 def _trie_nbytes(trie: TokenTrie) -> int:
@@ -376,7 +418,14 @@ class TrieResolver:
         tokenizer: the engine's Hugging Face tokenizer (fingerprint checks, inline strings, text options).
         end_token_id: the end token (default: the tokenizer's EOS).
         logits_width: the model's logits width; a trie with a larger vocabulary is rejected.
+
+    Attributes:
+        engine_refusals: requests the engine core refused after the front-end admitted them, by cause
+            (:meth:`refused_in_engine`; a ``collections.Counter``, for tests and operators).
     """
+
+    #: Distinct refusal causes logged at ERROR per resolver; beyond that, refusals are counted and logged at DEBUG.
+    MAX_LOGGED_CAUSES = 256
 
     def __init__(self, tokenizer: Any, end_token_id: Optional[int] = None, logits_width: Optional[int] = None) -> None:
         self.tokenizer = tokenizer
@@ -391,10 +440,14 @@ class TrieResolver:
         limits = current_limits()
         self._files = _LRU(FILE_CACHE_SIZE, limits.file_cache_bytes, _trie_nbytes)
         self._inline = _LRU(INLINE_CACHE_SIZE, limits.inline_cache_bytes, _trie_nbytes)
+        self.engine_refusals: Counter = Counter()
+        self._logged_causes: set = set()
+        self._refusal_lock = threading.Lock()
 
     # Loading a file: only a registered name or a file inside an allowed directory (.vllm_access); the cache key
     # holds the file's identity and modification time (from the opened descriptor), so a rewritten file is reloaded.
-    def _load_file(self, value: str, admit: bool = False) -> TokenTrie:
+    # Returns the trie and that key (its first four fields are the stamp's file origin).
+    def _load_file(self, value: str, admit: bool = False) -> tuple[TokenTrie, tuple]:
         policy = current_policy()
         resolved = policy.resolve(value)  # the same refusal for every path outside the allowed directories
         with policy.open(resolved) as handle:  # regular files only, never blocking
@@ -402,7 +455,7 @@ class TrieResolver:
             key = (resolved.path, st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
             found = self._files.get(key)
             if found is not None:
-                return found
+                return found, key
             budget = build_budget() if admit else None
             if budget is not None and resolved.kind != "named":  # named tries are the operator's: always loaded
                 budget.check(f"loading {resolved.label}")
@@ -415,7 +468,7 @@ class TrieResolver:
                 if budget is not None:
                     budget.spend(time.perf_counter() - start)
         self._files.put(key, trie)
-        return trie
+        return trie, key
 
     def _build(self, req: TrieRequest) -> TokenTrie:
         if req.source == "strings":
@@ -465,8 +518,16 @@ class TrieResolver:
                 cached yet counts against the process's build budget (over it: refused), and a built inline trie is
                 handed to the engine core. The engine side (``admit=False``) never refuses for cost.
         """
+        return self._trie(req, admit)[0]
+
+    def _trie(self, req: TrieRequest, admit: bool) -> tuple[TokenTrie, Optional[tuple]]:
+        """:meth:`trie`, and for a file its origin ``(real_path, st_dev, st_ino, st_mtime_ns, st_size)``."""
+        origin = None
         try:
-            trie = self._load_file(req.payload, admit) if req.source == "file" else self._build_inline(req, admit)
+            if req.source == "file":
+                trie, origin = self._load_file(req.payload, admit)
+            else:
+                trie = self._build_inline(req, admit)
         except TrieAccessError as exc:
             raise TrieRequestError(str(exc)) from None
         if trie.fingerprint and trie.fingerprint != self.fingerprint and not self._legacy_match(trie.fingerprint):
@@ -480,7 +541,7 @@ class TrieResolver:
                 f"extra_args['trie']: the trie's vocabulary ({trie.vocab_size}, tokens up to {top - 1}) exceeds the "
                 f"engine's ({self.vocab_size} tokens, logits width {self.logits_width})"
             )
-        return trie
+        return trie, origin
 
     def _legacy_match(self, fingerprint: str) -> bool:
         """Whether a trie saved with the previous fingerprint computation matches the engine's tokenizer."""
@@ -496,10 +557,62 @@ class TrieResolver:
         return rules
 
     def resolve(self, req: TrieRequest) -> tuple[TokenTrie, SpanRules]:
+        """The request's trie and span rules, as the engine core uses them (never refused for cost)."""
         trie, rules = self.trie(req), self.rules(req)
+        self._check_prefix(req, trie)
+        return trie, rules
+
+    @staticmethod
+    def _check_prefix(req: TrieRequest, trie: TokenTrie) -> None:
         if req.prefix and trie.walk(req.prefix) < 0:
             raise TrieRequestError(f"extra_args['prefix'] {list(req.prefix)[:20]} is not a path of the trie")
-        return trie, rules
+
+    def admit(self, req: TrieRequest) -> str:
+        """The front-end's complete check of a request (trie within the build budget, rules, prefix, filters);
+        returns the stamp to put in ``extra_args[STAMP_KEY]`` (:func:`.vllm_access.make_stamp`).
+
+        Raises:
+            TrieRequestError: anything unusable (the client gets it as a 400).
+
+        Example:
+            >>> resolver = TrieResolver(tokenizer)                                          # doctest: +SKIP
+            >>> stamp = resolver.admit(parse_trie_request({"trie": ["red", "green"]}))      # doctest: +SKIP
+        """
+        trie, origin = self._trie(req, admit=True)
+        self.rules(req)
+        self._check_prefix(req, trie)
+        self.filters(req, trie)
+        return make_stamp(origin[:4] if origin is not None else None)
+
+    def refused_in_engine(self, extra_args: Optional[dict], exc: BaseException) -> str:
+        """Record that the engine core refused a request the front-end admitted: count it by cause in
+        :attr:`engine_refusals` and log an ERROR that names the cause and the fix, once per distinct cause
+        (:func:`.vllm_access.diagnose_engine_refusal`). Returns the cause.
+
+        Example:
+            >>> resolver.refused_in_engine({"trie": "/x.trie"}, ValueError("refused"))     # doctest: +SKIP
+            'not_checked_by_frontend'
+        """
+        extra = extra_args or {}
+        try:
+            cause, key, message = diagnose_engine_refusal(extra.get(TRIE_KEY), extra.get(STAMP_KEY), exc)
+        except Exception as err:  # noqa: BLE001 - the diagnosis must never take the engine down
+            cause, key, message = "unexpected", ("diagnosis", type(err).__name__), f"{exc!r} (diagnosis failed: {err!r})"
+        with self._refusal_lock:
+            self.engine_refusals[cause] += 1
+            first = key not in self._logged_causes and len(self._logged_causes) < self.MAX_LOGGED_CAUSES
+            if first:
+                self._logged_causes.add(key)
+            count = self.engine_refusals[cause]
+        if first:
+            logger.error(
+                "trie_decode: the engine refused a request the front-end had admitted; the client gets HTTP 200 with "
+                "empty text and finish_reason 'stop' (a logits processor cannot fail one request). Cause: %s. %s "
+                "(logged once per distinct cause; TrieResolver.engine_refusals counts them)", cause, message,
+            )
+        else:
+            logger.debug("trie_decode: engine refusal #%d (%s): %s", count, cause, exc)
+        return cause
 
     def filters(self, req: TrieRequest, trie: TokenTrie) -> tuple[Optional[Any], Optional[Any]]:
         """The request's allow and deny filters as entry-index arrays of ``trie`` (None where not given)."""

@@ -343,3 +343,137 @@ def test_a_file_swapped_between_the_check_and_the_open_is_refused(resolver, tree
     value = str(allowed / "colors.trie")
     message = _refusal_of(resolver, value)
     assert "is not a trie file this server makes available" in message
+
+
+def test_lru_keeps_what_is_in_use_and_drops_idle_values_first():
+    used = {"a"}
+    lru = _LRU(2, max_bytes=100, sizeof=lambda v: v, in_use=lambda: used)
+    lru.put("a", 60)
+    lru.put("b", 30)
+    lru.put("c", 30)  # over both bounds: "a" is in use, so the idle "b" goes
+    assert list(lru.items) == ["a", "c"] and lru.nbytes == 90
+    lru.put("d", 50)  # still "a" stays; everything idle but the newest goes, even over the byte bound
+    assert list(lru.items) == ["a", "d"] and lru.nbytes == 110
+    used.clear()
+    lru.put("e", 10)
+    assert list(lru.items) == ["d", "e"] and "a" not in lru and lru["e"] == 10
+    with pytest.raises(KeyError):
+        lru["a"]
+
+
+def test_filter_cap_is_a_limit_read_at_call_time(monkeypatch):
+    assert vllm_access.current_limits().max_filter_items == 100_000
+    before = vllm_access.settings_digest()
+    monkeypatch.setenv("TRIE_DECODE_VLLM_MAX_FILTER_ITEMS", "3")
+    with pytest.raises(TrieRequestError, match="names 4 entries, over the limit of 3"):
+        parse_trie_request({"trie": COLORS, "deny": [0, 1, 2, 0]})
+    assert parse_trie_request({"trie": COLORS, "deny": [0, 1, 2]}).deny == (0, 1, 2)
+    assert vllm_access.settings_digest() != before  # the engine can tell that its filter cap differs
+
+
+# ------------------------------------------------------------------ front-end stamp and engine-side refusals
+
+
+def _admit(resolver, value, **extra) -> dict:
+    """What the front-end does with a request: check it completely and stamp it."""
+    args = {"trie": value, **extra}
+    args[vllm_access.STAMP_KEY] = resolver.admit(parse_trie_request(args))
+    return args
+
+
+def test_stamp_records_settings_and_the_loaded_file(resolver, tree, monkeypatch):
+    allowed, _ = tree
+    monkeypatch.setenv(ENV_ALLOWED_DIRS, str(allowed))
+    args = _admit(resolver, str(allowed / "to_inside.trie"))
+    stamp = json.loads(args[vllm_access.STAMP_KEY])
+    st = os.stat(allowed / "colors.trie")
+    assert stamp["settings"] == vllm_access.settings_digest()
+    assert stamp["file"] == [str((allowed / "colors.trie").resolve()), st.st_dev, st.st_ino, st.st_mtime_ns]
+    assert "file" not in json.loads(_admit(resolver, COLORS)[vllm_access.STAMP_KEY])
+    # The stamp is not a client option: parsing accepts it, a misspelling of it is still refused.
+    assert parse_trie_request(args).source == "file"
+    with pytest.raises(TrieRequestError, match="unknown trie option"):
+        parse_trie_request({"trie": COLORS, "trie_check": "x"})
+
+
+def _engine_refusal(resolver, args, caplog) -> tuple[str, str]:
+    """Resolve a request as the engine does; it must fail; return (cause, what was logged at ERROR)."""
+    caplog.clear()
+    with pytest.raises(TrieRequestError) as info:
+        req = parse_trie_request(args)
+        resolver.filters(req, resolver.resolve(req)[0])
+    with caplog.at_level(logging.DEBUG, logger="trie_decode.vllm"):
+        cause = resolver.refused_in_engine(args, info.value)
+    return cause, "\n".join(r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR)
+
+
+def test_engine_refusal_names_a_settings_mismatch_once_and_counts_every_one(tokenizer, tree, monkeypatch, caplog):
+    allowed, _ = tree
+    frontend, engine = TrieResolver(tokenizer), TrieResolver(tokenizer)
+    monkeypatch.setenv(ENV_ALLOWED_DIRS, str(allowed))
+    args = _admit(frontend, str(allowed / "colors.trie"))
+    monkeypatch.delenv(ENV_ALLOWED_DIRS)  # the engine process's environment lacks the setting
+    cause, logged = _engine_refusal(engine, args, caplog)
+    assert cause == "settings_mismatch" and engine.engine_refusals == {"settings_mismatch": 1}
+    assert "differ from the front-end's" in logged and "TRIE_DECODE_ALLOWED_DIRS" in logged
+    assert "before starting the server" in logged and "empty text" in logged
+    cause, logged = _engine_refusal(engine, args, caplog)  # the same cause again: counted, not logged again
+    assert cause == "settings_mismatch" and engine.engine_refusals["settings_mismatch"] == 2 and logged == ""
+    # Another limit that differs is a settings mismatch as well (an inline list over the engine's cap).
+    inline = _admit(frontend, COLORS)
+    monkeypatch.setenv("TRIE_DECODE_VLLM_MAX_INLINE_ENTRIES", "2")
+    assert _engine_refusal(engine, inline, caplog)[0] == "settings_mismatch"
+
+
+def test_engine_refusal_names_a_file_changed_since_the_check(tokenizer, tree, monkeypatch, caplog):
+    allowed, _ = tree
+    frontend, engine = TrieResolver(tokenizer), TrieResolver(tokenizer)
+    monkeypatch.setenv(ENV_ALLOWED_DIRS, str(allowed))
+    target = allowed / "colors.trie"
+    args = _admit(frontend, str(target))
+    link_args = _admit(frontend, str(allowed / "to_inside.trie"))
+    # Replaced by something that does not load (a new inode: an atomic rename of a bad file).
+    (allowed / "new.tmp").write_bytes(b"junk" * 100)
+    os.replace(allowed / "new.tmp", target)
+    cause, logged = _engine_refusal(engine, args, caplog)
+    assert cause == "file_changed" and "replaced or modified" in logged and "rename" in logged
+    cause, logged = _engine_refusal(engine, args, caplog)
+    assert cause == "file_changed" and logged == ""  # the same cause: logged once
+    os.unlink(target)
+    cause, logged = _engine_refusal(engine, args, caplog)
+    assert cause == "file_changed" and "gone" in logged  # another way of changing: logged too
+    # A link whose target moved out of the allowed directory.
+    (allowed / "to_inside.trie").unlink()
+    (allowed / "to_inside.trie").symlink_to(tree[1] / "secret.trie")
+    cause, logged = _engine_refusal(engine, link_args, caplog)
+    assert cause == "file_changed" and "no longer inside the allowed directories" in logged
+    assert engine.engine_refusals == {"file_changed": 4}
+
+
+def test_engine_refusal_without_a_stamp_or_with_a_forged_one(tokenizer, tree, monkeypatch, caplog):
+    allowed, _ = tree
+    engine = TrieResolver(tokenizer)
+    for stamp in (None, "forged", json.dumps({"v": 1, "settings": 5}), json.dumps({"v": 1, "settings": "x", "file": [1]})):
+        args = {"trie": str(allowed / "colors.trie")}  # refused: no directory is allowed in this process
+        if stamp is not None:
+            args[vllm_access.STAMP_KEY] = stamp
+        assert _engine_refusal(engine, args, caplog)[0] == "not_checked_by_frontend"
+    assert engine.engine_refusals == {"not_checked_by_frontend": 4}
+    # Same settings, same file, and still refused (here: the engine cannot open what the front-end could).
+    monkeypatch.setenv(ENV_ALLOWED_DIRS, str(allowed))
+    args = _admit(TrieResolver(tokenizer), str(allowed / "colors.trie"))
+    monkeypatch.setattr(vllm_access, "open_regular_file", lambda *a, **k: (_ for _ in ()).throw(
+        vllm_access.TrieFileError("permission denied")))
+    cause, logged = _engine_refusal(engine, args, caplog)
+    assert cause == "unexpected" and "please report it" in logged
+
+
+def test_lru_live_sizes_measure_values_that_grew():
+    grown = {"a": 10, "b": 10}
+    lru = _LRU(10, max_bytes=100, sizeof=lambda k: grown[k], live_sizes=True)
+    lru.put("a", "a")
+    lru.put("b", "b")
+    grown["a"] = 95  # "a" built more arrays after it was put
+    grown["c"] = 10
+    lru.put("c", "c")  # measured again: 95 + 10 + 10 > 100, so the oldest goes
+    assert list(lru.items) == ["b", "c"] and lru.nbytes == 20

@@ -136,3 +136,97 @@ def test_v1_allow_and_deny_filters_per_request(smollm2_dir, tokenizer):
         with pytest.raises(ValueError, match=message):
             req = parse_trie_request({"trie": COLORS, **bad})
             resolver.filters(req, resolver.resolve(req)[0])
+
+
+def test_v1_engine_refusal_of_an_admitted_request_is_logged_and_counted(smollm2_dir, tokenizer, tmp_path, monkeypatch,
+                                                                       caplog):
+    """The front-end admits a file under its TRIE_DECODE_ALLOWED_DIRS; the engine process lacks the setting. The
+    request only gets the end token (vLLM has no way for a processor to fail it), and the operator gets an ERROR that
+    names the mismatch and the fix, once, while every refusal is counted."""
+    import logging
+
+    from vllm import SamplingParams
+    from vllm.v1.sample.logits_processor import BatchUpdate
+
+    from trie_decode import TokenTrie
+    from trie_decode.integrations.vllm import TrieLogitsProcessor
+    from trie_decode.integrations.vllm_access import ENV_ALLOWED_DIRS, STAMP_KEY
+
+    proc = _proc(smollm2_dir, tokenizer)
+
+    class InputProcessor:  # where validate_params finds the engine's model config, as in vLLM's front-end
+        model_config = SimpleNamespace(tokenizer=smollm2_dir, tokenizer_revision=None, trust_remote_code=False,
+                                       get_vocab_size=lambda: len(tokenizer))
+
+        def validate(self, sp):
+            TrieLogitsProcessor.validate_params(sp)
+
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    TokenTrie.from_strings(COLORS, tokenizer).save(allowed / "colors.trie")
+    monkeypatch.setenv(ENV_ALLOWED_DIRS, str(allowed))
+    client_args = {"trie": str(allowed / "colors.trie"), STAMP_KEY: "sent by the client"}
+    sp = SamplingParams(extra_args=client_args)
+    InputProcessor().validate(sp)
+    assert json.loads(sp.extra_args[STAMP_KEY])["file"][0] == str((allowed / "colors.trie").resolve())
+    assert client_args[STAMP_KEY] == "sent by the client"  # the caller's dict is not modified
+
+    resolver = proc._table.resolver
+    before = resolver.engine_refusals["settings_mismatch"]
+    monkeypatch.delenv(ENV_ALLOWED_DIRS)  # the engine's environment differs from the front-end's
+    eos = tokenizer.eos_token_id
+    with caplog.at_level(logging.ERROR, logger="trie_decode.vllm"):
+        proc.update_state(BatchUpdate(batch_size=2, removed=[], moved=[], added=[(0, sp, [1], []), (1, sp, [1], [])]))
+        allowed_now = _allowed(proc, 2, len(tokenizer))
+    assert allowed_now == [{eos}, {eos}]
+    assert resolver.engine_refusals["settings_mismatch"] == before + 2
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR and "settings_mismatch" in r.getMessage()]
+    assert len(errors) == 1, errors  # once per distinct cause
+    assert "TRIE_DECODE_ALLOWED_DIRS" in errors[0] and "before starting the server" in errors[0]
+
+    # With the engine's setting back, the same stamped request is served from the trie.
+    monkeypatch.setenv(ENV_ALLOWED_DIRS, str(allowed))
+    proc.update_state(BatchUpdate(batch_size=1, removed=[1], moved=[], added=[(0, sp, [1], [])]))
+    trie = TokenTrie.from_strings(COLORS, tokenizer)
+    assert _allowed(proc, 1, len(tokenizer))[0] == _expect(trie, [], eos)
+
+
+def test_v1_idle_constraints_are_bounded_in_bytes(smollm2_dir, tokenizer, monkeypatch):
+    """Distinct tries come and go: the idle ones' constraints stay under TRIE_DECODE_VLLM_GROUP_CACHE_MB (and are
+    freed), while a constraint a running request uses is kept however large."""
+    import gc
+    import weakref
+
+    from vllm import SamplingParams
+    from vllm.v1.sample.logits_processor import BatchUpdate
+
+    monkeypatch.setenv("TRIE_DECODE_VLLM_GROUP_CACHE_MB", "1")
+    proc = _proc(smollm2_dir, tokenizer)
+    table = proc._table
+    eos = tokenizer.eos_token_id
+    bound = 1 << 20
+
+    def tokens(i):  # a distinct list of 1,500 two- and three-token entries per i
+        return [[i + 1, 100 + j] if j % 2 else [i + 1, 100 + j, 7] for j in range(1500)]
+
+    keep = SamplingParams(extra_args={"trie": tokens(0)})
+    proc.update_state(BatchUpdate(batch_size=1, removed=[], moved=[], added=[(0, keep, [1], [])]))
+    pinned = table.rows[0].group
+    sizes, refs = [], []
+    for i in range(1, 13):
+        sp = SamplingParams(extra_args={"trie": tokens(i)})
+        proc.update_state(BatchUpdate(batch_size=2, removed=[], moved=[], added=[(1, sp, [1], [])]))
+        assert _allowed(proc, 2, len(tokenizer))[1] == {i + 1}
+        group = table.groups[table.rows[1].group]
+        sizes.append(group.nbytes)
+        refs.append(weakref.ref(group.host.dtries[0]))
+        del group
+        proc.update_state(BatchUpdate(batch_size=1, removed=[1], moved=[], added=[]))
+    assert min(sizes) > 100_000 and 12 * min(sizes) > bound  # the bound binds
+    assert pinned in table.groups and 1 < len(table.groups) < 13
+    idle = table.groups.nbytes - table.groups.items[pinned][1]
+    assert idle <= bound, (idle, len(table.groups))
+    gc.collect()
+    assert sum(r() is None for r in refs) >= 12 - len(table.groups)  # dropped constraints are freed
+    # The pinned request still masks by its own trie.
+    assert _allowed(proc, 1, len(tokenizer))[0] == {1}
