@@ -35,6 +35,7 @@ from trie_decode.entries import Entry
 from trie_decode.errors import ConstraintConfigError
 from trie_decode.filters import entry_indices
 from trie_decode.forms import entry_identity, warn_prompt
+from trie_decode.live import CatalogSnapshot, LiveCatalog, constraint_for
 from trie_decode.options import TrieArg, as_tries, build_rules, filter_rows, first_eos, prompt_filters, prompt_groups
 from trie_decode.trie import TokenTrie
 
@@ -170,6 +171,8 @@ class TrieLogitsProcessor(LogitsProcessor):
     Args:
         tries (`TokenTrie` or list of `TokenTrie`):
             One trie for every row, or one per prompt (rows of beams / return sequences map back to their prompt).
+            Or a live catalog (:class:`~trie_decode.LiveCatalog`, or one :class:`~trie_decode.CatalogSnapshot`):
+            each generation decodes the catalog as it is when the generation starts (see :mod:`trie_decode.live`).
         tokenizer (optional):
             The model's tokenizer: checks every trie's vocabulary fingerprint, supplies the default end token
             (``eos_token_id``) and tokenizes ``trigger``/``separator`` given as text.
@@ -226,6 +229,11 @@ class TrieLogitsProcessor(LogitsProcessor):
         distinct: bool = False,
         check_prompt: bool = False,
     ) -> None:
+        # Live catalogs (trie_decode.live): every generation takes the catalog's snapshot when it starts.
+        self._live = tries if isinstance(tries, (LiveCatalog, CatalogSnapshot)) else None
+        if self._live is not None:
+            self._snapshot = self._live.snapshot()
+            tries = self._snapshot.base
         self.tries = as_tries(tries, tokenizer)
         if check_prompt and (tokenizer is None or trigger is not None):
             raise ConstraintConfigError("check_prompt=True needs the tokenizer and no trigger (the span must start "
@@ -235,12 +243,13 @@ class TrieLogitsProcessor(LogitsProcessor):
         self._filtered = allow is not None or deny is not None or bool(distinct)
         self._filter_specs: tuple = (None, None, False, 0)
         if self._filtered:  # resolved (keys to entry indices) and checked now, once: a bad key fails here
-            probe = TrieConstraint(self.tries, self.rules, "cpu")
+            probe = (TrieConstraint(self.tries, self.rules, "cpu") if self._live is None
+                     else self._snapshot.constraint(self.rules, "cpu"))
             n = prompt_filters(allow, deny)
 
             def resolve(spec: Any, what: str) -> Any:
-                if spec is None:
-                    return None
+                if spec is None or self._live is not None:  # a live catalog's keys are resolved per snapshot
+                    return spec
                 if n:
                     return [None if s is None else entry_indices(self.tries[0], s, what) for s in spec]
                 return entry_indices(self.tries[0], spec, what)
@@ -251,7 +260,7 @@ class TrieLogitsProcessor(LogitsProcessor):
         self._constraints: dict[str, TrieConstraint] = {}
         self._last_constraint: Optional[TrieConstraint] = None
         self._hasher = _PrefixHasher()
-        self._max_depth = max(t.max_depth for t in self.tries)
+        self._max_depth = max(t.max_depth for t in self.tries) if self._live is None else self._snapshot.max_depth
         self.reset()
 
     def reset(self) -> None:
@@ -267,7 +276,10 @@ class TrieLogitsProcessor(LogitsProcessor):
         self.steps = 0
 
     def constraint(self, device: torch.device) -> TrieConstraint:
-        """The :class:`TrieConstraint` on ``device`` (built once per device)."""
+        """The :class:`TrieConstraint` on ``device`` (built once per device); for a live catalog, the constraint of
+        the current generation's snapshot (a :class:`~trie_decode.live.SnapshotConstraint` once the catalog changed)."""
+        if self._live is not None:
+            return self._snapshot.constraint(self.rules, device)
         last = self._last_constraint
         if last is not None and last.device == device:
             return last
@@ -293,6 +305,9 @@ class TrieLogitsProcessor(LogitsProcessor):
 
     def _begin(self, input_ids: torch.Tensor, device: torch.device, loop: "_GenerateLoop") -> None:
         batch, cur = input_ids.shape
+        if self._live is not None:  # a generation decodes the catalog as it is now, to its end
+            self._snapshot = self._live.snapshot()
+            self._max_depth = self._snapshot.max_depth
         constraint = self.constraint(device)
         self._groups = prompt_groups(batch, len(self.tries), device)
         self._state = constraint.start(batch, self._groups, self._trigger_tails(input_ids))
@@ -412,12 +427,12 @@ def match(trie: TokenTrie, generated: torch.Tensor | Sequence[Sequence[int]], *,
     The longest entry that the row's tokens walk to is returned; trailing end/pad tokens are ignored.
     """
     rules = SpanRules(end_token_id=0 if end_token_id is None else end_token_id)
-    return [found[0] if found else None for found in TrieConstraint(trie, rules, "cpu").replay(_rows(generated))]
+    return [found[0] if found else None for found in constraint_for(trie, rules, "cpu").replay(_rows(generated))]
 
 
 def match_all(trie: TokenTrie, generated: torch.Tensor | Sequence[Sequence[int]], rules: SpanRules) -> list[list[Entry]]:
     """Every entry each row generated under ``rules`` (generated tokens only, no prompt)."""
-    return TrieConstraint(trie, rules, "cpu").replay(_rows(generated))
+    return constraint_for(trie, rules, "cpu").replay(_rows(generated))
 
 
 class RankedEntry(tuple):
@@ -498,7 +513,7 @@ def rank(
     processor = TrieLogitsProcessor(
         trie, tokenizer, end_token_id=end_token_id if end_token_id is not None else _model_eos(model), allow=allow, deny=deny
     )
-    depth = max(t.max_depth for t in processor.tries)
+    depth = processor._max_depth
     generate_kwargs.setdefault("max_new_tokens", depth + 1)
     out = model.generate(
         **inputs,

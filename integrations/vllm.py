@@ -54,7 +54,8 @@ from typing import Any, Hashable, Optional, Sequence
 import numpy as np
 import torch
 
-from trie_decode.constraint import RowState, TrieConstraint, mask_end_only_
+from trie_decode.constraint import DONE, RowState, TrieConstraint
+from trie_decode.kernels import mask_end_only_
 from trie_decode.device import default_dense_min_fanout
 from trie_decode.trie import TokenTrie
 
@@ -202,16 +203,22 @@ _ROW_SERIAL = itertools.count()
 
 @dataclass
 class _Row:
-    """One constrained request slot. ``node`` is the CPU mirror of the slot's state (copied to the logits' device
-    once per step, for all rows of a trie together); the host advances it, as the tokens come from the host."""
+    """One constrained request slot, host side. Its state code lives on the logits' device
+    (``_SlotTable.node[index]``); the host keeps only where the row is in its token history.
+
+    A row's token history H is the request's prompt and output tokens (V1: ``head`` + the output list, held by
+    reference; V2: the runner's ``all_token_ids`` row, on the device). Its span starts at ``H[begin]`` (the state
+    starts there, with ``H[begin - len(trigger) : begin]`` as the trigger tail); ``done`` tokens after it are
+    folded into the state."""
 
     group: Optional[Hashable]  # key into _SlotTable.groups; None: the request may only end (rejected in the engine)
-    node: int = 0
+    index: int = -1  # the row's place in _SlotTable.node (stable while vLLM moves the row between slots)
     started: bool = False
-    consumed: int = 0  # output tokens already folded into the state
+    begin: int = 0
+    done: int = 0
+    head: tuple = ()  # V1: the history before the output tokens (the trigger tail, or the prefix)
     output: Optional[list] = None  # V1: live reference to the request's output token list
-    tail: tuple = ()  # the last len(trigger) tokens (trigger detection)
-    prefix: tuple = ()  # entry tokens already in the prompt (fast-forward resubmission)
+    prefix: int = 0  # entry tokens already at the end of the prompt (fast-forward resubmission)
     stop_at: int = 0  # end the request at nodes with a forced run of at least this many tokens
     tail_only: bool = False  # ... only where that run completes the entry
     allow: Optional[np.ndarray] = None  # entry indices the request may use (extra_args["allow"])
@@ -261,9 +268,11 @@ class _SlotTable:
     """The state machine of all constrained request slots, shared by the V1 and V2 processors.
 
     Host state: ``rows`` (slot -> :class:`_Row`), kept up to date with vLLM's ``process_dict_updates`` on V1 and
-    ``add_request`` on V2. Per step: :meth:`catch_up` folds each row's new tokens into its node (all rows of a trie
-    at once per token position), :meth:`mask_` copies the nodes to the device in one transfer per trie in the batch
-    and masks there.
+    ``add_request`` on V2. Device state: ``node``, every slot's state code, on the logits' device. Per step,
+    :meth:`catch_up` folds each row's new tokens into its state on the device (all rows of a trie at once per token
+    position; the tokens come from the host on V1 and stay on the device on V2), and :meth:`mask_` masks every
+    constrained row after one host-to-device copy of the step's row layout (pinned, non-blocking). Neither reads a
+    device value on the host.
 
     ``groups`` keeps the constraints of recent (trie, rules) pairs for reuse: at most ``GROUP_CACHE_SIZE`` (256) and
     ``TRIE_DECODE_VLLM_GROUP_CACHE_MB`` (default 1024) of them, least recently used first out; a group a row
@@ -275,6 +284,8 @@ class _SlotTable:
         self.resolver = resolver
         self.device = torch.device(device)
         self.rows: dict[int, _Row] = {}
+        self.node = torch.full((64,), DONE, dtype=torch.long, device=self.device)  # state code per row index
+        self._layout = _Staging(self.device)
         self.groups = _LRU(GROUP_CACHE_SIZE, current_limits().group_cache_bytes, lambda g: g.nbytes,
                            in_use=lambda: {r.group for r in self.rows.values()}, live_sizes=True)
 
@@ -298,10 +309,25 @@ class _SlotTable:
             group = _Group(trie, rules, self.device)
             self.groups.put(key, group)
         t = group.trigger_len
+        # V1's history head: the prompt's last len(trigger) tokens, or the prefix (the two never come together).
+        head = (tuple(prompt[-t:]) if prompt else (-1,) * t) if t else tuple(req.prefix)
+        used = {r.index for r in self.rows.values()}
+        index = next(i for i in itertools.count() if i not in used)  # rows are few: the smallest free place
+        if index >= self.node.numel():  # grow (a device-side copy; rare)
+            grown = torch.full((2 * self.node.numel(),), DONE, dtype=torch.long, device=self.device)
+            grown[: self.node.numel()] = self.node
+            self.node = grown
         return _Row(
-            group=key, output=output, tail=tuple(prompt[-t:]) if (prompt and t) else (),
-            prefix=req.prefix, stop_at=req.stop_at_forced, tail_only=req.forced_tail_only, allow=allow, deny=deny,
+            group=key, index=index, output=output, head=head, begin=len(head) - len(req.prefix),
+            prefix=len(req.prefix), stop_at=req.stop_at_forced, tail_only=req.forced_tail_only, allow=allow, deny=deny,
         )
+
+    def nodes(self, slots: Sequence[int]) -> list[int]:
+        """The state codes of ``slots``' rows, read on the host (for host-side callers such as beam bookkeeping;
+        the per-step path never reads them). A row refused in the engine reads as DONE."""
+        rows = [self.rows[s] for s in slots]
+        got = self.node[torch.as_tensor([max(r.index, 0) for r in rows], dtype=torch.long, device=self.device)].tolist()
+        return [n if r.group is not None else DONE for n, r in zip(got, rows)]
 
     def _by_group(self, slots: Sequence[int]) -> dict[Optional[Hashable], list[int]]:
         out: dict[Optional[Hashable], list[int]] = {}
@@ -309,65 +335,94 @@ class _SlotTable:
             out.setdefault(self.rows[s].group, []).append(i)
         return out
 
-    def catch_up(self, new_tokens: dict[int, Sequence[int]]) -> None:
-        """Start rows seen for the first time, then fold in every row's new tokens (a fresh row's ``prefix`` first):
-        per trie and per token position, one vectorized advance of all rows that have a token there."""
-        fresh = [s for s, r in self.rows.items() if not r.started]
-        pending = {s: list(t) for s, t in new_tokens.items() if t}
-        for key, pos in self._by_group(fresh).items():
-            g = self.groups[key]
-            sl = [fresh[i] for i in pos]
-            tails = None
-            if g.trigger_len:
-                t = g.trigger_len
-                tails = torch.tensor([[-1] * (t - len(self.rows[s].tail)) + list(self.rows[s].tail) for s in sl])
-            start = g.host.start(len(sl), tails=tails).node.tolist()
-            for s, n in zip(sl, start):
-                row = self.rows[s]
-                row.node, row.started = n, True
-                if row.prefix:
-                    pending[s] = list(row.prefix) + pending.get(s, [])
-        order = list(pending)
-        for key, pos in self._by_group(order).items():
+    def catch_up(self, slots: Sequence[int], ends: np.ndarray, history: Any) -> None:
+        """Start rows seen for the first time and fold every row's new tokens into its state, on the device.
+
+        Args:
+            slots: the constrained rows' slots.
+            ends: each row's history length now (tokens ``H[:end]`` are known). Shape: (R,), on the host.
+            history: ``history(slots, starts, width, ends)`` -> each row's tokens ``H[start : start + width]`` as a
+                tensor on the device (-1 outside ``[0, end)``). Shape: (R, width), int64.
+
+        Per trie in the batch: one read of the rows' history block (their trigger tails, then their new tokens),
+        one ``start`` for fresh rows, then one vectorized ``advance`` per token position.
+        """
+        for key, pos in self._by_group(slots).items():
             if key is None:
                 continue
             g = self.groups[key]
-            sl = [order[i] for i in pos]
-            rows = [self.rows[s] for s in sl]
-            toks = [pending[s] for s in sl]
-            for k in range(max(len(t) for t in toks)):
-                live = [i for i, t in enumerate(toks) if len(t) > k]
-                node = torch.tensor([rows[i].node for i in live], dtype=torch.long)
-                tok = torch.tensor([toks[i][k] for i in live], dtype=torch.long)
-                tails = None
-                if g.trigger_len:
-                    t = g.trigger_len
-                    for i in live:
-                        rows[i].tail = (rows[i].tail + (toks[i][k],))[-t:]
-                    tails = torch.tensor([[-1] * (t - len(rows[i].tail)) + list(rows[i].tail) for i in live])
-                new = g.host.advance(RowState(node, torch.zeros_like(node)), tok, tails).node.tolist()
-                for i, n in zip(live, new):
-                    rows[i].node = n
+            rows = [self.rows[slots[i]] for i in pos]
+            nxt = np.array([r.begin + r.done for r in rows], dtype=np.int64)
+            end = np.asarray(ends, dtype=np.int64)[pos]
+            new = np.maximum(end - nxt, 0)
+            fresh = np.array([not r.started for r in rows])
+            if not new.any() and not fresh.any():
+                continue
+            t, width = g.trigger_len, int(new.max(initial=0))
+            block = history([slots[i] for i in pos], nxt - t, t + width, end)
+            idx = torch.as_tensor([r.index for r in rows], dtype=torch.long).to(self.device, non_blocking=True)
+            node = self.node[idx]
+            zeros = torch.zeros_like(node)
+            if fresh.any():
+                first = g.device.start(len(rows), None, block[:, :t] if t else None).node
+                node = torch.where(torch.from_numpy(fresh).to(self.device, non_blocking=True), first, node)
+            live = torch.from_numpy(new).to(self.device, non_blocking=True)
+            for k in range(width):
+                tails = block[:, k + 1 : k + 1 + t] if t else None
+                moved = g.device.advance(RowState(node, zeros), block[:, t + k], tails).node
+                node = torch.where(k < live, moved, node)
+            self.node.index_copy_(0, idx, node)
+            for r, n in zip(rows, new.tolist()):
+                r.done += n
+                r.started = True
 
     def mask_(self, logits: torch.Tensor, slots: Sequence[int], rows: Sequence[int]) -> torch.Tensor:
-        """Mask logits row ``rows[i]`` by the state of ``slots[i]``: per distinct trie in the batch, one host-to-
-        device copy of the rows' state and one masking call, none per row."""
-        for key, pos in self._by_group(slots).items():
-            mirror = np.array(
-                [[self.rows[slots[i]].node, rows[i], self.rows[slots[i]].stop_at, self.rows[slots[i]].tail_only] for i in pos],
-                dtype=np.int64,
-            )
-            on_dev = torch.from_numpy(mirror).to(logits.device, non_blocking=True)
+        """Mask logits row ``rows[i]`` by the state of ``slots[i]``: one host-to-device copy of the step's layout
+        (rows grouped by trie: state index, logits row, forced-run stop), then one masking call per trie in the
+        batch."""
+        groups = self._by_group(slots)
+        order = [i for pos in groups.values() for i in pos]
+        table = [self.rows[slots[i]] for i in order]
+        layout = self._layout.put(np.array(
+            [[max(r.index, 0), rows[i], r.stop_at, r.tail_only] for r, i in zip(table, order)], dtype=np.int64,
+        ).reshape(-1, 4))
+        at = 0
+        for key, pos in groups.items():
+            part, at = layout[at : at + len(pos)], at + len(pos)
             if key is None:
-                mask_end_only_(logits, on_dev[:, 1], self.resolver.end_token_id)
+                mask_end_only_(logits, part[:, 1], self.resolver.end_token_id)
                 continue
             g = self.groups[key]
             c = g.device
-            state = RowState(on_dev[:, 0], torch.zeros_like(on_dev[:, 0]))
-            if mirror[:, 2].any():  # fast-forward: end the request where a long enough forced run begins
-                state = c.stop_at_forced(state, on_dev[:, 2], on_dev[:, 3].bool())
-            c.mask_(logits, state, on_dev[:, 1], filters=g.filters_for([self.rows[slots[i]] for i in pos]))
+            node = self.node[part[:, 0]]
+            state = RowState(node, torch.zeros_like(node))
+            if any(self.rows[slots[i]].stop_at for i in pos):  # fast-forward: end where a long forced run begins
+                state = c.stop_at_forced(state, part[:, 2], part[:, 3].bool())
+            c.mask_(logits, state, part[:, 1], filters=g.filters_for([self.rows[slots[i]] for i in pos]))
         return logits
+
+
+class _Staging:
+    """Host-to-device transfer of a small int64 block per step: written into one of two pinned host buffers
+    (alternating, so a copy still in flight is never overwritten) and copied without blocking the host."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._pin = device.type == "cuda" and torch.cuda.is_available()
+        self._bufs: list[torch.Tensor] = []
+        self._turn = 0
+
+    def put(self, block: np.ndarray) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return torch.from_numpy(block)
+        n = block.size
+        if not self._bufs or self._bufs[0].numel() < n:
+            size = max(n, 1024)
+            self._bufs = [torch.empty(size, dtype=torch.int64, pin_memory=self._pin) for _ in range(2)]
+        buf = self._bufs[self._turn][:n]
+        self._turn ^= 1
+        buf.numpy()[:] = block.reshape(-1)
+        return buf.view(block.shape).to(self.device, non_blocking=True)
 
 
 # ---------------------------------------------------------------------------------------------- V1 runner
@@ -404,18 +459,31 @@ class TrieLogitsProcessorV1(V1LogitsProcessor):
         table = self._table
         if not table.rows:
             return logits
-        new_tokens: dict[int, list[int]] = {}
-        for s, row in table.rows.items():
-            out = row.output
-            n = len(out) if out is not None else 0
-            while n > row.consumed and out[n - 1] < 0:  # async-scheduling placeholders, not real tokens yet
-                n -= 1
-            if n > row.consumed:
-                new_tokens[s] = out[row.consumed : n]
-                row.consumed = n
-        table.catch_up(new_tokens)
         slots = list(table.rows)
+        ends = np.array([len(table.rows[s].head) + _real_outputs(table.rows[s].output) for s in slots], dtype=np.int64)
+        table.catch_up(slots, ends, self._history)
         return table.mask_(logits, slots, slots)  # the persistent-batch index is the logits row
+
+    def _history(self, slots: Sequence[int], starts: np.ndarray, width: int, ends: np.ndarray) -> torch.Tensor:
+        """Each row's history ``head + output`` over ``[start, start + width)`` (-1 outside it), copied to the
+        logits' device in one transfer."""
+        block = np.full((len(slots), width), -1, dtype=np.int64)
+        for i, (s, lo) in enumerate(zip(slots, starts.tolist())):
+            row = self._table.rows[s]
+            head, out = row.head, row.output if row.output is not None else ()
+            for j in range(max(lo, 0), lo + width):
+                tok = head[j] if j < len(head) else (out[j - len(head)] if j - len(head) < len(out) else -1)
+                block[i, j - lo] = tok if tok >= 0 else -1  # async-scheduling placeholders are not tokens yet
+        return self._table._layout.put(block) if width else torch.empty((len(slots), 0), dtype=torch.long,
+                                                                         device=self._table.device)
+
+
+def _real_outputs(output: Optional[list]) -> int:
+    """How many of a V1 output list's tokens are real (under async scheduling the list ends with placeholders)."""
+    n = len(output) if output is not None else 0
+    while n > 0 and output[n - 1] < 0:
+        n -= 1
+    return n
 
 
 # ---------------------------------------------------------------------------------------------- Model Runner V2
@@ -463,29 +531,25 @@ class TrieLogitsProcessorV2(V2LogitsProcessor):
         if not batch_pos:
             return logits
         slots = [int(idx_np[i]) for i in batch_pos]
-        slots_np = np.array(slots, dtype=np.int64)
-        tokens_dev = self.req_states.all_token_ids.gpu
-        prompt_len = self._prompt_len(slots_np)
-        slot_t = torch.from_numpy(slots_np).to(tokens_dev.device)
-        total = self.req_states.total_len.gpu[slot_t].long().cpu().numpy()  # host read 1: the rows' lengths
-        rows = [table.rows[s] for s in slots]
-        for row, s, p in zip(rows, slots, prompt_len.tolist()):
-            if not row.started and row.group is not None:
-                t = table.groups[row.group].trigger_len
-                row.tail = tuple(tokens_dev[s, max(p - t, 0) : p].tolist()) if t else ()
-        start = prompt_len + np.array([r.consumed for r in rows], dtype=np.int64)
-        width = int((total - start).max(initial=0))
-        new_tokens: dict[int, list[int]] = {}
-        if width > 0:  # host read 2: every row's new tokens, as one (rows, width) block
-            cols = torch.from_numpy(start).to(tokens_dev.device).unsqueeze(1) + torch.arange(width, device=tokens_dev.device)
-            block = tokens_dev[slot_t.unsqueeze(1), cols.clamp(max=tokens_dev.shape[1] - 1)].long().cpu().numpy()
-            for i, (row, s) in enumerate(zip(rows, slots)):
-                n = int(max(total[i] - start[i], 0))
-                if n:
-                    new_tokens[s] = block[i, :n].tolist()
-                    row.consumed += n
-        table.catch_up(new_tokens)
+        for row, p in zip((table.rows[s] for s in slots), self._prompt_len(np.array(slots, dtype=np.int64)).tolist()):
+            if not row.started:
+                row.begin = p - row.prefix  # the span starts at the end of the prompt (before a resubmitted prefix)
+        # Each row's committed tokens (prompt + outputs) without reading the device: the runner's host-side bound
+        # of the tokens visible to this step's sample is exact without speculative decoding (refused in __init__).
+        ends = np.asarray(ctx.seq_lens_upper_bound_np, dtype=np.int64)[batch_pos]
+        table.catch_up(slots, ends, self._history_v2)
         return table.mask_(logits, slots, batch_pos)
+
+    def _history_v2(self, slots: Sequence[int], starts: np.ndarray, width: int, ends: np.ndarray) -> torch.Tensor:
+        """Each row's committed tokens over ``[start, start + width)`` (-1 outside ``[0, end)``), gathered on the
+        device from the runner's ``all_token_ids``: indices go to the device, no token comes back."""
+        tokens = self.req_states.all_token_ids.gpu
+        pos = starts[:, None] + np.arange(width, dtype=np.int64)[None, :]
+        valid = (pos >= 0) & (pos < ends[:, None])
+        layout = np.concatenate([np.asarray(slots, dtype=np.int64)[:, None], pos.clip(0, tokens.shape[1] - 1), valid], 1)
+        on_dev = self._table._layout.put(layout)
+        got = tokens[on_dev[:, :1], on_dev[:, 1 : 1 + width]].long()
+        return torch.where(on_dev[:, 1 + width :].bool(), got, -1)
 
 
 # ---------------------------------------------------------------------------------------------- both

@@ -1,34 +1,79 @@
-"""Semantic-id catalogs: the fast builder equals the generic one, keeps every item of a shared id, and round-trips
-through the file and the CLI."""
+"""Semantic-id catalogs: the fast builder equals the generic one node for node (packed and wide codes, any integer
+dtype, heavy collisions), keeps every item of a shared id, resolves every item's key in filters and on the matched
+entry, and round-trips through the file and the CLI."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from trie_decode import InvalidEntryError, InvalidTokenError, TokenTrie
-from trie_decode.catalogs import catalog_from_codes, item_keys_of, items_of
+import torch
+
+from trie_decode import ConstraintConfigError, InvalidEntryError, InvalidTokenError, TokenTrie
+from trie_decode.catalogs import catalog_from_codes, item_entries, item_keys_of, items_of
 from trie_decode.cli import main
+from trie_decode.constraint import SpanRules, TrieConstraint
 
 
-@pytest.mark.parametrize("seed", range(8))
-def test_same_trie_as_the_generic_builder_and_every_item_kept(seed):
-    rng = np.random.default_rng(seed)
-    n, levels, k = int(rng.integers(1, 400)), int(rng.integers(1, 5)), int(rng.integers(1, 7))
-    codes = rng.integers(0, k, size=(n, levels))
-    trie = catalog_from_codes(codes, codebook_size=k, token_offset=10, vocab_size=10 + k * levels,
-                              keys=[f"item{i}" for i in range(n)])
+def _check_against_the_generic_builder(codes, tokens, vocab, **kwargs):
+    """Build with catalog_from_codes and compare with TokenTrie.from_sequences of the same tokens: every array, every
+    entry's items (in input order, each item once) and keys."""
+    n = len(codes)
+    keys = [f"item{i}" for i in range(n)]
+    trie = catalog_from_codes(codes, vocab_size=vocab, keys=keys, **kwargs)
     trie.validate()
-    ref = TokenTrie.from_sequences(codes + 10 + np.arange(levels) * k, 10 + k * levels)
+    ref = TokenTrie.from_sequences(tokens, vocab)
     for name in ("child_ptr", "token", "node_entry", "entry_node", "level_ptr"):
         assert np.array_equal(getattr(trie, name), getattr(ref, name)), name
     seen = []
+    entry_of = item_entries(trie)
     for e in range(trie.num_entries):
         items = items_of(trie, e)
-        assert all(tuple(codes[i] + 10 + np.arange(levels) * k) == trie.entry(e).tokens for i in items)
+        assert (np.diff(items) > 0).all()  # input order
+        assert all(tuple(tokens[i]) == trie.entry(e).tokens for i in items)
         assert item_keys_of(trie, e) == [f"item{i}" for i in items] and trie.entry(e).key == f"item{items[0]}"
+        assert trie.entry(e).item_keys == tuple(item_keys_of(trie, e))
+        assert (entry_of[items] == e).all()
         seen += items.tolist()
     assert sorted(seen) == list(range(n)) and trie.num_duplicates == n - trie.num_entries
+    return trie
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_same_trie_as_the_generic_builder_and_every_item_kept(seed):
+    rng = np.random.default_rng(seed)
+    n, levels, k = int(rng.integers(1, 400)), int(rng.integers(1, 6)), int(rng.integers(1, 7))
+    codes = rng.integers(0, k, size=(n, levels))
+    if seed % 3 == 1:
+        codes = codes.astype(np.uint8 if seed % 2 else np.int32)
+    if seed == 9:
+        codes = codes.astype(np.uint64)
+    tokens = codes.astype(np.int64) + 10 + np.arange(levels) * k
+    _check_against_the_generic_builder(codes, tokens, 10 + k * levels, codebook_size=k, token_offset=10)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_wide_codes_and_level_offsets_match_the_generic_builder(seed):
+    """Codes too wide for one int64 with the item index (the lexsort path), and per-level offsets that overlap."""
+    rng = np.random.default_rng(100 + seed)
+    n = int(rng.integers(2, 300))
+    if seed % 2 == 0:  # 20 levels x 16 codes: 80 bits
+        levels, k = 20, 16
+        codes = rng.integers(0, 3, size=(n, levels)) * 7  # few distinct codes per level: many shared prefixes
+        tokens = codes + 5 + np.arange(levels) * k
+        trie = _check_against_the_generic_builder(codes, tokens, 5 + k * levels, codebook_size=k, token_offset=5)
+    else:  # level offsets, all levels on the same tokens; codes up to 3 * 2**29: 3 levels of 31 bits
+        codes = rng.integers(0, 4, size=(n, 3)) << 29
+        tokens = codes + 3
+        _check_against_the_generic_builder(codes, tokens, int(tokens.max()) + 1, level_offsets=[3, 3, 3])
+
+
+def test_heavy_collisions_and_one_item():
+    rng = np.random.default_rng(5)
+    codes = rng.integers(0, 2, size=(500, 2))  # 4 distinct ids for 500 items
+    trie = _check_against_the_generic_builder(codes, codes + np.array([3, 5]), 7, codebook_size=2, token_offset=3)
+    assert trie.num_entries == 4
+    _check_against_the_generic_builder(np.array([[2, 0, 1]]), np.array([[2, 3, 7]]), 8, codebook_size=3)
 
 
 def test_file_and_cli_round_trip(tmp_path, capsys):
@@ -55,3 +100,48 @@ def test_bad_codes_are_named():
         catalog_from_codes(np.array([[1, 2]]), codebook_size=4, token_offset=5, vocab_size=10)
     with pytest.raises(InvalidEntryError, match="codebook_size"):
         catalog_from_codes(np.array([[1, 2]]), vocab_size=10)
+
+
+def test_every_item_key_filters_its_entry_and_the_entry_lists_them_all(tmp_path):
+    """Items 0, 2 and 4 share one id: the entry's key is item 0's, ``item_keys`` lists all three (on lookups, on
+    ``match`` results, after a save and load), and a filter by any of their keys applies to that entry."""
+    from trie_decode.integrations.transformers import match
+
+    codes = np.array([[3, 1], [3, 2], [3, 1], [0, 5], [3, 1]])  # tokens (103, 109), (103, 110), (100, 113)
+    built = catalog_from_codes(codes, codebook_size=8, token_offset=100, vocab_size=200, keys=list("abcde"))
+    built.save(tmp_path / "items.trie")
+    for trie in (built, TokenTrie.load(tmp_path / "items.trie")):
+        shared = trie.lookup([103, 109])
+        assert shared.key == "a" and shared.item_keys == ("a", "c", "e")
+        assert trie.lookup([100, 113]).item_keys == ("d",)
+        assert match(trie, [[103, 109, 1]], end_token_id=1)[0].item_keys == ("a", "c", "e")
+        c = TrieConstraint(trie, SpanRules(end_token_id=1), "cpu")
+
+        def reachable(**spec):
+            """The entries a row can complete under these filters (every walk through the masks)."""
+            f = c.filters(1, **spec)
+            found, frontier = set(), [()]
+            while frontier:
+                path = frontier.pop()
+                state = c.start(1)
+                for tok in path:
+                    state = c.advance(state, torch.tensor([tok]), filters=f)
+                allowed = c.mask_(torch.zeros(1, 200), state, filters=f).isfinite().nonzero()[:, 1].tolist()
+                found |= {path} if 1 in allowed and path else set()
+                frontier += [path + (t,) for t in allowed if t != 1]
+            return found
+
+        assert reachable(deny=["e"]) == {(103, 110), (100, 113)}  # e is not its entry's key: still its entry
+        assert reachable(deny=["c", "b"]) == {(100, 113)}  # the whole 103 subtree is pruned
+        assert reachable(allow=["e"]) == {(103, 109)}
+        assert reachable(allow=["b", "d"], deny=["a"]) == {(103, 110), (100, 113)}
+        with pytest.raises(ConstraintConfigError, match="not entries of the trie"):
+            c.filters(1, deny=["zz"])
+
+
+def test_catalog_without_keys_has_no_item_keys():
+    trie = catalog_from_codes(np.array([[1, 2], [1, 2]]), codebook_size=4, vocab_size=8)
+    assert trie.entry(0).item_keys is None and items_of(trie, 0).tolist() == [0, 1]
+    with pytest.raises(InvalidEntryError, match="without item keys"):
+        item_keys_of(trie, 0)
+    assert TokenTrie.from_sequences([[1]], vocab_size=4, keys=["k"]).entry(0).item_keys is None

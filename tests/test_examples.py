@@ -34,7 +34,15 @@ TIMEOUT = {"vllm_offline": 1200, "vllm_serve": 1200}
 # did not happen fails the test (the model is greedy and the data fixed, so these lines are stable).
 EXPECTED = {
     "entity_linking": [r"Mexico\?.*-> entry #\d+ +Spanish", r"Germany\?.*-> entry #\d+ +German "],
-    "generative_retrieval": [r"US-CA +California +log p", r"CA-ON +Ontario +log p"],
+    "generative_retrieval": [
+        r"without a filter, 3 of the 10 are already seen: ESP ITA FRA",
+        r"with deny=\['FRA', 'ITA', 'ESP'\]: 10 distinct items, 0 seen\n +1\. MAR +Morocco +log p",
+        r"with deny=\['JPN', 'THA', 'VNM'\]: 10 distinct items, 0 seen\n +1\. IDN +Indonesia +log p",
+        r"distinct=False: (\d+) items, (?!\1 )\d+ distinct",  # greedy lists loop without distinct=True
+        r"distinct=True: (\d+) items, \1 distinct: EGY, MAR, IND, CHN, JPN, KOR",
+        r"249 items -> \d+ distinct codes \([1-9]\d* items share a code\)",
+        r"seen items among the results: 0\n",
+    ],
     "fast_forward": [r"'Latin\.' .*identical: True", r"skip_ratio"],
     "action_spans": [r"Action: convert_currency\n +-> actions: \['convert_currency'\]", r"allowed next tokens: +1 of"],
     "vllm_offline": [r"Germany\? +' German' +ends with EOS: True", r"refused: ", r"next request: ' French'"],

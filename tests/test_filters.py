@@ -1,7 +1,8 @@
 """Per-row allow and deny filters and distinct lists over one shared trie, against the brute-force reference.
 
 A filtered row must behave exactly like a row on a trie of its usable entries (allowed, not denied); a distinct
-list must never repeat an entry and must end when every entry is used.
+list must never repeat an entry and must end when every entry is used or its capacity is reached. The filtered
+torch step reads no device value (the device step's guard) and compiles with ``torch.compile(fullgraph=True)``.
 """
 
 from __future__ import annotations
@@ -13,9 +14,12 @@ import pytest
 import torch
 
 from trie_decode import ConstraintConfigError, TokenTrie
-from trie_decode.constraint import SpanRules, TrieConstraint
+from trie_decode.catalogs import catalog_from_codes
+from trie_decode.constraint import RowState, SpanRules, TrieConstraint
+from trie_decode.filters import distinct_capacity
 
 from reference import SpanReference
+from test_device_step import no_host_sync
 
 V = 30
 END, SEP = 1, 2
@@ -54,24 +58,178 @@ def test_filtered_rows_behave_like_a_trie_of_their_usable_entries(kernel, seed):
         state = c.advance(state, torch.tensor(toks), filters=filters)
 
 
-def test_allow_100_of_a_large_trie_equals_a_trie_of_those_100():
+def test_allow_100_of_a_1m_catalog_equals_a_trie_of_those_100():
+    """A 1M-item semantic-id catalog (4 levels x 256 codes) filtered to 100 entries masks exactly like a trie built
+    from those 100, at every step of walks that follow them to the end token."""
     rng = np.random.default_rng(0)
-    n, vocab = 200_000, 5000
-    seqs = rng.integers(3, vocab, size=(n, 4))
-    big = TokenTrie.from_sequences(seqs, vocab_size=vocab)
+    codes = rng.integers(0, 256, size=(1_000_000, 4))
+    codes[:, 0] = (rng.zipf(1.2, size=len(codes)) - 1) % 256  # a skewed first level, as real semantic ids
+    vocab = 3 + 4 * 256
+    big = catalog_from_codes(codes, codebook_size=256, token_offset=3, vocab_size=vocab)
+    assert big.num_entries > 900_000
     pick = rng.choice(big.num_entries, 100, replace=False)
     small = TokenTrie.from_sequences([list(big.entry(int(i)).tokens) for i in pick], vocab_size=vocab)
     rules = SpanRules(end_token_id=END)
     cb, cs = TrieConstraint(big, rules, "cpu"), TrieConstraint(small, rules, "cpu")
-    f = cb.filters(8, allow=pick)
-    sb, ss = cb.start(8), cs.start(8)
+    rows = 16
+    f = cb.filters(rows, allow=pick)
+    sb, ss = cb.start(rows), cs.start(rows)
     walk = np.random.default_rng(1)
-    for _ in range(6):
-        lb = cb.mask_(torch.randn(8, vocab), sb, filters=f)
-        ls = cs.mask_(torch.zeros(8, vocab), ss)
+    for _ in range(6):  # 4 levels, the end token, then the end token only
+        lb = cb.mask_(torch.randn(rows, vocab), sb, filters=f)
+        ls = cs.mask_(torch.zeros(rows, vocab), ss)
         assert torch.equal(lb.isfinite(), ls.isfinite())
         toks = torch.tensor([walk.choice(row.isfinite().nonzero().flatten().numpy()) for row in ls])
         sb, ss = cb.advance(sb, toks, filters=f), cs.advance(ss, toks)
+    assert (sb.node == -1).all()  # every row ended
+
+
+LIST = [[5], [6, 7], [6, 8], [9, 10, 11], [9, 10], [12]]
+SEP2 = (SEP, 3)  # a two-token separator: its second token is forced
+
+
+def _walk_lists(c, f, rows, seed, steps=80):
+    """Random walks that never choose the end token while anything else is allowed: the lists each row emits, and
+    whether each list ended right after an entry (not after a separator)."""
+    rng = random.Random(seed)
+    state = c.start(rows)
+    lists, current = [[] for _ in range(rows)], [[] for _ in range(rows)]
+    ended, clean = [False] * rows, [True] * rows
+    last = [None] * rows
+    for _ in range(steps):
+        allowed = _allowed(c, state, f, 20)
+        toks = []
+        for i, a in enumerate(allowed):
+            others = sorted(a - {END})
+            tok = rng.choice(others) if others and not ended[i] else END
+            if tok == END and not ended[i]:
+                ended[i] = True
+                clean[i] = last[i] not in SEP2
+                if current[i]:
+                    lists[i].append(tuple(current[i]))
+            elif tok == SEP:
+                lists[i].append(tuple(current[i]))
+                current[i] = []
+            elif tok not in SEP2 and not ended[i]:
+                current[i].append(tok)
+            last[i] = tok
+            toks.append(tok)
+        state = c.advance(state, torch.tensor(toks), filters=f)
+        if all(ended):
+            break
+    assert all(ended), "a row never ended"
+    return lists, clean
+
+
+@pytest.mark.parametrize("kernel", ["native", "torch"])
+@pytest.mark.parametrize("max_entries", [1, 2, 4, 6])
+def test_distinct_list_past_its_capacity_ends_and_never_repeats(kernel, max_entries):
+    """More usable entries than ``max_entries``: each row's list holds exactly ``min(max_entries, usable)`` distinct
+    entries (no slot is overwritten, so nothing repeats; the list is not cut short either), its last entry ends with
+    the end token (the separator is blocked at the last slot), and ``full`` says which lists reached capacity.
+    The rows' deny sets differ in size: the capacity is per row, not shared."""
+    trie = TokenTrie.from_sequences(LIST, vocab_size=20)
+    entries = trie.sequences()
+    c = TrieConstraint(trie, SpanRules(end_token_id=END, on_complete="repeat", separator=SEP2), "cpu", kernel=kernel)
+    deny = [None, [0], [1, 2, 3], [0, 1, 2, 3, 4]]
+    usable = [set(entries) - {entries[d] for d in (ds or [])} for ds in deny]
+    for seed in range(6):
+        f = c.filters(len(deny), deny=deny, distinct=True, max_entries=max_entries)
+        lists, clean = _walk_lists(c, f, len(deny), seed)
+        for i, got in enumerate(lists):
+            assert len(got) == len(set(got)), (i, got)
+            assert set(got) <= usable[i], (i, got)
+            assert len(got) == min(max_entries, len(usable[i])), (i, got, max_entries)
+            assert clean[i], (i, got)
+        assert f.full.tolist() == [len(got) == max_entries for got in lists]
+
+
+def test_distinct_capacity_admits_every_list_that_fits_the_budget():
+    """With ``max_entries=distinct_capacity(trie, budget, len(separator))`` every distinct list whose tokens (entries,
+    separators, end token) fit the budget is accepted token by token: no list is cut short for want of room."""
+    trie = TokenTrie.from_sequences([[5], [6], [7], [8, 9], [10], [11, 12]], vocab_size=20)
+    entries = trie.sequences()
+    budget = 9
+    cap = distinct_capacity(trie, budget, len(SEP2))
+    assert cap == 3  # 5 2 3 6 2 3 7 END: 8 tokens; a fourth entry would need 11
+    c = TrieConstraint(trie, SpanRules(end_token_id=END, on_complete="repeat", separator=SEP2), "cpu")
+    rng = random.Random(0)
+    longest = 0
+    for _ in range(60):
+        chosen = rng.sample(entries, rng.randint(1, 4))
+        tokens = [t for i, e in enumerate(chosen) for t in (list(SEP2) if i else []) + list(e)] + [END]
+        if len(tokens) > budget:
+            continue
+        longest = max(longest, len(chosen))
+        f = c.filters(1, distinct=True, max_entries=cap)
+        state = c.start(1)
+        for tok in tokens:
+            assert tok in _allowed(c, state, f, 20)[0], (chosen, tok)
+            state = c.advance(state, torch.tensor([tok]), filters=f)
+    assert longest == cap
+    with pytest.raises(ConstraintConfigError, match="max_new_tokens"):
+        distinct_capacity(trie, 0, 1)
+
+
+def _filtered_constraint():
+    trie = TokenTrie.from_sequences(LIST, vocab_size=20)
+    c = TrieConstraint(trie, SpanRules(end_token_id=END, on_complete="repeat", separator=SEP2), "cpu", kernel="torch")
+    allow = [None, [0, 1, 2, 5], None, [3, 4, 5]]
+    deny = [[1], None, [4, 5], [3]]
+    # Setup may read the device (the step may not): the lazy device tables are built by a first step.
+    warm = c.filters(len(allow), allow=allow, deny=deny, distinct=True)
+    c.advance(c.start(len(allow)), torch.tensor([5, 5, 5, 9]), filters=warm)
+    c.mask_(torch.randn(len(allow), 20), c.start(len(allow)), filters=warm)
+    return c, allow, deny
+
+
+def test_filtered_torch_step_never_reads_the_device():
+    """Allow, deny and distinct filters on mixed rows, beam reordering included: mask, advance and select run under
+    the device step's guard (any host read of a tensor raises)."""
+    c, allow, deny = _filtered_constraint()
+    rows = len(allow)
+    f = c.filters(rows, allow=allow, deny=deny, distinct=True, max_entries=2)
+    state = c.start(rows)
+    perm = torch.tensor([1, 0, 3, 2])
+    with no_host_sync():
+        for step in range(12):
+            logits = c.mask_(torch.randn(rows, 20), state, filters=f)
+            state = c.advance(state, logits.argmax(1), filters=f)
+            if step % 3 == 2:
+                f, state = f.select(perm), state.select(perm)
+    assert f.full.any()  # the walk went past the lists' capacity under the guard
+
+
+@pytest.mark.slow
+def test_filtered_step_compiles_fullgraph_and_matches_eager():
+    """``torch.compile(fullgraph=True)`` of advance + filtered mask (distinct lists, allow and deny rows): no graph
+    break, and the compiled masks, states and deny sets equal the eager step's, past the lists' capacity."""
+    torch._dynamo.reset()
+    c, allow, deny = _filtered_constraint()
+    rows = len(allow)
+    eager_f = c.filters(rows, allow=allow, deny=deny, distinct=True, max_entries=2)
+    comp_f = c.filters(rows, allow=allow, deny=deny, distinct=True, max_entries=2)
+
+    def step(node, tree, tokens, logits, f):
+        new = c.advance(RowState(node, tree), tokens, filters=f)
+        return new.node, c.mask_(logits, new, inplace=False, filters=f)
+
+    start = c.start(rows)
+    compiled = torch.compile(step, fullgraph=True, dynamic=False)
+    node_e = node_c = start.node
+    first = c.mask_(torch.randn(rows, 20), start, filters=eager_f, inplace=False)
+    tokens = first.argmax(1)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(14):
+        logits = torch.randn(rows, 20, generator=gen)
+        logits[:, END] = -50.0  # the end token only when nothing else is allowed: the lists fill up
+        node_e, masked_e = step(node_e, start.tree, tokens, logits, eager_f)
+        node_c, masked_c = compiled(node_c, start.tree, tokens, logits, comp_f)
+        assert torch.equal(node_e, node_c)
+        assert torch.equal(masked_e, masked_c)
+        assert torch.equal(eager_f.deny, comp_f.deny) and torch.equal(eager_f.deny_count, comp_f.deny_count)
+        tokens = masked_e.argmax(1)
+    assert eager_f.full.all()
 
 
 @pytest.mark.parametrize("kernel", ["native", "torch"])
@@ -116,6 +274,21 @@ def test_bad_filters_are_named():
         c.filters(1, distinct=True)
     with pytest.raises(ConstraintConfigError, match="release"):
         TrieConstraint(trie, SpanRules(END, on_complete="release"), "cpu").filters(1)
+
+
+def test_a_key_filters_every_entry_that_carries_it():
+    """The forms of one string share its key: deny by key blocks every form (else the other form slips through),
+    allow by key admits every form."""
+    trie = TokenTrie.from_sequences([[5], [6, 7], [8], [9]], vocab_size=12, keys=["paris", "rome", "paris", "oslo"])
+    c = TrieConstraint(trie, SpanRules(end_token_id=END), "cpu")
+
+    def first_tokens(**spec):
+        out = c.mask_(torch.zeros(1, 12), c.start(1), filters=c.filters(1, **spec))
+        return out.isfinite().nonzero()[:, 1].tolist()
+
+    assert first_tokens(deny=["paris"]) == [6, 9]
+    assert first_tokens(allow=["paris"]) == [5, 8]
+    assert first_tokens(allow=["paris", "oslo"], deny=["oslo"]) == [5, 8]
 
 
 ENTRIES = [[100, 200, 300], [100, 200, 301], [100, 250], [400], [400, 401, 402], [500, 501]]
@@ -192,3 +365,30 @@ def test_rank_distinct_renormalized_and_filtered(tiny_llama):
         assert abs(r.log_prob - by_key[r.entry.key] / (len(r.entry.tokens) + 1)) < 1e-3
     only = rank(tiny_llama, inputs, trie, 3, end_token_id=END, allow=["a", "c", "f"])[0]
     assert {r.entry.key for r in only} == {"a", "c", "f"}
+
+
+def test_rank_merges_two_tokenizations_of_one_entry_and_counts_them(tiny_llama, tokenizer):
+    """Each name stored in two forms (with and without a leading space): 6 beams end on 6 trie entries, which are 3
+    entries for the user. ``rank`` returns each once, with the better form's log-probability (checked against a
+    forward pass), and counts the 3 merged beams in ``duplicates``."""
+    from trie_decode.integrations.transformers import rank
+
+    names = ["Paris", "Rome", "Berlin"]
+    trie = TokenTrie.from_strings(names, tokenizer, leading_space=[True, False], keys=["p", "r", "b"])
+    assert trie.num_entries == 6  # the two forms differ in tokens
+    prompt = [5, 6, 7]
+    inputs = {"input_ids": torch.tensor([prompt]), "attention_mask": torch.ones(1, 3, dtype=torch.long)}
+    ranked = rank(tiny_llama, inputs, trie, 3, end_token_id=END, num_beams=6)[0]
+    assert sorted(r.entry.key for r in ranked) == ["b", "p", "r"]
+    assert ranked.duplicates == 3
+    with torch.no_grad():
+        for r in ranked:
+            scores = []
+            for e in range(trie.num_entries):
+                if trie.entry(e).key != r.entry.key:
+                    continue
+                ids = prompt + list(trie.entry(e).tokens) + [END]
+                logp = torch.log_softmax(tiny_llama(torch.tensor([ids])).logits[0].float(), -1)
+                scores.append(sum(logp[i - 1, ids[i]].item() for i in range(len(prompt), len(ids))))
+            assert len(scores) == 2 and abs(r.log_prob - max(scores)) < 1e-3, (r, scores)
+    assert [r.log_prob for r in ranked] == sorted((r.log_prob for r in ranked), reverse=True)

@@ -73,6 +73,30 @@ def test_loaded_arrays_are_memory_mapped_and_read_only(saved):
     assert _is_memmap_backed(loaded._names.blob)
 
 
+def test_cpu_device_trie_shares_the_mapped_arrays(saved):
+    """On CPU, the DeviceTrie's child pointers and tokens are the file's mapped pages (no per-process copy; shared by
+    every process that maps the file), its numpy views stay read-only, and the derived arrays are built only when
+    read (the C kernel masks and advances without them)."""
+    import torch
+
+    from trie_decode.constraint import SpanRules, TrieConstraint
+
+    loaded = TokenTrie.load(saved)
+    c = TrieConstraint(loaded, SpanRules(0), "cpu", kernel="native", dense_min_fanout=3)
+    d = c.dtries[0]
+    assert d.tensors.child_ptr.data_ptr() == loaded.child_ptr.ctypes.data
+    assert d.tensors.child_token.data_ptr() == loaded.token.ctypes.data
+    for name, array in (("child_ptr", loaded.child_ptr), ("child_token", loaded.token)):
+        view = getattr(d.arrays, name)
+        assert np.shares_memory(view, array) and not view.flags.writeable, name
+    state = c.advance(c.start(2), torch.tensor([5, 9]))
+    assert c.mask_(torch.zeros(2, 10), state).isfinite().nonzero().tolist() == [[0, 0], [0, 6], [0, 7], [1, 0]]
+    assert {k for k, _ in d.tensors.items()} == {"child_ptr", "child_token", "dense_blocked"}
+    assert d.tensors.edge_key.tolist() == [-1, 5, 9, 16, 17, 48]  # parent * V + token, built on first read
+    assert d.arrays.edge_key.tolist() == [-1, 5, 9, 16, 17, 48] and d.tensors.terminal.tolist() == [0, 1, 1, 1, 0, 1]
+    assert d.tensors.dense_slot.tolist() == [-1, -1, -1, -1, -1, -1] and d.num_dense == 0
+
+
 def test_trie_without_names_or_keys(tmp_path):
     trie = TokenTrie.from_sequences([[1], [2, 3]], vocab_size=4)
     trie.save(tmp_path / "t.safetensors")

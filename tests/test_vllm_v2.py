@@ -119,7 +119,8 @@ def test_v2_apply_through_vllm_classes(req_states, smollm2_dir, tokenizer, fqcn)
             expanded_idx_mapping=idx, idx_mapping=idx, idx_mapping_np=order,
             expanded_local_pos=torch.zeros(len(order), dtype=torch.int64),
             input_ids=torch.zeros(len(order), dtype=torch.int64), pos=torch.zeros(len(order), dtype=torch.int64),
-            seq_lens_upper_bound_np=np.zeros(len(order), dtype=np.int64),
+            # what the runner passes: num_computed_tokens + scheduled tokens, i.e. each row's committed tokens
+            seq_lens_upper_bound_np=np.array([int(req_states.total_len.gpu[s]) for s in order], dtype=np.int64),
         )
         logits = proc.apply(logits, ctx)
         picked = logits.argmax(dim=1).tolist()
@@ -151,6 +152,59 @@ def test_v2_apply_through_vllm_classes(req_states, smollm2_dir, tokenizer, fqcn)
     idx = torch.tensor([0])
     logits = torch.zeros(1, len(tokenizer))
     ctx = LogitsContext(idx, idx, np.array([0]), torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
-                        torch.zeros(1, dtype=torch.int64), np.zeros(1, dtype=np.int64))
+                        torch.zeros(1, dtype=torch.int64), np.array([len(prompts[0])], dtype=np.int64))
     first = tokenizer("purple", add_special_tokens=False)["input_ids"][0]
     assert torch.isfinite(proc.apply(logits, ctx)[0]).nonzero().flatten().tolist() == [first]
+
+
+@pytest.mark.parametrize("kernel", ["native", "torch"])
+def test_v2_apply_reads_nothing_back_from_the_device(req_states, smollm2_dir, tokenizer, monkeypatch, kernel):
+    """Every step of ``apply`` (catch-up and mask) runs under a guard that raises on any read of a tensor's values
+    on the host: the state stays on the device, the tokens are gathered there, and only host-side bookkeeping
+    (vLLM's own ``idx_mapping_np`` and ``seq_lens_upper_bound_np``) decides shapes. With the torch kernel this is
+    the GPU path, run on this CPU."""
+    import torch
+    from vllm import SamplingParams
+    from vllm.v1.worker.gpu.sample.logits_processor import LogitsContext, build_custom_logits_processors
+
+    from test_device_step import no_host_sync
+    from trie_decode import TokenTrie, kernels
+    from trie_decode.integrations.vllm import trie_args
+
+    if kernel == "torch":  # the kernel CUDA and MPS logits get
+        select = kernels.select
+        monkeypatch.setattr(kernels, "select", lambda device, name=None: select(device, name or "torch"))
+    (proc,) = build_custom_logits_processors(_vllm_config(smollm2_dir, tokenizer), req_states, False,
+                                             ["trie_decode.integrations.vllm:TrieLogitsProcessorV2"])
+    eos = tokenizer.eos_token_id
+    trigger = tokenizer("Answer:", add_special_tokens=False)["input_ids"]
+    params = {0: SamplingParams(extra_args=trie_args(COLORS)),
+              2: SamplingParams(extra_args={"trie": COLORS, "trigger": "Answer:"})}
+    prompts = {0: tokenizer("Pick a color:")["input_ids"], 2: tokenizer("Pick one.")["input_ids"] + trigger}
+    for slot, sp in params.items():
+        assert proc.add_request(slot, sp)
+        ids = prompts[slot]
+        req_states.all_token_ids.gpu[slot, : len(ids)] = torch.tensor(ids)
+        req_states.prompt_len.np[slot] = len(ids)
+        req_states.total_len.gpu[slot] = len(ids)
+    trie = TokenTrie.from_strings(COLORS, tokenizer)
+    out = {s: [] for s in params}
+    order = np.array([2, 0], dtype=np.int64)
+    for step in range(8):
+        idx = torch.from_numpy(order)
+        bound = np.array([len(prompts[s]) + len(out[s]) for s in order.tolist()], dtype=np.int64)
+        ctx = LogitsContext(idx, idx, order, torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64),
+                            torch.zeros(2, dtype=torch.int64), bound)
+        logits = torch.randn(2, len(tokenizer))
+        with no_host_sync():
+            logits = proc.apply(logits, ctx)
+        for row, slot in enumerate(order.tolist()):
+            done = bool(out[slot]) and out[slot][-1] == eos
+            node = trie.walk(out[slot][:-1] if done else out[slot])
+            expect = {eos} if done else set(trie.children(node)[0].tolist()) | ({eos} if trie.is_terminal(node) else set())
+            assert set(torch.isfinite(logits[row]).nonzero().flatten().tolist()) == expect, (slot, step)
+            tok = int(logits[row].argmax())
+            out[slot].append(tok)
+            req_states.all_token_ids.gpu[slot, len(prompts[slot]) + len(out[slot]) - 1] = tok
+        order = order[::-1].copy()  # rows move every step
+    assert all(trie.lookup(out[s][: out[s].index(eos)]) is not None for s in params)

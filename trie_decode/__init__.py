@@ -7,6 +7,7 @@ The core (this package) needs numpy, torch and safetensors only. Framework glue 
 from .descriptors import trie_from_prefix_dict
 from .entries import Entry
 from .errors import (
+    CatalogUpdateError,
     ConstraintConfigError,
     DescriptorError,
     EmptyTrieError,
@@ -18,6 +19,7 @@ from .errors import (
 )
 from .forms import PromptMismatchWarning, check_prompt, heal_prompt, warn_prompt
 from .tokenizers import tokenize_strings, tokenizer_fingerprint, tokenizer_vocab_size
+from .live import CatalogSnapshot, LiveCatalog
 from .trie import TokenTrie, TrieStats
 
 __version__ = "0.1.0"
@@ -25,6 +27,8 @@ __version__ = "0.1.0"
 __all__ = [
     "TokenTrie",
     "TrieStats",
+    "LiveCatalog",
+    "CatalogSnapshot",
     "trie_from_prefix_dict",
     "Entry",
     "tokenizer_fingerprint",
@@ -42,4 +46,5 @@ __all__ = [
     "TrieFileError",
     "TokenizerMismatchError",
     "ConstraintConfigError",
+    "CatalogUpdateError",
 ]

@@ -29,12 +29,12 @@ from .entries import Entry
 from .errors import ConstraintConfigError, InvalidTokenError
 from .filters import EntryOrder, RowFilters, apply_filters_, completed_ranks, entry_indices, is_per_row
 from .kernels.grouped import row_groups
-from .kernels.vectorized import ALL_MASKED_FLOOR, plans_to_bool, plans_to_lists
+from .kernels.vectorized import plans_to_bool, plans_to_lists
 from .masking import pack_bitmask
-from .spans import DONE, FREE, ON_COMPLETE_MODES, SpanRules, completes_entry, forced_tokens
+from .spans import DONE, FREE, ON_COMPLETE_MODES, SpanRules, completes_entry, forced_tokens, span_moves
 from .trie import TokenTrie
 
-__all__ = ["SpanRules", "RowState", "TrieConstraint", "DONE", "FREE", "ON_COMPLETE_MODES", "mask_end_only_"]
+__all__ = ["SpanRules", "RowState", "TrieConstraint", "DONE", "FREE", "ON_COMPLETE_MODES"]
 
 
 @dataclass
@@ -150,9 +150,12 @@ class TrieConstraint:
                 trigger: a prompt that already ends with the trigger starts inside the entry.
         """
         dev = self.device
-        tree = torch.zeros(num_rows, dtype=torch.long, device=dev) if tree is None else tree.to(dev, torch.long)
-        if tree.numel() and (int(tree.min()) < 0 or int(tree.max()) >= len(self.tries)):
-            raise ConstraintConfigError(f"row trie indices must be in [0, {len(self.tries)})")
+        if tree is None:
+            tree = torch.zeros(num_rows, dtype=torch.long, device=dev)
+        else:
+            tree = tree.to(dev, torch.long)
+            if tree.numel() and (int(tree.min()) < 0 or int(tree.max()) >= len(self.tries)):  # the caller's indices
+                raise ConstraintConfigError(f"row trie indices must be in [0, {len(self.tries)})")
         node = torch.zeros(num_rows, dtype=torch.long, device=dev)
         if self.rules.trigger:
             node = torch.where(self._tail_is_trigger(tails, num_rows), node, torch.full_like(node, FREE))
@@ -184,6 +187,8 @@ class TrieConstraint:
         if tokens.dtype is not torch.long or tokens.device != self.device:
             tokens = tokens.to(self.device, torch.long)
         new = self.kernel.advance_rows(self._prepared, state.node, state.tree, tokens)
+        if filters is not None:
+            new = self._off_excluded_children(state.node, tokens, new, filters)
         if filters is not None and filters.distinct:
             done, rank = completed_ranks(state.node, new, self.dtries[0], filters.order)
             filters.add_denied(rank, done)
@@ -191,6 +196,23 @@ class TrieConstraint:
             fires = (new == FREE) & self._tail_is_trigger(tails, len(tokens))
             new = torch.where(fires, torch.zeros_like(new), new)
         return RowState(new, state.tree)
+
+    def _off_excluded_children(self, node: torch.Tensor, tokens: torch.Tensor, new: torch.Tensor,
+                               filters: RowFilters) -> torch.Tensor:
+        """Moves over the trie a row's filters leave it (what its mask shows): a child whose subtree they exclude is
+        no child, so a token that reaches one moves as a token off the trie does (e.g. the separator's first token
+        when it also starts an excluded entry); an excluded entry is no entry end, so a row leaving its node ends
+        (DONE). Fixed shapes, no host read."""
+        lo, hi, node_rank = filters.order.on(node.device)
+        d = self.dtries[0]
+        n, child = node.clamp(min=0), new.clamp(min=0)
+        went_down = (new >= 1) & (node >= 0) & (d.parent_tensor[child] == node)
+        child_ok = filters.usable(torch.stack([lo[child], hi[child]], 1))[:, 0]
+        own_ok = filters.usable(torch.stack([lo[n], lo[n] + 1], 1))[:, 0]  # depth-first: a node's own entry first
+        moved = span_moves(self.tables[0].tensor, self.rules, node, tokens, torch.full_like(new, -1))
+        new = torch.where(went_down & ~child_ok, moved, new)
+        excluded_end = (node >= 0) & (node_rank[n] >= 0) & ~own_ok & ~(went_down & child_ok)
+        return torch.where(excluded_end, torch.full_like(new, DONE), new)
 
     # ------------------------------------------------------------------ masks
     def mask_(
@@ -445,17 +467,3 @@ class TrieConstraint:
             if e is not None:
                 found[i].append(e)
         return found
-
-
-def mask_end_only_(logits: torch.Tensor, rows: torch.Tensor, end_token_id: int) -> torch.Tensor:
-    """Mask logits rows ``rows`` to the end token only (a DONE row with no trie, e.g. a request that must end).
-
-    Args:
-        logits: Shape: (B, V), modified in place. rows: Shape: (R,), int64, on the logits' device.
-    """
-    keep = logits[rows, end_token_id]
-    logits.index_fill_(0, rows, float("-inf"))
-    floor = torch.full_like(keep, ALL_MASKED_FLOOR)
-    logits[rows, end_token_id] = torch.where(keep == float("-inf"), floor, keep)
-    return logits
-

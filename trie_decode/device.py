@@ -1,13 +1,21 @@
 """``DeviceTrie``: a trie's arrays as tensors on the device where the logits live.
 
 Why this exists: masking must run where the logits are (CUDA, MPS or CPU) without copying state to the host.
-Per trie node the device keeps 17 bytes:
+Per trie node the device keeps up to 21 bytes:
 
     child_ptr:   (N+1,) int32  children of node n are the node ids child_ptr[n]..child_ptr[n+1]-1
     child_token: (N,)   int32  token on the edge into each node (-1 for the root)
     edge_key:    (N,)   int64  parent * V + token of the edge into each node (-1 for the root); ascending, because
                                nodes are numbered breadth-first with siblings sorted by token
     terminal:    (N,)   bool   an entry ends at the node
+    dense_slot:  (N,)   int32  each node's dense row, -1 for none
+
+On a CPU device ``child_ptr`` and ``child_token`` are the trie's own arrays, not copies: for a trie loaded from a
+file, views of the memory-mapped file, whose pages every process that maps it shares (a tensor-parallel engine's
+workers, its frontend). They are read-only (the kernels read them through ``const`` pointers; the numpy views keep
+``writeable=False``). The derived arrays (``edge_key``, ``terminal``, ``dense_slot``) are built on first use: the C
+kernel needs none of them (it searches the CSR children and reads the step table), so a CPU engine never pays for
+them; the vectorized kernels and the ``distinct`` filters build what they read.
 
 ``edge_key`` turns "the child of node n by token t" into one ``searchsorted`` for a whole batch (the vectorized
 kernel; the C kernel searches the CSR children directly). Nodes with very
@@ -22,9 +30,10 @@ Dimension letters: R rows, N nodes, V the trie's vocabulary size, H dense nodes.
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from types import SimpleNamespace
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -40,7 +49,42 @@ __all__ = ["DeviceTrie", "StepTable"]
 DEFAULT_DENSE_MIN_FANOUT = None  # None: max(256, V // 16)
 DEFAULT_DENSE_BUDGET_BYTES = 64 * 1024 * 1024
 
+
+def default_dense_min_fanout(vocab_size: int) -> int:
+    """The default fanout from which a node gets a dense row: max(256, V // 16)."""
+    return max(256, vocab_size // 16)
+
+
 _CACHE: "weakref.WeakKeyDictionary[TokenTrie, dict]" = weakref.WeakKeyDictionary()
+_DERIVED = ("edge_key", "terminal", "dense_slot")
+
+
+class _Arrays(SimpleNamespace):
+    """A namespace of arrays whose derived members (``_DERIVED``) are built on first access by ``build(name)``."""
+
+    def __init__(self, build: Callable[[str], None], **arrays: Any) -> None:
+        super().__init__(**arrays)
+        object.__setattr__(self, "_build", build)
+
+    def __getattr__(self, name: str) -> Any:  # only reached when the attribute is not set yet
+        if name in _DERIVED:
+            self._build(name)
+            return self.__dict__[name]
+        raise AttributeError(name)
+
+    def items(self) -> list[tuple[str, Any]]:
+        """The arrays built so far."""
+        return [(k, v) for k, v in vars(self).items() if not k.startswith("_")]
+
+
+def _shared_tensor(array: np.ndarray, dtype: np.dtype) -> torch.Tensor:
+    """A CPU tensor over ``array``'s memory when its dtype and layout allow (no copy: a memory-mapped file's pages
+    stay shared between processes), else over a copy. The tensor may be read-only memory: never write to it."""
+    if array.dtype == dtype and array.flags.c_contiguous and array.flags.aligned:
+        with warnings.catch_warnings():  # torch warns that it cannot mark the tensor read-only
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            return torch.from_numpy(array)
+    return torch.from_numpy(np.array(array, dtype=dtype, order="C"))  # a writable copy
 
 
 class DeviceTrie:
@@ -65,11 +109,9 @@ class DeviceTrie:
         self.device = torch.device(device)
         self.vocab_size = trie.vocab_size
         self.num_nodes = trie.num_nodes
-        key = trie.parent.astype(np.int64) * np.int64(trie.vocab_size) + trie.token.astype(np.int64)
-        key[0] = -1
         fanout = trie.fanout
         if dense_min_fanout is None:
-            dense_min_fanout = max(256, trie.vocab_size // 16)
+            dense_min_fanout = default_dense_min_fanout(trie.vocab_size)
         max_rows = max(dense_budget_bytes // max(trie.vocab_size, 1), 0)
         wide = np.flatnonzero(fanout >= dense_min_fanout)
         if len(wide) > max_rows:
@@ -78,30 +120,50 @@ class DeviceTrie:
         for row, node in enumerate(wide):  # H is a handful of wide nodes; each row is one vectorized assignment
             lo, hi = trie.child_ptr[node], trie.child_ptr[node + 1]
             dense[row, trie.token[lo:hi]] = True
-        dense_slot = np.full(trie.num_nodes, -1, dtype=np.int32)
-        dense_slot[wide] = np.arange(len(wide), dtype=np.int32)
+        self._wide = wide
 
-        host = {
-            "child_ptr": np.array(trie.child_ptr, dtype=np.int32),
-            "child_token": np.array(trie.token, dtype=np.int32),
-            "edge_key": key,
-            "terminal": trie.node_entry >= 0,
-            "dense_slot": dense_slot,
-            "dense_blocked": ~dense,  # stored inverted: the kernel masks with it as is
-        }
-        self.tensors = SimpleNamespace(**{k: torch.from_numpy(v).to(self.device) for k, v in host.items()})
-        # Zero-copy numpy views for the numpy backend (CPU only).
-        self.arrays = (
-            SimpleNamespace(**{k: v.numpy() for k, v in vars(self.tensors).items()})
-            if self.device.type == "cpu"
-            else None
-        )
+        cpu = self.device.type == "cpu"
+        ptr, tok = np.asarray(trie.child_ptr), np.asarray(trie.token)
+        eager = {"child_ptr": _shared_tensor(ptr, np.dtype(np.int32)), "child_token": _shared_tensor(tok, np.dtype(np.int32)),
+                 "dense_blocked": torch.from_numpy(~dense)}  # dense rows stored inverted: the kernel masks with them
+        self.tensors = _Arrays(self._build, **{k: v.to(self.device) for k, v in eager.items()})
+        # Numpy views for the numpy backend (CPU only): the trie's own read-only arrays where the tensors share them.
+        self.arrays = None
+        if cpu:
+            views = {k: v.numpy() for k, v in eager.items()}
+            for name, array in (("child_ptr", ptr), ("child_token", tok)):
+                if eager[name].data_ptr() == array.ctypes.data:
+                    views[name] = array
+            self.arrays = _Arrays(self._build, **views)
         self.num_dense = len(wide)
         self._tables: dict[SpanRules, StepTable] = {}
         self._forced: Optional[tuple[torch.Tensor, torch.Tensor]] = None
-        self.sparse_max_fanout = int(fanout[dense_slot < 0].max()) if (dense_slot < 0).any() else 0
+        sparse = np.ones(len(fanout), dtype=np.bool_)
+        sparse[wide] = False
+        self.sparse_max_fanout = int(fanout[sparse].max()) if sparse.any() else 0
         self.max_fanout = int(fanout.max()) if len(fanout) else 0
         self._parent: Optional[torch.Tensor] = None
+
+    def dense_slots(self) -> np.ndarray:
+        """Each node's dense row, -1 for none (a fresh array). Shape: (N,), int32."""
+        slot = np.full(self.num_nodes, -1, dtype=np.int32)
+        slot[self._wide] = np.arange(len(self._wide), dtype=np.int32)
+        return slot
+
+    def _build(self, name: str) -> None:
+        """Build a derived array (see the module docstring) into ``tensors`` (and ``arrays`` on CPU)."""
+        trie = self.trie
+        if name == "edge_key":
+            host = trie.parent.astype(np.int64) * np.int64(trie.vocab_size) + trie.token.astype(np.int64)
+            host[0] = -1
+        elif name == "terminal":
+            host = trie.node_entry >= 0
+        else:
+            host = self.dense_slots()
+        tensor = torch.from_numpy(host).to(self.device)
+        setattr(self.tensors, name, tensor)
+        if self.arrays is not None:
+            setattr(self.arrays, name, tensor.numpy())
 
     @classmethod
     def get(cls, trie: TokenTrie, device: torch.device | str) -> "DeviceTrie":
@@ -119,7 +181,8 @@ class DeviceTrie:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in vars(self.tensors).values())
+        """Bytes of the tensors built so far, those shared with the trie's own arrays included."""
+        return sum(t.numel() * t.element_size() for _, t in self.tensors.items())
 
     def table(self, rules: SpanRules) -> "StepTable":
         """The step table of ``rules`` over this trie on this device (built once per rules, kept with the trie)."""
@@ -165,7 +228,7 @@ class StepTable:
     """
 
     def __init__(self, dtrie: DeviceTrie, rules: SpanRules) -> None:
-        host = step_table(dtrie.trie, rules, dtrie.tensors.dense_slot.cpu().numpy())
+        host = step_table(dtrie.trie, rules, dtrie.dense_slots())
         self.dtrie, self.rules = dtrie, rules
         self.num_codes = rules.num_codes
         self.tensor = torch.from_numpy(host).to(dtrie.device)

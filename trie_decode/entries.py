@@ -24,12 +24,16 @@ class Entry:
         name: the entry's text (the string it was built from, or the descriptor's leaf name), or None.
         key: the entry's external id (e.g. the ``id`` field of a JSONL line), or None.
         tokens: the entry's token ids.
+        item_keys: in a catalog built with item keys (:func:`~trie_decode.catalogs.catalog_from_codes`), the keys
+            of every item the entry stands for, in input order (several when items share one semantic id; ``key``
+            is the first); None otherwise.
     """
 
     index: int
     name: Optional[str]
     key: Optional[str]
     tokens: tuple[int, ...]
+    item_keys: Optional[tuple[str, ...]] = None
 
 
 class StringTable:
@@ -62,4 +66,33 @@ class StringTable:
         return self.blob[start:end].tobytes().decode("utf-8")
 
     def to_list(self) -> list[str]:
-        return [self[i] for i in range(len(self))]
+        # One decode of the whole blob when it is ASCII (byte offsets are then character offsets); else one decode
+        # per string from one bytes object. Either is several times faster than indexing the table string by string.
+        raw = self.blob.tobytes()
+        bounds = self.offsets.tolist()
+        text = raw.decode("utf-8")
+        source = text if len(text) == len(raw) else raw
+        out = [source[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+        return out if source is text else [b.decode("utf-8") for b in out]
+
+    def take(self, index: np.ndarray) -> "StringTable":
+        """Strings ``index`` as a new table (one vectorized byte gather, no Python loop over strings).
+
+        Args:
+            index: Shape: (K,), integer.
+        """
+        index = np.asarray(index, dtype=np.int64)
+        start, stop = self.offsets[index], self.offsets[index + 1]
+        lengths = stop - start
+        offsets = np.zeros(len(index) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        gather = np.repeat(start - offsets[:-1], lengths) + np.arange(int(offsets[-1]), dtype=np.int64)
+        return StringTable(self.blob[gather], offsets)
+
+    @staticmethod
+    def concat(tables: Sequence["StringTable"]) -> "StringTable":
+        """The strings of ``tables``, one table after the other."""
+        blobs = [t.blob for t in tables]
+        shifts = np.cumsum([0] + [len(b) for b in blobs[:-1]])
+        offsets = np.concatenate([np.zeros(1, dtype=np.int64)] + [t.offsets[1:] + s for t, s in zip(tables, shifts)])
+        return StringTable(np.concatenate(blobs) if blobs else np.zeros(0, np.uint8), offsets.astype(np.int64))

@@ -16,6 +16,7 @@ __all__ = [
     "TrieFileError",
     "TokenizerMismatchError",
     "ConstraintConfigError",
+    "CatalogUpdateError",
 ]
 
 
@@ -49,3 +50,8 @@ class TokenizerMismatchError(TrieDecodeError, ValueError):
 
 class ConstraintConfigError(TrieDecodeError, ValueError):
     """A decoding constraint's options are invalid (unknown on_complete mode, bad end token, ...)."""
+
+
+class CatalogUpdateError(TrieDecodeError, ValueError):
+    """A live catalog change names an entry the catalog does not hold, or does not fit the base trie (names,
+    keys, tokenizer)."""

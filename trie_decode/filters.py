@@ -11,6 +11,12 @@ request. The mechanism, written once for every integration:
 - a child is allowed when its interval still holds a usable entry: a count over the sorted arrays, one batched
   ``searchsorted`` per step, fixed shapes and no host read. A subtree whose entries are all denied is pruned.
 
+A distinct list has a capacity chosen at setup (``max_entries``; :func:`distinct_capacity` gives the most entries
+a row can complete in a token budget): the deny array has that much room per row, so the step keeps fixed shapes.
+It never forgets an entry: a row whose list has room for one more entry may end that entry only with the end token
+(not the separator), and a row whose list is full may only emit the end token. The list ends; it never repeats.
+Likewise the separator is blocked after a list's last usable entry: every list ends with an entry and the end token.
+
 An allow filter of k entries therefore behaves exactly like a trie of those k entries (tests/test_filters.py).
 
 Dimension letters: R rows, N nodes, E entries, A allow capacity, D deny capacity, F the trie's largest fanout.
@@ -24,12 +30,13 @@ from typing import Any, Iterable, Optional, Sequence
 import numpy as np
 import torch
 
+from .catalogs import item_entries, item_key_table
 from .errors import ConstraintConfigError
 from .kernels.vectorized import ALL_MASKED_FLOOR, NEG_INF
 from .spans import completes_entry
 from .trie import TokenTrie
 
-__all__ = ["EntryOrder", "RowFilters", "entry_indices", "is_per_row", "apply_filters_"]
+__all__ = ["EntryOrder", "KeyIndex", "RowFilters", "entry_indices", "is_per_row", "apply_filters_", "distinct_capacity"]
 
 _ORDERS: "weakref.WeakKeyDictionary[TokenTrie, EntryOrder]" = weakref.WeakKeyDictionary()
 
@@ -102,8 +109,9 @@ class EntryOrder:
 
 
 def entry_indices(trie: TokenTrie, spec: Any, what: str) -> np.ndarray:
-    """Entry indices from a filter spec: entry indices (ints), entry keys (strings: the trie's keys, else its
-    names), or a numpy array of indices. Raises a named error for an unknown key or an index out of range."""
+    """Entry indices from a filter spec: entry indices (ints), keys (strings, see :class:`KeyIndex`: a key stands for
+    every entry that carries it), or a numpy array of indices. Raises a named error for an unknown key or an index
+    out of range."""
     if spec is None:
         return np.zeros(0, dtype=np.int64)
     if isinstance(spec, np.ndarray):
@@ -111,11 +119,7 @@ def entry_indices(trie: TokenTrie, spec: Any, what: str) -> np.ndarray:
     else:
         items = list(spec)
         if items and all(isinstance(x, str) for x in items):
-            lookup = _key_index(trie)
-            missing = [x for x in items if x not in lookup]
-            if missing:
-                raise ConstraintConfigError(f"{what}: {len(missing)} keys are not entries of the trie, e.g. {missing[:3]}")
-            idx = np.fromiter((lookup[x] for x in items), dtype=np.int64, count=len(items))
+            idx = KeyIndex.of(trie).entries(items, what)
         else:
             for x in items:
                 if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
@@ -135,21 +139,71 @@ def is_per_row(spec: Any) -> bool:
     return bool(items) and all(x is None or isinstance(x, (list, tuple, np.ndarray)) for x in items)
 
 
-_KEYS: "weakref.WeakKeyDictionary[TokenTrie, dict]" = weakref.WeakKeyDictionary()
+_KEYS: "weakref.WeakKeyDictionary[TokenTrie, KeyIndex]" = weakref.WeakKeyDictionary()
 
 
-def _key_index(trie: TokenTrie) -> dict[str, int]:
-    """key (or name) -> entry index, built once per trie (about 1 s per million entries)."""
-    found = _KEYS.get(trie)
-    if found is None:
-        table = trie._keys if trie._keys is not None else trie._names
-        if table is None:
-            raise ConstraintConfigError("this trie has neither keys nor names: filter by entry index instead")
-        found = {}
-        for i, k in enumerate(table.to_list()):
-            found.setdefault(k, i)
-        _KEYS[trie] = found
-    return found
+class KeyIndex:
+    """key -> every entry that carries it, for one trie (built once per trie: about 0.3 s per million keys).
+
+    The keys are the trie's entry keys, else its names. A key may stand for several entries: the forms of one
+    string (``from_strings(..., leading_space=[True, False])``) share its key, and a filter must reach all of them
+    or the other form would slip through. In a catalog built with item keys
+    (:func:`~trie_decode.catalogs.catalog_from_codes`) every item's key counts: an item that shares its semantic id
+    with others stands for their common entry (generation cannot tell them apart).
+
+    Example:
+        >>> from trie_decode import TokenTrie
+        >>> trie = TokenTrie.from_sequences([[5], [6], [7]], vocab_size=8, keys=["a", "b", "a"])
+        >>> KeyIndex.of(trie).entries(["a"], "deny").tolist()
+        [0, 2]
+    """
+
+    def __init__(self, trie: TokenTrie) -> None:
+        items = item_key_table(trie)
+        if items is not None:
+            table, entry_of = items, item_entries(trie).tolist()
+        else:
+            table = trie._keys if trie._keys is not None else trie._names
+            if table is None:
+                raise ConstraintConfigError("this trie has neither keys nor names: filter by entry index instead")
+            entry_of = list(range(len(table)))
+        keys = table.to_list()
+        self.first: dict[str, int] = dict(zip(reversed(keys), reversed(entry_of)))  # reversed: the first wins
+        #: the keys of several entries -> all of them, in entry order (usually empty: one pass decides)
+        self.more: dict[str, list[int]] = {}
+        if len(self.first) < len(keys):
+            for k, e in zip(keys, entry_of):
+                if self.first[k] != e:
+                    self.more.setdefault(k, [self.first[k]]).append(e)
+            self.more = {k: sorted(set(v)) for k, v in self.more.items()}
+
+    @classmethod
+    def of(cls, trie: TokenTrie) -> "KeyIndex":
+        """The cached index of ``trie`` (built on first use, freed with the trie)."""
+        found = _KEYS.get(trie)
+        if found is None:
+            found = _KEYS[trie] = cls(trie)
+        return found
+
+    def get(self, key: str) -> list[int]:
+        """Every entry of ``key`` (empty when no entry carries it)."""
+        found = self.more.get(key)
+        if found is not None:
+            return found
+        one = self.first.get(key)
+        return [] if one is None else [one]
+
+    def entries(self, keys: Sequence[str], what: str) -> np.ndarray:
+        """Every entry of every key, or a named error listing keys that no entry carries. Shape: (K',), int64."""
+        first = self.first
+        missing = [x for x in keys if x not in first]
+        if missing:
+            raise ConstraintConfigError(f"{what}: {len(missing)} keys are not entries of the trie, e.g. {missing[:3]}")
+        idx = np.fromiter((first[x] for x in keys), dtype=np.int64, count=len(keys))
+        if self.more:
+            extra = [e for x in keys for e in self.more.get(x, ()) if e != first[x]]
+            idx = np.concatenate([idx, np.asarray(extra, dtype=np.int64)]) if extra else idx
+        return idx
 
 
 class RowFilters:
@@ -159,8 +213,12 @@ class RowFilters:
         order: the trie's :class:`EntryOrder`.
         allow: per row, the entry indices it may use, or None for "every entry". Length R.
         deny: per row, the entry indices it may not use (None: none). Length R.
-        distinct_capacity: room in each row's deny set for entries emitted later (``distinct`` lists).
+        distinct_capacity: in ``distinct`` lists, how many entries each row's list may hold (room in its deny
+            set for the entries it emits; a full list ends, see the module docstring).
         device: where the sets live.
+
+    Attributes:
+        deny_count, deny_limit: per row, the ranks in its deny set and the most it may hold. Shape: (R,), int64.
     """
 
     def __init__(
@@ -211,6 +269,7 @@ class RowFilters:
         t = lambda a: torch.from_numpy(a).to(self.device)  # noqa: E731
         self.allow, self.has_allow, self.deny = t(allow_m), t(has_allow), t(deny_m)
         self.deny_count = t(np.array([len(d) for d in deny_r], dtype=np.int64))
+        self.deny_limit = self.deny_count + max(int(distinct_capacity), 0)
         self.distinct = False
         # Static (host) facts that let a step skip work: no row has an allow set / every row has one.
         self.any_allow, self.all_allow = bool(has_allow.any()), bool(has_allow.all())
@@ -219,6 +278,7 @@ class RowFilters:
         out = object.__new__(RowFilters)
         out.order, out.device, out.sentinel = self.order, self.device, self.sentinel
         out.has_allow, out.deny_count = self.has_allow[index], self.deny_count[index]
+        out.deny_limit = self.deny_limit[index]
         shared = self.deny.shape[0] == 1 and len(self.has_allow) != 1
         out.allow = self.allow if shared else self.allow[index]
         out.deny = self.deny if shared else self.deny[index]
@@ -246,15 +306,23 @@ class RowFilters:
             return count(self.allow) > 0
         return torch.where(self.has_allow.unsqueeze(1), count(self.allow) > 0, (size - count(self.deny)) > 0)
 
+    @property
+    def full(self) -> torch.Tensor:
+        """Rows whose distinct list is full (they may only emit the end token). Shape: (R,), bool."""
+        return self.deny_count >= self.deny_limit
+
     def add_denied(self, ranks: torch.Tensor, where: torch.Tensor) -> None:
         """Deny rank ``ranks[i]`` in row i where ``where[i]`` (a completed entry of a distinct list); also drop it
-        from the row's allow set. Fixed shapes: written into the free slot, then each row is sorted again."""
+        from the row's allow set. Fixed shapes: written into the row's next free slot, then each row is sorted
+        again. A row with no free slot (it ignored the mask: :func:`apply_filters_` lets a full row emit only the
+        end token) keeps its set: nothing already denied is overwritten."""
         cap = self.deny.shape[1]
         col = torch.arange(cap, device=self.deny.device).unsqueeze(0)
+        fits = where & (self.deny_count < self.deny_limit)
         slot = self.deny_count.clamp(max=cap - 1).unsqueeze(1)
-        write = where.unsqueeze(1) & (col == slot)
+        write = fits.unsqueeze(1) & (col == slot)
         self.deny = torch.sort(torch.where(write, ranks.unsqueeze(1), self.deny), dim=1).values
-        self.deny_count = self.deny_count + where.long()
+        self.deny_count = self.deny_count + fits.long()
         drop = where.unsqueeze(1) & (self.allow == ranks.unsqueeze(1))
         self.allow = torch.sort(torch.where(drop, self.sentinel, self.allow), dim=1).values
 
@@ -265,7 +333,9 @@ def apply_filters_(
 ) -> torch.Tensor:
     """After a row's trie mask: block its children whose subtrees hold no usable entry, and its end token (and
     separator) where the entry ending at its node is not usable. A row left with nothing gets the end token at the
-    floor value (a distinct list that used every entry ends there). Fixed shapes, no host read.
+    floor value. In a distinct list the separator is blocked at the entry that fills the list or is its last
+    usable one (the list ends there, with the end token), and a full list allows nothing but the end token. Fixed
+    shapes, no host read.
 
     Args:
         logits: masked logits, modified in place. Shape: (B, V).
@@ -291,13 +361,29 @@ def apply_filters_(
     ok = filters.usable(bounds)
     own_ok = ok[:, 0] & terminal
     blocked = valid & ~ok[:, 1:]
+    if filters.distinct:
+        free = filters.deny_limit - filters.deny_count  # room left in each row's list
+        full = free <= 0
+        blocked = blocked | (valid & full.unsqueeze(1))
+        own_ok = own_ok & ~full
     tok = t.child_token[child].long().clamp(min=0)
     ends = _end_columns(rules, node.device).expand(len(node), -1)
     open_child = valid & ~blocked
     end_child = torch.stack([((tok == ends[:, k : k + 1]) & open_child).any(1) for k in range(ends.shape[1])], 1)
     block_end = (terminal & ~own_ok).unsqueeze(1) & ~end_child
+    if filters.distinct:
+        # The list's last entry ends with the end token: after a separator the row must start another entry, so the
+        # separator needs room in the list and another usable entry (besides this one: ranks [0, r) and [r+1, E)).
+        rr = r.clamp(min=0).unsqueeze(1)
+        everything = torch.full_like(rr, filters.order.num_entries)
+        around = filters.usable(torch.cat([torch.zeros_like(rr), rr, rr + 1, everything], 1))
+        other = around[:, 0] | around[:, 2]
+        last = terminal & ((free == 1) | ~other) & ~end_child[:, 1]
+        block_end = block_end | torch.stack([torch.zeros_like(last), last], 1)
+    # A blocked child whose token is also an end column the row keeps (its entry is usable) keeps that column.
+    kept_end = torch.stack([(tok == ends[:, k : k + 1]) for k in range(ends.shape[1])], 0).any(0) & own_ok.unsqueeze(1)
     cols = torch.cat([tok, ends], dim=1)
-    kill = torch.cat([blocked, block_end], dim=1)
+    kill = torch.cat([blocked & ~kept_end, block_end], dim=1)
     x = logits if rows is None else logits.index_select(0, rows)
     # amin with +inf keeps a value, with -inf blocks it: duplicate columns resolve the same way in any order.
     x.scatter_reduce_(1, cols, torch.where(kill, NEG_INF, float("inf")).to(x.dtype), reduce="amin")
@@ -321,6 +407,34 @@ def _end_columns(rules: Any, device: torch.device) -> torch.Tensor:
         cols = [rules.end_token_id] + ([rules.separator[0]] if rules.on_complete == "repeat" else [])
         _END_COLUMNS[key] = torch.tensor([cols], device=device)
     return _END_COLUMNS[key]
+
+
+def distinct_capacity(trie: TokenTrie, max_new_tokens: int, separator_length: int) -> int:
+    """The most entries a distinct list can complete in ``max_new_tokens`` tokens: a ``max_entries`` with which no
+    list ends early for want of capacity. Each entry but the last is followed by the separator and the last by one
+    token (the end token), so ``k`` entries of the shortest length ``s`` take at least
+    ``k * s + (k - 1) * separator_length + 1`` tokens; and a list holds each entry once.
+
+    Args:
+        trie: the list's trie (its shortest entry sets the bound).
+        max_new_tokens: the generation budget.
+        separator_length: tokens of the separator between entries.
+
+    Example:
+        >>> from trie_decode import TokenTrie
+        >>> trie = TokenTrie.from_sequences([[5], [6], [7], [8, 9]], vocab_size=12)
+        >>> distinct_capacity(trie, 5, 1)     # 5 SEP 6 END fits in 5 tokens; 5 SEP 6 SEP 7 END does not
+        2
+        >>> distinct_capacity(trie, 100, 1)   # never more than the trie's entries
+        4
+    """
+    for name, value in (("max_new_tokens", max_new_tokens), ("separator_length", separator_length)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ConstraintConfigError(f"{name} must be a positive integer, got {value!r}")
+    depth = np.searchsorted(trie.level_ptr, trie.entry_node, side="right") - 1
+    shortest = int(depth.min())
+    fit = (int(max_new_tokens) - 1 + int(separator_length)) // (shortest + int(separator_length))
+    return max(1, min(fit, trie.num_entries))
 
 
 def completed_ranks(node_before: torch.Tensor, node_after: torch.Tensor, dtrie: Any, order: EntryOrder) -> tuple[torch.Tensor, torch.Tensor]:

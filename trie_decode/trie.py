@@ -447,6 +447,7 @@ class TokenTrie:
             name=self._names[index] if self._names is not None else None,
             key=self._keys[index] if self._keys is not None else None,
             tokens=self.tokens_of(int(self.entry_node[index])),
+            item_keys=_catalog_item_keys(self, index) if self.extra else None,
         )
 
     def entry_at(self, node: int) -> Optional[Entry]:
@@ -692,3 +693,11 @@ class TokenTrie:
             f"TokenTrie(entries={self.num_entries}, nodes={self.num_nodes}, max_depth={self.max_depth}, "
             f"vocab_size={self.vocab_size})"
         )
+
+
+def _catalog_item_keys(trie: TokenTrie, index: int) -> Optional[tuple[str, ...]]:
+    """The item keys of entry ``index`` of a catalog built with keys, else None (:mod:`trie_decode.catalogs` owns
+    the arrays; imported here on use, as it builds on this module)."""
+    from .catalogs import entry_item_keys
+
+    return entry_item_keys(trie, index)

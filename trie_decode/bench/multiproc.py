@@ -26,7 +26,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-__all__ = ["make_tiny_model", "build_random_trie", "process_memory", "engine_processes", "TP_ENV", "PROMPTS"]
+__all__ = ["make_tiny_model", "build_random_trie", "process_memory", "engine_processes", "derived_arrays", "TP_ENV",
+           "PROMPTS"]
 
 #: Environment for a tensor-parallel engine of 2 workers on a 2-core, 1-NUMA-node machine.
 TP_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
@@ -150,6 +151,32 @@ def process_memory(procs: dict[str, int], trie_path: Optional[str] = None) -> di
     return out
 
 
+def derived_arrays(trie_path: str | os.PathLike) -> dict:
+    """What a process that masks with the trie (the processor's CPU constraint, default span rules) holds beyond the
+    mapped file, in bytes: the step table, and the ``DeviceTrie`` tensors split into those that share the file's
+    pages and those it allocated (the derived arrays a CPU engine never builds are not counted)."""
+    import numpy as np
+
+    from trie_decode import TokenTrie
+    from trie_decode.constraint import SpanRules, TrieConstraint
+
+    trie = TokenTrie.load(trie_path)
+    c = TrieConstraint(trie, SpanRules(0), "cpu")
+    d = c.dtries[0]
+    shared = private = 0
+    for _, t in d.tensors.items():
+        size = t.numel() * t.element_size()
+        view = np.asarray(t.numpy())
+        if any(np.shares_memory(view, a) for a in (trie.child_ptr, trie.token)):
+            shared += size
+        else:
+            private += size
+    table = c.tables[0].tensor
+    return {"step_table_bytes": table.numel() * table.element_size(), "step_table_shape": list(table.shape),
+            "device_trie_shared_with_file_bytes": shared, "device_trie_private_bytes": private,
+            "nodes": trie.num_nodes}
+
+
 # ------------------------------------------------------------------------------------------------- the experiment
 def _generate(llm: Any, tok: Any, tries: list) -> list[list[int]]:
     from vllm import SamplingParams
@@ -211,7 +238,8 @@ def main(out_dir: str) -> dict:
                            stdout=log, stderr=subprocess.STDOUT, env=env, timeout=1800)
         runs[f"tp{tp}"] = json.loads(result_path.read_text()) if result_path.is_file() else {"error": "see log"}
     ok = all("outputs_big" in r for r in runs.values())
-    result = {"trie": info, "runs": runs,
+    result = {"units": "memory figures in bytes (the docs show MiB, 2**20 bytes)", "trie": info,
+              "derived_per_process": derived_arrays(big), "runs": runs,
               "tp2_outputs_equal_tp1": ok and runs["tp1"]["outputs_small"] == runs["tp2"]["outputs_small"]
               and runs["tp1"]["outputs_big"] == runs["tp2"]["outputs_big"]}
     (out / "vllm_multiproc.json").write_text(json.dumps(result, indent=2))

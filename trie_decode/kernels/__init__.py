@@ -40,9 +40,9 @@ import torch
 
 from . import native
 from .fixed import FIXED_KERNEL
-from .vectorized import NUMPY_KERNEL, TORCH_KERNEL
+from .vectorized import ALL_MASKED_FLOOR, NUMPY_KERNEL, TORCH_KERNEL
 
-__all__ = ["select", "planner", "KERNELS"]
+__all__ = ["select", "planner", "mask_end_only_", "KERNELS"]
 
 KERNELS = ("native", "numpy", "torch")
 _NATIVE = native.NativeKernel()
@@ -71,3 +71,17 @@ def select(device: torch.device | str, name: Optional[str] = None) -> Any:
     if name == "native" and not native.AVAILABLE:
         raise ValueError("the native kernel (trie_decode._kernel) is not built in this install")
     return _NATIVE if name == "native" else NUMPY_KERNEL
+
+
+def mask_end_only_(logits: torch.Tensor, rows: torch.Tensor, end_token_id: int) -> torch.Tensor:
+    """The DONE state's mask for rows that have no trie (e.g. a vLLM request refused in the engine, which must end):
+    every logit of logits rows ``rows`` but the end token's becomes -inf; an end token another processor banned
+    gets the floor (``ALL_MASKED_FLOOR``), as in every kernel. Any device, no host read.
+
+    Args:
+        logits: Shape: (B, V), modified in place. rows: Shape: (R,), int64, on the logits' device.
+    """
+    keep = logits[rows, end_token_id]
+    logits.index_fill_(0, rows, float("-inf"))
+    logits[rows, end_token_id] = torch.where(keep == float("-inf"), torch.full_like(keep, ALL_MASKED_FLOOR), keep)
+    return logits
