@@ -44,6 +44,7 @@ from typing import Any, Callable, Collection, Hashable, Optional, Sequence, Unio
 from trie_decode.constraint import ON_COMPLETE_MODES, SpanRules
 from trie_decode.errors import TrieDecodeError
 from trie_decode.filters import entry_indices
+from trie_decode.live import apply_delta_file, delta_stat
 from trie_decode.options import build_rules
 from trie_decode.tokenizers import fingerprint_matches, tokenize_strings, tokenizer_fingerprint, tokenizer_vocab_size
 from trie_decode.trie import TokenTrie
@@ -452,7 +453,10 @@ class TrieResolver:
         resolved = policy.resolve(value)  # the same refusal for every path outside the allowed directories
         with policy.open(resolved) as handle:  # regular files only, never blocking
             st = os.fstat(handle.fileno())
-            key = (resolved.path, st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
+            # A live catalog's delta file beside the trie file (trie_decode.live) is part of the key: a new or
+            # replaced delta reloads, and new requests decode the base with its changes folded in.
+            delta = delta_stat(resolved.path)
+            key = (resolved.path, st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size, delta)
             found = self._files.get(key)
             if found is not None:
                 return found, key
@@ -462,6 +466,8 @@ class TrieResolver:
             start = time.perf_counter()
             try:
                 trie = TokenTrie.load(handle, verify=True)
+                if delta is not None:
+                    trie = apply_delta_file(trie, delta[0])
             except (TrieDecodeError, OSError, ValueError, KeyError, TypeError, IndexError, MemoryError) as exc:
                 raise policy.load_failed(resolved, exc) from None
             finally:

