@@ -189,6 +189,9 @@ class TrieLogitsProcessor(LogitsProcessor):
             (``None`` items: no filter). See :mod:`trie_decode.filters`.
         distinct (`bool`, defaults to False): with ``on_complete="repeat"``, an entry appears at most once in a
             row's list.
+        max_entries (`int`, defaults to 64): with ``distinct``, the most entries a row's list holds; a full list
+            ends with the end token (:func:`trie_decode.filters.distinct_capacity` gives the most a token budget
+            allows).
         check_prompt (`bool`, defaults to False): at the start of each generation, check every prompt against its
             trie (:func:`trie_decode.check_prompt`; needs ``tokenizer``, and no ``trigger``) and issue a
             :class:`~trie_decode.PromptMismatchWarning` with the exact fix for each disagreement: a prompt that ends
@@ -227,6 +230,7 @@ class TrieLogitsProcessor(LogitsProcessor):
         allow: Any = None,
         deny: Any = None,
         distinct: bool = False,
+        max_entries: int = 64,
         check_prompt: bool = False,
     ) -> None:
         # Live catalogs (trie_decode.live): every generation takes the catalog's snapshot when it starts.
@@ -241,7 +245,7 @@ class TrieLogitsProcessor(LogitsProcessor):
         self._check_with = tokenizer if check_prompt else None
         self.rules = build_rules(tokenizer, end_token_id, on_complete, separator, trigger)
         self._filtered = allow is not None or deny is not None or bool(distinct)
-        self._filter_specs: tuple = (None, None, False, 0)
+        self._filter_specs: tuple = (None, None, False, 0, max_entries)
         if self._filtered:  # resolved (keys to entry indices) and checked now, once: a bad key fails here
             probe = (TrieConstraint(self.tries, self.rules, "cpu") if self._live is None
                      else self._snapshot.constraint(self.rules, "cpu"))
@@ -255,8 +259,9 @@ class TrieLogitsProcessor(LogitsProcessor):
                 return entry_indices(self.tries[0], spec, what)
 
             allow, deny = resolve(allow, "allow"), resolve(deny, "deny")
-            probe.filters(n or 1, filter_rows(allow, n, n or 1), filter_rows(deny, n, n or 1), distinct=distinct)
-            self._filter_specs = (allow, deny, bool(distinct), n)
+            probe.filters(n or 1, filter_rows(allow, n, n or 1), filter_rows(deny, n, n or 1), distinct=distinct,
+                          max_entries=max_entries)
+            self._filter_specs = (allow, deny, bool(distinct), n, max_entries)
         self._constraints: dict[str, TrieConstraint] = {}
         self._last_constraint: Optional[TrieConstraint] = None
         self._hasher = _PrefixHasher()
@@ -314,9 +319,9 @@ class TrieLogitsProcessor(LogitsProcessor):
         self._hashes = self._hasher.hash(self._groups, input_ids[:, :0]) if loop.reorders and loop.parents is None else None
         self._filters = None
         if self._filtered:
-            allow, deny, distinct, n = self._filter_specs
+            allow, deny, distinct, n, max_entries = self._filter_specs
             self._filters = constraint.filters(batch, filter_rows(allow, n, batch), filter_rows(deny, n, batch),
-                                               distinct=distinct)
+                                               distinct=distinct, max_entries=max_entries)
         self._start = cur
         self._loop = loop
         self.steps = 0
@@ -539,7 +544,7 @@ def rank(
         merged = 0
         for i in range(p * beams, (p + 1) * beams):
             entry, score = entries[i], scores[i]
-            if entry is None or score == float("-inf") or score != score:
+            if entry is None or score <= _UNFINISHED or score != score:
                 continue
             ident = entry_identity(entry)  # the forms of one string (leading_space=[True, False]) are one entry
             if ident in seen:
@@ -551,6 +556,11 @@ def rank(
         best.duplicates = merged
         ranked.append(best)
     return ranked
+
+
+#: transformers' beam search adds -1e9 to a beam it must not return (one that did not finish): such beams are
+#: padding, not results.
+_UNFINISHED = -1e8
 
 
 def _renormalized(model: Any, inputs: dict, sequences: torch.Tensor, processor: "TrieLogitsProcessor",

@@ -191,9 +191,12 @@ def test_filtered_torch_step_never_reads_the_device():
     f = c.filters(rows, allow=allow, deny=deny, distinct=True, max_entries=2)
     state = c.start(rows)
     perm = torch.tensor([1, 0, 3, 2])
+    gen = torch.Generator().manual_seed(0)
     with no_host_sync():
         for step in range(12):
-            logits = c.mask_(torch.randn(rows, 20), state, filters=f)
+            scores = torch.randn(rows, 20, generator=gen)
+            scores[:, END] = -50.0  # rows go on with their lists while they may: the lists fill up
+            logits = c.mask_(scores, state, filters=f)
             state = c.advance(state, logits.argmax(1), filters=f)
             if step % 3 == 2:
                 f, state = f.select(perm), state.select(perm)
@@ -355,7 +358,7 @@ def test_rank_distinct_renormalized_and_filtered(tiny_llama):
     trie = TokenTrie.from_sequences(ENTRIES, vocab_size=tiny_llama.config.vocab_size, keys=KEYS)
     inputs = {"input_ids": torch.tensor([[5, 6, 7]]), "attention_mask": torch.ones(1, 3, dtype=torch.long)}
     raw = rank(tiny_llama, inputs, trie, 6, end_token_id=END, num_beams=12)[0]
-    assert sorted(r.entry.key for r in raw) == sorted(KEYS) and raw.duplicates >= 0
+    assert sorted(r.entry.key for r in raw) == sorted(KEYS) and raw.duplicates == 0  # unfinished beams are not results
     norm = rank(tiny_llama, inputs, trie, 6, end_token_id=END, num_beams=12, renormalize=True)[0]
     assert abs(sum(np.exp(r.log_prob) for r in norm) - 1.0) < 1e-3
     assert {r.entry.key for r in norm} == set(KEYS)
@@ -392,3 +395,19 @@ def test_rank_merges_two_tokenizations_of_one_entry_and_counts_them(tiny_llama, 
                 scores.append(sum(logp[i - 1, ids[i]].item() for i in range(len(prompt), len(ids))))
             assert len(scores) == 2 and abs(r.log_prob - max(scores)) < 1e-3, (r, scores)
     assert [r.log_prob for r in ranked] == sorted((r.log_prob for r in ranked), reverse=True)
+
+
+def test_processor_distinct_lists_hold_max_entries(tiny_llama):
+    """TrieLogitsProcessor(max_entries=k): each row's distinct list holds at most k entries, then ends."""
+    from trie_decode.integrations.transformers import TrieLogitsProcessor
+
+    trie = TokenTrie.from_sequences(ENTRIES, vocab_size=tiny_llama.config.vocab_size, keys=KEYS)
+    proc = TrieLogitsProcessor(trie, end_token_id=END, on_complete="repeat", separator=[SEP], distinct=True, max_entries=2)
+    inputs = {"input_ids": torch.tensor([[5, 6, 7]] * 4), "attention_mask": torch.ones(4, 3, dtype=torch.long)}
+    torch.manual_seed(1)
+    out = tiny_llama.generate(**inputs, logits_processor=[proc], max_new_tokens=30, pad_token_id=END, eos_token_id=END,
+                              do_sample=True)
+    lists = [[e.key for e in row] for row in proc.match_all(out)]
+    assert all(1 <= len(keys) <= 2 and len(set(keys)) == len(keys) for keys in lists), lists
+    with pytest.raises(ConstraintConfigError, match="max_entries must be a positive integer"):
+        TrieLogitsProcessor(trie, end_token_id=END, on_complete="repeat", separator=[SEP], distinct=True, max_entries=0)

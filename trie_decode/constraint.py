@@ -341,6 +341,8 @@ class TrieConstraint:
             raise ConstraintConfigError('filters need on_complete="eos" or "repeat" (a released row is unconstrained)')
         if distinct and self.rules.on_complete != "repeat":
             raise ConstraintConfigError('distinct=True needs on_complete="repeat" (a list of entries)')
+        if distinct and (isinstance(max_entries, bool) or not isinstance(max_entries, (int, np.integer)) or max_entries < 1):
+            raise ConstraintConfigError(f"max_entries must be a positive integer, got {max_entries!r}")
         trie = self.tries[0]
 
         def per_row(spec: Any, what: str) -> list[Optional[np.ndarray]]:
