@@ -42,10 +42,11 @@ from dataclasses import dataclass
 from typing import Any, Callable, Collection, Hashable, Optional, Sequence, Union
 
 from trie_decode.constraint import ON_COMPLETE_MODES, SpanRules
-from trie_decode.errors import TrieDecodeError
+from trie_decode.errors import ConstraintConfigError, TrieDecodeError
 from trie_decode.filters import entry_indices
 from trie_decode.live import apply_delta_file, delta_stat
-from trie_decode.options import build_rules
+from trie_decode.options import build_rules, first_eos
+from trie_decode.spans import token_tuple
 from trie_decode.tokenizers import fingerprint_matches, tokenize_strings, tokenizer_fingerprint, tokenizer_vocab_size
 from trie_decode.trie import TokenTrie
 
@@ -137,22 +138,20 @@ def _fail(msg: str) -> None:
 
 
 def _tokens_option(value: Any, what: str) -> Any:
+    """A request's separator, trigger or prefix: text (tokenized later, with the engine's tokenizer) or token ids,
+    checked as :func:`trie_decode.spans.token_tuple` checks them."""
     if value is None:
         return None
     if isinstance(value, str):
         if not value:
             _fail(f"extra_args[{what!r}] is the empty string")
         return value
-    if isinstance(value, bool):
-        _fail(f"extra_args[{what!r}] must be text or token ids, got {value!r}")
-    if isinstance(value, int):
-        value = [value]
-    if not isinstance(value, (list, tuple)) or not value:
+    if isinstance(value, (list, tuple)) and not value:
         _fail(f"extra_args[{what!r}] must be text or a non-empty list of token ids, got {value!r:.80}")
-    for tok in value:
-        if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0:
-            _fail(f"extra_args[{what!r}] holds {tok!r:.40}, not a non-negative token id")
-    return tuple(int(t) for t in value)
+    try:
+        return token_tuple(value, f"extra_args[{what!r}]")
+    except ConstraintConfigError as exc:
+        raise TrieRequestError(str(exc)) from None
 
 
 def _inline_payload(value: list, max_entries: int, max_bytes: int) -> tuple[str, tuple]:
@@ -431,7 +430,7 @@ class TrieResolver:
     def __init__(self, tokenizer: Any, end_token_id: Optional[int] = None, logits_width: Optional[int] = None) -> None:
         self.tokenizer = tokenizer
         if end_token_id is None:
-            end_token_id = getattr(tokenizer, "eos_token_id", None)
+            end_token_id = first_eos(getattr(tokenizer, "eos_token_id", None))
         if end_token_id is None:
             raise TrieRequestError("the engine's tokenizer has no eos_token_id: the end token is unknown")
         self.end_token_id = int(end_token_id)
