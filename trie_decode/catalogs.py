@@ -30,15 +30,13 @@ from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 
-from .entries import StringTable
+from .entries import ITEM_IDS, ITEM_KEYS_BLOB, ITEM_KEYS_OFFSETS, ITEM_PTR, StringTable
 from .errors import InvalidEntryError, InvalidTokenError
 from .trie import MAX_VOCAB_SIZE, TokenTrie
 
 __all__ = ["catalog_from_codes", "items_of", "item_keys_of", "item_entries", "item_key_table"]
 
 # The ``extra`` arrays of a catalog (saved in its file): each entry's items, and every item's key.
-ITEM_PTR, ITEM_IDS = "catalog_item_ptr", "catalog_item_ids"
-ITEM_KEYS_BLOB, ITEM_KEYS_OFFSETS = "catalog_item_keys_blob", "catalog_item_keys_offsets"
 
 
 def catalog_from_codes(
@@ -309,12 +307,6 @@ def item_keys_of(trie: TokenTrie, entry: int) -> list[str]:
     if table is None:
         raise InvalidEntryError("this catalog was built without item keys")
     return [table[int(i)] for i in items_of(trie, entry)]
-
-
-def entry_item_keys(trie: TokenTrie, entry: int) -> Optional[tuple[str, ...]]:
-    """:func:`item_keys_of` as a tuple, or None for a trie that is not a catalog with item keys
-    (``Entry.item_keys``)."""
-    return tuple(item_keys_of(trie, entry)) if ITEM_KEYS_BLOB in trie.extra and ITEM_PTR in trie.extra else None
 
 
 def item_entries(trie: TokenTrie) -> np.ndarray:

@@ -8,11 +8,11 @@ strings live in one UTF-8 byte blob with offsets, decoded only when an entry is 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
-__all__ = ["Entry", "StringTable"]
+__all__ = ["Entry", "StringTable", "catalog_item_keys"]
 
 
 @dataclass(frozen=True)
@@ -96,3 +96,20 @@ class StringTable:
         shifts = np.cumsum([0] + [len(b) for b in blobs[:-1]])
         offsets = np.concatenate([np.zeros(1, dtype=np.int64)] + [t.offsets[1:] + s for t, s in zip(tables, shifts)])
         return StringTable(np.concatenate(blobs) if blobs else np.zeros(0, np.uint8), offsets.astype(np.int64))
+
+
+# A semantic-id catalog (trie_decode.catalogs) keeps its items in the trie's extra arrays: the items of entry e are
+# ITEM_IDS[ITEM_PTR[e] : ITEM_PTR[e + 1]] (rows of the codes array), and their keys, when given, a StringTable in
+# item order. The layout is here, below the trie, so that an entry can carry its item keys.
+ITEM_PTR, ITEM_IDS = "catalog_item_ptr", "catalog_item_ids"
+ITEM_KEYS_BLOB, ITEM_KEYS_OFFSETS = "catalog_item_keys_blob", "catalog_item_keys_offsets"
+
+
+def catalog_item_keys(extra: Mapping[str, np.ndarray], entry: int) -> Optional[tuple[str, ...]]:
+    """The keys of every item of entry ``entry`` of a catalog built with keys, in input order; None for any other
+    trie (``Entry.item_keys``)."""
+    if ITEM_KEYS_BLOB not in extra or ITEM_PTR not in extra:
+        return None
+    ptr, ids = extra[ITEM_PTR], extra[ITEM_IDS]
+    table = StringTable(extra[ITEM_KEYS_BLOB], extra[ITEM_KEYS_OFFSETS])
+    return tuple(table[int(i)] for i in ids[ptr[entry] : ptr[entry + 1]])

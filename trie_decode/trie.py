@@ -32,9 +32,10 @@ from typing import Any, BinaryIO, Iterable, Mapping, Optional, Sequence
 import numpy as np
 
 from ._build import BuiltArrays, build_arrays, check_tokens, to_ragged
-from .entries import Entry, StringTable
-from .errors import InvalidEntryError, InvalidTokenError, TokenizerMismatchError, TrieFileError
+from .entries import Entry, StringTable, catalog_item_keys
+from .errors import EmptyTrieError, InvalidEntryError, InvalidTokenError, TokenizerMismatchError, TrieFileError
 from .fileio import read_arrays, write_arrays
+from .forms import resolve_forms, tokenize_forms
 from .tokenizers import fingerprint_matches, tokenizer_fingerprint, tokenizer_vocab_size
 
 __all__ = ["TokenTrie", "TrieStats"]
@@ -267,8 +268,6 @@ class TokenTrie:
             >>> [both.entry(i).name for i in range(both.num_entries)]                                # doctest: +SKIP
             ['France', 'France']
         """
-        from .forms import resolve_forms, tokenize_forms
-
         if isinstance(strings, (str, bytes)):
             raise InvalidEntryError("expected a collection of strings, got a single string")
         strings = list(strings)
@@ -278,8 +277,6 @@ class TokenTrie:
             if s == "":
                 raise InvalidEntryError(f"entry {i} is the empty string: every entry needs at least one token")
         if not strings:
-            from .errors import EmptyTrieError
-
             raise EmptyTrieError("the set of entries is empty: a trie needs at least one entry")
         if keys is not None and len(keys) != len(strings):
             raise InvalidEntryError(f"keys has {len(keys)} items but there are {len(strings)} strings")
@@ -447,7 +444,7 @@ class TokenTrie:
             name=self._names[index] if self._names is not None else None,
             key=self._keys[index] if self._keys is not None else None,
             tokens=self.tokens_of(int(self.entry_node[index])),
-            item_keys=_catalog_item_keys(self, index) if self.extra else None,
+            item_keys=catalog_item_keys(self.extra, index) if self.extra else None,
         )
 
     def entry_at(self, node: int) -> Optional[Entry]:
@@ -693,11 +690,3 @@ class TokenTrie:
             f"TokenTrie(entries={self.num_entries}, nodes={self.num_nodes}, max_depth={self.max_depth}, "
             f"vocab_size={self.vocab_size})"
         )
-
-
-def _catalog_item_keys(trie: TokenTrie, index: int) -> Optional[tuple[str, ...]]:
-    """The item keys of entry ``index`` of a catalog built with keys, else None (:mod:`trie_decode.catalogs` owns
-    the arrays; imported here on use, as it builds on this module)."""
-    from .catalogs import entry_item_keys
-
-    return entry_item_keys(trie, index)
