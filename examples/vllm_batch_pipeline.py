@@ -3,8 +3,9 @@
 #
 # Constrained generation over a dataset: every row names its own trie in `sampling_params["extra_args"]` (a trie
 # file, a registered name, or an inline JSON list), and Ray Data's vLLM stage (`ray.data.llm`) runs the engine
-# replicas with `TrieLogitsProcessor` loaded. The same script scales from this machine to a cluster by
-# configuration alone:
+# replicas with `TrieLogitsProcessor` loaded. Rows go in and out through Ray Data only (`ray.data.read_json`,
+# the chat template in Ray's chat-template stage, `Dataset.write_json`): the driver never holds the dataset, so the
+# same script scales from this machine to a cluster by configuration alone:
 #
 # | knob | here | on a cluster |
 # |---|---|---|
@@ -12,15 +13,16 @@
 # | `--replicas` | 1 engine | N engines (Ray Data's actor pool; `N,M` autoscales between N and M) |
 # | `--device`, `--tp` | `cpu`, 1 | `gpu`, the tensor-parallel size of each replica |
 # | `--batch-size`, `--max-num-seqs` | 8, 16 | rows per engine call, the engine's batch |
-# | `--input`, `--output` | a demo dataset, a local folder | JSONL on shared storage (`s3://...`, NFS) |
+# | `--input`, `--output` | a demo dataset, a local folder | JSONL files or folders on shared storage (`s3://`, NFS) |
 # | trie files | a temporary folder | the same path on every node (shared storage), or registered names |
 #
 # Every engine process reads `TRIE_DECODE_ALLOWED_DIRS` (the folders whose trie files rows may name; closed by
 # default, see docs/vllm.md "Security"): the script passes it, and the vLLM settings, to Ray's workers through
 # `runtime_env`.
 #
-# Run: `python examples/vllm_batch_pipeline.py` (a demo dataset of 8 rows; about 3 minutes on 2 CPU cores, most of
-# it Ray's and the engine's start-up). `--help` lists the knobs.
+# Run: `python examples/vllm_batch_pipeline.py` (a demo dataset of 8 rows; 42 s on 2 CPU cores at load average 3,
+# most of it Ray's and the engine's start-up). `--help` lists the knobs. It prints the first `--show` rows of what
+# it wrote, read back through Ray Data.
 
 # %%
 import argparse
@@ -38,9 +40,12 @@ FQCN = "trie_decode.integrations.vllm:TrieLogitsProcessor"
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Trie-constrained batch generation with Ray Data + vLLM.")
-    p.add_argument("--input", help="JSONL rows with 'id', 'question' (or a ready 'prompt') and 'trie' (a path, a "
-                                   "registered name or a JSON list); default: a demo dataset")
-    p.add_argument("--output", help="output folder (JSONL); default: a temporary folder")
+    p.add_argument("--input", help="JSONL file(s) or folder, local or remote (s3://, gs://, ...): rows with 'id', "
+                                   "'question' and 'trie' (a path, a registered name or a JSON list as a string); "
+                                   "default: a demo dataset")
+    p.add_argument("--output", help="output folder, local or remote, that must not exist yet (JSONL files, one per "
+                                    "block); default: a temporary folder")
+    p.add_argument("--show", type=int, default=8, help="rows of the output to print")
     p.add_argument("--model", help="model folder or hub id (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--ray-address", default=os.environ.get("RAY_ADDRESS"), help="Ray cluster (default: a local Ray)")
     p.add_argument("--cpus", type=int, default=2, help="CPUs of the local Ray (ignored with --ray-address)")
@@ -58,8 +63,9 @@ def parse_args(argv=None):
 PREFILL = "The answer is"  # the prompt ends with it; entries start with a space (tries built with leading_space)
 
 
-def demo_rows(tokenizer, folder: Path) -> list[dict]:
-    """Eight questions, three tries: two files (countries, languages) and an inline JSON list (colors)."""
+def demo_input(tokenizer, folder: Path) -> str:
+    """Eight questions, three tries (two files, countries and languages, and an inline JSON list of colors), written
+    as a JSONL file like any input; returns its path."""
     import pycountry
 
     from trie_decode import TokenTrie
@@ -74,7 +80,10 @@ def demo_rows(tokenizer, folder: Path) -> list[dict]:
           ("Which country has Tokyo as its capital?", countries), ("Which country is Madrid in?", countries),
           ("What color is grass?", colors), ("What color is the sky on a clear day?", colors),
           ("What language is spoken in Brazil?", languages), ("Which language do people in Germany speak?", languages)]
-    return [{"id": i, "question": q, "trie": str(t)} for i, (q, t) in enumerate(qa)]
+    path = folder / "input" / "rows.jsonl"
+    path.parent.mkdir()
+    path.write_text("".join(json.dumps({"id": i, "question": q, "trie": str(t)}) + "\n" for i, (q, t) in enumerate(qa)))
+    return str(path)
 
 
 def engine_config(args, model: str):
@@ -101,18 +110,26 @@ def engine_config(args, model: str):
         batch_size=args.batch_size,
         concurrency=replicas if len(replicas) > 1 else replicas[0],
         log_engine_metrics=False,
-        # Prompts arrive as text (chat template applied on the driver): no tokenizer actors to start.
-        chat_template_stage={"enabled": False}, tokenize_stage={"enabled": False}, detokenize_stage={"enabled": False},
+        # The chat template runs in Ray's own stage (an actor pool beside the engines). It reserves no CPU: it is a
+        # Jinja template per row, and any reservation would leave two local CPUs short of a whole CPU for the read
+        # and write tasks next to the engine (they would wait forever). The engine tokenizes and detokenizes.
+        chat_template_stage={"enabled": True, "concurrency": 1, "num_cpus": 0},
+        tokenize_stage={"enabled": False}, detokenize_stage={"enabled": False},
     )
 
 
-def preprocess(row: dict) -> dict:
-    """One request per row: its prompt, and its own trie in extra_args (trie_decode's request keys)."""
-    return dict(
-        prompt=row["prompt"],
-        sampling_params=dict(temperature=0.0, max_tokens=int(row["max_tokens"]), extra_args={"trie": row["trie"]}),
-        id=row["id"], question=row["question"], trie=row["trie"],
-    )
+def make_preprocess(max_tokens: int):
+    """The per-row request: the chat messages (an assistant message ``PREFILL`` that the answer continues) and the
+    row's own trie in extra_args (trie_decode's request keys)."""
+
+    def preprocess(row: dict) -> dict:
+        return dict(
+            messages=[{"role": "user", "content": row["question"]}, {"role": "assistant", "content": PREFILL}],
+            sampling_params=dict(temperature=0.0, max_tokens=max_tokens, extra_args={"trie": row["trie"]}),
+            id=row["id"], question=row["question"], trie=row["trie"],
+        )
+
+    return preprocess
 
 
 def postprocess(row: dict) -> dict:
@@ -125,26 +142,18 @@ if __name__ == "__main__":
     args = parse_args()
     import ray
     from ray.data.llm import build_processor
-    from transformers import AutoTokenizer
 
     from trie_decode.integrations.smollm2 import smollm2_path
 
     model = args.model or smollm2_path()
-    tokenizer = AutoTokenizer.from_pretrained(model)
     work = Path(tempfile.mkdtemp(prefix="trie_batch_"))
-    out_dir = Path(args.output) if args.output else work / "out"
-    if args.input:
-        rows = [json.loads(line) for line in Path(args.input).read_text().splitlines() if line.strip()]
-    else:
-        rows = demo_rows(tokenizer, work)
+    output = args.output or str(work / "out")
+    source = args.input
+    if source is None:  # the demo: tries and rows in a local folder (a cluster needs them on shared storage)
+        from transformers import AutoTokenizer
+
+        source = demo_input(AutoTokenizer.from_pretrained(model), work)
         args.allowed_dir.append(str(work))
-    for r in rows:  # the chat template on the driver, once per row (a row may bring its own "prompt" text)
-        if "prompt" in r:
-            r["max_tokens"] = args.max_tokens
-            continue
-        chat = [{"role": "user", "content": r["question"]}]
-        r["prompt"] = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) + PREFILL
-        r["max_tokens"] = args.max_tokens
 
     env_vars = {k: os.environ[k] for k in ("VLLM_CPU_KVCACHE_SPACE", "TOKENIZERS_PARALLELISM", "VLLM_CPU_OMP_THREADS_BIND",
                                            "TRIE_DECODE_NAMED_TRIES") if k in os.environ}
@@ -159,15 +168,13 @@ if __name__ == "__main__":
                  runtime_env={"env_vars": env_vars})
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False
-    processor = build_processor(engine_config(args, model), preprocess=preprocess, postprocess=postprocess)
-    results = processor(ray.data.from_items(rows)).take_all()
+    processor = build_processor(engine_config(args, model), preprocess=make_preprocess(args.max_tokens),
+                                postprocess=postprocess)
+    # Read, generate and write stream through the cluster: blocks go from the readers to the engines to the writers.
+    processor(ray.data.read_json(source)).write_json(output, mode="error")
     elapsed = time.perf_counter() - t0
-    results.sort(key=lambda r: r["id"])
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with open(out_dir / "results.jsonl", "w") as f:
-        for r in results:
-            f.write(json.dumps(r) + "\n")
-    for r in results:
+    written = ray.data.read_json(output)  # what was written, read back (a count, and a few rows to show)
+    for r in sorted(written.take(args.show), key=lambda r: r["id"]):
         print(f"{r['question']:<45} {r['answer']!r}")
-    print(f"{len(results)} rows in {elapsed:.1f} s (Ray and engine start-up included); results in {out_dir}/results.jsonl")
+    print(f"{written.count()} rows in {elapsed:.1f} s (Ray and engine start-up included); results in {output}")
     ray.shutdown()

@@ -17,12 +17,15 @@ How each step gets the log-probs of exactly the allowed tokens:
    that, for requests flagged ``raw_logprobs``, first replaces the row by its ``log_softmax`` (the raw log-probs,
    what transformers' beam search scores), then masks it as usual (every token the trie, or any other filter of the
    processor, refuses becomes -inf). With ``logprobs_mode="processed_logprobs"`` it also puts the refused mass,
-   ``log(1 - P(allowed))``, on one refused token (the *sink*), so that vLLM's own ``log_softmax`` of the processed
-   row returns the raw log-probs unchanged (its normalizer is then ``log 1 = 0``); with
-   ``logprobs_mode="processed_logits"`` the processed row is returned as is and needs no sink.
+   ``log(1 - P(allowed))``, on one token the mask refused (the *sink*), so that vLLM's own ``log_softmax`` of the
+   processed row returns the raw log-probs unchanged (its normalizer is then ``log 1 = 0``); with
+   ``logprobs_mode="processed_logits"`` the processed row is returned as is and needs no sink. The sink is never a
+   token a beam could take: not the end token, a separator or trigger token, nor a child of the row's node
+   (a child a filter refused included), and never a token another processor banned.
 3. vLLM returns the top ``beam_width + 2`` processed log-probs per beam (``logprobs=K``): by construction they are
-   the beam's best *allowed* tokens with their raw log-probs. The host keeps only tokens the trie allows from the
-   beam's node (``TokenTrie.children``, plus the end token at a terminal node), which drops the sink.
+   the beam's best *allowed* tokens with their raw log-probs. The host keeps only the tokens the core's own mask
+   (``TrieConstraint.mask_`` with the request's rules and allow/deny filters, the call the engine makes) leaves
+   open at the beam's state, which drops the sink: host and engine cannot disagree on what a beam may take.
 
 Why the conversion needs step 2: after the trie mask alone, vLLM's processed log-probs are renormalized over the
 allowed tokens (``raw - log P(allowed)``), and ``P(allowed)`` cannot be recovered from what vLLM returns; raw
@@ -80,10 +83,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Optional, Sequence, Union
 
+import numpy as np
 import torch
 
+from trie_decode.constraint import RowState, TrieConstraint
 from trie_decode.entries import Entry
-from trie_decode.trie import TokenTrie
+from trie_decode.filters import RowFilters
 
 from .vllm import TrieLogitsProcessor, _resolver_for
 from .vllm_requests import TrieRequestError, parse_trie_request
@@ -163,26 +168,70 @@ class TrieBeamLogitsProcessor(TrieLogitsProcessor):
     def apply(self, logits: torch.Tensor, ctx: Any = None) -> torch.Tensor:  # type: ignore[override]
         if not self._raw:
             return super().apply(logits, ctx)
-        if ctx is None:  # V1: the persistent-batch index is the logits row
+        if ctx is None:  # V1: the persistent-batch index is the logits row (and the slot)
             rows = sorted(self._raw)
+            slots = rows
         else:
-            rows = [i for i, s in enumerate(ctx.idx_mapping_np.tolist()) if s in self._raw]
+            mapping = ctx.idx_mapping_np.tolist()
+            rows = [i for i, s in enumerate(mapping) if s in self._raw]
+            slots = [mapping[i] for i in rows]
         if not rows:
             return super().apply(logits, ctx)
         idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
-        logits[idx] = torch.log_softmax(logits[idx].float(), dim=-1).to(logits.dtype)
+        sub = logits[idx]
+        before = torch.isfinite(sub)  # what the model and earlier processors left open
+        logits[idx] = torch.log_softmax(sub.float(), dim=-1).to(logits.dtype)
         logits = super().apply(logits, ctx)
         if self._sink:
-            sub = logits[idx]
-            refused = ~torch.isfinite(sub)
-            has = refused.any(dim=1)
-            if bool(has.any()):
-                lse = torch.logsumexp(sub.float(), dim=1).clamp(max=0.0)  # log P(allowed), <= 0
-                rest = torch.log(-torch.expm1(lse))  # log(1 - P(allowed)); -inf when P rounds to 1
-                col = refused.to(torch.uint8).argmax(dim=1)  # the first refused token of each row
-                keep = has.nonzero().squeeze(1)
-                logits[idx[keep], col[keep]] = rest[keep].to(logits.dtype)
+            self._put_sink(logits, idx, before, slots)
         return logits
+
+    def _put_sink(self, logits: torch.Tensor, idx: torch.Tensor, before: torch.Tensor, slots: list[int]) -> None:
+        """Put each flagged row's refused mass, ``log(1 - P(allowed))``, on one token this processor refused.
+
+        The sink must be a token the host never accepts: the host accepts exactly the tokens the same mask allows
+        (:meth:`_PromptSearch.allowed`), so any token refused here qualifies, but a token another processor banned
+        (-inf before this processor) does not (the trie may allow it). Among the refused tokens, the end token,
+        the separator and trigger tokens and the children of the row's node are avoided as well (the lowest other
+        id is taken); only when nothing else is left (a node whose children fill the vocabulary) does the sink fall
+        on one of them, which the host still refuses.
+        """
+        sub = logits[idx]
+        ours = before & ~torch.isfinite(sub)  # refused by the trie or the filters
+        has = ours.any(dim=1)
+        if not bool(has.any()):
+            return
+        preferred = ours.clone()
+        r, c = self._acceptable_columns(slots, sub.shape[1])
+        if r:
+            preferred[torch.tensor(r, device=sub.device), torch.tensor(c, device=sub.device)] = False
+        first = lambda m: m.to(torch.uint8).argmax(dim=1)  # noqa: E731 - the lowest True column of each row
+        col = torch.where(preferred.any(dim=1), first(preferred), first(ours))
+        lse = torch.logsumexp(sub.float(), dim=1).clamp(max=0.0)  # log P(allowed), <= 0
+        rest = torch.log(-torch.expm1(lse))  # log(1 - P(allowed)); -inf when P rounds to 1
+        keep = has.nonzero().squeeze(1)
+        logits[idx[keep], col[keep]] = rest[keep].to(logits.dtype)
+
+    def _acceptable_columns(self, slots: list[int], width: int) -> tuple[list[int], list[int]]:
+        """(row, token) pairs a beam could continue with at each flagged row, whatever the filters: the end token,
+        the separator and trigger tokens, and the children of the row's node."""
+        table = self._table
+        known = [s for s in slots if s in table.rows]  # a flagged request without a trie has no row
+        node = dict(zip(known, table.nodes(known))) if known else {}
+        rr: list[int] = []
+        cc: list[int] = []
+        for i, s in enumerate(slots):
+            cols = [table.resolver.end_token_id]
+            row = table.rows.get(s)
+            if row is not None and row.group is not None:
+                host = table.groups[row.group].host
+                cols += list(host.rules.separator) + list(host.rules.trigger)
+                if node[s] >= 0:
+                    cols += host.tries[0].children(node[s])[0].tolist()
+            cols = [t for t in cols if 0 <= t < width]
+            rr += [i] * len(cols)
+            cc += cols
+        return rr, cc
 
 
 # ---------------------------------------------------------------------------------------------- results
@@ -240,45 +289,64 @@ class _Beam:
 
 
 class _PromptSearch:
-    """The beam search of one prompt, transformers' rules (see the module docstring); the engine is outside."""
+    """The beam search of one prompt, transformers' rules (see the module docstring); the engine is outside.
 
-    def __init__(self, ids: list[int], trie: TokenTrie, extra: dict, width: int, eos: int, max_tokens: int,
-                 length_penalty: float, early_stopping: Union[bool, str]) -> None:
-        self.ids, self.trie, self.extra = ids, trie, extra
-        self.width, self.eos, self.max_tokens = width, eos, max_tokens
+    Args:
+        constraint: the request's trie and span rules on the CPU; ``filters``: its allow/deny filters (one row) or
+            None. The tokens a beam may take are the ones the engine's mask leaves open (:meth:`allowed`).
+    """
+
+    def __init__(self, ids: list[int], constraint: TrieConstraint, filters: Optional[RowFilters], extra: dict,
+                 width: int, max_tokens: int, length_penalty: float, early_stopping: Union[bool, str]) -> None:
+        self.ids, self.extra = ids, extra
+        self.constraint, self.filters = constraint, filters
+        self.trie = constraint.tries[0]
+        self.eos = constraint.rules.end_token_id
+        self.width, self.max_tokens = width, max_tokens
         self.length_penalty, self.early_stopping = length_penalty, early_stopping
         self.running = [_Beam((), 0, 0.0)]
         self.finished: list[tuple[float, float, tuple[int, ...]]] = []  # (score, log_prob, tokens), best first
         self.step = 0  # tokens generated so far by every running beam
         self.improvable = True
         self.done = False
+        self._open: Optional[np.ndarray] = None  # allowed() of the running beams, computed once per step
 
-    def allowed(self, beam: _Beam) -> set[int]:
-        toks = set(self.trie.children(beam.node)[0].tolist())
-        if self.trie.is_terminal(beam.node) or not toks:
-            toks.add(self.eos)
-        return toks
+    def _state(self, beams: Sequence[_Beam]) -> RowState:
+        nodes = torch.tensor([b.node for b in beams], dtype=torch.long)
+        return RowState(nodes, torch.zeros_like(nodes))
+
+    def allowed(self) -> np.ndarray:
+        """The tokens each running beam may take: the core's mask, the one the engine applies (trie, span rules and
+        the request's filters), run on a row of zeros. Shape: (R, W), bool, W the constraint's narrowest width."""
+        c = self.constraint
+        r = len(self.running)
+        f = None if self.filters is None else self.filters.select(torch.zeros(r, dtype=torch.long))
+        masked = c.mask_(torch.zeros(r, c.needed_width), self._state(self.running), filters=f)
+        return torch.isfinite(masked).numpy()
 
     def requests(self) -> list[tuple[list[int], dict, int]]:
         """(prompt ids, extra_args, logprobs K) of each running beam."""
+        self._open = self.allowed()
         out = []
-        for beam in self.running:
+        for beam, row in zip(self.running, self._open):
             extra = dict(self.extra)
             extra[RAW_LOGPROBS_KEY] = True
             if beam.tokens:
                 extra["prefix"] = list(beam.tokens)
-            k = min(self.width + 1, len(self.allowed(beam))) + 1  # + 1: the sink may rank among them
+            k = min(self.width + 1, int(row.sum())) + 1  # + 1: the sink may rank among them
             out.append((self.ids + list(beam.tokens), extra, k))
         return out
 
     def feed(self, results: Sequence[dict[int, float]]) -> None:
         """One step: ``results[i]`` maps token -> raw log-prob for running beam i (vLLM's top-K)."""
         width, lp = self.width, self.length_penalty
+        open_ = self.allowed() if self._open is None else self._open
+        self._open = None
         cands = []
         for i, (beam, got) in enumerate(zip(self.running, results)):
-            ok = self.allowed(beam)
+            row = open_[i]
             for tok, logprob in got.items():
-                if tok in ok and logprob > float("-inf") and logprob == logprob:
+                if 0 <= tok < len(row) and row[tok] and logprob > float("-inf") and logprob == logprob:
                     cands.append((beam.score + float(logprob), i, int(tok)))
         cands.sort(key=lambda c: (-c[0], c[1], c[2]))
         top = cands[: 2 * width]
@@ -295,15 +363,12 @@ class _PromptSearch:
                 merged = self.finished + new
                 merged.sort(key=lambda h: -h[0])  # stable: earlier hypotheses first on ties
                 self.finished = merged[:width]
+        picks = [] if last else [(score, i, tok) for score, i, tok in top if tok != self.eos][:width]
         running = []
-        if not last:
-            for score, i, tok in top:
-                if tok == self.eos:
-                    continue
-                beam = self.running[i]
-                running.append(_Beam(beam.tokens + (tok,), self.trie.step(beam.node, tok), score))
-                if len(running) == width:
-                    break
+        if picks:
+            parents = [self.running[i] for _, i, _ in picks]
+            nodes = self.constraint.advance(self._state(parents), torch.tensor([t for _, _, t in picks])).node.tolist()
+            running = [_Beam(b.tokens + (t,), n, s) for b, n, (s, _, t) in zip(parents, nodes, picks)]
         self.running = running
         self.step = gen_len
         if len(self.finished) >= width and running:
@@ -406,7 +471,7 @@ def _prepare(model_config: Any, prompts: Sequence[Union[str, Sequence[int]]], tr
             raise ValueError(f"extra_args has {len(extras)} items for {n} prompts")
     resolver = _resolver_for(model_config)
     tok = resolver.tokenizer
-    eos = resolver.end_token_id
+    constraints: dict[tuple, TrieConstraint] = {}
     searches = []
     for i, (p, spec, extra) in enumerate(zip(prompts, specs, extras)):
         for key in ("trie", "prefix", RAW_LOGPROBS_KEY, "stop_at_forced"):
@@ -417,12 +482,19 @@ def _prepare(model_config: Any, prompts: Sequence[Union[str, Sequence[int]]], tr
         req = parse_trie_request(extra)
         if req is None or req.on_complete != "eos" or req.trigger is not None:
             raise ValueError(f"prompt {i}: beam search needs on_complete='eos' and no trigger")
-        trie = resolver.trie(req)  # the same trie the engine resolves (access policy and caches included)
+        # The same trie, rules and filters the engine resolves (access policy and caches included).
+        trie, rules = resolver.resolve(req)
+        allow, deny = resolver.filters(req, trie)
+        key = (id(trie), rules)
+        if key not in constraints:
+            constraints[key] = TrieConstraint(trie, rules, "cpu")
+        c = constraints[key]
+        filters = None if allow is None and deny is None else c.filters(1, allow=allow, deny=deny)
         ids = list(p) if not isinstance(p, str) else tok(p, add_special_tokens=False)["input_ids"]
         limit = trie.max_depth + 1 if max_tokens is None else int(max_tokens)
         if limit < 1:
             raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
-        searches.append(_PromptSearch(ids, trie, extra, beam_width, eos, limit, float(length_penalty), early_stopping))
+        searches.append(_PromptSearch(ids, c, filters, extra, beam_width, limit, float(length_penalty), early_stopping))
     return searches
 
 

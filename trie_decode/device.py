@@ -124,7 +124,8 @@ class DeviceTrie:
 
         cpu = self.device.type == "cpu"
         ptr, tok = np.asarray(trie.child_ptr), np.asarray(trie.token)
-        eager = {"child_ptr": _shared_tensor(ptr, np.dtype(np.int32)), "child_token": _shared_tensor(tok, np.dtype(np.int32)),
+        int32 = np.dtype(np.int32)
+        eager = {"child_ptr": _shared_tensor(ptr, int32), "child_token": _shared_tensor(tok, int32),
                  "dense_blocked": torch.from_numpy(~dense)}  # dense rows stored inverted: the kernel masks with them
         self.tensors = _Arrays(self._build, **{k: v.to(self.device) for k, v in eager.items()})
         # Numpy views for the numpy backend (CPU only): the trie's own read-only arrays where the tensors share them.

