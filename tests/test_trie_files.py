@@ -313,3 +313,23 @@ def test_structurally_invalid_file_with_valid_checksums(trie, tmp_path):
     with pytest.raises(TrieFileError, match="invalid trie: children are not sorted"):
         TokenTrie.load(path)
     assert TokenTrie.load(path, verify=False).num_nodes == trie.num_nodes  # the caller opted out
+
+
+def test_a_trie_and_what_is_derived_from_it_are_freed_together():
+    """Device arrays, step tables and filter indexes are kept on the trie (TokenTrie.derived), not in module caches
+    keyed by it: once the caller drops the trie and its constraint, all of it is collected."""
+    import gc
+    import weakref
+
+    import torch
+
+    from trie_decode.constraint import SpanRules, TrieConstraint
+
+    trie = TokenTrie.from_sequences([[1, 2], [3]], vocab_size=5, keys=["a", "b"])
+    c = TrieConstraint(trie, SpanRules(end_token_id=0), "cpu")
+    f = c.filters(1, deny=["a"])
+    c.mask_(torch.zeros(1, 5), c.start(1), filters=f)
+    alive = weakref.ref(trie)
+    del trie, c, f
+    gc.collect()
+    assert alive() is None

@@ -31,7 +31,6 @@ Dimension letters: R rows, N nodes, V the trie's vocabulary size, H dense nodes.
 from __future__ import annotations
 
 import warnings
-import weakref
 from types import SimpleNamespace
 from typing import Any, Callable, Optional
 
@@ -55,7 +54,6 @@ def default_dense_min_fanout(vocab_size: int) -> int:
     return max(256, vocab_size // 16)
 
 
-_CACHE: "weakref.WeakKeyDictionary[TokenTrie, dict]" = weakref.WeakKeyDictionary()
 _DERIVED = ("edge_key", "terminal", "dense_slot")
 
 
@@ -170,11 +168,7 @@ class DeviceTrie:
     def get(cls, trie: TokenTrie, device: torch.device | str) -> "DeviceTrie":
         """The cached ``DeviceTrie`` of ``trie`` on ``device`` (built on first use, freed with the trie)."""
         device = torch.device(device)
-        per_trie = _CACHE.setdefault(trie, {})
-        found = per_trie.get(str(device))
-        if found is None:
-            found = per_trie[str(device)] = cls(trie, device)
-        return found
+        return trie.derived(("DeviceTrie", str(device)), lambda: cls(trie, device))
 
     def on(self, ops: Ops) -> Any:
         """The arrays for a backend: numpy views with the numpy backend, tensors otherwise."""

@@ -24,7 +24,6 @@ Dimension letters: R rows, N nodes, E entries, A allow capacity, D deny capacity
 
 from __future__ import annotations
 
-import weakref
 from typing import Any, Iterable, Optional, Sequence
 
 import numpy as np
@@ -38,7 +37,6 @@ from .trie import TokenTrie
 
 __all__ = ["EntryOrder", "KeyIndex", "RowFilters", "entry_indices", "is_per_row", "apply_filters_", "distinct_capacity"]
 
-_ORDERS: "weakref.WeakKeyDictionary[TokenTrie, EntryOrder]" = weakref.WeakKeyDictionary()
 
 
 class EntryOrder:
@@ -95,10 +93,7 @@ class EntryOrder:
     @classmethod
     def of(cls, trie: TokenTrie) -> "EntryOrder":
         """The cached order of ``trie`` (built on first use, freed with the trie)."""
-        found = _ORDERS.get(trie)
-        if found is None:
-            found = _ORDERS[trie] = cls(trie)
-        return found
+        return trie.derived("EntryOrder", lambda: cls(trie))
 
     def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(lo, hi, node_rank) as int64 tensors on ``device`` (cached)."""
@@ -139,7 +134,6 @@ def is_per_row(spec: Any) -> bool:
     return bool(items) and all(x is None or isinstance(x, (list, tuple, np.ndarray)) for x in items)
 
 
-_KEYS: "weakref.WeakKeyDictionary[TokenTrie, KeyIndex]" = weakref.WeakKeyDictionary()
 
 
 class KeyIndex:
@@ -180,10 +174,7 @@ class KeyIndex:
     @classmethod
     def of(cls, trie: TokenTrie) -> "KeyIndex":
         """The cached index of ``trie`` (built on first use, freed with the trie)."""
-        found = _KEYS.get(trie)
-        if found is None:
-            found = _KEYS[trie] = cls(trie)
-        return found
+        return trie.derived("KeyIndex", lambda: cls(trie))
 
     def get(self, key: str) -> list[int]:
         """Every entry of ``key`` (empty when no entry carries it)."""

@@ -33,7 +33,6 @@ import itertools
 import os
 import stat
 import threading
-import weakref
 from dataclasses import dataclass, replace
 from typing import Any, Iterable, Optional, Sequence, Union
 
@@ -1473,12 +1472,8 @@ class SnapshotConstraint:
         return f"SnapshotConstraint({self.snapshot!r}, {self.rules!r}, device={self.device})"
 
 
-_KEY_INDEXES: "weakref.WeakKeyDictionary[TokenTrie, _KeyIndex]" = weakref.WeakKeyDictionary()
 
 
 def _base_key_index(trie: TokenTrie) -> _KeyIndex:
     """The key index of a base trie (built once per trie, freed with it)."""
-    found = _KEY_INDEXES.get(trie)
-    if found is None:
-        found = _KEY_INDEXES[trie] = _KeyIndex(trie)
-    return found
+    return trie.derived("live._KeyIndex", lambda: _KeyIndex(trie))

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, BinaryIO, Iterable, Mapping, Optional, Sequence
+from typing import Any, BinaryIO, Callable, Hashable, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -37,6 +37,8 @@ from .errors import EmptyTrieError, InvalidEntryError, InvalidTokenError, Tokeni
 from .fileio import read_arrays, write_arrays
 from .forms import resolve_forms, tokenize_forms
 from .tokenizers import fingerprint_matches, tokenizer_fingerprint, tokenizer_vocab_size
+
+_MISSING = object()
 
 __all__ = ["TokenTrie", "TrieStats"]
 
@@ -114,6 +116,7 @@ class TokenTrie:
         "_keys",
         "_parent",
         "_forced",
+        "_derived",
         "extra",
         "__weakref__",
     )
@@ -146,6 +149,7 @@ class TokenTrie:
         self._keys = keys
         self._parent: Optional[np.ndarray] = None
         self._forced: Optional[ForcedRuns] = None
+        self._derived: dict[Any, Any] = {}
         #: Arrays that ride along in the trie's file (e.g. a catalog's items per entry, :mod:`trie_decode.catalogs`).
         self.extra: dict[str, np.ndarray] = {}
         for array in (child_ptr, token, node_entry, entry_node, level_ptr):
@@ -408,6 +412,21 @@ class TokenTrie:
     def is_terminal(self, node: int) -> bool:
         """Whether an entry ends at ``node``."""
         return bool(self.node_entry[self._check_node(node)] >= 0)
+
+    def derived(self, key: Hashable, build: Callable[[], Any]) -> Any:
+        """Data another module derives from this trie (device arrays, filter indexes), built by ``build()`` on first
+        use and kept on the trie: it lives exactly as long as the trie. (A cache keyed by the trie outside it would
+        keep the trie alive when the data refers back to it.)
+
+        Example:
+            >>> trie = TokenTrie.from_sequences([[1, 2]], vocab_size=4)
+            >>> trie.derived("depth", lambda: trie.max_depth + 1), trie.derived("depth", lambda: 0)
+            (3, 3)
+        """
+        found = self._derived.get(key, _MISSING)
+        if found is _MISSING:
+            found = self._derived[key] = build()
+        return found
 
     def forced_runs(self) -> "ForcedRuns":
         """Per node, the run of tokens forced from it (computed once, vectorized: see :class:`ForcedRuns`)."""
