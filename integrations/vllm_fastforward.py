@@ -32,6 +32,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
+import torch
+
+from trie_decode.constraint import RowState, SpanRules, TrieConstraint
 from trie_decode.trie import TokenTrie
 
 from .vllm import _resolver_for
@@ -154,6 +157,12 @@ def generate(
     for spec in specs:
         req = parse_trie_request({"trie": list(spec) if not isinstance(spec, str) else spec})
         host_tries.append(resolver.trie(req))
+    # The forced tokens of a state (the trie's forced run, then the end token where the entry ends at a leaf) are
+    # the core's rule (TrieConstraint.forced_tokens), one constraint per distinct trie.
+    rules = SpanRules(end_token_id=eos)
+    host: dict[int, TrieConstraint] = {}
+    for t in host_tries:
+        host.setdefault(id(t), TrieConstraint(t, rules, "cpu"))
     ids = [list(p) if not isinstance(p, str) else tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
     wire = [list(s) if not isinstance(s, str) else s for s in specs]
 
@@ -176,14 +185,12 @@ def generate(
             trie = host_tries[i]
             node = trie.walk(generated[i])
             if fast_forward and node >= 0:
-                run = trie.forced_run(node)
-                if len(run) >= 1:
-                    generated[i] += run
-                    forced[i] += len(run)
-                    node = trie.walk(run, node)
-                    if trie.fanout[node] == 0:  # a leaf: the entry is complete, no model call needed
-                        generated[i].append(eos)
-                        continue
+                (run,) = host[id(trie)].forced_tokens(RowState(torch.tensor([node]), torch.zeros(1, dtype=torch.long)))
+                generated[i] += run
+                complete = bool(run) and run[-1] == eos  # the entry ended at a leaf: no model call needed
+                forced[i] += len(run) - complete
+                if complete:
+                    continue
             if len(generated[i]) >= max_tokens or rounds[i] >= max_rounds:
                 continue
             submit.append(i)
