@@ -51,7 +51,7 @@ from .errors import (
     TrieFileError,
 )
 from .fileio import read_arrays, write_arrays
-from .filters import EntryOrder, RowFilters, entry_indices, is_per_row
+from .filters import EntryOrder, KeyIndex, RowFilters, entry_indices, is_per_row
 from .kernels.vectorized import ALL_MASKED_FLOOR, NEG_INF
 from .masking import pack_bitmask
 from .spans import EXTRA0, EXTRA1, span_moves
@@ -104,36 +104,12 @@ def base_identity(trie: TokenTrie) -> str:
     return h.hexdigest()
 
 
-def _label_table(trie: TokenTrie) -> Optional[StringTable]:
-    """The column string specs name entries by: the trie's keys, else its names (as :mod:`trie_decode.filters`)."""
-    return trie._keys if trie._keys is not None else trie._names
-
-
-class _KeyIndex:
-    """key (or name) -> every entry index holding it, for one trie; built once (about 1 s per million entries).
-
-    :func:`trie_decode.filters.entry_indices` maps a key to its first entry only; a catalog change must reach every
-    entry of a key (the forms of one string share it), hence this index.
-    """
-
-    def __init__(self, trie: TokenTrie) -> None:
-        table = _label_table(trie)
-        if table is None:
-            raise CatalogUpdateError("this catalog has neither keys nor names: name entries by index or by tokens")
-        first: dict[str, int] = {}
-        more: dict[str, list[int]] = {}
-        for i, k in enumerate(table.to_list()):
-            j = first.setdefault(k, i)
-            if j != i:
-                more.setdefault(k, [j]).append(i)
-        self._first, self._more = first, more
-
-    def get(self, key: str) -> list[int]:
-        found = self._more.get(key)
-        if found is not None:
-            return found
-        i = self._first.get(key)
-        return [] if i is None else [i]
+def _key_index(trie: TokenTrie) -> KeyIndex:
+    """key -> every entry holding it (catalog item keys included), the index filters use (built once per trie)."""
+    try:
+        return KeyIndex.of(trie)
+    except ConstraintConfigError:
+        raise CatalogUpdateError("this catalog has neither keys nor names: name entries by index or by tokens") from None
 
 
 def _entry_tokens(trie: TokenTrie, entries: np.ndarray) -> RaggedTokens:
@@ -268,7 +244,6 @@ class CatalogSnapshot:
         self._base_constraints = {} if _base_constraints is None else _base_constraints
         self._constraints: dict[tuple, Any] = {}
         self._lock = threading.Lock()
-        self._delta_keys: Optional[_KeyIndex] = None
 
     def snapshot(self) -> "CatalogSnapshot":
         """This snapshot (so that a snapshot and a :class:`LiveCatalog` are interchangeable where one is read)."""
@@ -352,13 +327,9 @@ class CatalogSnapshot:
             parts.append(_entry_tokens(self.delta, np.arange(self.delta.num_entries)))
         return _concat_ragged(parts)
 
-    def delta_keys(self) -> Optional[_KeyIndex]:
+    def delta_keys(self) -> Optional[KeyIndex]:
         """key -> added entry indices (within the delta), or None without a delta."""
-        if self.delta is None:
-            return None
-        if self._delta_keys is None:
-            self._delta_keys = _KeyIndex(self.delta)
-        return self._delta_keys
+        return None if self.delta is None else _key_index(self.delta)
 
     def compact(self) -> TokenTrie:
         """One real trie: the base minus its removed entries, then the added ones (entries renumbered in that
@@ -663,7 +634,7 @@ class LiveCatalog:
             missing: list[Any] = []
             for x in items if items is not None else ():
                 if isinstance(x, str):
-                    hits = [e for e in _base_key_index(base).get(x) if e not in self._tomb]
+                    hits = [e for e in _key_index(base).get(x) if e not in self._tomb]
                     tomb_add.update(hits)
                     added = self._delta_by_label.get(x, {})
                     delta_del.update(added)
@@ -1343,7 +1314,7 @@ class SnapshotConstraint:
             for x in items:
                 if isinstance(x, str):
                     if base_keys is None:
-                        base_keys = _base_key_index(snap.base)
+                        base_keys = _key_index(snap.base)
                         delta_keys = snap.delta_keys()
                     hits_b = base_keys.get(x)
                     hits_d = delta_keys.get(x) if delta_keys is not None else []
@@ -1472,8 +1443,3 @@ class SnapshotConstraint:
         return f"SnapshotConstraint({self.snapshot!r}, {self.rules!r}, device={self.device})"
 
 
-
-
-def _base_key_index(trie: TokenTrie) -> _KeyIndex:
-    """The key index of a base trie (built once per trie, freed with it)."""
-    return trie.derived("live._KeyIndex", lambda: _KeyIndex(trie))
