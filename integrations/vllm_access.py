@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import atexit
 import hashlib
+import io
 import json
 import logging
 import os
@@ -73,6 +74,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO, Optional
+
+import numpy as np
 
 from trie_decode.errors import TrieDecodeError, TrieFileError
 from trie_decode.fileio import open_regular_file
@@ -268,6 +271,7 @@ class Resolved:
     path: str
     label: str
     value: str = ""
+    what: str = "trie"  # the request option that named it (a filter file: "allow" or "deny")
 
 
 @dataclass(frozen=True)
@@ -306,10 +310,15 @@ class AccessPolicy:
     def serves_files(self) -> bool:
         return bool(self.allowed_dirs or self.named)
 
-    def refusal(self, value: Any) -> TrieAccessError:
+    def refusal(self, value: Any, what: str = "trie") -> TrieAccessError:
         """The one message for every string that is neither a registered name nor inside an allowed directory
-        (the same whether the path exists, whatever it is): it repeats the client's own string and nothing else."""
+        (the same whether the path exists, whatever it is): it repeats the client's own string and nothing else.
+        ``what``: the request option that named the file (``"trie"``, or a filter file's ``"allow"``/``"deny"``)."""
         label = f"{str(value)[:200]!r}"
+        if what != "trie":
+            how = (f"name a file inside a directory the operator allows ({ENV_ALLOWED_DIRS})" if self.allowed_dirs
+                   else "this server serves no files: send the keys or entry indices inline")
+            return TrieAccessError(f"extra_args[{what!r}]: {label} is not a file this server makes available; {how}")
         if not self.serves_files:
             how = "this server serves no trie files: send an inline list of strings or token-id lists"
         else:
@@ -323,31 +332,31 @@ class AccessPolicy:
             )
         return TrieAccessError(f"extra_args['trie']: {label} is not a trie file this server makes available; {how}")
 
-    def resolve(self, value: str) -> Resolved:
+    def resolve(self, value: str, what: str = "trie") -> Resolved:
         """Map a request's trie string to the file to open, or raise the generic refusal.
 
         The check is lexical first (the path as sent, made absolute and normalized, must be inside an allowed
         directory: nothing outside them is touched), then on the real path (symbolic links resolved).
         """
-        if value in self.named:
+        if what == "trie" and value in self.named:
             return Resolved("named", self.named[value], f"named trie {value!r}")
         if not self.allowed_dirs or not isinstance(value, str) or not value or len(value) > MAX_PATH_CHARS:
-            raise self.refusal(value)
+            raise self.refusal(value, what)
         try:
             lexical = os.path.abspath(value)  # no expanduser: '~' is an ordinary character in a request
             if not any(_is_inside(lexical, d) for d in self._lexical):  # type: ignore[attr-defined]
                 _log("refused", logging.WARNING, "trie_decode: refused trie path %r: outside the allowed directories",
                      value[:300])
-                raise self.refusal(value)
+                raise self.refusal(value, what)
             real = os.path.realpath(lexical)
         except (ValueError, OSError):  # an embedded NUL byte, a path the OS cannot represent
-            raise self.refusal(value) from None
+            raise self.refusal(value, what) from None
         if not any(_is_inside(real, d) and real != d for d in self._real):  # type: ignore[attr-defined]
             _log("refused", logging.WARNING,
                  "trie_decode: refused trie path %r: its real path %r is outside the allowed directories",
                  value[:300], real[:300])
-            raise self.refusal(value)
-        return Resolved("file", real, f"{value[:200]!r}", value)
+            raise self.refusal(value, what)
+        return Resolved("file", real, f"{value[:200]!r}", value, what)
 
     def open(self, resolved: Resolved) -> BinaryIO:
         """Open the resolved file (regular files only, never blocking). Errors name the category only; the reason
@@ -357,17 +366,18 @@ class AccessPolicy:
             handle = open_regular_file(resolved.path, follow_symlinks=resolved.kind == "named")
         except TrieFileError as exc:
             _log("load", logging.WARNING, "trie_decode: cannot open %s (%s): %s", resolved.label, resolved.path, exc)
+            what, noun = resolved.what, "trie file" if resolved.what == "trie" else "file"
             if resolved.kind == "named":
                 raise TrieAccessError(
-                    f"extra_args['trie']: {resolved.label} is registered but cannot be opened on the server "
+                    f"extra_args[{what!r}]: {resolved.label} is registered but cannot be opened on the server "
                     "(the operator's configuration; details in the server log)"
                 ) from None
             if "not found" in str(exc) and "directory" not in str(exc):
                 raise TrieAccessError(
-                    f"extra_args['trie']: no trie file {resolved.label} in the allowed directories"
+                    f"extra_args[{what!r}]: no {noun} {resolved.label} in the allowed directories"
                 ) from None
             raise TrieAccessError(
-                f"extra_args['trie']: {resolved.label} cannot be opened as a trie file (not a regular readable file)"
+                f"extra_args[{what!r}]: {resolved.label} cannot be opened as a {noun} (not a regular readable file)"
             ) from None
         if resolved.kind == "file":
             # What was opened, by the kernel's account: a directory above the file swapped for a link between the
@@ -381,7 +391,7 @@ class AccessPolicy:
                 handle.close()
                 _log("refused", logging.WARNING, "trie_decode: refused trie path %r: it opened %r, outside the "
                      "allowed directories (changed since the check)", resolved.value[:300], opened[:300])
-                raise self.refusal(resolved.value)
+                raise self.refusal(resolved.value, resolved.what)
         return handle
 
     def load_failed(self, resolved: Resolved, exc: BaseException) -> TrieAccessError:
@@ -590,6 +600,42 @@ def load_allowed_file(value: str) -> TokenTrie:
             return TokenTrie.load(handle, verify=True)
         except (TrieDecodeError, OSError, ValueError, KeyError, TypeError, IndexError, MemoryError) as exc:
             raise policy.load_failed(resolved, exc) from None
+
+
+#: The most bytes a filter file may hold (64 MiB: millions of keys).
+MAX_FILTER_FILE_BYTES = 64 << 20
+
+
+def read_filter_file(value: str, what: str) -> tuple[tuple, tuple]:
+    """A request's allow/deny filter named as a file (``{"file": PATH}``), under the same access policy as trie
+    files: a ``.npy`` array of entry indices, or UTF-8 text with one entry key per line. Returns the file's identity
+    (path, device, inode, modification time, size: a cache key) and its items. Raises :class:`TrieAccessError` with
+    client-safe messages (the file's bytes and size never reach the client).
+    """
+    policy = current_policy()
+    resolved = policy.resolve(value, what)
+    with policy.open(resolved) as handle:
+        st = os.fstat(handle.fileno())
+        data = handle.read(MAX_FILTER_FILE_BYTES + 1)
+    identity = (resolved.path, st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
+    bad = TrieAccessError(
+        f"extra_args[{what!r}]: {resolved.label} is not a filter file (a .npy array of entry indices, or UTF-8 text "
+        f"with one key per line, at most {MAX_FILTER_FILE_BYTES >> 20} MiB; details in the server log)"
+    )
+    if len(data) > MAX_FILTER_FILE_BYTES:
+        _log("load", logging.WARNING, "trie_decode: filter file %s is over %d bytes", resolved.path, MAX_FILTER_FILE_BYTES)
+        raise bad
+    try:
+        if resolved.path.endswith(".npy"):
+            arr = np.load(io.BytesIO(data), allow_pickle=False)
+            if arr.ndim != 1 or arr.dtype.kind not in "iu":
+                raise ValueError(f"expected a 1-D integer array, got {arr.dtype} {arr.shape}")
+            return identity, tuple(int(i) for i in arr)
+        keys = tuple(line for line in data.decode("utf-8").splitlines() if line)
+    except (ValueError, UnicodeDecodeError, OSError, EOFError) as exc:
+        _log("load", logging.WARNING, "trie_decode: filter file %s does not load: %s", resolved.path, exc)
+        raise bad from None
+    return identity, keys
 
 
 # ---------------------------------------------------------------------------------------------- front-end stamp

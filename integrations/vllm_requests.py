@@ -21,7 +21,8 @@ Request keys (in ``extra_args``; see :func:`trie_args` for a typed builder):
     stop_at_forced  an int k >= 1: end the request with the end token as soon as it reaches a node (inside an
                     entry, not an entry's end) from which at least k tokens are forced (fast-forward driver)
     forced_tail_only  with stop_at_forced: stop only where the forced run completes the entry (default False)
-    allow, deny     entry keys or indices the request may / may not use
+    allow, deny     entry keys or indices the request may / may not use, or {"file": PATH}: a file on the server
+                    (inside an allowed directory) of entry indices (.npy) or keys (text, one per line)
 
 Keys that start with ``trie`` or look like a misspelling of one of these are rejected; other keys are left to other
 processors. ``trie_checked`` is not a client's option: the front-end sets it on every request it admits (replacing
@@ -64,6 +65,7 @@ from .vllm_access import (
     diagnose_engine_refusal,
     handoff_store,
     make_stamp,
+    read_filter_file,
 )
 
 __all__ = [
@@ -122,8 +124,8 @@ class TrieRequest:
     prefix: tuple = ()
     stop_at_forced: int = 0
     forced_tail_only: bool = False
-    allow: Optional[tuple] = None
-    deny: Optional[tuple] = None
+    allow: Optional[Union[tuple, "FilterFile"]] = None
+    deny: Optional[Union[tuple, "FilterFile"]] = None
 
     def trie_key(self) -> Hashable:
         """A key that identifies the trie (content hash for inline payloads)."""
@@ -270,9 +272,18 @@ def parse_trie_request(
     )
 
 
-def _filter_option(value: Any, what: str) -> Optional[tuple]:
-    """An ``allow``/``deny`` filter: entry keys (strings) or entry indices (ints), as a list or, over HTTP where
-    values cannot nest, a JSON string of one."""
+@dataclass(frozen=True)
+class FilterFile:
+    """A request's allow/deny filter named as a file on the server (``{"file": PATH}``): a ``.npy`` array of entry
+    indices or a text file of keys, one per line, inside a directory the operator allows (the trie files' access
+    policy, :mod:`.vllm_access`); read when the request is resolved, cached by the file's identity."""
+
+    path: str
+
+
+def _filter_option(value: Any, what: str) -> Optional[Union[tuple, FilterFile]]:
+    """An ``allow``/``deny`` filter: entry keys (strings) or entry indices (ints), as a list; a file on the server,
+    ``{"file": PATH}``; or, over HTTP where values cannot nest, a JSON string of either."""
     if value is None:
         return None
     if isinstance(value, str):
@@ -280,6 +291,11 @@ def _filter_option(value: Any, what: str) -> Optional[tuple]:
             value = json.loads(value)
         except json.JSONDecodeError as exc:
             _fail(f"extra_args[{what!r}] must be a list of entry keys or indices (or its JSON), got invalid JSON: {exc}")
+    if isinstance(value, dict):
+        path = value.get("file")
+        if set(value) != {"file"} or not isinstance(path, str) or not path:
+            _fail(f"extra_args[{what!r}] as an object must be {{'file': PATH}}, got {value!r:.80}")
+        return FilterFile(path)
     if not isinstance(value, (list, tuple)):
         _fail(f"extra_args[{what!r}] must be a list of entry keys or entry indices, got {type(value).__name__}")
     cap = current_limits().max_filter_items
@@ -297,12 +313,13 @@ def trie_args(
     trigger: TokensArg = None,
     separator: TokensArg = None,
     leading_space: bool = False,
-    allow: Optional[Sequence[Union[str, int]]] = None,
-    deny: Optional[Sequence[Union[str, int]]] = None,
+    allow: Union[Sequence[Union[str, int]], dict, None] = None,
+    deny: Union[Sequence[Union[str, int]], dict, None] = None,
 ) -> dict[str, Any]:
     """The ``extra_args`` dict of a constrained request (validated here, so mistakes surface at the call site).
 
-    ``allow``/``deny``: entry keys (or names) or entry indices the request may / may not use.
+    ``allow``/``deny``: entry keys (or names) or entry indices the request may / may not use, or
+    ``{"file": PATH}`` for a file of them on the server (see :class:`FilterFile`).
 
     Example:
         >>> from vllm import SamplingParams                                          # doctest: +SKIP
@@ -320,7 +337,9 @@ def trie_args(
     if leading_space:
         out["leading_space"] = True
     for name, value in (("allow", allow), ("deny", deny)):
-        if value is not None:
+        if isinstance(value, dict):
+            out[name] = dict(value)  # {"file": PATH}: a filter file on the server
+        elif value is not None:
             out[name] = [v if isinstance(v, str) else int(v) for v in value]
     parse_trie_request(out)
     return out
@@ -440,6 +459,8 @@ class TrieResolver:
         limits = current_limits()
         self._files = _LRU(FILE_CACHE_SIZE, limits.file_cache_bytes, _trie_nbytes)
         self._inline = _LRU(INLINE_CACHE_SIZE, limits.inline_cache_bytes, _trie_nbytes)
+        # Filter files' items by the file's identity: a few files (a category, a user's history), bounded in bytes.
+        self._filter_files = _LRU(FILE_CACHE_SIZE, limits.file_cache_bytes, lambda items: 64 * len(items) + 64)
         self.engine_refusals: Counter = Counter()
         self._logged_causes: set = set()
         self._refusal_lock = threading.Lock()
@@ -619,11 +640,27 @@ class TrieResolver:
             logger.debug("trie_decode: engine refusal #%d (%s): %s", count, cause, exc)
         return cause
 
+    def _filter_items(self, spec: Union[tuple, FilterFile], what: str) -> list:
+        """A filter's keys or indices: as sent, or read from its file (cached by the file's identity, so a replaced
+        file is read again)."""
+        if not isinstance(spec, FilterFile):
+            return list(spec)
+        identity, items = read_filter_file(spec.path, what)
+        cached = self._filter_files.get(identity)
+        if cached is None:
+            self._filter_files.put(identity, items)
+            cached = items
+        return list(cached)
+
     def filters(self, req: TrieRequest, trie: TokenTrie) -> tuple[Optional[Any], Optional[Any]]:
         """The request's allow and deny filters as entry-index arrays of ``trie`` (None where not given)."""
         try:
-            allow = None if req.allow is None else entry_indices(trie, list(req.allow), "extra_args['allow']")
-            deny = None if req.deny is None else entry_indices(trie, list(req.deny), "extra_args['deny']")
+            allow = None if req.allow is None else entry_indices(trie, self._filter_items(req.allow, "allow"),
+                                                                 "extra_args['allow']")
+            deny = None if req.deny is None else entry_indices(trie, self._filter_items(req.deny, "deny"),
+                                                               "extra_args['deny']")
+        except TrieAccessError as exc:
+            raise TrieRequestError(str(exc)) from None
         except TrieDecodeError as exc:
             raise TrieRequestError(str(exc)) from exc
         if allow is not None and not len(set(allow.tolist()) - set(() if deny is None else deny.tolist())):

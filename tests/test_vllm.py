@@ -405,3 +405,20 @@ def test_live_catalog_delta_file_is_picked_up_by_new_requests(llm, tokenizer, tm
     catalog.remove([k for k in keys.values() if k != keys[first]])
     catalog.save_delta(delta_path_for(path))
     assert answer() == " azure"  # the added entry is the only one left
+
+
+def test_deny_filter_file_keeps_seen_entries_out(llm, tokenizer, tmp_path_factory):
+    """A request's deny filter as a file on the server ({"file": PATH}, keys one per line): the entries it names
+    never come out, across the sampled outputs of a batch."""
+    from vllm import SamplingParams
+
+    folder = tmp_path_factory.mktemp("filters")
+    seen = folder / "seen.txt"
+    seen.write_text("red\ngreen\n")
+    colors = ["red", "green", "blue", "yellow"]
+    extra = {"trie": colors, "leading_space": True, "deny": {"file": str(seen)}}
+    prompt = _chat(tokenizer, "Name a color.")
+    params = SamplingParams(temperature=1.0, seed=1, n=6, max_tokens=4, extra_args=extra)
+    outs = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs
+    texts = {o.text.strip() for o in outs}
+    assert texts and texts <= {"blue", "yellow"}, texts

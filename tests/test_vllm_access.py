@@ -477,3 +477,50 @@ def test_lru_live_sizes_measure_values_that_grew():
     grown["c"] = 10
     lru.put("c", "c")  # measured again: 95 + 10 + 10 > 100, so the oldest goes
     assert list(lru.items) == ["b", "c"] and lru.nbytes == 20
+
+
+# ------------------------------------------------------------------ filter files
+
+
+def _filters(resolver, **extra):
+    req = parse_trie_request({"trie": COLORS, **extra})
+    trie, _ = resolver.resolve(req)
+    resolver.admit(req)
+    return resolver.filters(req, trie)
+
+
+def test_filter_files_under_the_same_policy(resolver, tree, monkeypatch):
+    """``{"file": PATH}`` names a filter file: keys one per line, or a .npy of entry indices, read from an allowed
+    directory only; refusals say the same for every path outside it, and a bad file's bytes never reach the client."""
+    import time
+
+    import numpy as np
+
+    allowed, outside = tree
+    (allowed / "seen.txt").write_text("red\nblue\n")
+    np.save(allowed / "ids.npy", np.array([1]))
+    (allowed / "bad.npy").write_bytes(b"root:x:0:0:" * 20)
+    (outside / "seen.txt").write_text("red\n")
+    assert _refusal_of(resolver, str(allowed / "colors.trie")).startswith("extra_args['trie']")  # closed by default
+    monkeypatch.setenv(ENV_ALLOWED_DIRS, str(allowed))
+    allow, deny = _filters(resolver, deny={"file": str(allowed / "seen.txt")})
+    assert allow is None and deny.tolist() == [0, 2]
+    allow, deny = _filters(resolver, allow=json.dumps({"file": str(allowed / "ids.npy")}))  # over HTTP: a JSON string
+    assert allow.tolist() == [1] and deny is None
+    time.sleep(0.01)
+    (allowed / "seen.txt").write_text("green\n")  # a replaced file is read again
+    assert _filters(resolver, deny={"file": str(allowed / "seen.txt")})[1].tolist() == [1]
+    outside_msgs = set()
+    for path in (outside / "seen.txt", outside / "missing.txt", "/etc/passwd"):
+        with pytest.raises(TrieRequestError) as info:
+            _filters(resolver, deny={"file": str(path)})
+        outside_msgs.add(_without_label(str(info.value), str(path)))
+    assert len(outside_msgs) == 1 and "not a file this server makes available" in outside_msgs.pop()
+    with pytest.raises(TrieRequestError, match="is not a filter file") as info:
+        _filters(resolver, deny={"file": str(allowed / "bad.npy")})
+    assert "root:x" not in str(info.value) and "bytes" not in str(info.value)
+    with pytest.raises(TrieRequestError, match=r"must be \{'file': PATH\}"):
+        parse_trie_request({"trie": COLORS, "deny": {"path": "x"}})
+    (allowed / "unknown.txt").write_text("purple\n")
+    with pytest.raises(TrieRequestError, match="not entries of the trie"):
+        _filters(resolver, deny={"file": str(allowed / "unknown.txt")})
