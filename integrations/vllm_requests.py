@@ -15,7 +15,10 @@ Request keys (in ``extra_args``; see :func:`trie_args` for a typed builder):
     on_complete     "eos" (default), "release" or "repeat" (see :mod:`trie_decode.constraint`)
     trigger         text or token ids after which the constraint starts
     separator       text or token ids between entries (``on_complete="repeat"``)
-    leading_space   tokenize inline strings as ``" " + s`` (default False)
+    leading_space   tokenize inline strings as ``" " + s`` (default False); a list ``[true, false]`` stores both forms
+    context         inline strings: the text they follow (the end of the prompt), or a list of such texts: the trie
+                    holds the ids the model writes there (``TokenTrie.from_strings(..., context=)``)
+    normalize       inline strings: "NFC" (or "NFKC", "NFD", "NFKD") before tokenizing (Qwen's tokenizers)
     prefix          token ids of the current entry that are already at the end of the prompt: the state starts
                     after them (used by the fast-forward driver, :mod:`trie_decode.integrations.vllm_fastforward`)
     stop_at_forced  an int k >= 1: end the request with the end token as soon as it reaches a node (inside an
@@ -48,7 +51,7 @@ from trie_decode.filters import entry_indices
 from trie_decode.live import apply_delta_file, delta_stat
 from trie_decode.options import build_rules, first_eos
 from trie_decode.spans import token_tuple
-from trie_decode.tokenizers import fingerprint_matches, tokenize_strings, tokenizer_fingerprint, tokenizer_vocab_size
+from trie_decode.tokenizers import fingerprint_matches, tokenizer_fingerprint, tokenizer_vocab_size
 from trie_decode.trie import TokenTrie
 
 from .vllm_access import (
@@ -81,7 +84,8 @@ __all__ = [
 
 TRIE_KEY = "trie"
 OPTION_KEYS = (
-    "trie", "on_complete", "trigger", "separator", "leading_space", "prefix", "stop_at_forced", "forced_tail_only",
+    "trie", "on_complete", "trigger", "separator", "leading_space", "context", "normalize", "prefix", "stop_at_forced",
+    "forced_tail_only",
     "allow", "deny",
 )
 logger = logging.getLogger("trie_decode.vllm")
@@ -112,7 +116,9 @@ class TrieRequest:
         source: ``"file"`` (``payload`` is the string as sent: a registered name or a path, resolved against the
             access policy only when the trie is needed), ``"strings"`` or ``"sequences"`` (``payload`` is a tuple).
         payload: the name or path, or the inline entries as a tuple of str / tuple of tuples of int.
-        on_complete, trigger, separator, leading_space: the options (text or token ids; tokenized on resolve).
+        on_complete, trigger, separator: the options (text or token ids; tokenized on resolve).
+        leading_space, context, normalize: how inline strings are tokenized (``TokenTrie.from_strings``'s options;
+            ``leading_space`` a bool or a tuple of bools, ``context`` a string or a tuple of them, or None).
     """
 
     source: str
@@ -120,7 +126,9 @@ class TrieRequest:
     on_complete: str = "eos"
     trigger: Any = None
     separator: Any = None
-    leading_space: bool = False
+    leading_space: Any = False
+    context: Any = None
+    normalize: Optional[str] = None
     prefix: tuple = ()
     stop_at_forced: int = 0
     forced_tail_only: bool = False
@@ -131,12 +139,46 @@ class TrieRequest:
         """A key that identifies the trie (content hash for inline payloads)."""
         if self.source == "file":
             return ("file", self.payload)
-        blob = json.dumps([self.source, self.leading_space, self.payload], ensure_ascii=False).encode("utf-8")
+        forms = [self.leading_space, self.context, self.normalize]
+        blob = json.dumps([self.source, forms, self.payload], ensure_ascii=False).encode("utf-8")
         return ("inline", hashlib.sha256(blob).hexdigest())
 
 
 def _fail(msg: str) -> None:
     raise TrieRequestError(msg)
+
+
+#: The most tokenizations (forms) one inline request may ask for.
+MAX_FORMS = 8
+
+
+def _string_forms(extra_args: dict) -> tuple[Any, Any, Optional[str]]:
+    """The inline strings' ``leading_space`` (a bool, or a tuple of them), ``context`` (None, a string, or a tuple)
+    and ``normalize`` options, checked (the values themselves are checked again by ``TokenTrie.from_strings``)."""
+    def flag(v: Any) -> bool:
+        if isinstance(v, bool):
+            return v
+        if v in (0, 1) and not isinstance(v, float):  # HTTP clients sometimes send 0/1
+            return bool(v)
+        _fail(f"extra_args['leading_space'] must be a boolean or a list of them, got {v!r:.40}")
+
+    raw = extra_args.get("leading_space", False)
+    leading_space: Any = tuple(flag(v) for v in raw) if isinstance(raw, (list, tuple)) else flag(raw)
+    context = extra_args.get("context")
+    if isinstance(context, (list, tuple)):
+        context = tuple(context)
+    items = context if isinstance(context, tuple) else (() if context is None else (context,))
+    if any(not isinstance(c, str) or not c for c in items) or (isinstance(context, tuple) and not context):
+        _fail(f"extra_args['context'] must be a non-empty string or a list of them, got {context!r:.60}")
+    n = (len(leading_space) if isinstance(leading_space, tuple) else 1) + len(items)
+    if isinstance(leading_space, tuple) and not leading_space:
+        _fail("extra_args['leading_space'] is an empty list")
+    if n > MAX_FORMS:
+        _fail(f"extra_args asks for {n} forms of every string, over the limit of {MAX_FORMS}")
+    normalize = extra_args.get("normalize")
+    if normalize is not None and normalize not in ("NFC", "NFKC", "NFD", "NFKD"):
+        _fail(f"extra_args['normalize'] must be 'NFC', 'NFKC', 'NFD' or 'NFKD', got {normalize!r:.20}")
+    return leading_space, context, normalize
 
 
 def _tokens_option(value: Any, what: str) -> Any:
@@ -234,14 +276,9 @@ def parse_trie_request(
     on_complete = extra_args.get("on_complete", "eos")
     if on_complete not in ON_COMPLETE_MODES:
         _fail(f"extra_args['on_complete'] must be one of {list(ON_COMPLETE_MODES)}, got {on_complete!r:.60}")
-    leading_space = extra_args.get("leading_space", False)
-    if not isinstance(leading_space, bool):
-        if leading_space in (0, 1):  # HTTP clients sometimes send 0/1
-            leading_space = bool(leading_space)
-        else:
-            _fail(f"extra_args['leading_space'] must be a boolean, got {leading_space!r:.40}")
-    if leading_space and source != "strings":
-        _fail("extra_args['leading_space'] applies only to an inline list of strings")
+    leading_space, context, normalize = _string_forms(extra_args)
+    if (leading_space or context is not None or normalize is not None) and source != "strings":
+        _fail("extra_args['leading_space'], ['context'] and ['normalize'] apply only to an inline list of strings")
     prefix = extra_args.get("prefix")
     prefix = () if prefix is None or prefix == [] else _tokens_option(prefix, "prefix")
     if isinstance(prefix, str):
@@ -264,6 +301,8 @@ def parse_trie_request(
         trigger=_tokens_option(extra_args.get("trigger"), "trigger"),
         separator=_tokens_option(extra_args.get("separator"), "separator"),
         leading_space=leading_space,
+        context=context,
+        normalize=normalize,
         prefix=prefix,
         stop_at_forced=stop_at,
         forced_tail_only=tail_only,
@@ -312,7 +351,9 @@ def trie_args(
     on_complete: str = "eos",
     trigger: TokensArg = None,
     separator: TokensArg = None,
-    leading_space: bool = False,
+    leading_space: Union[bool, Sequence[bool]] = False,
+    context: Union[str, Sequence[str], None] = None,
+    normalize: Optional[str] = None,
     allow: Union[Sequence[Union[str, int]], dict, None] = None,
     deny: Union[Sequence[Union[str, int]], dict, None] = None,
 ) -> dict[str, Any]:
@@ -334,8 +375,14 @@ def trie_args(
         out["trigger"] = trigger if isinstance(trigger, (str, int)) else list(trigger)
     if separator is not None:
         out["separator"] = separator if isinstance(separator, (str, int)) else list(separator)
-    if leading_space:
+    if isinstance(leading_space, (list, tuple)):
+        out["leading_space"] = [bool(v) for v in leading_space]
+    elif leading_space:
         out["leading_space"] = True
+    if context is not None:
+        out["context"] = context if isinstance(context, str) else list(context)
+    if normalize is not None:
+        out["normalize"] = normalize
     for name, value in (("allow", allow), ("deny", deny)):
         if isinstance(value, dict):
             out[name] = dict(value)  # {"file": PATH}: a filter file on the server
@@ -497,13 +544,13 @@ class TrieResolver:
         return trie, key
 
     def _build(self, req: TrieRequest) -> TokenTrie:
-        if req.source == "strings":
-            strings = list(req.payload)
-            sequences = tokenize_strings(strings, self.tokenizer, leading_space=req.leading_space)
-            return TokenTrie.from_sequences(
-                sequences, self.vocab_size, names=strings, fingerprint=self.fingerprint,
-                options={"source": "strings", "leading_space": req.leading_space},
-            )
+        if req.source == "strings":  # the one tokenization path of strings (forms, contexts, normalization)
+            spaces = list(req.leading_space) if isinstance(req.leading_space, tuple) else req.leading_space
+            context = list(req.context) if isinstance(req.context, tuple) else req.context
+            if context is not None and spaces is False:
+                spaces = None  # only the context's form
+            return TokenTrie.from_strings(list(req.payload), self.tokenizer, leading_space=spaces, context=context,
+                                          normalize=req.normalize)
         return TokenTrie.from_sequences([list(s) for s in req.payload], self.vocab_size, fingerprint=self.fingerprint)
 
     def _build_inline(self, req: TrieRequest, admit: bool = False) -> TokenTrie:
