@@ -310,7 +310,7 @@ def test_frontend_hands_inline_tries_to_the_engine(tokenizer, tmp_path, monkeypa
     def no_tokenizing(*args, **kwargs):
         raise AssertionError("the engine tokenized the list again")
 
-    monkeypatch.setattr("trie_decode.integrations.vllm_requests.tokenize_strings", no_tokenizing)
+    monkeypatch.setattr("trie_decode.integrations.vllm_requests.TokenTrie.from_strings", no_tokenizing)
     got = engine.trie(parse_trie_request({"trie": COLORS, "leading_space": True}))
     assert got.sequences() == built.sequences() and got.names() == COLORS
     # A corrupted handoff file is ignored (the engine builds the list itself), never trusted.
