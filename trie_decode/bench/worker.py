@@ -150,8 +150,11 @@ def measure_step(
     def decode(stepper: Any, n_steps: int, watch: Stopwatch, tally: dict[str, Any], deadline: float) -> None:
         walk = RowWalk(flat, offsets, pool, batch_size, eos, rng)
         tokens = None
+        feed = getattr(stepper, "feed", None)  # what the caller's own loop does with the tokens (not timed)
         for _ in range(n_steps):
             logits.copy_(base)
+            if feed is not None:
+                feed(tokens)
             watch.start()
             out = stepper.step(logits, tokens)
             watch.stop()
