@@ -204,3 +204,37 @@ def test_rows_other_processors_emptied_keep_the_tries_tokens(kernel, dense):
     root_allowed = sorted(trie.children(0)[0].tolist())
     assert out[3].isfinite().nonzero().flatten().tolist() == root_allowed
     assert (out[3, root_allowed] == ALL_MASKED_FLOOR).all()
+
+
+@pytest.mark.parametrize("on_complete", ["eos", "repeat"])
+@pytest.mark.parametrize("dense", [False, True])
+def test_filters_in_the_kernel_equal_the_filter_pass(on_complete, dense):
+    """Static allow/deny filters masked in the C kernel's own pass (per-node flags) give exactly the logits of the
+    numpy and torch kernels followed by the filter pass, values included: other processors' -inf bans, the floor,
+    rows the filters leave with nothing, per-row filters, a row mapping, dense rows, and entries holding the
+    separator's token."""
+    rng = np.random.default_rng(hash((on_complete, dense)) % 2**32)
+    for trial in range(40):
+        seqs = [rng.integers(3, 40, size=rng.integers(1, 4)).tolist() for _ in range(rng.integers(2, 60))]
+        trie = TokenTrie.from_sequences(seqs, vocab_size=V)
+        rules = SpanRules(end_token_id=END, **(dict(on_complete="repeat", separator=(3,)) if on_complete == "repeat" else {}))
+        c = TrieConstraint(trie, rules, "cpu", dense_min_fanout=4 if dense else None)
+        assert c.kernel.name == "native"
+        e = trie.num_entries
+        rows = 7
+        allow = [None if rng.random() < 0.5 else rng.choice(e, rng.integers(1, e + 1), replace=False) for _ in range(rows)]
+        deny = [rng.choice(e, rng.integers(0, e // 2 + 1), replace=False) for _ in range(rows)]
+        usable = [(set(range(e)) if a is None else set(a.tolist())) - set(d.tolist()) for a, d in zip(allow, deny)]
+        if not all(usable):
+            continue
+        f = c.filters(rows, allow=allow, deny=deny)
+        state = c.start(rows)
+        state.node = _states(c, rng, rows)
+        logits = torch.randn(rows + 2, V + 3)
+        logits[torch.from_numpy(rng.random(logits.shape) < 0.4)] = float("-inf")
+        logits[torch.from_numpy(rng.random(rows + 2) < 0.2)] = float("-inf")
+        mapping = torch.from_numpy(rng.permutation(rows + 2)[:rows].astype(np.int64))
+        got = c.mask_(logits.clone(), state, mapping, filters=f)
+        for other in ("numpy", "torch"):
+            ref = c.with_kernel(other).mask_(logits.clone(), state, mapping, filters=f)
+            assert torch.equal(got, ref), (trial, other)

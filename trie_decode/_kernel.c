@@ -146,14 +146,32 @@ static const int32_t *table_row(const int32_t *table, int64_t node, int64_t num_
  * floor_bits (a finite value) in its kept columns. */
 static PyObject *py_mask(PyObject *self, PyObject *args) {
     Py_ssize_t out_p, src_p, batch, out_stride, src_stride, width, n, rows_p, nodes_p, table_p, child_token_p, blocked_p;
-    Py_ssize_t num_nodes, num_codes, vt, num_dense, num_children;
+    Py_ssize_t num_nodes, num_codes, vt, num_dense, num_children, child_ptr_p, flags_p, filt_p, num_filters;
     int es;
     unsigned long long neg_bits, floor_bits;
-    if (!PyArg_ParseTuple(args, "nnnnnniKKnnnnnnnnnnn", &out_p, &src_p, &batch, &out_stride, &src_stride, &width, &es, &neg_bits,
-                          &floor_bits, &n,
+    if (!PyArg_ParseTuple(args, "nnnnnniKKnnnnnnnnnnnnnnn", &out_p, &src_p, &batch, &out_stride, &src_stride, &width, &es,
+                          &neg_bits, &floor_bits, &n,
                           &rows_p, &nodes_p, &table_p, &num_nodes, &num_codes, &child_token_p, &num_children,
-                          &blocked_p, &vt, &num_dense))
+                          &blocked_p, &vt, &num_dense, &child_ptr_p, &flags_p, &filt_p, &num_filters))
         return NULL;
+    /* Filters (optional: flags_p 0 for none): flags is (num_filters, num_nodes) uint8, filt[i] the filter of state
+     * row i; bit 0 of flags[f][m]: no usable entry below node m (a child m is dropped); bit 1: the entry ending at
+     * m is not usable (the row's end token and separator are dropped, unless they are usable children). A row left
+     * with nothing keeps the end token at the floor value. child_ptr (num_nodes + 1 int32) lists a dense node's
+     * children. trie_decode/filters.py computes the flags from the same rule its torch pass applies. */
+    const uint8_t *flags = (const uint8_t *)flags_p;
+    const int64_t *filt = (const int64_t *)filt_p;
+    const int32_t *child_ptr = (const int32_t *)child_ptr_p;
+    if (flags && (!filt || !child_ptr || num_filters < 1)) {
+        PyErr_SetString(PyExc_ValueError, "filter flags need each row's filter and the child pointers");
+        return NULL;
+    }
+    if (flags)
+        for (Py_ssize_t i = 0; i < n; i++)
+            if (filt[i] < 0 || filt[i] >= num_filters) {
+                PyErr_Format(PyExc_IndexError, "row %zd names filter %lld of %zd", i, (long long)filt[i], num_filters);
+                return NULL;
+            }
     if (es != 2 && es != 4 && es != 8) {
         PyErr_Format(PyExc_ValueError, "element size must be 2, 4 or 8 bytes, got %d", es);
         return NULL;
@@ -178,6 +196,7 @@ static PyObject *py_mask(PyObject *self, PyObject *args) {
         PyErr_Format(PyExc_IndexError, "%zd states for a batch of %zd logits rows", n, batch);
         return NULL;
     }
+    const int64_t end_token = table_row(table, -1, num_nodes, num_codes)[T_ANCHOR];  /* DONE keeps the end token */
     Py_ssize_t masked = 0, cap = 64;
     int64_t *keep_col = NULL;
     int oom = 0;
@@ -207,27 +226,60 @@ static PyObject *py_mask(PyObject *self, PyObject *args) {
             continue;
         }
         masked++;
-        int64_t slot = t[T_SLOT];
+        int64_t slot = t[T_SLOT], m = nodes[i];
+        const uint8_t *fl = (flags && m >= 0 && m < num_nodes) ? flags + filt[i] * num_nodes : NULL;
+        int own_out = fl && (fl[m] & 2);  /* the entry ending here is not usable: no end token, no separator */
         if (slot >= 0 && slot < num_dense) {
             /* A dense row: its children are the unblocked columns; the extras (end token, separator) are saved
-             * first and put back, since the dense row may block them. */
+             * first and put back, since the dense row may block them. With a filter, excluded children are
+             * dropped again after the copy, and the extras come back only where the row keeps them. */
             uint64_t extra_val[T_EXTRA1 - T_ANCHOR + 1] = {0};
             for (int e = T_ANCHOR; e <= T_EXTRA1; e++)
                 if (t[e] >= 0 && t[e] < width) extra_val[e - T_ANCHOR] = load_bits(srow + (Py_ssize_t)t[e] * es, es);
             const uint8_t *brow = blocked + slot * vt;
             dense_row(drow, srow, brow, vm, width, es, neg_bits, pat);
-            int alive = 0;
+            int32_t lo = 0, hi = 0;
+            if (fl) {
+                lo = child_ptr[m] < 0 ? 0 : child_ptr[m];
+                hi = child_ptr[m + 1] > num_nodes ? (int32_t)num_nodes : child_ptr[m + 1];
+                for (int32_t p = lo; p < hi; p++)
+                    if ((fl[p] & 1) && child_token[p] >= 0 && child_token[p] < vm)
+                        store_bits(drow + (Py_ssize_t)child_token[p] * es, es, neg_bits);
+            }
+            int alive = 0, kept = 0;
             for (int e = T_ANCHOR; e <= T_EXTRA1; e++)
-                if (t[e] >= 0 && t[e] < width) {
+                /* the anchor of a dense node is its first child, which the dense row (and filter) already decided */
+                if (t[e] >= 0 && t[e] < width && !(fl && (e == T_ANCHOR || own_out))) {
                     store_bits(drow + (Py_ssize_t)t[e] * es, es, extra_val[e - T_ANCHOR]);
                     alive |= extra_val[e - T_ANCHOR] != neg_bits;
+                    kept = 1;
                 }
-            for (Py_ssize_t j = 0; j < vm && !alive; j++) alive = !brow[j] && load_bits(drow + j * es, es) != neg_bits;
-            if (!alive) {  /* every kept value was already -inf: the floor instead */
-                for (Py_ssize_t j = 0; j < vm; j++)
-                    if (!brow[j]) store_bits(drow + j * es, es, (uint64_t)floor_bits);
-                for (int e = T_ANCHOR; e <= T_EXTRA1; e++)
-                    if (t[e] >= 0 && t[e] < width) store_bits(drow + (Py_ssize_t)t[e] * es, es, (uint64_t)floor_bits);
+            if (!fl) {
+                for (Py_ssize_t j = 0; j < vm && !alive; j++) alive = !brow[j] && load_bits(drow + j * es, es) != neg_bits;
+                if (!alive) {  /* every kept value was already -inf: the floor instead */
+                    for (Py_ssize_t j = 0; j < vm; j++)
+                        if (!brow[j]) store_bits(drow + j * es, es, (uint64_t)floor_bits);
+                    for (int e = T_ANCHOR; e <= T_EXTRA1; e++)
+                        if (t[e] >= 0 && t[e] < width) store_bits(drow + (Py_ssize_t)t[e] * es, es, (uint64_t)floor_bits);
+                }
+                continue;
+            }
+            for (int32_t p = lo; p < hi; p++) {
+                int32_t col = child_token[p];
+                if (!(fl[p] & 1) && col >= 0 && col < vm) {
+                    kept = 1;
+                    alive |= load_bits(drow + (Py_ssize_t)col * es, es) != neg_bits;
+                }
+            }
+            if (!kept) {  /* the filter leaves nothing: the end token at the floor */
+                if (end_token >= 0 && end_token < width) store_bits(drow + (Py_ssize_t)end_token * es, es, (uint64_t)floor_bits);
+            } else if (!alive) {  /* every kept value was already -inf: the floor instead */
+                for (int32_t p = lo; p < hi; p++) {
+                    int32_t col = child_token[p];
+                    if (!(fl[p] & 1) && col >= 0 && col < vm) store_bits(drow + (Py_ssize_t)col * es, es, (uint64_t)floor_bits);
+                }
+                for (int e = T_EXTRA0; e <= T_EXTRA1; e++)
+                    if (t[e] >= 0 && t[e] < width && !own_out) store_bits(drow + (Py_ssize_t)t[e] * es, es, (uint64_t)floor_bits);
             }
             continue;
         }
@@ -245,10 +297,20 @@ static PyObject *py_mask(PyObject *self, PyObject *args) {
         Py_ssize_t k = 0;
         for (int64_t c = 0; c < count; c++) {
             int64_t col = child_token[start + c];
+            if (fl && (fl[start + c] & 1)) continue;  /* the filter excludes every entry below this child */
             if (col >= 0 && col < vm && (k == 0 || col > keep_col[k - 1])) keep_col[k++] = col;
         }
-        for (int e = T_ANCHOR; e <= T_EXTRA1; e++)
+        for (int e = T_ANCHOR; e <= T_EXTRA1; e++) {
+            /* With a filter the anchor counts only as what it is: the first child (decided above), or, at a node
+             * without children, the end token (kept like the other extras only while the row's entry is usable). */
+            if (fl && (e == T_ANCHOR ? (count > 0 || own_out) : own_out)) continue;
             if (t[e] >= 0 && t[e] < width) insert_sorted(keep_col, &k, t[e]);
+        }
+        if (fl && k == 0) {  /* the filter leaves nothing: the end token at the floor */
+            sparse_row(drow, srow, keep_col, 0, width, es, neg_bits, pat);
+            if (end_token >= 0 && end_token < width) store_bits(drow + (Py_ssize_t)end_token * es, es, (uint64_t)floor_bits);
+            continue;
+        }
         sparse_row(drow, srow, keep_col, k, width, es, neg_bits, pat);
         if (all_neg(drow, keep_col, k, es, neg_bits))  /* every kept value was already -inf: the floor instead */
             for (Py_ssize_t j = 0; j < k; j++) store_bits(drow + keep_col[j] * es, es, (uint64_t)floor_bits);

@@ -262,6 +262,14 @@ class TrieConstraint:
             out = src = logits.clone()  # rows no state covers must be copied: clone, then mask in place
         if rows is not None and rows.device != logits.device:
             rows = rows.to(logits.device)
+        if (filters is not None and not filters.distinct and getattr(self.kernel, "masks_filters", False)
+                and kernels.native.usable_logits(src) and (out is src or kernels.native.usable_logits(out))):
+            # Static filters in the C kernel's own pass (per-node flags of the same rule, built once per filter).
+            flags, filt = filters.node_flags(self.tries[0])
+            if filt.numel() == 1 and len(state) != 1:  # one filter made for every row
+                filt = filt.expand(len(state)).contiguous()
+            self.kernel.mask(out, src, state.node, rows, self.tables[0], (flags, filt))
+            return out
         self.kernel.mask_rows(self._prepared, out, src, state.node, state.tree, rows)
         if filters is not None:
             apply_filters_(out, state.node, filters, self.dtries[0], self.rules, rows)

@@ -87,6 +87,7 @@ class EntryOrder:
         self.hi = np.searchsorted(sorted_pre, pre + size, side="left").astype(np.int64)
         self.node_rank = node_rank
         self.rank = node_rank[trie.entry_node.astype(np.int64)]
+        self.rank_node = order.astype(np.int64)  # the terminal node of each rank
         self.num_entries = e
         self._device: dict[str, tuple[torch.Tensor, ...]] = {}
 
@@ -113,7 +114,8 @@ def entry_indices(trie: TokenTrie, spec: Any, what: str) -> np.ndarray:
         idx = spec.astype(np.int64, copy=False).ravel()
     else:
         items = list(spec)
-        if items and all(isinstance(x, str) for x in items):
+        kinds = set(map(type, items))
+        if items and all(issubclass(k, str) for k in kinds):
             idx = KeyIndex.of(trie).entries(items, what)
         else:
             for x in items:
@@ -187,10 +189,11 @@ class KeyIndex:
     def entries(self, keys: Sequence[str], what: str) -> np.ndarray:
         """Every entry of every key, or a named error listing keys that no entry carries. Shape: (K',), int64."""
         first = self.first
-        missing = [x for x in keys if x not in first]
-        if missing:
+        found = list(map(first.get, keys))  # one C-level pass of dict lookups
+        if None in found:
+            missing = [x for x, i in zip(keys, found) if i is None]
             raise ConstraintConfigError(f"{what}: {len(missing)} keys are not entries of the trie, e.g. {missing[:3]}")
-        idx = np.fromiter((first[x] for x in keys), dtype=np.int64, count=len(keys))
+        idx = np.array(found, dtype=np.int64)
         if self.more:
             extra = [e for x in keys for e in self.more.get(x, ()) if e != first[x]]
             idx = np.concatenate([idx, np.asarray(extra, dtype=np.int64)]) if extra else idx
@@ -264,6 +267,31 @@ class RowFilters:
         self.distinct = False
         # Static (host) facts that let a step skip work: no row has an allow set / every row has one.
         self.any_allow, self.all_allow = bool(has_allow.any()), bool(has_allow.all())
+        # The host sets, for the per-node flags a CPU kernel masks with (node_flags); built on first use.
+        self._host_sets = (allow_r, deny_r)
+        self._flags: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+
+    def node_flags(self, trie: TokenTrie) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same rule as :meth:`usable_count`, evaluated once per node for every distinct filter of the rows:
+        ``flags[f, n]`` has bit 0 set when no entry below node n is usable by filter f (the child n is blocked) and
+        bit 1 when an entry ends at n and is not usable (its end token and separator are blocked). For the C
+        kernel, which masks static (not ``distinct``) filters in its single pass over each row.
+
+        Returns:
+            flags: Shape: (F, N), uint8, CPU. filter_of_row: each row's filter. Shape: (R,), int64, CPU.
+        """
+        if self.distinct:
+            raise ConstraintConfigError("distinct lists change every step: they have no static node flags")
+        if self._flags is None:
+            allow_r, deny_r = self._host_sets
+            index: dict[tuple, int] = {}
+            per_row = [index.setdefault((id(a), id(d)), len(index)) for a, d in zip(allow_r, deny_r)]
+            flags = np.zeros((len(index), trie.num_nodes), dtype=np.uint8)
+            for (ia, idd), f in index.items():
+                row = per_row.index(f)
+                flags[f] = _node_flags(self.order, trie, allow_r[row], deny_r[row])
+            self._flags = (torch.from_numpy(flags), torch.tensor(per_row, dtype=torch.long))
+        return self._flags
     def select(self, index: torch.Tensor) -> "RowFilters":
         """Rows ``index`` of these filters (beam reordering)."""
         out = object.__new__(RowFilters)
@@ -274,6 +302,14 @@ class RowFilters:
         out.allow = self.allow if shared else self.allow[index]
         out.deny = self.deny if shared else self.deny[index]
         out.distinct, out.any_allow, out.all_allow = self.distinct, self.any_allow, self.all_allow
+        out._host_sets, out._flags = self._host_sets, None
+        if self._flags is None and not self.distinct:
+            # Rows keep their filter: the selection only maps rows to filters (flags are built on first use).
+            allow_r, deny_r = self._host_sets
+            idx = index.tolist()
+            out._host_sets = ([allow_r[i] for i in idx], [deny_r[i] for i in idx])
+        elif self._flags is not None:
+            out._flags = (self._flags[0], self._flags[1][index.cpu()])
         return out
 
     def usable_count(self, bounds: torch.Tensor) -> torch.Tensor:
@@ -321,6 +357,42 @@ class RowFilters:
         self.deny_count = self.deny_count + fits.long()
         drop = where.unsqueeze(1) & (self.allow == ranks.unsqueeze(1))
         self.allow = torch.sort(torch.where(drop, self.sentinel, self.allow), dim=1).values
+
+
+def _node_flags(order: EntryOrder, trie: TokenTrie, allow: Optional[np.ndarray], deny: np.ndarray) -> np.ndarray:
+    """Per node of ``trie``, for one filter (``allow``: the usable ranks, denied ones taken out; else every rank but
+    ``deny``): bit 0, no usable entry below the node; bit 1, an entry ends at the node and is not usable. Only the
+    nodes on the filter's paths are examined (an allow filter's ancestors, a deny filter's). Shape: (N,), uint8."""
+    parent = trie.parent
+    rank_node = order.rank_node
+
+    def ancestors(nodes: np.ndarray) -> np.ndarray:  # the nodes and every node above them, once each
+        seen = [nodes]
+        cur = nodes
+        for _ in range(trie.max_depth):  # one gather per level (repeats are dropped once, at the end)
+            cur = parent[cur]
+            cur = cur[cur >= 0]
+            seen.append(cur)
+        return np.unique(np.concatenate(seen).astype(np.int64, copy=False))
+
+    terminal = order.node_rank >= 0
+    if allow is not None:
+        own = rank_node[allow]
+        flags = np.ones(trie.num_nodes, dtype=np.uint8)  # dead everywhere but on the allowed entries' paths
+        flags[ancestors(own)] = 0
+        excluded_end = terminal.copy()
+        excluded_end[own] = False
+        flags |= excluded_end.astype(np.uint8) << 1
+        return flags
+    flags = np.zeros(trie.num_nodes, dtype=np.uint8)
+    if not len(deny):
+        return flags
+    own = rank_node[deny]
+    flags[own] |= 2
+    cand = ancestors(own)
+    denied_below = np.searchsorted(deny, order.hi[cand]) - np.searchsorted(deny, order.lo[cand])
+    flags[cand[denied_below == order.hi[cand] - order.lo[cand]]] |= 1
+    return flags
 
 
 def apply_filters_(
@@ -383,6 +455,13 @@ def apply_filters_(
     x = logits if rows is None else logits.index_select(0, rows)
     # amin with +inf keeps a value, with -inf blocks it: duplicate columns resolve the same way in any order.
     x.scatter_reduce_(1, cols, torch.where(kill, NEG_INF, float("inf")).to(x.dtype), reduce="amin")
+    # The floor rule over what the row keeps now: if another processor set all of it to -inf (while a column the
+    # filter took away was finite), the kept columns get the floor, as the trie mask does for an unfiltered row.
+    keep = torch.cat([open_child | (valid & kept_end), (terminal & own_ok).unsqueeze(1) & ~block_end], dim=1)
+    vals = x.gather(1, cols)
+    dead = inside & ~((vals != NEG_INF) & keep).any(1)
+    # amax with -inf leaves a value, with the floor raises a -inf one: duplicate columns resolve the same way.
+    x.scatter_reduce_(1, cols, torch.where(dead.unsqueeze(1) & keep, ALL_MASKED_FLOOR, NEG_INF).to(x.dtype), reduce="amax")
     left = open_child.any(1) | (terminal & own_ok)
     stuck = inside & ~left
     end = ends[:, :1]

@@ -98,7 +98,8 @@ def _index(t: torch.Tensor, n: int, what: str) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
-def mask_rows(out: torch.Tensor, src: torch.Tensor, nodes: torch.Tensor, rows: Optional[torch.Tensor], table: Any) -> int:
+def mask_rows(out: torch.Tensor, src: torch.Tensor, nodes: torch.Tensor, rows: Optional[torch.Tensor], table: Any,
+              node_flags: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> int:
     """Mask rows of ``src`` into ``out`` (they may be the same tensor) by their trie states; returns rows masked.
 
     Args:
@@ -107,6 +108,8 @@ def mask_rows(out: torch.Tensor, src: torch.Tensor, nodes: torch.Tensor, rows: O
         nodes: each state row's node or code. Shape: (R,), int64.
         rows: logits row of each state row (None: state row i is logits row i; R must then be <= B).
         table: the CPU :class:`~trie_decode.device.StepTable` of (trie, rules).
+        node_flags: static allow/deny filters in the same pass (:meth:`RowFilters.node_flags`): the flags,
+            Shape: (F, N), uint8, and each state row's filter, Shape: (R,), int64.
     """
     n = nodes.numel()
     nodes = _index(nodes, n, "nodes")
@@ -115,9 +118,19 @@ def mask_rows(out: torch.Tensor, src: torch.Tensor, nodes: torch.Tensor, rows: O
     if not usable_logits(src) or (out is not src and (out.shape != src.shape or out.dtype != src.dtype or not usable_logits(out))):
         raise ValueError("the kernel takes 2-D CPU float logits with unit column stride, out and src alike")
     batch, width = src.shape
+    filters = (0, 0, 0, 0)
+    if node_flags is not None:
+        flags, filt = node_flags
+        d = table.dtrie
+        if flags.dtype is not torch.uint8 or not flags.is_cpu or not flags.is_contiguous() or flags.dim() != 2 \
+                or flags.shape[1] != d.num_nodes:
+            raise ValueError(f"node flags must be a contiguous (F, {d.num_nodes}) uint8 CPU tensor")
+        filt = _index(filt, n, "row filters")
+        filters = (d.tensors.child_ptr.data_ptr(), flags.data_ptr(), filt.data_ptr(), flags.shape[0])
     return _kernel.mask(
         out.data_ptr(), src.data_ptr(), batch, out.stride(0), src.stride(0), width, src.element_size(),
-        _NEG_INF_BITS[src.dtype], _FLOOR_BITS[src.dtype], n, 0 if rows is None else rows.data_ptr(), nodes.data_ptr(), *static_args(table),
+        _NEG_INF_BITS[src.dtype], _FLOOR_BITS[src.dtype], n, 0 if rows is None else rows.data_ptr(), nodes.data_ptr(),
+        *static_args(table), *filters,
     )
 
 
@@ -165,11 +178,17 @@ class NativeKernel(GroupedKernel):
         """Each row's next state code (before the trigger check). Shape: (R,), int64 CPU tensors in and out."""
         return child(table.dtrie, node, tokens, None if table.rules.plain else table)
 
-    def mask(self, out: torch.Tensor, src: torch.Tensor, node: torch.Tensor, rows: Optional[torch.Tensor], table: Any) -> None:
+    #: Static filters are masked in the kernel's own pass (see :func:`mask_rows`'s ``node_flags``).
+    masks_filters = True
+
+    def mask(self, out: torch.Tensor, src: torch.Tensor, node: torch.Tensor, rows: Optional[torch.Tensor], table: Any,
+             node_flags: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> None:
         """Mask the state rows' logits rows of ``src`` into ``out`` (the same tensor, or one of the same shape)."""
         if usable_logits(src) and (out is src or usable_logits(out)):
-            mask_rows(out, src, node, rows, table)
+            mask_rows(out, src, node, rows, table, node_flags)
             return
+        if node_flags is not None:
+            raise ValueError("node flags need logits the C kernel takes")
         if out is not src:
             out.copy_(src)
         NUMPY_KERNEL.mask(out, out, node, rows, table)
