@@ -331,13 +331,30 @@ static PyObject *py_mask(PyObject *self, PyObject *args) {
  * cache after every logits fill, and this way the rows' cache misses overlap instead of adding up. */
 static PyObject *py_child(PyObject *self, PyObject *args) {
     Py_ssize_t out_p, nodes_p, tokens_p, n, child_ptr_p, child_token_p, num_nodes, table_p, num_codes;
-    if (!PyArg_ParseTuple(args, "nnnnnnnnn", &out_p, &nodes_p, &tokens_p, &n, &child_ptr_p, &child_token_p, &num_nodes,
-                          &table_p, &num_codes))
+    Py_ssize_t flags_p, filt_p, num_filters;
+    if (!PyArg_ParseTuple(args, "nnnnnnnnnnnn", &out_p, &nodes_p, &tokens_p, &n, &child_ptr_p, &child_token_p, &num_nodes,
+                          &table_p, &num_codes, &flags_p, &filt_p, &num_filters))
         return NULL;
     if (table_p && num_codes < 1) {
         PyErr_SetString(PyExc_ValueError, "a step table has at least one code row");
         return NULL;
     }
+    /* Filters (optional, with a step table): the per-node flags of mask() (bit 0: no usable entry below the node,
+     * bit 1: the entry ending at the node is not usable). A child with bit 0 is no child for the row: its token
+     * moves as a token off the trie does; a row that leaves a node with bit 1 set (not down a usable child) ends
+     * (DONE), as at a node that ends no entry. */
+    const uint8_t *flags = (const uint8_t *)flags_p;
+    const int64_t *filt = (const int64_t *)filt_p;
+    if (flags && (!table_p || !filt || num_filters < 1)) {
+        PyErr_SetString(PyExc_ValueError, "filter flags need the step table and each row's filter");
+        return NULL;
+    }
+    if (flags)
+        for (Py_ssize_t i = 0; i < n; i++)
+            if (filt[i] < 0 || filt[i] >= num_filters) {
+                PyErr_Format(PyExc_IndexError, "row %zd names filter %lld of %zd", i, (long long)filt[i], num_filters);
+                return NULL;
+            }
     const int32_t *table = (const int32_t *)table_p;
     int64_t *out = (int64_t *)out_p;
     const int64_t *nodes = (const int64_t *)nodes_p, *tokens = (const int64_t *)tokens_p;
@@ -380,8 +397,11 @@ static PyObject *py_child(PyObject *self, PyObject *args) {
         int64_t m = nodes[i], pos = out[i];
         int ok = m >= 0 && m < num_nodes && tokens[i] >= 0 && pos < num_nodes && pos < child_ptr[m + 1] &&
                  child_token[pos] == tokens[i];
+        const uint8_t *fl = (flags && m >= 0 && m < num_nodes) ? flags + filt[i] * num_nodes : NULL;
+        if (ok && fl && (fl[pos] & 1)) ok = 0;  /* an excluded child is no child */
         if (ok) out[i] = pos;
         else if (!table) out[i] = -1;
+        else if (fl && (fl[m] & 2)) out[i] = -1;  /* leaving an excluded entry's end: DONE */
         else {
             const int32_t *t = table_row(table, m, num_nodes, num_codes);
             out[i] = (t[T_ON_TOKEN] >= 0 && tokens[i] == t[T_ON_TOKEN]) ? t[T_ON_MATCH] : t[T_OTHERWISE];

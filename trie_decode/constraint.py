@@ -186,9 +186,15 @@ class TrieConstraint:
         """
         if tokens.dtype is not torch.long or tokens.device != self.device:
             tokens = tokens.to(self.device, torch.long)
-        new = self.kernel.advance_rows(self._prepared, state.node, state.tree, tokens)
-        if filters is not None:
-            new = self._off_excluded_children(state.node, tokens, new, filters)
+        flags = None
+        if filters is not None and not filters.distinct and getattr(self.kernel, "masks_filters", False):
+            flags = filters.built_node_flags(len(tokens))
+        if flags is not None:  # the C kernel moves over the trie each row's filter leaves it, in the same call
+            new = self.kernel.advance(self.tables[0], state.node, tokens, flags)
+        else:
+            new = self.kernel.advance_rows(self._prepared, state.node, state.tree, tokens)
+            if filters is not None:
+                new = self._off_excluded_children(state.node, tokens, new, filters)
         if filters is not None and filters.distinct:
             done, rank = completed_ranks(state.node, new, self.dtries[0], filters.order)
             filters.add_denied(rank, done)
@@ -203,15 +209,33 @@ class TrieConstraint:
         no child, so a token that reaches one moves as a token off the trie does (e.g. the separator's first token
         when it also starts an excluded entry); an excluded entry is no entry end, so a row leaving its node ends
         (DONE). Fixed shapes, no host read."""
-        lo, hi, node_rank = filters.order.on(node.device)
         d = self.dtries[0]
+        flags = filters.built_node_flags(len(node))
+        if flags is not None and self.kernel.name != "torch":
+            # CPU kernels, with the kernel's per-node flags: a few numpy gathers, and nothing more when every row
+            # followed its mask (the usual case).
+            bits, filt = flags[0].numpy(), flags[1].numpy()
+            n_np, new_np = node.numpy(), new.numpy()
+            up = np.maximum(new_np, 0)
+            down = (new_np >= 1) & (n_np >= 0) & (d.trie.parent[up] == n_np)
+            off = down & ((bits[filt, up] & 1) != 0)
+            excluded = (n_np >= 0) & ((bits[filt, np.maximum(n_np, 0)] & 2) != 0) & ~(down & ~off)
+            if not (off | excluded).any():
+                return new
+        lo, hi, node_rank = filters.order.on(node.device)
         n, child = node.clamp(min=0), new.clamp(min=0)
         went_down = (new >= 1) & (node >= 0) & (d.parent_tensor[child] == node)
-        child_ok = filters.usable(torch.stack([lo[child], hi[child]], 1))[:, 0]
-        own_ok = filters.usable(torch.stack([lo[n], lo[n] + 1], 1))[:, 0]  # depth-first: a node's own entry first
-        moved = span_moves(self.tables[0].tensor, self.rules, node, tokens, torch.full_like(new, -1))
-        new = torch.where(went_down & ~child_ok, moved, new)
+        if flags is not None and flags[0].device == node.device:  # the kernel's per-node flags: two gathers
+            bits, filt = flags
+            child_ok = (bits[filt, child] & 1) == 0
+            own_ok = (bits[filt, n] & 2) == 0
+        else:
+            child_ok = filters.usable(torch.stack([lo[child], hi[child]], 1))[:, 0]
+            own_ok = filters.usable(torch.stack([lo[n], lo[n] + 1], 1))[:, 0]  # depth-first: a node's own entry first
+        off_child = went_down & ~child_ok
         excluded_end = (node >= 0) & (node_rank[n] >= 0) & ~own_ok & ~(went_down & child_ok)
+        moved = span_moves(self.tables[0].tensor, self.rules, node, tokens, torch.full_like(new, -1))
+        new = torch.where(off_child, moved, new)
         return torch.where(excluded_end, torch.full_like(new, DONE), new)
 
     # ------------------------------------------------------------------ masks
@@ -265,10 +289,8 @@ class TrieConstraint:
         if (filters is not None and not filters.distinct and getattr(self.kernel, "masks_filters", False)
                 and kernels.native.usable_logits(src) and (out is src or kernels.native.usable_logits(out))):
             # Static filters in the C kernel's own pass (per-node flags of the same rule, built once per filter).
-            flags, filt = filters.node_flags(self.tries[0])
-            if filt.numel() == 1 and len(state) != 1:  # one filter made for every row
-                filt = filt.expand(len(state)).contiguous()
-            self.kernel.mask(out, src, state.node, rows, self.tables[0], (flags, filt))
+            filters.node_flags(self.tries[0])
+            self.kernel.mask(out, src, state.node, rows, self.tables[0], filters.built_node_flags(len(state)))
             return out
         self.kernel.mask_rows(self._prepared, out, src, state.node, state.tree, rows)
         if filters is not None:
@@ -372,6 +394,8 @@ class TrieConstraint:
         out = RowFilters(EntryOrder.of(trie), per_row(allow, "allow"), per_row(deny, "deny"), self.device,
                          distinct_capacity=max_entries if distinct else 0)
         out.distinct = distinct
+        if not distinct and getattr(self.kernel, "masks_filters", False):
+            out.node_flags(trie)  # the C kernel masks with them: built now, as part of the filters' setup
         return out
 
     def stop_at_forced(self, state: RowState, min_run: torch.Tensor, tail_only: torch.Tensor) -> RowState:

@@ -233,7 +233,8 @@ class RowFilters:
         def sorted_ranks(spec: Optional[np.ndarray], minus: Optional[np.ndarray] = None) -> np.ndarray:
             key = (id(spec), id(minus))
             if key not in memo:
-                got = np.unique(ranks[spec])
+                got = np.sort(ranks[spec])
+                got = got[np.concatenate([[True], got[1:] != got[:-1]])] if len(got) > 1 else got  # unique
                 memo[key] = got if minus is None or not len(minus) else got[~np.isin(got, minus, assume_unique=True)]
             return memo[key]
 
@@ -271,6 +272,16 @@ class RowFilters:
         self._host_sets = (allow_r, deny_r)
         self._flags: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
+    def built_node_flags(self, num_rows: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """The node flags if :meth:`node_flags` built them (else None), with each of ``num_rows`` rows' filter
+        (one filter made for every row is repeated)."""
+        if self._flags is None:
+            return None
+        flags, filt = self._flags
+        if filt.numel() == 1 and num_rows != 1:
+            filt = filt.expand(num_rows).contiguous()
+        return flags, filt
+
     def node_flags(self, trie: TokenTrie) -> tuple[torch.Tensor, torch.Tensor]:
         """The same rule as :meth:`usable_count`, evaluated once per node for every distinct filter of the rows:
         ``flags[f, n]`` has bit 0 set when no entry below node n is usable by filter f (the child n is blocked) and
@@ -293,7 +304,10 @@ class RowFilters:
             self._flags = (torch.from_numpy(flags), torch.tensor(per_row, dtype=torch.long))
         return self._flags
     def select(self, index: torch.Tensor) -> "RowFilters":
-        """Rows ``index`` of these filters (beam reordering)."""
+        """Rows ``index`` of these filters (beam reordering). Filters that every row shares, with no distinct list,
+        are the same whatever the rows: returned as they are."""
+        if not self.distinct and self.deny.shape[0] == 1 and len(index) == len(self.has_allow):
+            return self  # one shared set (and so one filter, in the node flags too): every row is alike
         out = object.__new__(RowFilters)
         out.order, out.device, out.sentinel = self.order, self.device, self.sentinel
         out.has_allow, out.deny_count = self.has_allow[index], self.deny_count[index]
@@ -373,10 +387,10 @@ def _node_flags(order: EntryOrder, trie: TokenTrie, allow: Optional[np.ndarray],
             cur = parent[cur]
             cur = cur[cur >= 0]
             seen.append(cur)
-        return np.unique(np.concatenate(seen).astype(np.int64, copy=False))
+        return np.concatenate(seen)  # repeats are harmless: every write below is idempotent
 
-    terminal = order.node_rank >= 0
     if allow is not None:
+        terminal = order.node_rank >= 0
         own = rank_node[allow]
         flags = np.ones(trie.num_nodes, dtype=np.uint8)  # dead everywhere but on the allowed entries' paths
         flags[ancestors(own)] = 0

@@ -118,6 +118,8 @@ def run_retrieval_suite(quick: bool, out_dir: Any, *, progress: Optional[Callabl
                 base = torch.randn(beams, vocab)
                 buf = torch.empty_like(base)
                 ids = torch.zeros((beams, steps + 1), dtype=torch.long)
+                # generate's beam search names each beam's parent row (running_beam_indices); here each continues itself
+                parents = torch.arange(beams, dtype=torch.int32).view(1, beams, 1).expand(1, beams, steps + 1).contiguous()
                 reps = 3 if quick else 5
                 proc_t, floor_t = [], []
                 for _ in range(reps):
@@ -127,7 +129,7 @@ def run_retrieval_suite(quick: bool, out_dir: Any, *, progress: Optional[Callabl
                     for s in range(steps):
                         buf.copy_(base)
                         t0 = time.perf_counter()
-                        _beam_search(procs, ids[:, : s + 1], buf)
+                        _beam_search(procs, ids[:, : s + 1], buf, parents)
                         proc_t.append(time.perf_counter() - t0)
                         buf.copy_(base)
                         t0 = time.perf_counter()

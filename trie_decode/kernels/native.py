@@ -134,7 +134,8 @@ def mask_rows(out: torch.Tensor, src: torch.Tensor, nodes: torch.Tensor, rows: O
     )
 
 
-def child(dtrie: Any, nodes: torch.Tensor, tokens: torch.Tensor, table: Any = None) -> torch.Tensor:
+def child(dtrie: Any, nodes: torch.Tensor, tokens: torch.Tensor, table: Any = None,
+          node_flags: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
     """The child of each node by each token; where there is none, -1, or with a step ``table`` the span rules' move
     (:func:`trie_decode.spans.span_moves` in one C pass).
 
@@ -142,6 +143,8 @@ def child(dtrie: Any, nodes: torch.Tensor, tokens: torch.Tensor, table: Any = No
         dtrie: a CPU :class:`~trie_decode.device.DeviceTrie`.
         nodes, tokens: Shape: (R,), int64, CPU.
         table: the CPU :class:`~trie_decode.device.StepTable` of (``dtrie``, rules), or None.
+        node_flags: static filters (see :func:`mask_rows`), with ``table``: the row's moves over the trie its
+            filter leaves it (as ``TrieConstraint`` does with filters on other kernels).
     Returns:
         Shape: (R,), int64.
     """
@@ -161,7 +164,15 @@ def child(dtrie: Any, nodes: torch.Tensor, tokens: torch.Tensor, table: Any = No
             raise ValueError("the step table belongs to another trie")
         static_args(table)  # checks the table's dtype, device and shape once
         moves = (table.tensor.data_ptr(), table.num_codes)
-    _kernel.child(out.data_ptr(), nodes.data_ptr(), tokens.data_ptr(), n, *trie_args, *moves)
+    filters = (0, 0, 0)
+    if node_flags is not None:
+        flags, filt = node_flags
+        if table is None or flags.dtype is not torch.uint8 or not flags.is_cpu or not flags.is_contiguous() \
+                or flags.dim() != 2 or flags.shape[1] != dtrie.num_nodes:
+            raise ValueError(f"node flags need the step table and a contiguous (F, {dtrie.num_nodes}) uint8 CPU tensor")
+        filt = _index(filt, n, "row filters")
+        filters = (flags.data_ptr(), filt.data_ptr(), flags.shape[0])
+    _kernel.child(out.data_ptr(), nodes.data_ptr(), tokens.data_ptr(), n, *trie_args, *moves, *filters)
     return out
 
 
@@ -174,9 +185,12 @@ class NativeKernel(GroupedKernel):
     name = "native"
     writes_every_row = True  # out of place, every row is written (masked, or copied through): no clone needed
 
-    def advance(self, table: Any, node: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """Each row's next state code (before the trigger check). Shape: (R,), int64 CPU tensors in and out."""
-        return child(table.dtrie, node, tokens, None if table.rules.plain else table)
+    def advance(self, table: Any, node: torch.Tensor, tokens: torch.Tensor,
+                node_flags: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+        """Each row's next state code (before the trigger check). Shape: (R,), int64 CPU tensors in and out.
+        With ``node_flags`` (static filters), over the trie each row's filter leaves it."""
+        plain = table.rules.plain and node_flags is None
+        return child(table.dtrie, node, tokens, None if plain else table, node_flags)
 
     #: Static filters are masked in the kernel's own pass (see :func:`mask_rows`'s ``node_flags``).
     masks_filters = True
