@@ -134,8 +134,19 @@ static const int32_t *table_row(const int32_t *table, int64_t node, int64_t num_
     return table + r * T_COLS;
 }
 
+/* True when every row's filter index is in [0, num_filters); else an IndexError is set. */
+static int filters_in_range(const int64_t *filt, Py_ssize_t n, Py_ssize_t num_filters) {
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (filt[i] < 0 || filt[i] >= num_filters) {
+            PyErr_Format(PyExc_IndexError, "row %zd names filter %lld of %zd", i, (long long)filt[i], num_filters);
+            return 0;
+        }
+    return 1;
+}
+
 /* mask(out, src, batch, out_stride, src_stride, width, elsize, neg_bits, floor_bits, n, rows, nodes, table, num_nodes,
- *      num_codes, child_token, blocked, vt, num_dense) -> number of rows masked
+ *      num_codes, child_token, num_children, blocked, vt, num_dense, child_ptr, flags, filt, num_filters)
+ *      -> number of rows masked (child_ptr, flags, filt: 0 without filters; see below)
  *
  * For i < n: logits row rows[i] (or i when rows is 0) is masked by the state nodes[i]. src and out point at
  * (batch, width) arrays of elsize-byte floats with those row strides (they may be the same array); width columns are used; vt
@@ -166,12 +177,7 @@ static PyObject *py_mask(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "filter flags need each row's filter and the child pointers");
         return NULL;
     }
-    if (flags)
-        for (Py_ssize_t i = 0; i < n; i++)
-            if (filt[i] < 0 || filt[i] >= num_filters) {
-                PyErr_Format(PyExc_IndexError, "row %zd names filter %lld of %zd", i, (long long)filt[i], num_filters);
-                return NULL;
-            }
+    if (flags && !filters_in_range(filt, n, num_filters)) return NULL;
     if (es != 2 && es != 4 && es != 8) {
         PyErr_Format(PyExc_ValueError, "element size must be 2, 4 or 8 bytes, got %d", es);
         return NULL;
@@ -349,12 +355,7 @@ static PyObject *py_child(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "filter flags need the step table and each row's filter");
         return NULL;
     }
-    if (flags)
-        for (Py_ssize_t i = 0; i < n; i++)
-            if (filt[i] < 0 || filt[i] >= num_filters) {
-                PyErr_Format(PyExc_IndexError, "row %zd names filter %lld of %zd", i, (long long)filt[i], num_filters);
-                return NULL;
-            }
+    if (flags && !filters_in_range(filt, n, num_filters)) return NULL;
     const int32_t *table = (const int32_t *)table_p;
     int64_t *out = (int64_t *)out_p;
     const int64_t *nodes = (const int64_t *)nodes_p, *tokens = (const int64_t *)tokens_p;
