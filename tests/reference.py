@@ -9,7 +9,20 @@ from __future__ import annotations
 
 from trie_decode.constraint import SpanRules
 
-__all__ = ["SpanReference", "TrieReference", "allowed_after"]
+__all__ = ["SpanReference", "TrieReference", "allowed_after", "SPAN_RULE_CASES"]
+
+
+#: The span rules every state-machine test runs (with END = 1 and tokens 3..7 for separators and triggers): each
+#: end of an entry, multi-token separators, triggers in each mode.
+SPAN_RULE_CASES = [
+    dict(on_complete="eos"),
+    dict(on_complete="release"),
+    dict(on_complete="repeat", separator=(3,)),
+    dict(on_complete="repeat", separator=(3, 4)),
+    dict(on_complete="eos", trigger=(5, 6)),
+    dict(on_complete="release", trigger=(7,)),
+    dict(on_complete="repeat", separator=(3,), trigger=(5,)),
+]
 
 
 class SpanReference:

@@ -13,23 +13,14 @@ from trie_decode import ConstraintConfigError, InvalidTokenError, TokenTrie
 from trie_decode.constraint import DONE, SpanRules, TrieConstraint
 from trie_decode.masking import apply_token_bitmask_inplace
 
-from reference import SpanReference
+from reference import SPAN_RULE_CASES, SpanReference
 
 V = 24
 END = 1
 
 
 entry_sets = st.lists(st.lists(st.integers(2, V - 1), min_size=1, max_size=5), min_size=1, max_size=12)
-modes = st.sampled_from(
-    [
-        dict(on_complete="eos"),
-        dict(on_complete="release"),
-        dict(on_complete="repeat", separator=(3,)),
-        dict(on_complete="repeat", separator=(3, 4)),
-        dict(on_complete="eos", trigger=(5, 6)),
-        dict(on_complete="release", trigger=(7,)),
-    ]
-)
+modes = st.sampled_from(SPAN_RULE_CASES)
 
 
 def _allowed_sets(c: TrieConstraint, state, width: int) -> list[set[int] | None]:

@@ -21,20 +21,12 @@ from trie_decode.constraint import DONE, SpanRules, TrieConstraint
 from trie_decode.errors import InvalidTokenError, TokenizerMismatchError
 from trie_decode.live import CatalogSnapshot, LiveCatalog, SnapshotConstraint, constraint_for, delta_path_for
 
-from reference import SpanReference
+from reference import SPAN_RULE_CASES, SpanReference
 from test_device_step import no_host_sync
 
 V = 24
 END = 1
-MODES = [
-    dict(on_complete="eos"),
-    dict(on_complete="release"),
-    dict(on_complete="repeat", separator=(3,)),
-    dict(on_complete="repeat", separator=(3, 4)),
-    dict(on_complete="eos", trigger=(5, 6)),
-    dict(on_complete="release", trigger=(7,)),
-    dict(on_complete="repeat", separator=(3,), trigger=(5,)),
-]
+MODES = SPAN_RULE_CASES
 
 
 def key(seq) -> str:
