@@ -277,6 +277,7 @@ class TrieLogitsProcessor(LogitsProcessor):
         self._last_len = -1
         self._loop: Optional[_GenerateLoop] = None
         self._filters = None
+        self._fused = None
         self._buffers = _OutputBuffers()
         self.steps = 0
 
@@ -325,6 +326,11 @@ class TrieLogitsProcessor(LogitsProcessor):
         self._start = cur
         self._loop = loop
         self.steps = 0
+        # Inside generate's own loops (rows in place, or beam search's recorded parents), with no filters, the next
+        # steps are one C call each on a CPU (see TrieConstraint.fused_step), None elsewhere.
+        follows = not loop.reorders or (loop.parents is not None and self._hashes is None)
+        self._fused = (constraint.fused_step(self._state)
+                       if follows and self._filters is None and self._live is None else None)
         if self._check_with is not None:
             self._warn_prompts(input_ids)
 
@@ -339,6 +345,16 @@ class TrieLogitsProcessor(LogitsProcessor):
                 seen.add((tree, tuple(row)))
                 warn_prompt(self.tries[tree], self._check_with, row)
 
+    def _parent_column(self, loop: "_GenerateLoop", shape: torch.Size) -> Optional[torch.Tensor]:
+        """Each row's parent row for the token it just appended, from beam search's ``running_beam_indices``
+        (a view, on its device), or None when the loop records none for this step."""
+        batch, cur = shape
+        column = cur - 1 - self._start
+        parents = loop.parents.reshape(-1, loop.parents.shape[-1])
+        if parents.shape[0] != batch or not 0 <= column < parents.shape[1]:
+            return None
+        return parents[:, column]
+
     def _follow(self, input_ids: torch.Tensor, device: torch.device, loop: "_GenerateLoop") -> bool:
         """Advance every row from its parent row; False if the rows do not continue the previous call's rows.
 
@@ -349,6 +365,7 @@ class TrieLogitsProcessor(LogitsProcessor):
         searchsorted, gather), and the hash is O(generated tokens), except in ``"eos"`` mode past the deepest entry.
         """
         batch, cur = input_ids.shape
+        self._fused = None  # it holds the rows' nodes: from here on they are this path's (see _begin)
         if self._state is None or cur != self._last_len + 1 or batch != len(self._state) or not loop.continues(self._loop):
             return False
         ids = input_ids if input_ids.device == device else input_ids.to(device)
@@ -357,11 +374,10 @@ class TrieLogitsProcessor(LogitsProcessor):
             self._state = constraint.advance(self._state, ids[:, -1], self._trigger_tails(ids), filters=self._filters)
             return True
         if loop.parents is not None and self._hashes is None:
-            column = cur - 1 - self._start
-            parents = loop.parents.reshape(-1, loop.parents.shape[-1])
-            if parents.shape[0] != batch or not 0 <= column < parents.shape[1]:
+            parent = self._parent_column(loop, input_ids.shape)
+            if parent is None:
                 return False
-            parent = parents[:, column].to(device, torch.long)
+            parent = parent.to(device, torch.long)
             if self._filters is not None:
                 self._filters = self._filters.select(parent)
             self._state = constraint.advance(self._state.select(parent), ids[:, -1], self._trigger_tails(ids),
@@ -388,8 +404,16 @@ class TrieLogitsProcessor(LogitsProcessor):
         return True
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        device = scores.device
         loop = _GenerateLoop.of_caller(self._loop)
+        fused = self._fused
+        if (fused is not None and input_ids.shape[1] == self._last_len + 1 and input_ids.shape[0] == fused.rows
+                and input_ids.device == scores.device and loop.continues(self._loop)):
+            parents = self._parent_column(loop, input_ids.shape) if loop.parents is not None else None
+            if parents is not None or not loop.reorders:
+                self._last_len += 1
+                self.steps += 1
+                return fused(input_ids, scores, None if loop.in_place else self._buffers.get(scores), parents)
+        device = scores.device
         if not self._follow(input_ids, device, loop):
             self._begin(input_ids.to(device), device, loop)
         self._last_len = input_ids.shape[1]

@@ -21,6 +21,8 @@ from trie_decode.errors import InvalidTokenError
 from trie_decode.kernels import native as _native
 from trie_decode.kernels.vectorized import NUMPY_KERNEL
 
+from reference import SPAN_RULE_CASES
+
 V = 300
 END = 1
 
@@ -238,3 +240,80 @@ def test_filters_in_the_kernel_equal_the_filter_pass(on_complete, dense):
         for other in ("numpy", "torch"):
             ref = c.with_kernel(other).mask_(logits.clone(), state, mapping, filters=f)
             assert torch.equal(got, ref), (trial, other)
+
+
+@pytest.mark.parametrize("case", [c for c in SPAN_RULE_CASES if not c.get("trigger")])
+@pytest.mark.parametrize("dense", [False, True])
+@pytest.mark.parametrize("parents_dtype", [None, torch.int32, torch.int64])
+def test_fused_step_equals_advance_then_mask(case, dense, parents_dtype):
+    """``TrieConstraint.fused_step`` (one C call: advance by input_ids' last column, from each row's parent, then mask)
+    gives the same nodes and the same logits as ``advance`` + ``mask_``, step after step, in place and out of place,
+    with tokens on and off the trie and rows other processors emptied."""
+    rng = np.random.default_rng(hash((str(case), dense, str(parents_dtype))) % 2**32)
+    trie = _random_trie(rng, 300)
+    c = TrieConstraint(trie, SpanRules(end_token_id=END, **case), "cpu", dense_min_fanout=8 if dense else None)
+    rows, width = 9, V + 5
+    ref = c.start(rows)
+    state = c.start(rows)
+    step = c.fused_step(state)
+    assert step is not None and step.nodes is state.node
+    ids = torch.from_numpy(rng.integers(0, V, (rows, 3)))
+    for t in range(12):
+        logits = torch.randn(rows, width)
+        logits[torch.from_numpy(rng.random(rows) < 0.2)] = float("-inf")
+        parents = None
+        if t:
+            if parents_dtype is not None:
+                parents = torch.from_numpy(rng.integers(0, rows, rows)).to(parents_dtype)
+                ref = ref.select(parents.long())
+            ref = c.advance(ref, ids[:, -1])
+        expected = c.mask_(logits.clone(), ref)
+        if t % 2:
+            out = torch.empty_like(logits)
+            before = logits.clone()
+            got = step(ids if t else None, logits, out, parents)
+            assert got is out and torch.equal(logits, before)
+        else:
+            got = step(ids if t else None, logits, None, parents)
+            assert got is logits
+        assert torch.equal(state.node, ref.node), t
+        assert torch.equal(got, expected), t
+        # the next token: mostly one the row may emit, sometimes any token (off the trie)
+        allowed = [torch.isfinite(expected[i]).nonzero().flatten().tolist() for i in range(rows)]
+        nxt = [int(rng.choice(a)) if a and rng.random() < 0.85 else int(rng.integers(0, V)) for a in allowed]
+        ids = torch.cat([ids, torch.tensor(nxt).unsqueeze(1)], 1)
+
+
+def test_fused_step_where_it_applies_and_its_errors():
+    rng = np.random.default_rng(7)
+    trie = _random_trie(rng, 50)
+    plain = TrieConstraint(trie, SpanRules(end_token_id=END), "cpu")
+    assert TrieConstraint(trie, SpanRules(end_token_id=END, trigger=(5,)), "cpu").fused_step(plain.start(2)) is None
+    assert TrieConstraint([trie, trie], SpanRules(end_token_id=END), "cpu").fused_step(plain.start(2)) is None
+    assert plain.with_kernel("numpy").fused_step(plain.start(2)) is None
+    state = plain.start(2)
+    step = plain.fused_step(state)
+    ids, logits = torch.tensor([[7, 7], [7, 8]]), torch.zeros(2, V)
+    before = state.node.clone()
+    with pytest.raises(IndexError, match="parent row 2"):
+        step(ids, logits, parents=torch.tensor([0, 2], dtype=torch.int32))
+    assert torch.equal(state.node, before)  # nothing moved
+    with pytest.raises(ValueError, match="input_ids"):
+        step(ids.int(), logits)
+    with pytest.raises(ValueError, match="input_ids"):
+        step(ids[:1], logits)
+    with pytest.raises(ValueError, match="logits"):
+        step(ids, torch.zeros(3, V))
+    with pytest.raises(ValueError, match="columns"):
+        step(ids, torch.zeros(2, 8))
+    with pytest.raises(ValueError, match="out must match"):
+        step(ids, logits, torch.zeros(2, V, dtype=torch.float16))
+    with pytest.raises(ValueError, match="parents"):
+        step(ids, logits, parents=torch.tensor([0.0, 1.0]))
+    assert torch.equal(state.node, before)
+    # strided input_ids (a column view of a wider buffer, as generate's own may be) read the right column
+    buf = torch.zeros(2, 10, dtype=torch.long)
+    buf[:, :2] = ids
+    step(buf[:, :2], logits)
+    ref = plain.advance(plain.start(2), ids[:, -1])
+    assert torch.equal(state.node, ref.node)

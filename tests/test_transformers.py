@@ -171,6 +171,7 @@ def test_every_step_matches_brute_force_tiny_model(tiny_llama, tokenizer, mode):
                   beam=dict(num_beams=4, num_return_sequences=4, do_sample=False))[mode]
     torch.manual_seed(0)
     out = tiny_llama.generate(**inputs, logits_processor=[wrapped], max_new_tokens=6, pad_token_id=2, eos_token_id=2, **kwargs)
+    assert processor._fused is not None, "generate's own loops step in one C call on a CPU"
     refs = {tuple(e) for e in entries}
     checked = 0
     for input_ids, allowed in log:

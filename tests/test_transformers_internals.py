@@ -115,35 +115,47 @@ def test_beam_search_records_each_beams_parent_row():
 
 
 class _ParentSpy(TrieLogitsProcessor):
-    """Records whether each call followed rows by beam search's parent indices."""
+    """Records how each call followed its rows: ``"fused"`` (one C call reading beam search's parent indices),
+    ``"parents"`` (the general path with the same indices) or ``"hash"`` (the prefix-hash lookup of a caller the
+    processor does not know); ``how`` forces the last two."""
 
-    def __init__(self, *args, hash_only: bool = False, **kwargs):
+    def __init__(self, *args, how: str = "fused", **kwargs):
         super().__init__(*args, **kwargs)
-        self.hash_only, self.by_parent = hash_only, []
+        self.how, self.ways = how, []
+
+    def _begin(self, input_ids, device, loop):
+        super()._begin(input_ids, device, loop)
+        if self.how != "fused":
+            self._fused = None
 
     def _follow(self, input_ids, device, loop):
-        if self.hash_only:
-            loop.parents = None  # the lookup by prefix hash of an unknown caller
-        self.by_parent.append(loop.parents is not None)
+        if self.how == "hash":
+            loop.parents = None
         return super()._follow(input_ids, device, loop)
+
+    def __call__(self, input_ids, scores):
+        out = super().__call__(input_ids, scores)
+        self.ways.append("fused" if self._fused is not None else "hash" if self._hashes is not None else "parents")
+        return out
 
 
 @pytest.mark.parametrize("on_complete", ["eos", "repeat"])
 def test_beam_parents_equal_the_prefix_hash_lookup(tiny_llama, on_complete):
-    """Rows followed by beam search's parent indices and rows found by prefix hash give the same beams, scores
-    and matches (the tiny model's random scores reorder beams at every step)."""
+    """Rows followed by beam search's parent indices (in the fused C step and in the general path) and rows found by
+    prefix hash give the same beams, scores and matches (the tiny model's random scores reorder beams at every
+    step)."""
     entries = [[100, 200, 300], [100, 200, 301], [100, 250], [100, 250, 7], [400], [400, 401, 402], [400, 403]]
     trie = TokenTrie.from_sequences(entries, vocab_size=tiny_llama.config.vocab_size)
     extra = dict(separator=[9]) if on_complete == "repeat" else {}
     inputs = {"input_ids": torch.tensor([[5, 6, 7], [8, 9, 10]]), "attention_mask": torch.ones(2, 3, dtype=torch.long)}
     runs = []
-    for hash_only in (False, True):
-        spy = _ParentSpy(trie, end_token_id=END, on_complete=on_complete, hash_only=hash_only, **extra)
+    for how in ("fused", "parents", "hash"):
+        spy = _ParentSpy(trie, end_token_id=END, on_complete=on_complete, how=how, **extra)
         out = tiny_llama.generate(**inputs, logits_processor=[spy], max_new_tokens=8, num_beams=4, num_return_sequences=4,
                                   do_sample=False, pad_token_id=END, eos_token_id=END, return_dict_in_generate=True,
                                   output_scores=True)
-        assert spy.by_parent[1:] and all(b != hash_only for b in spy.by_parent[1:]), spy.by_parent
+        assert len(spy.ways) > 2 and set(spy.ways) == {how}, spy.ways
         runs.append((out.sequences, out.sequences_scores, [e and e.tokens for e in spy.match(out.sequences)]))
-    (seq_a, score_a, match_a), (seq_b, score_b, match_b) = runs
-    assert torch.equal(seq_a, seq_b) and torch.allclose(score_a, score_b) and match_a == match_b
-    assert all(m is not None for m in match_a)
+    for seq, score, match in runs[1:]:
+        assert torch.equal(seq, runs[0][0]) and torch.allclose(score, runs[0][1]) and match == runs[0][2]
+    assert all(m is not None for m in runs[0][2])

@@ -144,64 +144,70 @@ static int filters_in_range(const int64_t *filt, Py_ssize_t n, Py_ssize_t num_fi
     return 1;
 }
 
-/* mask(out, src, batch, out_stride, src_stride, width, elsize, neg_bits, floor_bits, n, rows, nodes, table, num_nodes,
- *      num_codes, child_token, num_children, blocked, vt, num_dense, child_ptr, flags, filt, num_filters)
- *      -> number of rows masked (child_ptr, flags, filt: 0 without filters; see below)
- *
- * For i < n: logits row rows[i] (or i when rows is 0) is masked by the state nodes[i]. src and out point at
- * (batch, width) arrays of elsize-byte floats with those row strides (they may be the same array); width columns are used; vt
- * is the trie's vocabulary and the row length of the (num_dense, vt) uint8 array blocked that holds the dense rows. Logits
- * narrower than the vocabulary (a tokenizer wider than the model's output) are masked over their own width: the
- * caller checks that every token the trie and its rules can keep lies inside it. A row whose anchor is -1
- * is unconstrained: copied when out != src, else left alone. A masked row whose kept values are all -inf gets
- * floor_bits (a finite value) in its kept columns. */
-static PyObject *py_mask(PyObject *self, PyObject *args) {
-    Py_ssize_t out_p, src_p, batch, out_stride, src_stride, width, n, rows_p, nodes_p, table_p, child_token_p, blocked_p;
-    Py_ssize_t num_nodes, num_codes, vt, num_dense, num_children, child_ptr_p, flags_p, filt_p, num_filters;
+/* One masking call: the logits geometry, the rows' states, the step table and the trie (see py_mask). */
+typedef struct {
+    char *out;
+    const char *src;
+    Py_ssize_t batch, out_stride, src_stride, width;
     int es;
-    unsigned long long neg_bits, floor_bits;
-    if (!PyArg_ParseTuple(args, "nnnnnniKKnnnnnnnnnnnnnnn", &out_p, &src_p, &batch, &out_stride, &src_stride, &width, &es,
-                          &neg_bits, &floor_bits, &n,
-                          &rows_p, &nodes_p, &table_p, &num_nodes, &num_codes, &child_token_p, &num_children,
-                          &blocked_p, &vt, &num_dense, &child_ptr_p, &flags_p, &filt_p, &num_filters))
-        return NULL;
-    /* Filters (optional: flags_p 0 for none): flags is (num_filters, num_nodes) uint8, filt[i] the filter of state
-     * row i; bit 0 of flags[f][m]: no usable entry below node m (a child m is dropped); bit 1: the entry ending at
-     * m is not usable (the row's end token and separator are dropped, unless they are usable children). A row left
-     * with nothing keeps the end token at the floor value. child_ptr (num_nodes + 1 int32) lists a dense node's
-     * children. trie_decode/filters.py computes the flags from the same rule its torch pass applies. */
-    const uint8_t *flags = (const uint8_t *)flags_p;
-    const int64_t *filt = (const int64_t *)filt_p;
-    const int32_t *child_ptr = (const int32_t *)child_ptr_p;
-    if (flags && (!filt || !child_ptr || num_filters < 1)) {
+    uint64_t neg_bits, floor_bits;
+    Py_ssize_t n;
+    const int64_t *rows, *nodes;
+    const int32_t *table;
+    Py_ssize_t num_nodes, num_codes;
+    const int32_t *child_token;
+    Py_ssize_t num_children;
+    const uint8_t *blocked;
+    Py_ssize_t vt, num_dense;
+    const int32_t *child_ptr;
+    const uint8_t *flags;
+    const int64_t *filt;
+    Py_ssize_t num_filters;
+} MaskJob;
+
+/* The job's checks, with the GIL held: 0 with an exception set when it is inconsistent. */
+static int mask_job_check(const MaskJob *j) {
+    if (j->flags && (!j->filt || !j->child_ptr || j->num_filters < 1)) {
         PyErr_SetString(PyExc_ValueError, "filter flags need each row's filter and the child pointers");
-        return NULL;
+        return 0;
     }
-    if (flags && !filters_in_range(filt, n, num_filters)) return NULL;
-    if (es != 2 && es != 4 && es != 8) {
-        PyErr_Format(PyExc_ValueError, "element size must be 2, 4 or 8 bytes, got %d", es);
-        return NULL;
+    if (j->flags && !filters_in_range(j->filt, j->n, j->num_filters)) return 0;
+    if (j->es != 2 && j->es != 4 && j->es != 8) {
+        PyErr_Format(PyExc_ValueError, "element size must be 2, 4 or 8 bytes, got %d", j->es);
+        return 0;
     }
-    if (vt < 0 || (batch > 1 && (width > out_stride || width > src_stride)) || num_codes < 1) {
+    if (j->vt < 0 || (j->batch > 1 && (j->width > j->out_stride || j->width > j->src_stride)) || j->num_codes < 1) {
         PyErr_SetString(PyExc_ValueError, "inconsistent logits geometry or step table");
-        return NULL;
+        return 0;
     }
-    Py_ssize_t vm = vt < width ? vt : width;  /* the columns of the vocabulary these logits have */
-    char *out = (char *)out_p;
-    const char *src = (const char *)src_p;
-    const int64_t *rows = (const int64_t *)rows_p, *nodes = (const int64_t *)nodes_p;
-    const int32_t *table = (const int32_t *)table_p, *child_token = (const int32_t *)child_token_p;
-    const uint8_t *blocked = (const uint8_t *)blocked_p;
-    if (rows) {
-        for (Py_ssize_t i = 0; i < n; i++)
-            if (rows[i] < 0 || rows[i] >= batch) {
-                PyErr_Format(PyExc_IndexError, "logits row %lld is outside the batch of %zd rows", (long long)rows[i], batch);
-                return NULL;
+    if (j->rows) {
+        for (Py_ssize_t i = 0; i < j->n; i++)
+            if (j->rows[i] < 0 || j->rows[i] >= j->batch) {
+                PyErr_Format(PyExc_IndexError, "logits row %lld is outside the batch of %zd rows", (long long)j->rows[i],
+                             j->batch);
+                return 0;
             }
-    } else if (n > batch) {
-        PyErr_Format(PyExc_IndexError, "%zd states for a batch of %zd logits rows", n, batch);
-        return NULL;
+    } else if (j->n > j->batch) {
+        PyErr_Format(PyExc_IndexError, "%zd states for a batch of %zd logits rows", j->n, j->batch);
+        return 0;
     }
+    return 1;
+}
+
+/* The masking itself (no GIL needed; run after mask_job_check): the number of rows masked, or -1 when out of
+ * memory. */
+static Py_ssize_t mask_job_run(const MaskJob *j) {
+    char *out = j->out;
+    const char *src = j->src;
+    const Py_ssize_t out_stride = j->out_stride, src_stride = j->src_stride, width = j->width, n = j->n;
+    const Py_ssize_t num_nodes = j->num_nodes, num_codes = j->num_codes, num_children = j->num_children;
+    const Py_ssize_t vt = j->vt, num_dense = j->num_dense;
+    const int es = j->es;
+    const uint64_t neg_bits = j->neg_bits, floor_bits = j->floor_bits;
+    const int64_t *rows = j->rows, *nodes = j->nodes, *filt = j->filt;
+    const int32_t *table = j->table, *child_token = j->child_token, *child_ptr = j->child_ptr;
+    const uint8_t *blocked = j->blocked, *flags = j->flags;
+    Py_ssize_t vm = vt < width ? vt : width;  /* the columns of the vocabulary these logits have */
     const int64_t end_token = table_row(table, -1, num_nodes, num_codes)[T_ANCHOR];  /* DONE keeps the end token */
     Py_ssize_t masked = 0, cap = 64;
     int64_t *keep_col = NULL;
@@ -209,7 +215,6 @@ static PyObject *py_mask(PyObject *self, PyObject *args) {
     char pat[64];
     for (int b = 0; b < 64; b += es) store_bits(pat + b, es, (uint64_t)neg_bits);
 
-    Py_BEGIN_ALLOW_THREADS
     keep_col = (int64_t *)malloc(cap * sizeof(int64_t));
     if (!keep_col) oom = 1;
     /* Prefetch every row's table row, and in the loop the next row's child tokens: after a logits fill a big
@@ -322,54 +327,61 @@ static PyObject *py_mask(PyObject *self, PyObject *args) {
             for (Py_ssize_t j = 0; j < k; j++) store_bits(drow + keep_col[j] * es, es, (uint64_t)floor_bits);
     }
     free(keep_col);
+    return oom ? -1 : masked;
+}
+
+/* mask(out, src, batch, out_stride, src_stride, width, elsize, neg_bits, floor_bits, n, rows, nodes, table, num_nodes,
+ *      num_codes, child_token, num_children, blocked, vt, num_dense, child_ptr, flags, filt, num_filters)
+ *      -> number of rows masked (child_ptr, flags, filt: 0 without filters; see below)
+ *
+ * For i < n: logits row rows[i] (or i when rows is 0) is masked by the state nodes[i]. src and out point at
+ * (batch, width) arrays of elsize-byte floats with those row strides (they may be the same array); width columns are used; vt
+ * is the trie's vocabulary and the row length of the (num_dense, vt) uint8 array blocked that holds the dense rows. Logits
+ * narrower than the vocabulary (a tokenizer wider than the model's output) are masked over their own width: the
+ * caller checks that every token the trie and its rules can keep lies inside it. A row whose anchor is -1
+ * is unconstrained: copied when out != src, else left alone. A masked row whose kept values are all -inf gets
+ * floor_bits (a finite value) in its kept columns.
+ *
+ * Filters (optional: flags 0 for none): flags is (num_filters, num_nodes) uint8, filt[i] the filter of state row i;
+ * bit 0 of flags[f][m]: no usable entry below node m (a child m is dropped); bit 1: the entry ending at m is not
+ * usable (the row's end token and separator are dropped, unless they are usable children). A row left with nothing
+ * keeps the end token at the floor value. child_ptr (num_nodes + 1 int32) lists a dense node's children.
+ * trie_decode/filters.py computes the flags from the same rule its torch pass applies. */
+static PyObject *py_mask(PyObject *self, PyObject *args) {
+    Py_ssize_t out_p, src_p, rows_p, nodes_p, table_p, child_token_p, blocked_p, child_ptr_p, flags_p, filt_p;
+    unsigned long long neg_bits, floor_bits;
+    MaskJob j;
+    if (!PyArg_ParseTuple(args, "nnnnnniKKnnnnnnnnnnnnnnn", &out_p, &src_p, &j.batch, &j.out_stride, &j.src_stride,
+                          &j.width, &j.es, &neg_bits, &floor_bits, &j.n, &rows_p, &nodes_p, &table_p, &j.num_nodes,
+                          &j.num_codes, &child_token_p, &j.num_children, &blocked_p, &j.vt, &j.num_dense, &child_ptr_p,
+                          &flags_p, &filt_p, &j.num_filters))
+        return NULL;
+    j.out = (char *)out_p, j.src = (const char *)src_p, j.neg_bits = neg_bits, j.floor_bits = floor_bits;
+    j.rows = (const int64_t *)rows_p, j.nodes = (const int64_t *)nodes_p, j.table = (const int32_t *)table_p;
+    j.child_token = (const int32_t *)child_token_p, j.blocked = (const uint8_t *)blocked_p;
+    j.child_ptr = (const int32_t *)child_ptr_p, j.flags = (const uint8_t *)flags_p, j.filt = (const int64_t *)filt_p;
+    if (!mask_job_check(&j)) return NULL;
+    Py_ssize_t masked;
+    Py_BEGIN_ALLOW_THREADS
+    masked = mask_job_run(&j);
     Py_END_ALLOW_THREADS
-    if (oom) return PyErr_NoMemory();
+    if (masked < 0) return PyErr_NoMemory();
     return PyLong_FromSsize_t(masked);
 }
 
-/* child(out, nodes, tokens, n, child_ptr, child_token, num_nodes, table, num_codes) -> None
- *
- * out[i] = the child of node nodes[i] by token tokens[i]; where there is none (or nodes[i] is not a node): -1 when
- * table is 0, else the step table's move for that state (trie_decode/spans.py: ON_MATCH on the token ON_TOKEN,
- * OTHERWISE on any other), so that one call is the whole state update.
- * Children of node m are m's CSR range child_ptr[m]..child_ptr[m+1]-1, sorted by token. The rows' binary searches
- * run in lockstep, one level for every row per pass, with the next probe prefetched: a big trie's arrays are out of
- * cache after every logits fill, and this way the rows' cache misses overlap instead of adding up. */
-static PyObject *py_child(PyObject *self, PyObject *args) {
-    Py_ssize_t out_p, nodes_p, tokens_p, n, child_ptr_p, child_token_p, num_nodes, table_p, num_codes;
-    Py_ssize_t flags_p, filt_p, num_filters;
-    if (!PyArg_ParseTuple(args, "nnnnnnnnnnnn", &out_p, &nodes_p, &tokens_p, &n, &child_ptr_p, &child_token_p, &num_nodes,
-                          &table_p, &num_codes, &flags_p, &filt_p, &num_filters))
-        return NULL;
-    if (table_p && num_codes < 1) {
-        PyErr_SetString(PyExc_ValueError, "a step table has at least one code row");
-        return NULL;
-    }
-    /* Filters (optional, with a step table): the per-node flags of mask() (bit 0: no usable entry below the node,
-     * bit 1: the entry ending at the node is not usable). A child with bit 0 is no child for the row: its token
-     * moves as a token off the trie does; a row that leaves a node with bit 1 set (not down a usable child) ends
-     * (DONE), as at a node that ends no entry. */
-    const uint8_t *flags = (const uint8_t *)flags_p;
-    const int64_t *filt = (const int64_t *)filt_p;
-    if (flags && (!table_p || !filt || num_filters < 1)) {
-        PyErr_SetString(PyExc_ValueError, "filter flags need the step table and each row's filter");
-        return NULL;
-    }
-    if (flags && !filters_in_range(filt, n, num_filters)) return NULL;
-    const int32_t *table = (const int32_t *)table_p;
-    int64_t *out = (int64_t *)out_p;
-    const int64_t *nodes = (const int64_t *)nodes_p, *tokens = (const int64_t *)tokens_p;
-    const int32_t *child_ptr = (const int32_t *)child_ptr_p, *child_token = (const int32_t *)child_token_p;
-    int64_t *bounds = (int64_t *)malloc((size_t)(n > 0 ? n : 1) * 2 * sizeof(int64_t));
-    if (!bounds) return PyErr_NoMemory();
-    Py_BEGIN_ALLOW_THREADS
+/* out[i] = the child of node nodes[i] by token tokens[i * tstride] (see py_child); bounds: 2n int64 of scratch. No
+ * GIL needed. */
+static void child_rows(int64_t *out, const int64_t *nodes, const int64_t *tokens, Py_ssize_t tstride, Py_ssize_t n,
+                       const int32_t *child_ptr, const int32_t *child_token, Py_ssize_t num_nodes,
+                       const int32_t *table, Py_ssize_t num_codes, const uint8_t *flags, const int64_t *filt,
+                       int64_t *bounds) {
     Py_ssize_t i;
     for (i = 0; i < n; i++)
         if (nodes[i] >= 0 && nodes[i] < num_nodes) __builtin_prefetch(child_ptr + nodes[i]);
     /* bounds[2i], bounds[2i+1]: the search range of row i; an empty range once the row is settled */
     for (i = 0; i < n; i++) {
         int64_t m = nodes[i], lo = 0, hi = 0;
-        if (m >= 0 && m < num_nodes && tokens[i] >= 0) {
+        if (m >= 0 && m < num_nodes && tokens[i * tstride] >= 0) {
             lo = child_ptr[m], hi = child_ptr[m + 1];
             if (lo < 0) lo = 0;
             if (hi > num_nodes) hi = num_nodes;
@@ -384,7 +396,7 @@ static PyObject *py_child(PyObject *self, PyObject *args) {
             int64_t lo = bounds[2 * i], hi = bounds[2 * i + 1];
             if (lo >= hi) continue;
             int64_t mid = lo + ((hi - lo) >> 1);
-            if (child_token[mid] < tokens[i]) lo = mid + 1;
+            if (child_token[mid] < tokens[i * tstride]) lo = mid + 1;
             else hi = mid;
             bounds[2 * i] = lo, bounds[2 * i + 1] = hi;
             if (lo < hi) {
@@ -396,8 +408,8 @@ static PyObject *py_child(PyObject *self, PyObject *args) {
     }
     for (i = 0; i < n; i++) {
         int64_t m = nodes[i], pos = out[i];
-        int ok = m >= 0 && m < num_nodes && tokens[i] >= 0 && pos < num_nodes && pos < child_ptr[m + 1] &&
-                 child_token[pos] == tokens[i];
+        int ok = m >= 0 && m < num_nodes && tokens[i * tstride] >= 0 && pos < num_nodes && pos < child_ptr[m + 1] &&
+                 child_token[pos] == tokens[i * tstride];
         const uint8_t *fl = (flags && m >= 0 && m < num_nodes) ? flags + filt[i] * num_nodes : NULL;
         if (ok && fl && (fl[pos] & 1)) ok = 0;  /* an excluded child is no child */
         if (ok) out[i] = pos;
@@ -405,17 +417,123 @@ static PyObject *py_child(PyObject *self, PyObject *args) {
         else if (fl && (fl[m] & 2)) out[i] = -1;  /* leaving an excluded entry's end: DONE */
         else {
             const int32_t *t = table_row(table, m, num_nodes, num_codes);
-            out[i] = (t[T_ON_TOKEN] >= 0 && tokens[i] == t[T_ON_TOKEN]) ? t[T_ON_MATCH] : t[T_OTHERWISE];
+            out[i] = (t[T_ON_TOKEN] >= 0 && tokens[i * tstride] == t[T_ON_TOKEN]) ? t[T_ON_MATCH] : t[T_OTHERWISE];
         }
     }
+}
+
+/* child(out, nodes, tokens, n, child_ptr, child_token, num_nodes, table, num_codes, flags, filt, num_filters) -> None
+ *
+ * out[i] = the child of node nodes[i] by token tokens[i]; where there is none (or nodes[i] is not a node): -1 when
+ * table is 0, else the step table's move for that state (trie_decode/spans.py: ON_MATCH on the token ON_TOKEN,
+ * OTHERWISE on any other), so that one call is the whole state update.
+ * Children of node m are m's CSR range child_ptr[m]..child_ptr[m+1]-1, sorted by token. The rows' binary searches
+ * run in lockstep, one level for every row per pass, with the next probe prefetched: a big trie's arrays are out of
+ * cache after every logits fill, and this way the rows' cache misses overlap instead of adding up.
+ *
+ * Filters (optional, with a step table): the per-node flags of mask() (bit 0: no usable entry below the node,
+ * bit 1: the entry ending at the node is not usable). A child with bit 0 is no child for the row: its token
+ * moves as a token off the trie does; a row that leaves a node with bit 1 set (not down a usable child) ends
+ * (DONE), as at a node that ends no entry. */
+static PyObject *py_child(PyObject *self, PyObject *args) {
+    Py_ssize_t out_p, nodes_p, tokens_p, n, child_ptr_p, child_token_p, num_nodes, table_p, num_codes;
+    Py_ssize_t flags_p, filt_p, num_filters;
+    if (!PyArg_ParseTuple(args, "nnnnnnnnnnnn", &out_p, &nodes_p, &tokens_p, &n, &child_ptr_p, &child_token_p, &num_nodes,
+                          &table_p, &num_codes, &flags_p, &filt_p, &num_filters))
+        return NULL;
+    if (table_p && num_codes < 1) {
+        PyErr_SetString(PyExc_ValueError, "a step table has at least one code row");
+        return NULL;
+    }
+    if (flags_p && (!table_p || !filt_p || num_filters < 1)) {
+        PyErr_SetString(PyExc_ValueError, "filter flags need the step table and each row's filter");
+        return NULL;
+    }
+    if (flags_p && !filters_in_range((const int64_t *)filt_p, n, num_filters)) return NULL;
+    int64_t *bounds = (int64_t *)malloc((size_t)(n > 0 ? n : 1) * 2 * sizeof(int64_t));
+    if (!bounds) return PyErr_NoMemory();
+    Py_BEGIN_ALLOW_THREADS
+    child_rows((int64_t *)out_p, (const int64_t *)nodes_p, (const int64_t *)tokens_p, 1, n, (const int32_t *)child_ptr_p,
+               (const int32_t *)child_token_p, num_nodes, (const int32_t *)table_p, num_codes,
+               (const uint8_t *)flags_p, (const int64_t *)filt_p, bounds);
     Py_END_ALLOW_THREADS
     free(bounds);
     Py_RETURN_NONE;
 }
 
+/* step(nodes, tokens, token_stride, parents, parent_stride, parent_size, moves, out, src, batch, out_stride,
+ *      src_stride, width, elsize, neg_bits, floor_bits, n, table, num_nodes, num_codes, child_token, num_children,
+ *      blocked, vt, num_dense, child_ptr) -> number of rows masked
+ *
+ * A whole decoding step of n rows that keep their places (logits row i is state row i), in one call: with tokens
+ * (not 0), each row first moves from the node of its parent row (parents[i * parent_stride], parent_size-byte ints;
+ * row i itself when parents is 0) by the token tokens[i * token_stride], as child() does (moves: the step table for
+ * the span rules' moves off the trie, or 0 for plain rules); nodes (n int64) is updated in place. Then the rows are
+ * masked as mask() does, without filters. The token and parent strides read them straight from the generation's
+ * own arrays (the last column of input_ids, a column of beam search's parent indices). A parent outside [0, n)
+ * raises IndexError before anything is written. */
+static PyObject *py_step(PyObject *self, PyObject *args) {
+    Py_ssize_t nodes_p, tokens_p, token_stride, parents_p, parent_stride, moves_p;
+    Py_ssize_t out_p, src_p, table_p, child_token_p, blocked_p, child_ptr_p;
+    int parent_size;
+    unsigned long long neg_bits, floor_bits;
+    MaskJob j;
+    if (!PyArg_ParseTuple(args, "nnnnninnnnnnniKKnnnnnnnnnn", &nodes_p, &tokens_p, &token_stride, &parents_p,
+                          &parent_stride, &parent_size, &moves_p, &out_p, &src_p, &j.batch, &j.out_stride,
+                          &j.src_stride, &j.width, &j.es, &neg_bits, &floor_bits, &j.n, &table_p, &j.num_nodes,
+                          &j.num_codes, &child_token_p, &j.num_children, &blocked_p, &j.vt, &j.num_dense, &child_ptr_p))
+        return NULL;
+    j.out = (char *)out_p, j.src = (const char *)src_p, j.neg_bits = neg_bits, j.floor_bits = floor_bits;
+    j.rows = NULL, j.nodes = (const int64_t *)nodes_p, j.table = (const int32_t *)table_p;
+    j.child_token = (const int32_t *)child_token_p, j.blocked = (const uint8_t *)blocked_p;
+    j.child_ptr = (const int32_t *)child_ptr_p, j.flags = NULL, j.filt = NULL, j.num_filters = 0;
+    if (!mask_job_check(&j)) return NULL;
+    const Py_ssize_t n = j.n;
+    int64_t *nodes = (int64_t *)nodes_p;
+    if (parents_p && parent_size != 4 && parent_size != 8) {
+        PyErr_Format(PyExc_ValueError, "parent indices must be 4- or 8-byte integers, got %d bytes", parent_size);
+        return NULL;
+    }
+    if (tokens_p && parents_p) {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            const char *p = (const char *)parents_p + i * parent_stride * parent_size;
+            int64_t parent = parent_size == 4 ? *(const int32_t *)p : *(const int64_t *)p;
+            if (parent < 0 || parent >= n) {
+                PyErr_Format(PyExc_IndexError, "row %zd names parent row %lld of %zd rows", i, (long long)parent, n);
+                return NULL;
+            }
+        }
+    }
+    /* scratch: the parents' nodes (n), the new nodes (n), the searches' bounds (2n) */
+    int64_t *scratch = NULL;
+    if (tokens_p && !(scratch = (int64_t *)malloc((size_t)(n > 0 ? n : 1) * 4 * sizeof(int64_t)))) return PyErr_NoMemory();
+    Py_ssize_t masked;
+    Py_BEGIN_ALLOW_THREADS
+    if (tokens_p) {
+        int64_t *from = scratch, *next = scratch + n;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            int64_t parent = i;
+            if (parents_p) {
+                const char *p = (const char *)parents_p + i * parent_stride * parent_size;
+                parent = parent_size == 4 ? *(const int32_t *)p : *(const int64_t *)p;
+            }
+            from[i] = nodes[parent];
+        }
+        child_rows(next, from, (const int64_t *)tokens_p, token_stride, n, j.child_ptr, j.child_token, j.num_nodes,
+                   (const int32_t *)moves_p, j.num_codes, NULL, NULL, scratch + 2 * n);
+        memcpy(nodes, next, (size_t)n * sizeof(int64_t));
+    }
+    masked = mask_job_run(&j);
+    Py_END_ALLOW_THREADS
+    free(scratch);
+    if (masked < 0) return PyErr_NoMemory();
+    return PyLong_FromSsize_t(masked);
+}
+
 static PyMethodDef methods[] = {
     {"mask", py_mask, METH_VARARGS, "Mask logits rows by their trie states (see _kernel.c)."},
     {"child", py_child, METH_VARARGS, "The child of each node by each token, or -1 (see _kernel.c)."},
+    {"step", py_step, METH_VARARGS, "Advance rows that keep their places and mask their logits (see _kernel.c)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -203,6 +203,30 @@ class TrieConstraint:
             new = torch.where(fires, torch.zeros_like(new), new)
         return RowState(new, state.tree)
 
+    def fused_step(self, state: RowState) -> Optional["kernels.native.FusedStep"]:
+        """A one-call step (advance by each row's last token, then mask) for ``state``'s rows, or None where it does
+        not apply: it needs the C kernel (a CPU constraint), one trie and no trigger, and it takes no filters.
+
+        The returned :class:`~trie_decode.kernels.native.FusedStep` keeps ``state.node`` and updates it in place:
+        it is for a caller that owns the state, such as the transformers processor inside ``generate``.
+
+        >>> import torch
+        >>> from trie_decode import TokenTrie
+        >>> from trie_decode.constraint import SpanRules, TrieConstraint
+        >>> c = TrieConstraint(TokenTrie.from_sequences([[5, 6], [5, 7]], vocab_size=10), SpanRules(end_token_id=0), "cpu")
+        >>> state = c.start(1)
+        >>> step = c.fused_step(state)
+        >>> step(None, torch.zeros(1, 10)).isfinite().nonzero().flatten().tolist()   # the first step: mask only
+        [5]
+        >>> step(torch.tensor([[9, 5]]), torch.zeros(1, 10)).isfinite().nonzero().flatten().tolist()
+        [6, 7]
+        """
+        if self.kernel.name != "native" or len(self.tries) != 1 or self.rules.trigger:
+            return None
+        if state.node.dtype is not torch.long or not state.node.is_contiguous():
+            return None
+        return kernels.native.FusedStep(self.tables[0], state.node, self.needed_width)
+
     def _off_excluded_children(self, node: torch.Tensor, tokens: torch.Tensor, new: torch.Tensor,
                                filters: RowFilters) -> torch.Tensor:
         """Moves over the trie a row's filters leave it (what its mask shows): a child whose subtree they exclude is

@@ -25,7 +25,8 @@ try:  # built by setup.py when a C compiler was available at install time
 except ImportError:  # pragma: no cover - exercised only on installs without a compiler
     _kernel = None
 
-__all__ = ["AVAILABLE", "ENABLED", "enabled", "usable_logits", "static_args", "mask_rows", "child", "NativeKernel"]
+__all__ = ["AVAILABLE", "ENABLED", "enabled", "usable_logits", "static_args", "mask_rows", "child", "FusedStep",
+           "NativeKernel"]
 
 AVAILABLE = _kernel is not None
 
@@ -174,6 +175,79 @@ def child(dtrie: Any, nodes: torch.Tensor, tokens: torch.Tensor, table: Any = No
         filters = (flags.data_ptr(), filt.data_ptr(), flags.shape[0])
     _kernel.child(out.data_ptr(), nodes.data_ptr(), tokens.data_ptr(), n, *trie_args, *moves, *filters)
     return out
+
+
+class FusedStep:
+    """A whole step of rows that keep their places, advance and mask, in one C call (``_kernel.step``).
+
+    Why this exists: at small batches the step's cost is the Python around the kernel, not the kernel: the general
+    path (``TrieConstraint.advance`` then ``mask_``) checks, copies and wraps its arguments twice per step. This
+    object checks everything that never changes once, when it is made, keeps the rows' nodes in its own tensor
+    (updated in place), and per step checks only what the caller passes: the generation's ``input_ids`` (the new
+    tokens are read straight from its last column), the logits and, under beam search, the column of parent rows.
+    Same rules and same C code as the general path (the kernel's ``child`` and ``mask``), without filters,
+    triggers or row mappings: :meth:`trie_decode.TrieConstraint.fused_step` makes one only where it applies.
+
+    Args:
+        table: the CPU :class:`~trie_decode.device.StepTable` of (trie, rules).
+        nodes: the rows' current nodes. Shape: (R,), int64, CPU (kept and updated in place).
+        needed_width: the fewest logits columns that hold every token the rows can keep.
+    """
+
+    __slots__ = ("nodes", "rows", "needed_width", "_moves", "_static")
+
+    def __init__(self, table: Any, nodes: torch.Tensor, needed_width: int) -> None:
+        if not AVAILABLE:
+            raise RuntimeError("the fused step needs the C kernel, which this install does not have")
+        self.nodes = _index(nodes, nodes.numel(), "nodes")
+        self.rows = self.nodes.numel()
+        self.needed_width = needed_width
+        static = static_args(table)
+        self._moves = 0 if table.rules.plain else table.tensor.data_ptr()
+        self._static = (*static, table.dtrie.tensors.child_ptr.data_ptr())
+
+    def __call__(self, input_ids: Optional[torch.Tensor], logits: torch.Tensor, out: Optional[torch.Tensor] = None,
+                 parents: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Advance every row by its last token, then mask; returns the masked logits.
+
+        Args:
+            input_ids: the rows' tokens, the new one last. Shape: (R, L), int64, CPU. None: mask only.
+            logits: Shape: (R, W), W >= ``needed_width``, masked in place unless ``out`` is given.
+            out: a tensor like ``logits`` to write the result into (``logits`` is left unchanged).
+            parents: the row each row continues (beam search). Shape: (R,), int32 or int64, CPU; None: itself.
+        """
+        src = logits
+        if out is None:
+            out = logits
+        elif out.shape != logits.shape or out.dtype != logits.dtype or not usable_logits(out):
+            raise ValueError(f"out must match the logits ({tuple(logits.shape)}, {logits.dtype}), got "
+                             f"{tuple(out.shape)}, {out.dtype} on {out.device}")
+        if not usable_logits(logits) or logits.shape[0] != self.rows:
+            raise ValueError(f"the fused step takes ({self.rows}, V) CPU float logits with unit column stride, got "
+                             f"{tuple(logits.shape)} {logits.dtype} on {logits.device}")
+        width = logits.shape[1]
+        if width < self.needed_width:
+            raise ValueError(f"logits have {width} columns but the trie uses token ids up to {self.needed_width - 1}")
+        tokens = token_stride = parent_ptr = parent_stride = parent_size = 0
+        if input_ids is not None:
+            if input_ids.dtype is not torch.int64 or not input_ids.is_cpu or input_ids.dim() != 2 \
+                    or input_ids.shape[0] != self.rows or input_ids.shape[1] < 1:
+                raise ValueError(f"input_ids must be a ({self.rows}, L >= 1) int64 CPU tensor, got {input_ids.dtype} "
+                                 f"{tuple(input_ids.shape)} on {input_ids.device}")
+            tokens = input_ids.data_ptr() + (input_ids.shape[1] - 1) * input_ids.stride(1) * 8
+            token_stride = input_ids.stride(0)
+            if parents is not None:
+                if parents.dtype not in (torch.int32, torch.int64) or not parents.is_cpu or parents.dim() != 1 \
+                        or parents.numel() != self.rows:
+                    raise ValueError(f"parents must be a ({self.rows},) int32 or int64 CPU tensor, got {parents.dtype} "
+                                     f"{tuple(parents.shape)} on {parents.device}")
+                parent_ptr, parent_stride, parent_size = parents.data_ptr(), parents.stride(0), parents.element_size()
+        _kernel.step(
+            self.nodes.data_ptr(), tokens, token_stride, parent_ptr, parent_stride, parent_size, self._moves,
+            out.data_ptr(), src.data_ptr(), self.rows, out.stride(0), src.stride(0), width, src.element_size(),
+            _NEG_INF_BITS[src.dtype], _FLOOR_BITS[src.dtype], self.rows, *self._static,
+        )
+        return out
 
 
 class NativeKernel(GroupedKernel):
