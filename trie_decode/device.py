@@ -215,7 +215,7 @@ class StepTable:
     """The step table of one (trie, rules) pair on one device (:func:`trie_decode.spans.step_table`).
 
     Attributes:
-        tensor: the table on the device. Shape: (N + K, 6), int32.
+        tensor: the table on the device. Shape: (N + K, TABLE_COLUMNS), int32 (36 bytes per node).
         array: a zero-copy numpy view of it on CPU, else None.
         dtrie, rules: what it was built from.
         num_codes: K.

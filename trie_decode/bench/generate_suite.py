@@ -6,7 +6,9 @@ prompts, repeats interleaved so that machine noise hits all alike:
 
     plain        model.generate(...)                                         no constraint
     trie_decode  + TrieLogitsProcessor(countries, on_complete="repeat")      constrained on every step
+    trie_decode-general  the same processor with its one-call step turned off (``advance`` then ``mask_``)
     genre        + PrefixConstrainedLogitsProcessor with a nested-dict trie   GENRE's recipe, same constraint
+    fill         a processor that only does ``scores.fill_(-inf)`` (the floor, timed where the processors run)
 
 ``min_new_tokens = max_new_tokens = N`` keeps every run at N steps ("repeat" mode keeps the constraint active for
 all of them: a ";"-separated list of countries). The record holds the medians, the overhead of each constraint
@@ -30,6 +32,24 @@ QUESTIONS = [
     "List countries of South America.", "List countries that border Germany.", "List large countries.",
     "List countries where Spanish is spoken.",
 ]
+
+
+def _general_processor(*args: Any, **kwargs: Any) -> Any:
+    """A TrieLogitsProcessor that never takes its one-call step (TrieConstraint.fused_step): the general path, to
+    measure what the fused step saves inside generate."""
+    from trie_decode.integrations.transformers import TrieLogitsProcessor
+
+    class General(TrieLogitsProcessor):
+        def _begin(self, *a: Any, **k: Any) -> None:
+            super()._begin(*a, **k)
+            self._fused = None
+
+    return General(*args, **kwargs)
+
+
+def _fill(input_ids: Any, scores: Any) -> Any:
+    """The floor: what any exact mask writes (generate then picks token 0; only the time inside is used)."""
+    return scores.fill_(float("-inf"))
 
 
 class _GenreRepeat:
@@ -99,7 +119,8 @@ def run_generate_suite(quick: bool, out_dir: Path) -> dict:
         genre = PrefixConstrainedLogitsProcessor(
             _GenreRepeat(trie.sequences(), sep[0], tok.eos_token_id, start), num_beams=1
         )
-        inside = {"trie_decode": 0.0, "genre": 0.0}
+        general = _general_processor(trie, tok, on_complete="repeat", separator=sep)
+        inside = {"trie_decode": 0.0, "trie_decode-general": 0.0, "genre": 0.0, "fill": 0.0}
 
         def timed(name: str, proc: Any) -> Any:
             def call(input_ids: Any, scores: Any) -> Any:
@@ -113,7 +134,9 @@ def run_generate_suite(quick: bool, out_dir: Path) -> dict:
         variants = {
             "plain": None,
             "trie_decode": LogitsProcessorList([timed("trie_decode", processor)]),
+            "trie_decode-general": LogitsProcessorList([timed("trie_decode-general", general)]),
             "genre": LogitsProcessorList([timed("genre", genre)]),
+            "fill": LogitsProcessorList([timed("fill", _fill)]),
         }
         times: dict[str, list[float]] = {k: [] for k in variants}
         outputs = {}
@@ -133,7 +156,7 @@ def run_generate_suite(quick: bool, out_dir: Path) -> dict:
                 times[name].append(elapsed)
                 outputs[name] = out
         med = {k: statistics.median(v) for k, v in times.items()}
-        same = outputs["trie_decode"].tolist() == outputs["genre"].tolist()
+        same = outputs["trie_decode"].tolist() == outputs["genre"].tolist() == outputs["trie_decode-general"].tolist()
         valid = all(len(r) > 0 for r in processor.match_all(outputs["trie_decode"]))
         record = {
             "suite": "generate",
@@ -147,7 +170,9 @@ def run_generate_suite(quick: bool, out_dir: Path) -> dict:
             "trie_decode_overhead": med["trie_decode"] / med["plain"] - 1,
             "genre_overhead": med["genre"] / med["plain"] - 1,
             "trie_decode_in_processor_ms_per_step": 1e3 * inside["trie_decode"] / (repeats * new_tokens),
+            "trie_decode_general_in_processor_ms_per_step": 1e3 * inside["trie_decode-general"] / (repeats * new_tokens),
             "genre_in_processor_ms_per_step": 1e3 * inside["genre"] / (repeats * new_tokens),
+            "fill_in_processor_ms_per_step": 1e3 * inside["fill"] / (repeats * new_tokens),
             "same_output_as_genre": same,
             "outputs_valid": valid,
         }
@@ -156,7 +181,9 @@ def run_generate_suite(quick: bool, out_dir: Path) -> dict:
             f"  generate batch {batch}: plain {med['plain']:.2f}s, trie_decode {med['trie_decode']:.2f}s "
             f"(+{100 * record['trie_decode_overhead']:.1f}%, {record['trie_decode_in_processor_ms_per_step']:.3f} ms/step "
             f"in processor), genre {med['genre']:.2f}s (+{100 * record['genre_overhead']:.1f}%, "
-            f"{record['genre_in_processor_ms_per_step']:.3f} ms/step); same output: {same}",
+            f"{record['genre_in_processor_ms_per_step']:.3f} ms/step); in processor: general path "
+            f"{record['trie_decode_general_in_processor_ms_per_step']:.3f}, fill {record['fill_in_processor_ms_per_step']:.3f} "
+            f"ms/step; same output: {same}",
             flush=True,
         )
     out_dir = Path(out_dir)

@@ -25,7 +25,9 @@ finite floor ``ALL_MASKED_FLOOR`` in its kept columns instead, in every kernel, 
 trie.
 
 Kernels:
-    :mod:`.native`      CPU, fused C (``trie_decode/_kernel.c``); turned off by ``TRIE_DECODE_NATIVE=0``
+    :mod:`.native`      CPU, fused C (``trie_decode/_kernel.c``); turned off by ``TRIE_DECODE_NATIVE=0``. Its
+                        ``FusedStep`` runs advance and mask in one call for a caller that owns the rows' state
+                        (``TrieConstraint.fused_step``: the transformers processor inside ``generate``)
     :mod:`.vectorized`  numpy index arithmetic on CPU without the C kernel (``NUMPY_KERNEL``); also the planner of
                         allowed sets and bitmasks on every device
     :mod:`.fixed`       fixed-shape torch ops, no host synchronization: CUDA, MPS (``FIXED_KERNEL``)
