@@ -216,9 +216,9 @@ class TrieConstraint:
         >>> c = TrieConstraint(TokenTrie.from_sequences([[5, 6], [5, 7]], vocab_size=10), SpanRules(end_token_id=0), "cpu")
         >>> state = c.start(1)
         >>> step = c.fused_step(state)
-        >>> step(None, torch.zeros(1, 10)).isfinite().nonzero().flatten().tolist()   # the first step: mask only
+        >>> step(None, torch.zeros(1, 10))[0].isfinite().nonzero().flatten().tolist()   # the first step: mask only
         [5]
-        >>> step(torch.tensor([[9, 5]]), torch.zeros(1, 10)).isfinite().nonzero().flatten().tolist()
+        >>> step(torch.tensor([[9, 5]]), torch.zeros(1, 10))[0].isfinite().nonzero().flatten().tolist()
         [6, 7]
         """
         if self.kernel.name != "native" or len(self.tries) != 1 or self.rules.trigger:
