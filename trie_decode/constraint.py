@@ -285,14 +285,7 @@ class TrieConstraint:
             filters: per-row allow/deny sets (:meth:`filters`): children whose entries are all excluded are
                 blocked too.
         """
-        width = logits.shape[-1]
-        if width < self.needed_width:
-            # Narrower logits are fine (a tokenizer wider than the model's output: Llama 3.2 has 128,257 ids and
-            # 128,256 logits) as long as every token a row can keep lies inside them; the kernels mask their width.
-            raise InvalidTokenError(
-                f"logits have {width} columns but the trie uses token ids up to {self.needed_width - 1}: "
-                "the trie was built for a larger vocabulary than this model's"
-            )
+        InvalidTokenError.check_logits_width(logits.shape[-1], self.needed_width)
         src = logits
         covers_all = self.kernel.writes_every_row and rows is None and len(state) == logits.shape[0]
         if out is not None:
@@ -323,9 +316,7 @@ class TrieConstraint:
 
     def _plans(self, state: RowState, width: int) -> list:
         """The vectorized planner's mask plans of every trie's rows (see :mod:`trie_decode.kernels.vectorized`)."""
-        if width < self.needed_width:
-            raise InvalidTokenError(f"width {width} is narrower than the tokens this constraint can allow "
-                                    f"(ids up to {self.needed_width - 1})")
+        InvalidTokenError.check_logits_width(width, self.needed_width)
         planner = self._planner
         plans = []
         for i, pos in self._groups(state.tree):

@@ -31,6 +31,17 @@ class EmptyTrieError(TrieDecodeError, ValueError):
 class InvalidTokenError(TrieDecodeError, ValueError):
     """A token id is negative, not below the vocabulary size, or not an integer."""
 
+    @classmethod
+    def check_logits_width(cls, width: int, needed: int) -> None:
+        """Raise unless logits of ``width`` columns hold every token a constraint can keep (ids below ``needed``).
+
+        Narrower logits than the vocabulary are fine (a tokenizer wider than the model's output: Llama 3.2 has
+        128,257 ids and 128,256 logits) as long as every token a row can keep lies inside them; the kernels mask
+        their width."""
+        if width < needed:
+            raise cls(f"logits have {width} columns but the trie uses token ids up to {needed - 1}: "
+                      "the trie was built for a larger vocabulary than this model's")
+
 
 class InvalidEntryError(TrieDecodeError, TypeError):
     """An entry is not a sequence of integer token ids (or a string where one is needed), or is empty."""

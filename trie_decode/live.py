@@ -1210,9 +1210,7 @@ class SnapshotConstraint:
         if self._plain and (filters is None or isinstance(filters, RowFilters)):
             return self.base.mask_(logits, RowState(state.base, state.tree), rows, inplace=inplace, out=out,
                                    filters=filters)
-        if logits.shape[-1] < self.needed_width:
-            raise InvalidTokenError(f"logits have {logits.shape[-1]} columns but the catalog uses token ids up to "
-                                    f"{self.needed_width - 1}: it was built for a larger vocabulary than this model's")
+        InvalidTokenError.check_logits_width(logits.shape[-1], self.needed_width)
         fb, fd, _, _ = self._side_filters(filters)
         if rows is not None and rows.device != logits.device:
             rows = rows.to(logits.device)
@@ -1247,9 +1245,7 @@ class SnapshotConstraint:
                 filters: Optional[SnapshotFilters] = None) -> torch.Tensor:
         """Boolean mask of each row's allowed tokens (unconstrained rows allow all). Shape: (R, width), bool."""
         width = width or self.vocab_size
-        if width < self.needed_width:
-            raise InvalidTokenError(f"width {width} is narrower than the tokens this constraint can allow "
-                                    f"(ids up to {self.needed_width - 1})")
+        InvalidTokenError.check_logits_width(width, self.needed_width)
         probe = torch.zeros(len(state), width, device=self.device)
         return self.mask_(probe, state, filters=filters).isfinite()
 

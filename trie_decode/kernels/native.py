@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..errors import InvalidTokenError
 from ..spans import TABLE_COLUMNS
 from .grouped import GroupedKernel
 from .vectorized import ALL_MASKED_FLOOR, NUMPY_KERNEL
@@ -226,8 +227,7 @@ class FusedStep:
             raise ValueError(f"the fused step takes ({self.rows}, V) CPU float logits with unit column stride, got "
                              f"{tuple(logits.shape)} {logits.dtype} on {logits.device}")
         width = logits.shape[1]
-        if width < self.needed_width:
-            raise ValueError(f"logits have {width} columns but the trie uses token ids up to {self.needed_width - 1}")
+        InvalidTokenError.check_logits_width(width, self.needed_width)
         tokens = token_stride = parent_ptr = parent_stride = parent_size = 0
         if input_ids is not None:
             if input_ids.dtype is not torch.int64 or not input_ids.is_cpu or input_ids.dim() != 2 \
