@@ -406,13 +406,14 @@ class TrieLogitsProcessor(LogitsProcessor):
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         loop = _GenerateLoop.of_caller(self._loop)
         fused = self._fused
-        if (fused is not None and input_ids.shape[1] == self._last_len + 1 and input_ids.shape[0] == fused.rows
-                and input_ids.device == scores.device and loop.continues(self._loop)):
-            parents = self._parent_column(loop, input_ids.shape) if loop.parents is not None else None
-            if parents is not None or not loop.reorders:
-                self._last_len += 1
-                self.steps += 1
-                return fused(input_ids, scores, None if loop.in_place else self._buffers.get(scores), parents)
+        if fused is not None and loop.continues(self._loop):
+            shape = input_ids.shape
+            if shape[1] == self._last_len + 1 and shape[0] == fused.rows and input_ids.is_cpu:
+                parents = self._parent_column(loop, shape) if loop.parents is not None else None
+                if parents is not None or not loop.reorders:
+                    self._last_len += 1
+                    self.steps += 1
+                    return fused(input_ids, scores, None if loop.in_place else self._buffers.get(scores), parents)
         device = scores.device
         if not self._follow(input_ids, device, loop):
             self._begin(input_ids.to(device), device, loop)

@@ -48,6 +48,13 @@ _NEG_INF_BITS = {dtype: _bits(float("-inf"), dtype) for dtype in (torch.float32,
 _FLOOR_BITS = {dtype: _bits(ALL_MASKED_FLOOR, dtype) for dtype in _NEG_INF_BITS}
 
 
+# Per dtype: the element size and the bit patterns of -inf and of the floor, as the kernel takes them.
+_DTYPE_ARGS = {
+    dtype: (torch.empty(0, dtype=dtype).element_size(), _NEG_INF_BITS[dtype], _FLOOR_BITS[dtype])
+    for dtype in _NEG_INF_BITS
+}
+
+
 def enabled() -> bool:
     """Whether the CPU step uses the kernel: it loaded and ``TRIE_DECODE_NATIVE`` was not ``0`` at import
     (:func:`trie_decode.kernels.select` decides when a constraint is made)."""
@@ -195,13 +202,14 @@ class FusedStep:
         needed_width: the fewest logits columns that hold every token the rows can keep.
     """
 
-    __slots__ = ("nodes", "rows", "needed_width", "_moves", "_static")
+    __slots__ = ("nodes", "rows", "needed_width", "_nodes_ptr", "_moves", "_static")
 
     def __init__(self, table: Any, nodes: torch.Tensor, needed_width: int) -> None:
         if not AVAILABLE:
             raise RuntimeError("the fused step needs the C kernel, which this install does not have")
         self.nodes = _index(nodes, nodes.numel(), "nodes")
         self.rows = self.nodes.numel()
+        self._nodes_ptr = self.nodes.data_ptr()  # the tensor is kept: its storage does not move
         self.needed_width = needed_width
         static = static_args(table)
         self._moves = 0 if table.rules.plain else table.tensor.data_ptr()
@@ -217,25 +225,33 @@ class FusedStep:
             out: a tensor like ``logits`` to write the result into (``logits`` is left unchanged).
             parents: the row each row continues (beam search). Shape: (R,), int32 or int64, CPU; None: itself.
         """
-        src = logits
-        if out is None:
-            out = logits
-        elif out.shape != logits.shape or out.dtype != logits.dtype or not usable_logits(out):
-            raise ValueError(f"out must match the logits ({tuple(logits.shape)}, {logits.dtype}), got "
-                             f"{tuple(out.shape)}, {out.dtype} on {out.device}")
-        if not usable_logits(logits) or logits.shape[0] != self.rows:
+        # Each tensor attribute read is a call into torch, and inside generate every call runs on cold caches: each
+        # attribute is read once.
+        shape, stride, dtype = logits.shape, logits.stride(), logits.dtype
+        bits = _DTYPE_ARGS.get(dtype)
+        if (bits is None or not logits.is_cpu or len(shape) != 2 or shape[0] != self.rows
+                or (stride[1] != 1 and shape[1] > 1) or (stride[0] < shape[1] and shape[0] > 1)):
             raise ValueError(f"the fused step takes ({self.rows}, V) CPU float logits with unit column stride, got "
-                             f"{tuple(logits.shape)} {logits.dtype} on {logits.device}")
-        width = logits.shape[1]
-        InvalidTokenError.check_logits_width(width, self.needed_width)
+                             f"{tuple(shape)} {dtype} on {logits.device}")
+        InvalidTokenError.check_logits_width(shape[1], self.needed_width)
+        src_ptr = logits.data_ptr()
+        if out is None:
+            out_ptr, out_stride = src_ptr, stride[0]
+        elif out.shape != shape or out.dtype != dtype or not usable_logits(out):
+            raise ValueError(f"out must match the logits ({tuple(shape)}, {dtype}), got "
+                             f"{tuple(out.shape)}, {out.dtype} on {out.device}")
+        else:
+            out_ptr, out_stride = out.data_ptr(), out.stride(0)
         tokens = token_stride = parent_ptr = parent_stride = parent_size = 0
         if input_ids is not None:
-            if input_ids.dtype is not torch.int64 or not input_ids.is_cpu or input_ids.dim() != 2 \
-                    or input_ids.shape[0] != self.rows or input_ids.shape[1] < 1:
+            ids_shape = input_ids.shape
+            if input_ids.dtype is not torch.int64 or not input_ids.is_cpu or len(ids_shape) != 2 \
+                    or ids_shape[0] != self.rows or ids_shape[1] < 1:
                 raise ValueError(f"input_ids must be a ({self.rows}, L >= 1) int64 CPU tensor, got {input_ids.dtype} "
-                                 f"{tuple(input_ids.shape)} on {input_ids.device}")
-            tokens = input_ids.data_ptr() + (input_ids.shape[1] - 1) * input_ids.stride(1) * 8
-            token_stride = input_ids.stride(0)
+                                 f"{tuple(ids_shape)} on {input_ids.device}")
+            ids_stride = input_ids.stride()
+            tokens = input_ids.data_ptr() + (ids_shape[1] - 1) * ids_stride[1] * 8
+            token_stride = ids_stride[0]
             if parents is not None:
                 if parents.dtype not in (torch.int32, torch.int64) or not parents.is_cpu or parents.dim() != 1 \
                         or parents.numel() != self.rows:
@@ -243,11 +259,10 @@ class FusedStep:
                                      f"{tuple(parents.shape)} on {parents.device}")
                 parent_ptr, parent_stride, parent_size = parents.data_ptr(), parents.stride(0), parents.element_size()
         _kernel.step(
-            self.nodes.data_ptr(), tokens, token_stride, parent_ptr, parent_stride, parent_size, self._moves,
-            out.data_ptr(), src.data_ptr(), self.rows, out.stride(0), src.stride(0), width, src.element_size(),
-            _NEG_INF_BITS[src.dtype], _FLOOR_BITS[src.dtype], self.rows, *self._static,
+            self._nodes_ptr, tokens, token_stride, parent_ptr, parent_stride, parent_size, self._moves,
+            out_ptr, src_ptr, self.rows, out_stride, stride[0], shape[1], *bits, self.rows, *self._static,
         )
-        return out
+        return logits if out is None else out
 
 
 class NativeKernel(GroupedKernel):
