@@ -608,7 +608,7 @@ class TrieResolver:
                 f"extra_args['trie']: the trie was built for a tokenizer with fingerprint {trie.fingerprint}, "
                 f"the engine's tokenizer has {self.fingerprint}: rebuild it with the served model's tokenizer"
             )
-        top = int(trie.token.max()) + 1  # the trie's tokens must fit the logits; its vocab_size may be wider
+        top = trie.max_token + 1  # the trie's tokens must fit the logits; its vocab_size may be wider
         if trie.vocab_size > self.vocab_size or (self.logits_width is not None and top > self.logits_width):
             raise TrieRequestError(
                 f"extra_args['trie']: the trie's vocabulary ({trie.vocab_size}, tokens up to {top - 1}) exceeds the "

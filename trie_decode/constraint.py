@@ -119,7 +119,7 @@ class TrieConstraint:
         self.vocab_size = max(t.vocab_size for t in tries)
         rules.check_vocab(self.vocab_size)
         # The narrowest logits this constraint can mask: every trie token and every rule token must fit.
-        self.needed_width = 1 + max([int(t.token.max()) for t in tries] + [rules.end_token_id]
+        self.needed_width = 1 + max([t.max_token for t in tries] + [rules.end_token_id]
                                     + list(rules.separator) + list(rules.trigger))
         if dense_min_fanout is None:
             self.dtries = [DeviceTrie.get(t, self.device) for t in tries]

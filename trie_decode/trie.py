@@ -321,6 +321,11 @@ class TokenTrie:
     def max_depth(self) -> int:
         return len(self.level_ptr) - 2
 
+    @property
+    def max_token(self) -> int:
+        """The largest token id in the trie, -1 when it has no edge (computed once: one pass over ``token``)."""
+        return self.derived("max_token", lambda: int(self.token[1:].max()) if self.num_nodes > 1 else -1)
+
     def __len__(self) -> int:
         return self.num_entries
 
