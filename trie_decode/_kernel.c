@@ -467,19 +467,19 @@ static PyObject *py_child(PyObject *self, PyObject *args) {
  *
  * A whole decoding step of n rows that keep their places (logits row i is state row i), in one call: with tokens
  * (not 0), each row first moves from the node of its parent row (parents[i * parent_stride], parent_size-byte ints;
- * row i itself when parents is 0) by the token tokens[i * token_stride], as child() does (moves: the step table for
- * the span rules' moves off the trie, or 0 for plain rules); nodes (n int64) is updated in place. Then the rows are
+ * row i itself when parents is 0) by the token tokens[i * token_stride], as child() does (moves: 1 to take the span
+ * rules' moves off the trie from the step table, 0 for plain rules); nodes (n int64) is updated in place. Then the rows are
  * masked as mask() does, without filters. The token and parent strides read them straight from the generation's
  * own arrays (the last column of input_ids, a column of beam search's parent indices). A parent outside [0, n)
  * raises IndexError before anything is written. */
 static PyObject *py_step(PyObject *self, PyObject *args) {
-    Py_ssize_t nodes_p, tokens_p, token_stride, parents_p, parent_stride, moves_p;
+    Py_ssize_t nodes_p, tokens_p, token_stride, parents_p, parent_stride;
     Py_ssize_t out_p, src_p, table_p, child_token_p, blocked_p, child_ptr_p;
-    int parent_size;
+    int parent_size, moves;
     unsigned long long neg_bits, floor_bits;
     MaskJob j;
-    if (!PyArg_ParseTuple(args, "nnnnninnnnnnniKKnnnnnnnnnn", &nodes_p, &tokens_p, &token_stride, &parents_p,
-                          &parent_stride, &parent_size, &moves_p, &out_p, &src_p, &j.batch, &j.out_stride,
+    if (!PyArg_ParseTuple(args, "nnnnniinnnnnniKKnnnnnnnnnn", &nodes_p, &tokens_p, &token_stride, &parents_p,
+                          &parent_stride, &parent_size, &moves, &out_p, &src_p, &j.batch, &j.out_stride,
                           &j.src_stride, &j.width, &j.es, &neg_bits, &floor_bits, &j.n, &table_p, &j.num_nodes,
                           &j.num_codes, &child_token_p, &j.num_children, &blocked_p, &j.vt, &j.num_dense, &child_ptr_p))
         return NULL;
@@ -494,33 +494,32 @@ static PyObject *py_step(PyObject *self, PyObject *args) {
         PyErr_Format(PyExc_ValueError, "parent indices must be 4- or 8-byte integers, got %d bytes", parent_size);
         return NULL;
     }
-    if (tokens_p && parents_p) {
-        for (Py_ssize_t i = 0; i < n; i++) {
-            const char *p = (const char *)parents_p + i * parent_stride * parent_size;
-            int64_t parent = parent_size == 4 ? *(const int32_t *)p : *(const int64_t *)p;
-            if (parent < 0 || parent >= n) {
-                PyErr_Format(PyExc_IndexError, "row %zd names parent row %lld of %zd rows", i, (long long)parent, n);
-                return NULL;
-            }
-        }
-    }
     /* scratch: the parents' nodes (n), the new nodes (n), the searches' bounds (2n) */
     int64_t *scratch = NULL;
     if (tokens_p && !(scratch = (int64_t *)malloc((size_t)(n > 0 ? n : 1) * 4 * sizeof(int64_t)))) return PyErr_NoMemory();
-    Py_ssize_t masked;
-    Py_BEGIN_ALLOW_THREADS
+    int64_t *from = scratch;
     if (tokens_p) {
-        int64_t *from = scratch, *next = scratch + n;
+        /* each row's parent node, every parent index checked before anything is written */
         for (Py_ssize_t i = 0; i < n; i++) {
             int64_t parent = i;
             if (parents_p) {
                 const char *p = (const char *)parents_p + i * parent_stride * parent_size;
                 parent = parent_size == 4 ? *(const int32_t *)p : *(const int64_t *)p;
+                if (parent < 0 || parent >= n) {
+                    PyErr_Format(PyExc_IndexError, "row %zd names parent row %lld of %zd rows", i, (long long)parent, n);
+                    free(scratch);
+                    return NULL;
+                }
             }
             from[i] = nodes[parent];
         }
+    }
+    Py_ssize_t masked;
+    Py_BEGIN_ALLOW_THREADS
+    if (tokens_p) {
+        int64_t *next = scratch + n;
         child_rows(next, from, (const int64_t *)tokens_p, token_stride, n, j.child_ptr, j.child_token, j.num_nodes,
-                   (const int32_t *)moves_p, j.num_codes, NULL, NULL, scratch + 2 * n);
+                   moves ? j.table : NULL, j.num_codes, NULL, NULL, scratch + 2 * n);
         memcpy(nodes, next, (size_t)n * sizeof(int64_t));
     }
     masked = mask_job_run(&j);

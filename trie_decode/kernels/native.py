@@ -212,7 +212,7 @@ class FusedStep:
         self._nodes_ptr = self.nodes.data_ptr()  # the tensor is kept: its storage does not move
         self.needed_width = needed_width
         static = static_args(table)
-        self._moves = 0 if table.rules.plain else table.tensor.data_ptr()
+        self._moves = 0 if table.rules.plain else 1  # the span rules' moves off the trie, from the step table
         self._static = (*static, table.dtrie.tensors.child_ptr.data_ptr())
 
     def __call__(self, input_ids: Optional[torch.Tensor], logits: torch.Tensor, out: Optional[torch.Tensor] = None,
