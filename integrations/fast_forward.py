@@ -64,6 +64,16 @@ try:
         TopPLogitsWarper,
     )
     from .transformers import TrieLogitsProcessor
+    from .transformers_internals import (
+        CACHE_INPUT_NAMES,
+        cache_input_name,
+        drop_cache_rows,
+        eos_token_ids,
+        output_cache,
+        sliding_window_slots,
+        verified,
+        warn_unverified,
+    )
 except ImportError as exc:  # pragma: no cover - import guard
     raise ImportError("trie_decode.integrations.fast_forward needs transformers: pip install 'trie-decode[transformers]'") from exc
 
@@ -71,7 +81,7 @@ __all__ = ["fast_forward_generate", "FastForwardStats", "FastForwardOutput"]
 
 # Model kwargs that generate() hands to a custom_generate callable and that this loop understands; anything else
 # (images, token_type_ids, ...) is refused rather than silently ignored.
-_KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", "past_key_values", "use_cache", "logits_to_keep", "cache_position"}
+_KNOWN_MODEL_KWARGS = {"attention_mask", "position_ids", "use_cache", "logits_to_keep", "cache_position", *CACHE_INPUT_NAMES}
 
 
 @dataclass
@@ -168,17 +178,6 @@ def _check_hooked_inputs(logits_processor: Any, stopping_criteria: Any) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- the loop
-def _kept_window(cache: Any) -> Optional[int]:
-    """How many slots a sliding-window layer of ``cache`` keeps (its window minus one: the current token), or None.
-
-    Fast-forward feeds ragged blocks whose pad slots (masked) take cache slots too. A sliding window counts slots, so
-    the model attends exactly as step-by-step decoding would only while every slot is still kept: the run checks
-    that before each forward pass.
-    """
-    windows = [int(layer.sliding_window) for layer in getattr(cache, "layers", ()) if getattr(layer, "is_sliding", False)]
-    return min(windows) - 1 if windows else None
-
-
 class _Run:
     """State of one fast-forward generation. All per-row bookkeeping that the forward pass needs is in tensors;
     the ragged blocks are short host lists (one per row) because the forced runs come from the host-side trie."""
@@ -200,7 +199,7 @@ class _Run:
         generator: Optional[torch.Generator],
     ) -> None:
         self.model, self.cache, self.constraint = model, cache, constraint
-        self.window = _kept_window(cache)
+        self.window = sliding_window_slots(cache)
         self.device = input_ids.device
         b, p = input_ids.shape
         self.b, self.p = b, p
@@ -228,6 +227,7 @@ class _Run:
         self.batch_rows = list(range(b))  # original row of each row of the model batch (and of the cache)
         self.passes = 0
         self.keep_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self.cache_name = cache_input_name(model)
         self.pieces: list[tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]] = []
         self.next_logits: Optional[torch.Tensor] = None  # (len(batch_rows), V) logits for the next decision
 
@@ -403,15 +403,16 @@ class _Run:
             input_ids=tokens,
             attention_mask=self.attn if self.padded else None,
             position_ids=positions,
-            past_key_values=self.cache,
             use_cache=True,
         )
+        kwargs[self.cache_name] = self.cache
         if self.keep_logits:
             kwargs["logits_to_keep"] = keep
         out = self.model(**kwargs, return_dict=True)
         self.passes += 1
-        if out.past_key_values is not None:
-            self.cache = out.past_key_values
+        returned = output_cache(out)
+        if returned is not None:
+            self.cache = returned
         logits = out.logits  # (R, keep or total, V)
         base = total - logits.shape[1]
         row_of = {r: i for i, r in enumerate(rows)}
@@ -439,8 +440,7 @@ class _Run:
         if keep_rows == self.batch_rows:
             return
         keep = torch.tensor([self.batch_rows.index(r) for r in keep_rows], dtype=torch.long, device=self.device)
-        if keep_rows and hasattr(self.cache, "batch_select_indices"):
-            self.cache.batch_select_indices(keep)
+        if keep_rows and drop_cache_rows(self.cache, keep):
             self.attn = self.attn[keep]
             if self.next_logits is not None:
                 self.next_logits = self.next_logits[keep]
@@ -485,6 +485,51 @@ class _Run:
 
 
 # ---------------------------------------------------------------------------------------------------- public
+def _general_path(
+    model: Any,
+    input_ids: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    processor: TrieLogitsProcessor,
+    processors: Optional[LogitsProcessorList],
+    stopping_criteria: Any,
+    config: GenerationConfig,
+    model_kwargs: dict[str, Any],
+) -> Union[FastForwardOutput, torch.Tensor]:
+    """Token-by-token decoding with ``processor``, for a transformers whose ``custom_generate`` convention this
+    module was not checked against (:mod:`.transformers_internals`): the same tokens, one pass per token.
+
+    Called by ``generate`` (``processors`` given), it runs the sampling loop ``generate`` would have run, with the
+    trie processor placed before the sampling warpers; called directly, it calls ``model.generate``.
+    """
+    warn_unverified("fast_forward_generate (token by token, no fast-forward)")
+    if processors is None:
+        out = model.generate(input_ids, attention_mask=attention_mask, generation_config=config,
+                             logits_processor=LogitsProcessorList([processor]), **model_kwargs)
+    else:
+        sample = getattr(model, "_sample", None)
+        if sample is None:
+            raise ConstraintConfigError(
+                "fast_forward_generate cannot run inside this transformers' generate (it has no sampling loop to fall "
+                "back to): call model.generate(..., logits_processor=[TrieLogitsProcessor(trie, tokenizer)]) instead"
+            )
+        warpers = [p for p in processors if type(p).__name__.endswith("LogitsWarper")]
+        at = next((i for i, p in enumerate(processors) if p in warpers), len(processors))
+        merged = LogitsProcessorList([*processors[:at], processor, *processors[at:]])
+        if attention_mask is not None:
+            model_kwargs = {**model_kwargs, "attention_mask": attention_mask}
+        out = sample(input_ids, logits_processor=merged, stopping_criteria=stopping_criteria,
+                     generation_config=config, synced_gpus=False, streamer=None, **model_kwargs)
+    sequences = out if isinstance(out, torch.Tensor) else out.sequences
+    generated = sequences.shape[1] - input_ids.shape[1]
+    stats = FastForwardStats(forward_passes=generated, tokens_emitted=generated * sequences.shape[0],
+                             decisions=generated * sequences.shape[0], step_by_step_passes=generated)
+    if isinstance(out, torch.Tensor):
+        out.stats = stats
+        return out
+    return FastForwardOutput(sequences=sequences, scores=getattr(out, "scores", None),
+                             logits=getattr(out, "logits", None), stats=stats)
+
+
 @torch.no_grad()
 def fast_forward_generate(
     model: Any,
@@ -589,6 +634,16 @@ def fast_forward_generate(
             f"fast_forward_generate does not do beam search (num_beams={config.num_beams}): use "
             "model.generate(..., num_beams=..., logits_processor=[TrieLogitsProcessor(trie)]) instead"
         )
+    if not verified():
+        if trie is None:
+            raise ConstraintConfigError("fast_forward_generate needs trie=: a TokenTrie, or one per prompt")
+        ids = eos_token_ids(config)
+        processor = TrieLogitsProcessor(
+            trie, tokenizer, end_token_id=end_token_id if end_token_id is not None else (ids[0] if ids else None),
+            on_complete=on_complete, separator=separator, trigger=trigger,
+        )
+        return _general_path(model, input_ids, attention_mask, processor, processors if hooked else None,
+                             stopping_criteria if hooked else None, config, model_kwargs)
     unknown = set(model_kwargs) - _KNOWN_MODEL_KWARGS
     if unknown:
         raise ConstraintConfigError(f"fast_forward_generate does not handle these model inputs: {sorted(unknown)}")
@@ -597,12 +652,13 @@ def fast_forward_generate(
     if input_ids is None or input_ids.dim() != 2:
         raise ConstraintConfigError("input_ids must be a 2-D tensor of token ids (batch, prompt length)")
 
-    cache = model_kwargs.get("past_key_values")
+    caches = [model_kwargs[name] for name in CACHE_INPUT_NAMES if model_kwargs.get(name) is not None]
+    cache = caches[0] if caches else None
     if cache is None:
         cache = DynamicCache(config=model.config)
     if not isinstance(cache, DynamicCache):
         raise ConstraintConfigError(f"fast_forward_generate needs a DynamicCache, got {type(cache).__name__}")
-    window = _kept_window(cache)
+    window = sliding_window_slots(cache)
     if window is not None and input_ids.shape[1] + (max_length - input_ids.shape[1]) > window:
         raise ConstraintConfigError(
             f"fast_forward_generate: prompt ({input_ids.shape[1]}) + max_new_tokens ({max_length - input_ids.shape[1]}) "
@@ -613,7 +669,7 @@ def fast_forward_generate(
     if cache.get_seq_length() > 0:
         raise ConstraintConfigError("fast_forward_generate starts from an empty cache; do not pass a filled one")
 
-    eos_ids = _token_set(getattr(config, "_eos_token_tensor", None)) or _token_set(config.eos_token_id)
+    eos_ids = eos_token_ids(config)
     if trie is None:
         raise ConstraintConfigError("fast_forward_generate needs trie=: a TokenTrie, or one per prompt")
     tries = as_tries(trie, tokenizer)

