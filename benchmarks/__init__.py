@@ -1,4 +1,4 @@
-"""``trie-decode bench``: the benchmark suites (build, step, generate, fastforward, vllm).
+"""``trie-decode bench``: the benchmark suites (build, step, generate, fastforward, vllm, retrieval, beam).
 
 Why this exists: the claim of this package is a number (the per-step cost of masking to one of N names, against
 the best-known ways to do it) and the number must be reproducible by anyone: same name lists, same tokenizer, each
@@ -7,8 +7,13 @@ the same process so that results from different machines compare as ratios.
 
 Usage::
 
-    trie-decode bench --suite step --quick            # CI smoke run, ~3 minutes on 2 CPU cores
-    python -m trie_decode.bench --suite all --plots    # the full report (hours on a small CPU)
+    trie-decode bench --suite step --quick        # CI smoke run, ~3 minutes on 2 CPU cores
+    python -m benchmarks --suite all --plots      # the full report (hours on a small CPU)
+
+This folder is part of the source checkout, not of the installed package (the wheel ships the product only):
+``trie-decode bench`` finds it beside the ``trie_decode`` folder of an editable install, and ``python -m
+benchmarks`` runs from the checkout's root. The model and tokenizer fixtures the suites load are in
+``model_fixtures/``, beside it.
 
 Layout: :mod:`.peers` (the interface and one class per peer, plus the registries our implementation plugs into),
 :mod:`.data` (name lists), :mod:`.timing`, :mod:`.worker` (the measuring process), :mod:`.suites` (supervision and
@@ -19,10 +24,27 @@ only when a suite runs.
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import Sequence
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "child_env", "CHECKOUT"]
+
+CHECKOUT = Path(__file__).resolve().parent.parent
+
+
+def child_env(**overrides: str) -> dict[str, str]:
+    """``os.environ`` plus ``overrides``, with the checkout's root on ``PYTHONPATH`` (first, unless already there).
+
+    Every measurement runs in a ``python -m benchmarks.<module>`` subprocess (and vLLM spawns engine processes of
+    its own); ``benchmarks`` and ``model_fixtures`` are not installed, so the children find them through
+    ``PYTHONPATH`` whatever their working folder.
+    """
+    env = dict(os.environ, **overrides)
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if str(CHECKOUT) not in paths:
+        env["PYTHONPATH"] = os.pathsep.join([str(CHECKOUT), *paths])
+    return env
 
 
 def _size_list(text: str) -> list[int]:

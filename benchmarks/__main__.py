@@ -1,5 +1,5 @@
-"""``python -m trie_decode.bench``: same as ``trie-decode bench``."""
+"""``python -m benchmarks``: same as ``trie-decode bench``."""
 
 from . import main
 
-raise SystemExit(main(prog="python -m trie_decode.bench"))
+raise SystemExit(main(prog="python -m benchmarks"))

@@ -14,7 +14,7 @@ same chat prompts, the same beam width, SmolLM2-135M-Instruct in float32 on the 
     rank          ``trie_decode.integrations.transformers.rank`` (transformers' beam search with the trie processor),
                   all prompts in one left-padded batch
 
-Each runs in its own process (``python -m trie_decode.bench.beam_suite --worker spec.json``). Reported per
+Each runs in its own process (``python -m benchmarks.beam_suite --worker spec.json``). Reported per
 contender: the wall time for all prompts of every repeated run (``reps``, 3 by default), with the first (cold), the
 best and the median (speed-ups are taken on the best and on the median, the same basis for every contender), results
 per prompt, the share of results that are catalog
@@ -32,6 +32,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
+
+from . import child_env
 
 __all__ = ["run_beam_suite", "catalog", "QUESTIONS"]
 
@@ -71,14 +73,14 @@ def _run_worker(spec: dict, out_dir: Path, timeout: float) -> dict:
     spec_path, result_path, log_path = (out_dir / f"beam_{name}_{k}" for k in ("spec.json", "result.json", "log.txt"))
     spec = dict(spec, result=str(result_path))
     spec_path.write_text(json.dumps(spec))
-    env = dict(os.environ)
+    env = child_env()
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env["TRIE_DECODE_ALLOWED_DIRS"] = str(out_dir)  # requests name the suite's trie file (docs/vllm.md, "Security")
     t0 = time.perf_counter()
     try:
         with open(log_path, "wb") as log:
-            proc = subprocess.run([sys.executable, "-m", "trie_decode.bench.beam_suite", "--worker", str(spec_path)],
+            proc = subprocess.run([sys.executable, "-m", "benchmarks.beam_suite", "--worker", str(spec_path)],
                                   stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout)
         rc = proc.returncode
     except subprocess.TimeoutExpired:
@@ -128,7 +130,7 @@ def run_beam_suite(quick: bool, out_dir: Any, *, beam_width: int = 4, questions:
                           "date": time.strftime("%Y-%m-%d %H:%M")},
               "runs": runs, "summary": _summary(runs, beam_width)}
     (out_dir / "beam.json").write_text(json.dumps(result, indent=2))
-    # One row per contender for the suite runner's table (trie_decode.bench.suites).
+    # One row per contender for the suite runner's table (benchmarks.suites).
     result["records"] = [{"suite": "beam", "peer": name, "status": "failed" if "error" in row else "ok", **row}
                          for name, row in result["summary"].items()]
     return result
@@ -317,7 +319,7 @@ if __name__ == "__main__":
     else:
         import argparse
 
-        ap = argparse.ArgumentParser(prog="python -m trie_decode.bench.beam_suite",
+        ap = argparse.ArgumentParser(prog="python -m benchmarks.beam_suite",
                                      description="trie beam search on vLLM vs transformers' rank vs vLLM's beam search")
         ap.add_argument("out_dir", nargs="?", default="bench-results")
         ap.add_argument("--quick", action="store_true", help="4 prompts, 2 runs each")

@@ -195,7 +195,7 @@ def _write(out_path: Path, records: list[dict[str, Any]], quick: bool, repeats: 
 if __name__ == "__main__":  # pragma: no cover - manual runs
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m trie_decode.bench.fastforward_suite")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.fastforward_suite")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--workload", action="append", choices=["single", "list"])
     parser.add_argument("--repeats", type=int)

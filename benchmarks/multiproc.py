@@ -13,7 +13,7 @@ engine's. On this machine:
 
 :func:`process_memory` reads each process's proportional set size (``/proc/PID/smaps_rollup``) and, from
 ``/proc/PID/smaps``, the resident and proportional size of the mappings of one file (the trie). Run the whole
-experiment with ``python -m trie_decode.bench.multiproc OUT_DIR`` (writes ``OUT_DIR/vllm_multiproc.json``).
+experiment with ``python -m benchmarks.multiproc OUT_DIR`` (writes ``OUT_DIR/vllm_multiproc.json``).
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
+
+from . import child_env
 
 __all__ = ["make_tiny_model", "build_random_trie", "process_memory", "engine_processes", "derived_arrays", "TP_ENV",
            "PROMPTS"]
@@ -231,10 +233,10 @@ def main(out_dir: str) -> dict:
         spec_path = out / f"multiproc_tp{tp}.json"
         result_path = out / f"multiproc_tp{tp}_result.json"
         spec_path.write_text(json.dumps({"model": model, "tp": tp, "big": str(big), "result": str(result_path)}))
-        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false",
+        env = child_env(VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false",
                    TRIE_DECODE_ALLOWED_DIRS=str(out), **(TP_ENV if tp > 1 else {}))
         with open(out / f"multiproc_tp{tp}.log", "wb") as log:
-            subprocess.run([sys.executable, "-m", "trie_decode.bench.multiproc", "--worker", str(spec_path)],
+            subprocess.run([sys.executable, "-m", "benchmarks.multiproc", "--worker", str(spec_path)],
                            stdout=log, stderr=subprocess.STDOUT, env=env, timeout=1800)
         runs[f"tp{tp}"] = json.loads(result_path.read_text()) if result_path.is_file() else {"error": "see log"}
     ok = all("outputs_big" in r for r in runs.values())

@@ -21,8 +21,8 @@ from typing import Any, Sequence
 
 import torch
 
-from ..constraint import SpanRules, TrieConstraint
-from ..trie import TokenTrie
+from trie_decode.constraint import SpanRules, TrieConstraint
+from trie_decode.trie import TokenTrie
 from .peers import BuildPeer, StepPeer
 
 
@@ -98,7 +98,7 @@ class TrieDecodeProcessorPeer(TrieDecodePeer):
     def start(self, batch_size: int, device: Any) -> None:
         from transformers import LogitsProcessorList
 
-        from ..integrations.transformers import TrieLogitsProcessor
+        from trie_decode.integrations.transformers import TrieLogitsProcessor
 
         never = 0 if self._eos != 0 else 1  # an end token the walk never picks (it ends names with EOS)
         proc = TrieLogitsProcessor(self._trie, end_token_id=never, on_complete="repeat", separator=[self._eos])

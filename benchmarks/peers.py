@@ -38,7 +38,7 @@ Peers (names in :data:`STEP_PEERS`):
   one ``Guide`` per row, ``write_mask_into`` per row, ``outlines_core.kernels.torch.apply_token_bitmask_inplace``.
 - ``lm-format-enforcer``: ``UnionParser([StringParser(n) ...])`` in a ``TokenEnforcer`` behind transformers
   ``PrefixConstrainedLogitsProcessor`` (its transformers integration), one distinct prompt per request.
-- ``trie_decode``: ours, from ``trie_decode/bench/ours.py`` (the core's advance + mask).
+- ``trie_decode``: ours, from ``benchmarks/ours.py`` (the core's advance + mask).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ import json
 import time
 from typing import Any, ClassVar, Sequence
 
-from ..tokenizers import byte_decoder_table
+from trie_decode.tokenizers import byte_decoder_table
 
 __all__ = [
     "StepPeer",
@@ -688,25 +688,25 @@ class GenreMarisaBuild(BuildPeer):
 # Registries
 
 STEP_PEERS: dict[str, str] = {
-    "trie_decode": "trie_decode.bench.ours:TrieDecodePeer",
-    "trie_decode-repeat": "trie_decode.bench.ours:TrieDecodeRepeatPeer",
-    "trie_decode-processor": "trie_decode.bench.ours:TrieDecodeProcessorPeer",
-    "trie_decode-processor-beam": "trie_decode.bench.ours:TrieDecodeProcessorBeamPeer",
-    "trie_decode-torch": "trie_decode.bench.ours:TrieDecodeTorchPeer",
-    "genre-dict": "trie_decode.bench.peers:GenreDictPeer",
-    "genre-marisa": "trie_decode.bench.peers:GenreMarisaPeer",
-    "xgrammar": "trie_decode.bench.peers:XGrammarPeer",
-    "llguidance": "trie_decode.bench.peers:LLGuidancePeer",
-    "llguidance-lexeme": "trie_decode.bench.peers:LLGuidanceLexemePeer",
-    "outlines-core": "trie_decode.bench.peers:OutlinesCorePeer",
-    "lm-format-enforcer": "trie_decode.bench.peers:LMFormatEnforcerPeer",
+    "trie_decode": "benchmarks.ours:TrieDecodePeer",
+    "trie_decode-repeat": "benchmarks.ours:TrieDecodeRepeatPeer",
+    "trie_decode-processor": "benchmarks.ours:TrieDecodeProcessorPeer",
+    "trie_decode-processor-beam": "benchmarks.ours:TrieDecodeProcessorBeamPeer",
+    "trie_decode-torch": "benchmarks.ours:TrieDecodeTorchPeer",
+    "genre-dict": "benchmarks.peers:GenreDictPeer",
+    "genre-marisa": "benchmarks.peers:GenreMarisaPeer",
+    "xgrammar": "benchmarks.peers:XGrammarPeer",
+    "llguidance": "benchmarks.peers:LLGuidancePeer",
+    "llguidance-lexeme": "benchmarks.peers:LLGuidanceLexemePeer",
+    "outlines-core": "benchmarks.peers:OutlinesCorePeer",
+    "lm-format-enforcer": "benchmarks.peers:LMFormatEnforcerPeer",
 }
 """Step-suite peers: name -> ``"module:Class"`` of a :class:`StepPeer` subclass, imported on use."""
 
 BUILD_PEERS: dict[str, str] = {
-    "trie_decode": "trie_decode.bench.ours:TrieDecodeBuildPeer",
-    "genre-dict": "trie_decode.bench.peers:GenreDictBuild",
-    "genre-marisa": "trie_decode.bench.peers:GenreMarisaBuild",
+    "trie_decode": "benchmarks.ours:TrieDecodeBuildPeer",
+    "genre-dict": "benchmarks.peers:GenreDictBuild",
+    "genre-marisa": "benchmarks.peers:GenreMarisaBuild",
 }
 """Build-suite peers: name -> ``"module:Class"`` of a :class:`BuildPeer` subclass, imported on use."""
 

@@ -48,8 +48,8 @@ def _timed(fn: Callable[[], Any], reset: Callable[[], Any], steps: int) -> float
 def _catalogs(quick: bool, tokenizer: Any) -> list[tuple[str, Any]]:
     import numpy as np
 
-    from ..catalogs import catalog_from_codes
-    from ..trie import TokenTrie
+    from trie_decode.catalogs import catalog_from_codes
+    from trie_decode.trie import TokenTrie
     from .data import make_names
 
     n = 100_000 if quick else 1_000_000
@@ -80,7 +80,7 @@ def run_retrieval_suite(quick: bool, out_dir: Any, *, progress: Optional[Callabl
     from transformers import AutoTokenizer, LogitsProcessorList, PrefixConstrainedLogitsProcessor
 
     from ..integrations.smollm2 import smollm2_path
-    from ..integrations.transformers import TrieLogitsProcessor
+    from trie_decode.integrations.transformers import TrieLogitsProcessor
     from .ours import _beam_search
 
     torch.set_num_threads(1)
@@ -185,7 +185,7 @@ def _rank_throughput(trie: Any, quick: bool) -> dict:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from ..integrations.transformers import rank
+    from trie_decode.integrations.transformers import rank
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)

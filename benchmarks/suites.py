@@ -2,7 +2,7 @@
 
 Why this exists: each suite is a loop over peers x sizes (x batch sizes) whose every cell may hang, panic or run
 out of memory. This module owns that loop: it prepares the name lists once, starts one worker process per peer
-(:mod:`trie_decode.bench.worker`), enforces a time limit per phase and a memory limit per process, turns every
+(:mod:`benchmarks.worker`), enforces a time limit per phase and a memory limit per process, turns every
 failure into a record with its size, phase and time spent, and hands the records to :mod:`.report`.
 
 Suites:
@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from . import report
+from . import child_env, report
 from .data import format_size
 
 __all__ = ["BenchConfig", "SUITES", "SUITE_HOOKS", "run", "run_step", "run_build", "supervise"]
@@ -37,11 +37,11 @@ __all__ = ["BenchConfig", "SUITES", "SUITE_HOOKS", "run", "run_step", "run_build
 SUITES = ("build", "step", "generate", "fastforward", "vllm", "retrieval", "beam")
 
 SUITE_HOOKS: dict[str, str] = {
-    "generate": "trie_decode.bench.generate_suite:run_generate_suite",
-    "fastforward": "trie_decode.bench.fastforward_suite:run_fastforward_suite",
-    "vllm": "trie_decode.bench.vllm_suite:run_vllm_suite",
-    "retrieval": "trie_decode.bench.retrieval_suite:run_retrieval_suite",
-    "beam": "trie_decode.bench.beam_suite:run_beam_suite",
+    "generate": "benchmarks.generate_suite:run_generate_suite",
+    "fastforward": "benchmarks.fastforward_suite:run_fastforward_suite",
+    "vllm": "benchmarks.vllm_suite:run_vllm_suite",
+    "retrieval": "benchmarks.retrieval_suite:run_retrieval_suite",
+    "beam": "benchmarks.beam_suite:run_beam_suite",
 }
 """Suites implemented in their own modules: name -> ``"module:function"``. The function takes
 ``(quick: bool, out_dir: Path)``, writes its own JSON into ``out_dir`` and returns a dict, ideally with a
@@ -58,7 +58,7 @@ QUICK_BATCHES = [1, 8]
 
 @dataclass
 class BenchConfig:
-    """Everything a suite needs to know; built by :func:`trie_decode.bench.main` from the command line.
+    """Everything a suite needs to know; built by :func:`benchmarks.main` from the command line.
 
     Attributes:
         suites: the suites to run, in order.
@@ -77,7 +77,7 @@ class BenchConfig:
         mem_limit_gib: a worker whose RSS passes this is killed and reported as out of memory.
         steps, repeats, warm_steps: decode steps per repeat, repeats, warmup steps.
         check_names: how many names (a seeded sample) each peer's ``rejects`` checks.
-        tokenizer: tokenizer folder, or a family of :mod:`trie_decode.integrations.tokenizer_zoo` (``gemma3``: a
+        tokenizer: tokenizer folder, or a family of :mod:`model_fixtures.tokenizer_zoo` (``gemma3``: a
             262,144-id vocabulary) (default: the embedded SmolLM2).
         isolate: one worker process per peer (default: yes, except with ``quick``).
     """
@@ -182,7 +182,7 @@ def supervise(
     """Run one worker job; kill it when a phase outlives its ``limit_s`` or the process tree passes the memory
     limit. Returns its records and, if it did not end normally, a failure dict (status, phase, size, batch,
     spent_s, error)."""
-    env = dict(os.environ)
+    env = child_env()
     # One inductor compile thread: no background compile workers competing with the timed steps on a small CPU.
     env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -191,7 +191,7 @@ def supervise(
         log.write(f"\n=== {time.strftime('%H:%M:%S')} {json.dumps({k: v for k, v in job.items() if k != 'sizes'})}\n".encode())
         log.flush()
         proc = subprocess.Popen(
-            [sys.executable, "-m", "trie_decode.bench.worker"],
+            [sys.executable, "-m", "benchmarks.worker"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, env=env, start_new_session=True,
         )
         assert proc.stdin is not None and proc.stdout is not None
@@ -292,7 +292,7 @@ def _load_tokenizer(path: str | None) -> tuple[Any, str]:
 
         path = smollm2_path()
     else:
-        from trie_decode.integrations.tokenizer_zoo import FAMILIES, tokenizer_path
+        from model_fixtures.tokenizer_zoo import FAMILIES, tokenizer_path
 
         if path in FAMILIES:
             path = tokenizer_path(path)

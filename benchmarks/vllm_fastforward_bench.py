@@ -19,7 +19,7 @@ The three behaviours run interleaved within each repetition (other load on the s
 each cell (model, block size, workload, behaviour) reports every repetition, the median (the figure compared) and the
 spread (min, max).
 
-Run: ``python -m trie_decode.bench.vllm_fastforward_bench OUT_DIR [--models smollm2,gemma3] [--reps 5]
+Run: ``python -m benchmarks.vllm_fastforward_bench OUT_DIR [--models smollm2,gemma3] [--reps 5]
 [--block-sizes 128,32] [--workloads tails,middle,countries]`` (one engine process per model and block size; writes
 ``OUT_DIR/vllm_fastforward.json``). ``--help`` lists the options.
 """
@@ -35,6 +35,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
+
+from . import child_env
 
 __all__ = ["workloads", "main"]
 
@@ -78,7 +80,7 @@ def _worker(spec: dict) -> dict:
                                                add_generation_prompt=True)
                 prompts.append(tok(text, add_special_tokens=False)["input_ids"])
             else:  # a base model (Gemma 3 270M): its turn markers, and its tokenizer's <bos>
-                from trie_decode.integrations.gemma3 import CHAT_PROMPT
+                from model_fixtures.gemma3 import CHAT_PROMPT
 
                 prompts.append(tok(CHAT_PROMPT.format(question))["input_ids"])
         tries = [str(path)] * REQUESTS
@@ -115,7 +117,7 @@ def _model_path(name: str) -> str:
 
         return smollm2_path()
     if name == "gemma3":
-        from trie_decode.integrations.gemma3 import gemma3_path
+        from model_fixtures.gemma3 import gemma3_path
 
         return gemma3_path()
     return name  # a model folder
@@ -145,11 +147,11 @@ def main(out_dir: str, models: Sequence[str] = ("smollm2",), block_sizes: Sequen
             res_path = out / f"ff_result_{tag}.json"
             spec_path.write_text(json.dumps({"model": model, "block_size": bs, "dir": str(out), "reps": reps,
                                              "workloads": list(names or workloads()), "result": str(res_path)}))
-            env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false",
+            env = child_env(VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false",
                        TRIE_DECODE_ALLOWED_DIRS=str(out))
             t = time.perf_counter()
             with open(out / f"ff_{tag}.log", "wb") as log:
-                subprocess.run([sys.executable, "-m", "trie_decode.bench.vllm_fastforward_bench", "--worker",
+                subprocess.run([sys.executable, "-m", "benchmarks.vllm_fastforward_bench", "--worker",
                                 str(spec_path)], stdout=log, stderr=subprocess.STDOUT, env=env, timeout=3600)
             failed = {"error": f"see {out}/ff_{tag}.log"}
             runs[f"block_{bs}"] = json.loads(res_path.read_text()) if res_path.is_file() else failed
@@ -162,7 +164,7 @@ def main(out_dir: str, models: Sequence[str] = ("smollm2",), block_sizes: Sequen
 
 
 def _parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m trie_decode.bench.vllm_fastforward_bench",
+    p = argparse.ArgumentParser(prog="python -m benchmarks.vllm_fastforward_bench",
                                 description="vLLM fast-forward: plain decoding vs skipping forced tails vs resubmission.")
     p.add_argument("out_dir", nargs="?", default="bench-results", help="where the tries, logs and JSON go")
     p.add_argument("--models", default="smollm2", help="comma-separated: smollm2, gemma3 or model folders")

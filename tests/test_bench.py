@@ -1,5 +1,10 @@
 """A quick run of every benchmark suite: it runs, and its JSON holds every peer and the floor (numbers are not
-asserted: they belong to the benchmark report, not to tests)."""
+asserted: they belong to the benchmark report, not to tests).
+
+The suites live in the checkout's ``benchmarks/`` folder, not in the installed package; each run goes through the
+documented command, ``trie-decode bench``, from a folder outside the checkout, so the command's way of finding the
+checkout (and the suites' worker processes finding ``benchmarks``) is tested too. What a wheel install says
+instead is tested in tests/test_packaging.py."""
 
 from __future__ import annotations
 
@@ -11,22 +16,35 @@ from pathlib import Path
 
 import pytest
 
-from trie_decode.bench.peers import BUILD_PEERS, STEP_PEERS
+from benchmarks.peers import BUILD_PEERS, STEP_PEERS
 
-pytestmark = pytest.mark.slow
+# The venv's console script (sys.executable is the venv's python, not resolved: resolving would leave the venv).
+TRIE_DECODE = Path(sys.executable).parent / "trie-decode"
+
+
+def _run_bench(cwd: Path, *args: str, timeout: float = 1500) -> subprocess.CompletedProcess:
+    # PYTHONPATH cleared: the command must find the checkout by itself, not through the test's environment.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(TOKENIZERS_PARALLELISM="false", VLLM_CPU_KVCACHE_SPACE="1")
+    return subprocess.run([str(TRIE_DECODE), "bench", *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
 
 
 def _bench(suite: str, out: Path, *extra: str) -> dict:
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", VLLM_CPU_KVCACHE_SPACE="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "trie_decode.bench", "--suite", suite, "--quick", "--out", str(out), *extra],
-        env=env, capture_output=True, text=True, timeout=1500,
-    )
+    proc = _run_bench(out, "--suite", suite, "--quick", "--out", str(out), *extra)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     path = out / f"{suite}.json" if suite != "vllm" else out / "vllm_suite.json"
     return json.loads(path.read_text())
 
 
+def test_bench_command_finds_the_checkout_from_any_folder(tmp_path):
+    proc = _run_bench(tmp_path, "--list-peers", timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "benchmarks.ours:TrieDecodePeer" in proc.stdout, proc.stdout
+    assert all(name in proc.stdout for name in STEP_PEERS), proc.stdout
+
+
+@pytest.mark.slow
 def test_step_suite_quick(tmp_path):
     data = _bench("step", tmp_path)
     records = data["records"]
@@ -42,6 +60,7 @@ def test_step_suite_quick(tmp_path):
             assert r.get("error") or r.get("status") in ("skipped", "unavailable", "timeout"), r
 
 
+@pytest.mark.slow
 def test_build_suite_quick(tmp_path):
     records = _bench("build", tmp_path)["records"]
     peers = {r["peer"] for r in records}
@@ -50,6 +69,7 @@ def test_build_suite_quick(tmp_path):
     assert target and target[0]["bytes_per_node"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.model
 def test_generate_and_fastforward_suites_quick(tmp_path):
     gen = _bench("generate", tmp_path)["records"]
@@ -60,6 +80,7 @@ def test_generate_and_fastforward_suites_quick(tmp_path):
     assert recs and all(r["identical"] for r in recs)
 
 
+@pytest.mark.slow
 @pytest.mark.vllm
 def test_vllm_suite_quick(tmp_path):
     data = _bench("vllm", tmp_path)

