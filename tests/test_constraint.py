@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from trie_decode import ConstraintConfigError, InvalidTokenError, TokenTrie
 from trie_decode.constraint import DONE, SpanRules, TrieConstraint
-from trie_decode.masking import apply_token_bitmask_inplace
+from trie_decode.bitmask import apply_token_bitmask_inplace
 
 from reference import SPAN_RULE_CASES, SpanReference
 

@@ -58,6 +58,52 @@ def test_filtered_rows_behave_like_a_trie_of_their_usable_entries(kernel, seed):
         state = c.advance(state, torch.tensor(toks), filters=filters)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_filter_bits_are_one_rule_however_they_are_counted(seed):
+    """The filter rule lives in one place (filters.usable_count + filters.filter_bits): the static per-node table the
+    C kernel reads, the per-row counts of the torch pass and of the state update, and the brute-force meaning of
+    the bits (CHILD_EXCLUDED: no usable entry below; END_EXCLUDED: the entry ending here is not usable) agree at
+    every node, for allow and deny filters."""
+    from trie_decode.filters import CHILD_EXCLUDED, END_EXCLUDED, usable_count
+
+    rng = random.Random(seed)
+    seqs = [[rng.randrange(3, V) for _ in range(rng.randrange(1, 5))] for _ in range(rng.randrange(5, 60))]
+    seqs += [[7], [7, 8], [7, 8, 9]]
+    trie = TokenTrie.from_sequences(seqs, vocab_size=V)
+    c = TrieConstraint(trie, SpanRules(end_token_id=END), "cpu")
+    e, n = trie.num_entries, trie.num_nodes
+    allow = [None, None] + [rng.sample(range(e), rng.randrange(1, e + 1)) for _ in range(2)]
+    deny = [[], rng.sample(range(e), rng.randrange(0, e))] + [rng.sample(range(e), rng.randrange(0, e // 2 + 1))
+                                                              for _ in range(2)]
+    allow = [a if a is None or set(a) - set(d) else None for a, d in zip(allow, deny)]
+    f = c.filters(len(allow), allow=allow, deny=deny)
+    flags, filt = f.node_flags(trie)
+    table = flags[filt].long()  # (R, N): each row's bits from the static table
+    counted = f.bits(torch.arange(n).repeat(len(allow), 1)).long()  # (R, N): the same rule, counted per row
+    assert torch.equal(table, counted)
+    from trie_decode import _kernel  # the C kernel reads the same bits
+
+    assert (_kernel.CHILD_EXCLUDED, _kernel.END_EXCLUDED) == (CHILD_EXCLUDED, END_EXCLUDED)
+    # The bits' meaning, brute force: the entries below each node, and the entry ending at it.
+    seq_of = {i: tuple(s) for i, s in enumerate(trie.sequences())}
+    for r, (a, d) in enumerate(zip(allow, deny)):
+        usable = (set(range(e)) if a is None else set(a)) - set(d)
+        for node in range(n):
+            path = tuple(trie.tokens_of(node))
+            below = [i for i, sq in seq_of.items() if sq[: len(path)] == path]
+            own = trie.node_entry[node]
+            want = (CHILD_EXCLUDED if not set(below) & usable else 0) | (
+                END_EXCLUDED if own >= 0 and own not in usable else 0)
+            assert int(table[r, node]) == want, (r, node)
+    # numpy and torch evaluate the one count alike.
+    ranks = np.sort(np.array(rng.sample(range(e), rng.randrange(0, e)), dtype=np.int64))
+    bounds = np.sort(np.array([rng.randrange(0, e + 1) for _ in range(9)], dtype=np.int64))
+    for allow_set in (None, ranks):
+        want = usable_count(torch.from_numpy(bounds), None if allow_set is None else torch.from_numpy(allow_set),
+                            torch.from_numpy(ranks))
+        assert usable_count(bounds, allow_set, ranks).tolist() == want.tolist()
+
+
 def test_allow_100_of_a_1m_catalog_equals_a_trie_of_those_100():
     """A 1M-item semantic-id catalog (4 levels x 256 codes) filtered to 100 entries masks exactly like a trie built
     from those 100, at every step of walks that follow them to the end token."""

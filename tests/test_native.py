@@ -317,3 +317,81 @@ def test_fused_step_where_it_applies_and_its_errors():
     step(buf[:, :2], logits)
     ref = plain.advance(plain.start(2), ids[:, -1])
     assert torch.equal(state.node, ref.node)
+
+
+def test_c_boundary_takes_packed_fields():
+    """Each C entry point takes two packed field buffers (the trie's, packed once per step table, and the call's);
+    a buffer of the wrong size, type or count is refused before anything is read, and both sides agree on the
+    field counts."""
+    from trie_decode import _kernel
+
+    assert (_kernel.TRIE_FIELDS, _kernel.MASK_FIELDS, _kernel.STEP_FIELDS, _kernel.CHILD_FIELDS) == tuple(
+        map(len, (_native.TRIE_FIELDS, _native.MASK_FIELDS, _native.STEP_FIELDS, _native.CHILD_FIELDS)))
+    assert _native.MASK_FIELDS[: len(_native.LOGITS_FIELDS)] == _native.LOGITS_FIELDS
+    assert _native.STEP_FIELDS[: len(_native.LOGITS_FIELDS)] == _native.LOGITS_FIELDS
+    trie = TokenTrie.from_sequences([[5, 6], [9]], vocab_size=20)
+    c = TrieConstraint(trie, SpanRules(end_token_id=2), "cpu")
+    packed = _native.trie_fields(c.tables[0])
+    assert packed is _native.trie_fields(c.tables[0])  # packed once per table
+    assert len(packed) == 8 * len(_native.TRIE_FIELDS)
+    for fn, job_fields in ((_kernel.mask, _native.MASK_FIELDS), (_kernel.child, _native.CHILD_FIELDS),
+                           (_kernel.step, _native.STEP_FIELDS)):
+        with pytest.raises(TypeError, match="takes 2 arguments"):
+            fn(packed)
+        with pytest.raises(TypeError, match=f"job must be bytes of {len(job_fields)} packed int64 fields"):
+            fn(packed, bytes(8 * (len(job_fields) - 1)))
+        with pytest.raises(TypeError, match="trie must be bytes"):
+            fn(bytearray(packed), bytes(8 * len(job_fields)))
+    # A job without its arrays (null pointers) is refused, not dereferenced.
+    with pytest.raises(ValueError, match="out, nodes and tokens"):
+        _kernel.child(packed, bytes(8 * len(_native.CHILD_FIELDS)))
+    with pytest.raises(ValueError, match="lack the step table"):
+        _kernel.mask(bytes(8 * len(_native.TRIE_FIELDS)), bytes(8 * len(_native.MASK_FIELDS)))
+
+
+def test_kernels_are_chosen_by_their_declared_capabilities():
+    """One dispatcher: each kernel declares its devices, filters and fused step; the constraint asks those, so a
+    kernel without a fused step gives None, and a kernel without filters leaves them to the filters' pass."""
+    from trie_decode import kernels
+
+    native, numpy_k, torch_k = (kernels.select("cpu", name) for name in ("native", "numpy", "torch"))
+    assert kernels.select("cpu") is native and kernels.select("cuda") is torch_k and kernels.select("mps") is torch_k
+    assert [k.supports_fused_step for k in (native, numpy_k, torch_k)] == [True, False, False]
+    assert [k.supports_filters for k in (native, numpy_k, torch_k)] == [True, False, False]
+    assert native.runs_on(torch.device("cpu")) and not native.runs_on(torch.device("cuda"))
+    assert torch_k.runs_on(torch.device("cuda")) and torch_k.runs_on(torch.device("cpu"))
+    for name in ("native", "numpy"):
+        with pytest.raises(ValueError, match="runs on CPU logits only"):
+            kernels.select("cuda", name)
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        kernels.select("cpu", "fast")
+    trie = TokenTrie.from_sequences([[5, 6], [5, 7]], vocab_size=10)
+    for name in ("native", "numpy", "torch"):
+        c = TrieConstraint(trie, SpanRules(end_token_id=0), "cpu", kernel=name)
+        step = c.fused_step(c.start(2))
+        assert (step is not None) == (name == "native")
+        if step is not None:
+            assert step(None, torch.zeros(2, 10)).isfinite().nonzero()[:, 1].tolist() == [5, 5]
+        if not c.kernel.supports_filters:
+            logits, state = torch.zeros(2, 10), c.start(2)
+            bits = (torch.zeros(1, trie.num_nodes, dtype=torch.uint8), torch.zeros(2, dtype=torch.long))
+            with pytest.raises(ValueError, match="filter bits"):
+                c.kernel.mask_rows(c._prepared, logits, logits, state.node, state.tree, None, bits)
+            with pytest.raises(ValueError, match="filter bits"):
+                c.kernel.advance_rows(c._prepared, state.node, state.tree, torch.tensor([5, 5]), bits)
+
+
+def test_floor_rule_is_one_definition():
+    """The floor rule's reference definition (kernels/rules.py): rows whose kept values are all -inf get the floor,
+    others keep their values; every kernel's floor equals it (test_rows_other_processors_emptied...)."""
+    from trie_decode.kernels import rules, vectorized
+
+    assert vectorized.ALL_MASKED_FLOOR == rules.ALL_MASKED_FLOOR  # re-exported, not redefined
+    kept = torch.tensor([[float("-inf"), float("-inf")], [1.0, float("-inf")], [float("-inf"), 2.0]])
+    alive = rules.kept_alive(kept).any(1, keepdim=True)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+        got = rules.floor_rule(kept.to(dtype), alive)
+        assert got.dtype == dtype
+        floor = torch.tensor(rules.ALL_MASKED_FLOOR, dtype=dtype).item()  # the floor as the dtype holds it
+        assert got.double().tolist() == [[floor] * 2, [1.0, float("-inf")], [float("-inf"), 2.0]]
+    assert _native._FLOOR_BITS[torch.float32] == _native._bits(rules.ALL_MASKED_FLOOR, torch.float32)

@@ -274,3 +274,58 @@ def test_scale_200k_random_sequences():
     for i in rng.integers(0, k, size=500).tolist():
         row = values[offsets[i] : offsets[i + 1]].tolist()
         assert trie.lookup(row).tokens == tuple(row)
+
+
+def test_python_lists_are_packed_in_bulk_and_bad_elements_still_named():
+    """``to_ragged`` checks plain lists and tuples in bulk (one C conversion; only the 0s and 1s are looked at one by
+    one, where a bool could hide): the result equals the general path's, and every bad element is still named
+    with its entry, wherever it sits."""
+    from trie_decode import InvalidTokenError
+    from trie_decode._build import to_ragged
+
+    rng = np.random.default_rng(0)
+    seqs = [rng.integers(0, 4, size=rng.integers(1, 6)).tolist() for _ in range(500)]  # many 0s and 1s
+    fast = to_ragged(seqs)
+    general = to_ragged([np.asarray(s) for s in seqs])  # 1-D arrays take the general path
+    assert fast.values.dtype == np.int64 and fast.values.tolist() == general.values.tolist()
+    assert fast.offsets.tolist() == general.offsets.tolist()
+    assert to_ragged([tuple(s) for s in seqs]).values.tolist() == fast.values.tolist()
+    assert to_ragged([[np.int64(1), 0], (np.int32(0),)]).values.tolist() == [1, 0, 0]
+    assert to_ragged([[torch.tensor(1), 5]]).values.tolist() == [1, 5]  # a 0-d integer tensor is an id
+    for bad, pattern in (
+        (True, r"entry 300 has True \(bool\)"),
+        (False, r"entry 300 has False \(bool\)"),
+        (np.True_, r"entry 300 has .*True.* \(bool\)"),
+        (torch.tensor(True), r"entry 300 has tensor\(True\)"),
+        (2.0, r"entry 300 has 2\.0 \(float\)"),
+        ("7", r"entry 300 has '7' \(str\)"),
+        (None, r"entry 300 has None"),
+        ([3], r"entry 300 has \[3\] \(list\)"),
+    ):
+        broken = [list(s) for s in seqs]
+        broken[300] = broken[300] + [bad]
+        with pytest.raises(InvalidTokenError, match=pattern):
+            TokenTrie.from_sequences(broken, vocab_size=10)
+    broken = [list(s) for s in seqs]
+    broken[7] = (3, 2**63)
+    with pytest.raises(InvalidTokenError, match=r"entry 7 has token id 9223372036854775808, outside any vocabulary"):
+        TokenTrie.from_sequences(broken, vocab_size=10)
+
+
+@pytest.mark.parametrize("vocab_size", [80_000, 2**31])
+def test_every_path_of_the_builder_gives_the_same_trie(vocab_size):
+    """The builder's depth 0 takes a presence row over the vocabulary (or sorts, for a vocabulary far wider than
+    the input) and a 16-bit radix order (or a wider sort past 65536 root children); every path gives the trie of
+    the sequences, duplicates and prefixes included, with entries numbered in order of first use."""
+    rng = np.random.default_rng(1)
+    firsts = rng.permutation(70_000)  # more than 65536 distinct first tokens
+    seqs = [[int(f)] + rng.integers(0, 3, size=rng.integers(0, 3)).tolist() for f in firsts]
+    seqs += [seqs[5], seqs[7][:1], [firsts[9]] + [2, 2, 2]]  # a duplicate, a prefix, a longer one
+    few = [s for s in seqs if s[0] < 300]  # fewer than 65536 root children
+    for group in (seqs, few):
+        trie = TokenTrie.from_sequences(group, vocab_size=vocab_size)
+        trie.validate()
+        first_use = list(dict.fromkeys(tuple(s) for s in group))
+        assert [trie.tokens_of(int(n)) for n in trie.entry_node] == first_use
+        assert trie.token[1 : 1 + len(trie.children(0)[0])].tolist() == sorted({s[0] for s in group})
+        assert trie.num_nodes == 1 + len({tuple(s[:d]) for s in group for d in range(1, len(s) + 1)})

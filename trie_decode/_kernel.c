@@ -9,13 +9,13 @@
  * It is optional: trie_decode/kernels/native.py loads it when it was compiled and falls back to the numpy/torch path
  * otherwise (and always on CUDA and MPS). Both paths read the same step table and are tested against each other.
  *
- * Rows another processor emptied: when every value a row keeps is already -inf (e.g. min_new_tokens banned the end
- * token, bad_words banned the only child), the kept columns get the finite floor value instead, so the row still
- * picks a token of the trie (see trie_decode/kernels/__init__.py).
+ * The rules it applies are stated elsewhere, once: what a row keeps in the step table (trie_decode/spans.py), the
+ * floor given to rows another processor emptied in trie_decode/kernels/rules.py (applied here by floor_rule), the
+ * filters as per-node bits (trie_decode/filters.py). This file only applies them.
  *
- * Memory safety: the Python wrapper passes raw data pointers of arrays whose dtype, contiguity and shape it has
- * checked; this file additionally bounds-checks every node id and token it reads from per-step state, so a
- * corrupt state can give a wrong mask but never an out-of-bounds access.
+ * Memory safety: the Python wrapper passes raw data pointers (packed int64 fields, see read_fields) of arrays whose
+ * dtype, contiguity and shape it has checked; this file additionally bounds-checks every node id and token it reads
+ * from per-step state, so a corrupt state can give a wrong mask but never an out-of-bounds access.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -26,6 +26,10 @@
 
 /* Step table columns (trie_decode/spans.py). */
 enum { T_START, T_COUNT, T_SLOT, T_ANCHOR, T_EXTRA0, T_EXTRA1, T_ON_TOKEN, T_ON_MATCH, T_OTHERWISE, T_COLS };
+
+/* The filter bits per (filter, node): the filter rule as data, defined and computed in trie_decode/filters.py
+ * (CHILD_EXCLUDED, END_EXCLUDED, filter_bits); exported below so that a test checks both sides agree. */
+enum { CHILD_EXCLUDED = 1, END_EXCLUDED = 2 };
 
 /* The row functions are compiled for AVX-512, AVX2 and the baseline, and picked at load time: filling is the
  * floor of masking and must run at the speed of torch's own vectorized fill. */
@@ -83,11 +87,28 @@ TD_CLONES static void sparse_row(char *drow, const char *srow, const int64_t *co
     fill_gap(drow + prev * es, (size_t)(width - prev) * es, pat, es, bits);
 }
 
-/* True when no kept column of a sparse row holds anything but the -inf pattern. */
-static int all_neg(const char *drow, const int64_t *cols, Py_ssize_t k, int es, uint64_t bits) {
-    for (Py_ssize_t j = 0; j < k; j++)
-        if (load_bits(drow + cols[j] * es, es) != bits) return 0;
-    return 1;
+/* The floor rule, applied to one masked row once its kept columns are written. The rule is stated once, in
+ * trie_decode/kernels/rules.py (floor_rule), with the value it writes (ALL_MASKED_FLOOR, passed in as floor_bits);
+ * every kernel applies it, and this function is the C kernel's one application of it:
+ *   a row that keeps nothing (a filter left it no usable column) keeps the end token, at the floor;
+ *   a row whose kept values are all -inf (another processor banned them) gets the floor in every kept column.
+ * The kept columns are cols[0..k) plus, for a dense row (brow not NULL), every column j < vm with brow[j] == 0. */
+static void floor_rule(char *drow, const int64_t *cols, Py_ssize_t k, const uint8_t *brow, Py_ssize_t vm,
+                       int64_t end_token, Py_ssize_t width, int es, uint64_t neg_bits, uint64_t floor_bits) {
+    Py_ssize_t j;
+    if (k == 0 && !brow) {
+        if (end_token >= 0 && end_token < width) store_bits(drow + (Py_ssize_t)end_token * es, es, floor_bits);
+        return;
+    }
+    for (j = 0; j < k; j++)
+        if (load_bits(drow + cols[j] * es, es) != neg_bits) return;
+    if (brow)
+        for (j = 0; j < vm; j++)
+            if (!brow[j] && load_bits(drow + j * es, es) != neg_bits) return;
+    for (j = 0; j < k; j++) store_bits(drow + cols[j] * es, es, floor_bits);
+    if (brow)
+        for (j = 0; j < vm; j++)
+            if (!brow[j]) store_bits(drow + j * es, es, floor_bits);
 }
 
 /* A dense row: dst[j] = blocked[j] ? -inf : src[j] for j < vt, -inf up to the width (dst may equal src). */
@@ -144,6 +165,31 @@ static int filters_in_range(const int64_t *filt, Py_ssize_t n, Py_ssize_t num_fi
     return 1;
 }
 
+/* The call boundary. Each entry point takes two bytes objects of packed int64 fields (native-endian, made by
+ * struct.pack in trie_decode/kernels/native.py from the field names listed there, whose lengths this module
+ * exports so that the two sides cannot drift apart):
+ *   trie: the step table and the trie, packed once per step table (TRIE_FIELDS);
+ *   job:  what changes per call: the logits, the rows' states, the filters (MASK_FIELDS, CHILD_FIELDS,
+ *         STEP_FIELDS; MASK_FIELDS and STEP_FIELDS start with the LOGITS_FIELDS).
+ * Pointers are data addresses of arrays whose dtype, contiguity and shape the Python side has checked. */
+enum { TF_TABLE, TF_NUM_NODES, TF_NUM_CODES, TF_CHILD_TOKEN, TF_CHILD_PTR, TF_BLOCKED, TF_VOCAB, TF_NUM_DENSE, TF_COUNT };
+enum { LF_OUT, LF_SRC, LF_BATCH, LF_OUT_STRIDE, LF_SRC_STRIDE, LF_WIDTH, LF_ELSIZE, LF_NEG_BITS, LF_FLOOR_BITS,
+       LF_COUNT };
+enum { MF_N = LF_COUNT, MF_ROWS, MF_NODES, MF_FLAGS, MF_FILTER, MF_NUM_FILTERS, MF_COUNT };
+enum { SF_NODES = LF_COUNT, SF_TOKENS, SF_TOKEN_STRIDE, SF_PARENTS, SF_PARENT_STRIDE, SF_PARENT_SIZE, SF_MOVES, SF_COUNT };
+enum { CF_OUT, CF_NODES, CF_TOKENS, CF_N, CF_MOVES, CF_FLAGS, CF_FILTER, CF_NUM_FILTERS, CF_COUNT };
+
+/* Copy the count int64 fields packed in a bytes object into f; 0 with a TypeError set when it is not exactly
+ * that. */
+static int read_fields(PyObject *packed, int64_t *f, Py_ssize_t count, const char *what) {
+    if (!PyBytes_Check(packed) || PyBytes_GET_SIZE(packed) != count * (Py_ssize_t)sizeof(int64_t)) {
+        PyErr_Format(PyExc_TypeError, "%s must be bytes of %zd packed int64 fields", what, count);
+        return 0;
+    }
+    memcpy(f, PyBytes_AS_STRING(packed), (size_t)count * sizeof(int64_t));
+    return 1;
+}
+
 /* One masking call: the logits geometry, the rows' states, the step table and the trie (see py_mask). */
 typedef struct {
     char *out;
@@ -165,10 +211,31 @@ typedef struct {
     Py_ssize_t num_filters;
 } MaskJob;
 
+/* A MaskJob from the packed trie fields and the logits fields at the start of a job's fields (rows, nodes and
+ * filters are left empty for the caller). */
+static void mask_job_init(MaskJob *j, const int64_t *tf, const int64_t *lf) {
+    j->out = (char *)(intptr_t)lf[LF_OUT], j->src = (const char *)(intptr_t)lf[LF_SRC];
+    j->batch = (Py_ssize_t)lf[LF_BATCH], j->out_stride = (Py_ssize_t)lf[LF_OUT_STRIDE];
+    j->src_stride = (Py_ssize_t)lf[LF_SRC_STRIDE], j->width = (Py_ssize_t)lf[LF_WIDTH], j->es = (int)lf[LF_ELSIZE];
+    j->neg_bits = (uint64_t)lf[LF_NEG_BITS], j->floor_bits = (uint64_t)lf[LF_FLOOR_BITS];
+    j->n = 0, j->rows = NULL, j->nodes = NULL;
+    j->table = (const int32_t *)(intptr_t)tf[TF_TABLE];
+    j->num_nodes = (Py_ssize_t)tf[TF_NUM_NODES], j->num_codes = (Py_ssize_t)tf[TF_NUM_CODES];
+    j->child_token = (const int32_t *)(intptr_t)tf[TF_CHILD_TOKEN], j->num_children = j->num_nodes;
+    j->blocked = (const uint8_t *)(intptr_t)tf[TF_BLOCKED];
+    j->vt = (Py_ssize_t)tf[TF_VOCAB], j->num_dense = (Py_ssize_t)tf[TF_NUM_DENSE];
+    j->child_ptr = (const int32_t *)(intptr_t)tf[TF_CHILD_PTR];
+    j->flags = NULL, j->filt = NULL, j->num_filters = 0;
+}
+
 /* The job's checks, with the GIL held: 0 with an exception set when it is inconsistent. */
 static int mask_job_check(const MaskJob *j) {
-    if (j->flags && (!j->filt || !j->child_ptr || j->num_filters < 1)) {
-        PyErr_SetString(PyExc_ValueError, "filter flags need each row's filter and the child pointers");
+    if (!j->table || !j->child_token || !j->child_ptr || j->num_nodes < 1 || (j->num_dense > 0 && !j->blocked)) {
+        PyErr_SetString(PyExc_ValueError, "the packed trie fields lack the step table or the trie arrays");
+        return 0;
+    }
+    if (j->flags && (!j->filt || j->num_filters < 1)) {
+        PyErr_SetString(PyExc_ValueError, "filter flags need each row's filter");
         return 0;
     }
     if (j->flags && !filters_in_range(j->filt, j->n, j->num_filters)) return 0;
@@ -195,7 +262,12 @@ static int mask_job_check(const MaskJob *j) {
 }
 
 /* The masking itself (no GIL needed; run after mask_job_check): the number of rows masked, or -1 when out of
- * memory. */
+ * memory.
+ *
+ * Per row: its kept columns (the children of its node that its filter leaves, then its extras: anchor, end token,
+ * separator), -inf everywhere else, then the floor rule (floor_rule) over what it keeps. A dense node without a
+ * filter keeps the unblocked columns of its dense row instead of a list of children; under a filter its children
+ * are listed from the CSR range like any node's (the filter drops some of them). */
 static Py_ssize_t mask_job_run(const MaskJob *j) {
     char *out = j->out;
     const char *src = j->src;
@@ -239,65 +311,14 @@ static Py_ssize_t mask_job_run(const MaskJob *j) {
         masked++;
         int64_t slot = t[T_SLOT], m = nodes[i];
         const uint8_t *fl = (flags && m >= 0 && m < num_nodes) ? flags + filt[i] * num_nodes : NULL;
-        int own_out = fl && (fl[m] & 2);  /* the entry ending here is not usable: no end token, no separator */
-        if (slot >= 0 && slot < num_dense) {
-            /* A dense row: its children are the unblocked columns; the extras (end token, separator) are saved
-             * first and put back, since the dense row may block them. With a filter, excluded children are
-             * dropped again after the copy, and the extras come back only where the row keeps them. */
-            uint64_t extra_val[T_EXTRA1 - T_ANCHOR + 1] = {0};
-            for (int e = T_ANCHOR; e <= T_EXTRA1; e++)
-                if (t[e] >= 0 && t[e] < width) extra_val[e - T_ANCHOR] = load_bits(srow + (Py_ssize_t)t[e] * es, es);
-            const uint8_t *brow = blocked + slot * vt;
-            dense_row(drow, srow, brow, vm, width, es, neg_bits, pat);
-            int32_t lo = 0, hi = 0;
-            if (fl) {
-                lo = child_ptr[m] < 0 ? 0 : child_ptr[m];
-                hi = child_ptr[m + 1] > num_nodes ? (int32_t)num_nodes : child_ptr[m + 1];
-                for (int32_t p = lo; p < hi; p++)
-                    if ((fl[p] & 1) && child_token[p] >= 0 && child_token[p] < vm)
-                        store_bits(drow + (Py_ssize_t)child_token[p] * es, es, neg_bits);
-            }
-            int alive = 0, kept = 0;
-            for (int e = T_ANCHOR; e <= T_EXTRA1; e++)
-                /* the anchor of a dense node is its first child, which the dense row (and filter) already decided */
-                if (t[e] >= 0 && t[e] < width && !(fl && (e == T_ANCHOR || own_out))) {
-                    store_bits(drow + (Py_ssize_t)t[e] * es, es, extra_val[e - T_ANCHOR]);
-                    alive |= extra_val[e - T_ANCHOR] != neg_bits;
-                    kept = 1;
-                }
-            if (!fl) {
-                for (Py_ssize_t j = 0; j < vm && !alive; j++) alive = !brow[j] && load_bits(drow + j * es, es) != neg_bits;
-                if (!alive) {  /* every kept value was already -inf: the floor instead */
-                    for (Py_ssize_t j = 0; j < vm; j++)
-                        if (!brow[j]) store_bits(drow + j * es, es, (uint64_t)floor_bits);
-                    for (int e = T_ANCHOR; e <= T_EXTRA1; e++)
-                        if (t[e] >= 0 && t[e] < width) store_bits(drow + (Py_ssize_t)t[e] * es, es, (uint64_t)floor_bits);
-                }
-                continue;
-            }
-            for (int32_t p = lo; p < hi; p++) {
-                int32_t col = child_token[p];
-                if (!(fl[p] & 1) && col >= 0 && col < vm) {
-                    kept = 1;
-                    alive |= load_bits(drow + (Py_ssize_t)col * es, es) != neg_bits;
-                }
-            }
-            if (!kept) {  /* the filter leaves nothing: the end token at the floor */
-                if (end_token >= 0 && end_token < width) store_bits(drow + (Py_ssize_t)end_token * es, es, (uint64_t)floor_bits);
-            } else if (!alive) {  /* every kept value was already -inf: the floor instead */
-                for (int32_t p = lo; p < hi; p++) {
-                    int32_t col = child_token[p];
-                    if (!(fl[p] & 1) && col >= 0 && col < vm) store_bits(drow + (Py_ssize_t)col * es, es, (uint64_t)floor_bits);
-                }
-                for (int e = T_EXTRA0; e <= T_EXTRA1; e++)
-                    if (t[e] >= 0 && t[e] < width && !own_out) store_bits(drow + (Py_ssize_t)t[e] * es, es, (uint64_t)floor_bits);
-            }
-            continue;
-        }
-        /* A sparse row: the kept columns in ascending order (the children's tokens are sorted, the extras are
-         * inserted), then -inf over the gaps between them. In place, the kept values are never touched, so the
-         * row is only written, like the floor's fill; out of place they are copied across. */
+        /* the entry ending here is not usable: no end token, no separator */
+        int own_out = fl && (fl[m] & END_EXCLUDED);
         int64_t start = t[T_START], count = t[T_COUNT];
+        const int dense = slot >= 0 && slot < num_dense;
+        if (dense) {  /* the dense row holds the children; under a filter they are listed too (some are dropped) */
+            if (fl) start = child_ptr[m], count = (int64_t)child_ptr[m + 1] - child_ptr[m];
+            else count = 0;
+        }
         if (start < 0 || count < 0 || start + count > num_children) count = 0;
         if (count + 4 > cap) {
             cap = count + 4;
@@ -305,61 +326,78 @@ static Py_ssize_t mask_job_run(const MaskJob *j) {
             if (!c2) { oom = 1; break; }
             keep_col = c2;
         }
-        Py_ssize_t k = 0;
+        /* The kept children in ascending order (the children's tokens are sorted), and the kept extras. */
+        Py_ssize_t k = 0, nx = 0;
+        int64_t extra[T_EXTRA1 - T_ANCHOR + 1];
         for (int64_t c = 0; c < count; c++) {
             int64_t col = child_token[start + c];
-            if (fl && (fl[start + c] & 1)) continue;  /* the filter excludes every entry below this child */
+            if (fl && (fl[start + c] & CHILD_EXCLUDED)) continue;  /* no usable entry below this child */
             if (col >= 0 && col < vm && (k == 0 || col > keep_col[k - 1])) keep_col[k++] = col;
         }
         for (int e = T_ANCHOR; e <= T_EXTRA1; e++) {
             /* With a filter the anchor counts only as what it is: the first child (decided above), or, at a node
              * without children, the end token (kept like the other extras only while the row's entry is usable). */
             if (fl && (e == T_ANCHOR ? (count > 0 || own_out) : own_out)) continue;
-            if (t[e] >= 0 && t[e] < width) insert_sorted(keep_col, &k, t[e]);
+            if (t[e] >= 0 && t[e] < width) extra[nx++] = t[e];
         }
-        if (fl && k == 0) {  /* the filter leaves nothing: the end token at the floor */
-            sparse_row(drow, srow, keep_col, 0, width, es, neg_bits, pat);
-            if (end_token >= 0 && end_token < width) store_bits(drow + (Py_ssize_t)end_token * es, es, (uint64_t)floor_bits);
+        if (!dense) {
+            /* A sparse row: -inf over the gaps between the kept columns. In place, the kept values are never
+             * touched, so the row is only written, like the floor's fill; out of place they are copied across. */
+            for (Py_ssize_t e = 0; e < nx; e++) insert_sorted(keep_col, &k, extra[e]);
+            sparse_row(drow, srow, keep_col, k, width, es, neg_bits, pat);
+            floor_rule(drow, keep_col, k, NULL, vm, end_token, width, es, neg_bits, floor_bits);
             continue;
         }
-        sparse_row(drow, srow, keep_col, k, width, es, neg_bits, pat);
-        if (all_neg(drow, keep_col, k, es, neg_bits))  /* every kept value was already -inf: the floor instead */
-            for (Py_ssize_t j = 0; j < k; j++) store_bits(drow + keep_col[j] * es, es, (uint64_t)floor_bits);
+        /* A dense row: a copy through its blocked columns, then -inf over the children the filter excludes; the
+         * extras (which the dense row or the filter may block) are saved first and put back. */
+        const uint8_t *brow = blocked + slot * vt;
+        uint64_t extra_val[T_EXTRA1 - T_ANCHOR + 1];
+        for (Py_ssize_t e = 0; e < nx; e++) extra_val[e] = load_bits(srow + extra[e] * es, es);
+        dense_row(drow, srow, brow, vm, width, es, neg_bits, pat);
+        if (fl)
+            for (int64_t c = 0; c < count; c++) {
+                int64_t col = child_token[start + c];
+                if ((fl[start + c] & CHILD_EXCLUDED) && col >= 0 && col < vm) store_bits(drow + col * es, es, neg_bits);
+            }
+        for (Py_ssize_t e = 0; e < nx; e++) store_bits(drow + extra[e] * es, es, extra_val[e]);
+        if (fl) {  /* the kept columns are listed: the kept children and the extras */
+            for (Py_ssize_t e = 0; e < nx; e++) insert_sorted(keep_col, &k, extra[e]);
+            floor_rule(drow, keep_col, k, NULL, vm, end_token, width, es, neg_bits, floor_bits);
+        } else {
+            floor_rule(drow, extra, nx, brow, vm, end_token, width, es, neg_bits, floor_bits);
+        }
     }
     free(keep_col);
     return oom ? -1 : masked;
 }
 
-/* mask(out, src, batch, out_stride, src_stride, width, elsize, neg_bits, floor_bits, n, rows, nodes, table, num_nodes,
- *      num_codes, child_token, num_children, blocked, vt, num_dense, child_ptr, flags, filt, num_filters)
- *      -> number of rows masked (child_ptr, flags, filt: 0 without filters; see below)
+/* mask(trie, job) -> number of rows masked; job: MASK_FIELDS (the logits, then n, rows, nodes, flags, filter,
+ * num_filters).
  *
  * For i < n: logits row rows[i] (or i when rows is 0) is masked by the state nodes[i]. src and out point at
- * (batch, width) arrays of elsize-byte floats with those row strides (they may be the same array); width columns are used; vt
- * is the trie's vocabulary and the row length of the (num_dense, vt) uint8 array blocked that holds the dense rows. Logits
- * narrower than the vocabulary (a tokenizer wider than the model's output) are masked over their own width: the
- * caller checks that every token the trie and its rules can keep lies inside it. A row whose anchor is -1
- * is unconstrained: copied when out != src, else left alone. A masked row whose kept values are all -inf gets
- * floor_bits (a finite value) in its kept columns.
+ * (batch, width) arrays of elsize-byte floats with those row strides (they may be the same array); width columns
+ * are used; the trie's vocabulary vt is the row length of the (num_dense, vt) uint8 array blocked that holds the
+ * dense rows. Logits narrower than the vocabulary (a tokenizer wider than the model's output) are masked over their
+ * own width: the caller checks that every token the trie and its rules can keep lies inside it. A row whose anchor
+ * is -1 is unconstrained: copied when out != src, else left alone. Every masked row then gets the floor rule
+ * (floor_rule: neg_bits and floor_bits are the bit patterns of -inf and of the floor in the logits' dtype).
  *
- * Filters (optional: flags 0 for none): flags is (num_filters, num_nodes) uint8, filt[i] the filter of state row i;
- * bit 0 of flags[f][m]: no usable entry below node m (a child m is dropped); bit 1: the entry ending at m is not
- * usable (the row's end token and separator are dropped, unless they are usable children). A row left with nothing
- * keeps the end token at the floor value. child_ptr (num_nodes + 1 int32) lists a dense node's children.
- * trie_decode/filters.py computes the flags from the same rule its torch pass applies. */
-static PyObject *py_mask(PyObject *self, PyObject *args) {
-    Py_ssize_t out_p, src_p, rows_p, nodes_p, table_p, child_token_p, blocked_p, child_ptr_p, flags_p, filt_p;
-    unsigned long long neg_bits, floor_bits;
+ * Filters (optional: flags 0 for none): flags is (num_filters, num_nodes) uint8, filter[i] the filter of state row
+ * i; the bits are the filter rule as data, computed in one place (trie_decode/filters.py, FilterBits): bit 0 of
+ * flags[f][m], no usable entry below node m (a child m is dropped); bit 1, the entry ending at m is not usable (the
+ * row's end token and separator are dropped, unless they are usable children). */
+static PyObject *py_mask(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int64_t tf[TF_COUNT], f[MF_COUNT];
     MaskJob j;
-    if (!PyArg_ParseTuple(args, "nnnnnniKKnnnnnnnnnnnnnnn", &out_p, &src_p, &j.batch, &j.out_stride, &j.src_stride,
-                          &j.width, &j.es, &neg_bits, &floor_bits, &j.n, &rows_p, &nodes_p, &table_p, &j.num_nodes,
-                          &j.num_codes, &child_token_p, &j.num_children, &blocked_p, &j.vt, &j.num_dense, &child_ptr_p,
-                          &flags_p, &filt_p, &j.num_filters))
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "mask(trie, job) takes 2 arguments, got %zd", nargs);
         return NULL;
-    j.out = (char *)out_p, j.src = (const char *)src_p, j.neg_bits = neg_bits, j.floor_bits = floor_bits;
-    j.rows = (const int64_t *)rows_p, j.nodes = (const int64_t *)nodes_p, j.table = (const int32_t *)table_p;
-    j.child_token = (const int32_t *)child_token_p, j.blocked = (const uint8_t *)blocked_p;
-    j.child_ptr = (const int32_t *)child_ptr_p, j.flags = (const uint8_t *)flags_p, j.filt = (const int64_t *)filt_p;
+    }
+    if (!read_fields(args[0], tf, TF_COUNT, "trie") || !read_fields(args[1], f, MF_COUNT, "job")) return NULL;
+    mask_job_init(&j, tf, f);
+    j.n = (Py_ssize_t)f[MF_N], j.rows = (const int64_t *)(intptr_t)f[MF_ROWS];
+    j.nodes = (const int64_t *)(intptr_t)f[MF_NODES], j.flags = (const uint8_t *)(intptr_t)f[MF_FLAGS];
+    j.filt = (const int64_t *)(intptr_t)f[MF_FILTER], j.num_filters = (Py_ssize_t)f[MF_NUM_FILTERS];
     if (!mask_job_check(&j)) return NULL;
     Py_ssize_t masked;
     Py_BEGIN_ALLOW_THREADS
@@ -375,6 +413,7 @@ static void child_rows(int64_t *out, const int64_t *nodes, const int64_t *tokens
                        const int32_t *child_ptr, const int32_t *child_token, Py_ssize_t num_nodes,
                        const int32_t *table, Py_ssize_t num_codes, const uint8_t *flags, const int64_t *filt,
                        int64_t *bounds) {
+
     Py_ssize_t i;
     for (i = 0; i < n; i++)
         if (nodes[i] >= 0 && nodes[i] < num_nodes) __builtin_prefetch(child_ptr + nodes[i]);
@@ -411,10 +450,10 @@ static void child_rows(int64_t *out, const int64_t *nodes, const int64_t *tokens
         int ok = m >= 0 && m < num_nodes && tokens[i * tstride] >= 0 && pos < num_nodes && pos < child_ptr[m + 1] &&
                  child_token[pos] == tokens[i * tstride];
         const uint8_t *fl = (flags && m >= 0 && m < num_nodes) ? flags + filt[i] * num_nodes : NULL;
-        if (ok && fl && (fl[pos] & 1)) ok = 0;  /* an excluded child is no child */
+        if (ok && fl && (fl[pos] & CHILD_EXCLUDED)) ok = 0;  /* an excluded child is no child */
         if (ok) out[i] = pos;
         else if (!table) out[i] = -1;
-        else if (fl && (fl[m] & 2)) out[i] = -1;  /* leaving an excluded entry's end: DONE */
+        else if (fl && (fl[m] & END_EXCLUDED)) out[i] = -1;  /* leaving an excluded entry's end: DONE */
         else {
             const int32_t *t = table_row(table, m, num_nodes, num_codes);
             out[i] = (t[T_ON_TOKEN] >= 0 && tokens[i * tstride] == t[T_ON_TOKEN]) ? t[T_ON_MATCH] : t[T_OTHERWISE];
@@ -422,88 +461,100 @@ static void child_rows(int64_t *out, const int64_t *nodes, const int64_t *tokens
     }
 }
 
-/* child(out, nodes, tokens, n, child_ptr, child_token, num_nodes, table, num_codes, flags, filt, num_filters) -> None
+/* child(trie, job) -> None; job: CHILD_FIELDS (out, nodes, tokens, n, moves, flags, filter, num_filters).
  *
  * out[i] = the child of node nodes[i] by token tokens[i]; where there is none (or nodes[i] is not a node): -1 when
- * table is 0, else the step table's move for that state (trie_decode/spans.py: ON_MATCH on the token ON_TOKEN,
+ * moves is 0, else the step table's move for that state (trie_decode/spans.py: ON_MATCH on the token ON_TOKEN,
  * OTHERWISE on any other), so that one call is the whole state update.
  * Children of node m are m's CSR range child_ptr[m]..child_ptr[m+1]-1, sorted by token. The rows' binary searches
  * run in lockstep, one level for every row per pass, with the next probe prefetched: a big trie's arrays are out of
  * cache after every logits fill, and this way the rows' cache misses overlap instead of adding up.
  *
- * Filters (optional, with a step table): the per-node flags of mask() (bit 0: no usable entry below the node,
- * bit 1: the entry ending at the node is not usable). A child with bit 0 is no child for the row: its token
- * moves as a token off the trie does; a row that leaves a node with bit 1 set (not down a usable child) ends
- * (DONE), as at a node that ends no entry. */
-static PyObject *py_child(PyObject *self, PyObject *args) {
-    Py_ssize_t out_p, nodes_p, tokens_p, n, child_ptr_p, child_token_p, num_nodes, table_p, num_codes;
-    Py_ssize_t flags_p, filt_p, num_filters;
-    if (!PyArg_ParseTuple(args, "nnnnnnnnnnnn", &out_p, &nodes_p, &tokens_p, &n, &child_ptr_p, &child_token_p, &num_nodes,
-                          &table_p, &num_codes, &flags_p, &filt_p, &num_filters))
-        return NULL;
-    if (table_p && num_codes < 1) {
-        PyErr_SetString(PyExc_ValueError, "a step table has at least one code row");
+ * Filters (optional, with moves): the filter bits of mask() (bit 0: no usable entry below the node, bit 1: the
+ * entry ending at the node is not usable). A child with bit 0 is no child for the row: its token moves as a token
+ * off the trie does; a row that leaves a node with bit 1 set (not down a usable child) ends (DONE), as at a node
+ * that ends no entry. */
+static PyObject *py_child(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int64_t tf[TF_COUNT], f[CF_COUNT];
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "child(trie, job) takes 2 arguments, got %zd", nargs);
         return NULL;
     }
-    if (flags_p && (!table_p || !filt_p || num_filters < 1)) {
-        PyErr_SetString(PyExc_ValueError, "filter flags need the step table and each row's filter");
+    if (!read_fields(args[0], tf, TF_COUNT, "trie") || !read_fields(args[1], f, CF_COUNT, "job")) return NULL;
+    const int32_t *table = f[CF_MOVES] ? (const int32_t *)(intptr_t)tf[TF_TABLE] : NULL;
+    const uint8_t *flags = (const uint8_t *)(intptr_t)f[CF_FLAGS];
+    const int64_t *filt = (const int64_t *)(intptr_t)f[CF_FILTER];
+    const Py_ssize_t n = (Py_ssize_t)f[CF_N], num_nodes = (Py_ssize_t)tf[TF_NUM_NODES];
+    const Py_ssize_t num_codes = (Py_ssize_t)tf[TF_NUM_CODES];
+    if (!tf[TF_CHILD_PTR] || !tf[TF_CHILD_TOKEN] || num_nodes < 1 || !f[CF_OUT] || !f[CF_NODES] || !f[CF_TOKENS]) {
+        PyErr_SetString(PyExc_ValueError, "child() needs the trie arrays and the out, nodes and tokens arrays");
         return NULL;
     }
-    if (flags_p && !filters_in_range((const int64_t *)filt_p, n, num_filters)) return NULL;
+    if (f[CF_MOVES] && (!table || num_codes < 1)) {
+        PyErr_SetString(PyExc_ValueError, "the span rules' moves need a step table with at least one code row");
+        return NULL;
+    }
+    if (flags && (!table || !filt || f[CF_NUM_FILTERS] < 1)) {
+        PyErr_SetString(PyExc_ValueError, "filter flags need the step table's moves and each row's filter");
+        return NULL;
+    }
+    if (flags && !filters_in_range(filt, n, (Py_ssize_t)f[CF_NUM_FILTERS])) return NULL;
     int64_t *bounds = (int64_t *)malloc((size_t)(n > 0 ? n : 1) * 2 * sizeof(int64_t));
     if (!bounds) return PyErr_NoMemory();
     Py_BEGIN_ALLOW_THREADS
-    child_rows((int64_t *)out_p, (const int64_t *)nodes_p, (const int64_t *)tokens_p, 1, n, (const int32_t *)child_ptr_p,
-               (const int32_t *)child_token_p, num_nodes, (const int32_t *)table_p, num_codes,
-               (const uint8_t *)flags_p, (const int64_t *)filt_p, bounds);
+    child_rows((int64_t *)(intptr_t)f[CF_OUT], (const int64_t *)(intptr_t)f[CF_NODES],
+               (const int64_t *)(intptr_t)f[CF_TOKENS], 1, n, (const int32_t *)(intptr_t)tf[TF_CHILD_PTR],
+               (const int32_t *)(intptr_t)tf[TF_CHILD_TOKEN], num_nodes, table, num_codes, flags, filt, bounds);
     Py_END_ALLOW_THREADS
     free(bounds);
     Py_RETURN_NONE;
 }
 
-/* step(nodes, tokens, token_stride, parents, parent_stride, parent_size, moves, out, src, batch, out_stride,
- *      src_stride, width, elsize, neg_bits, floor_bits, n, table, num_nodes, num_codes, child_token, num_children,
- *      blocked, vt, num_dense, child_ptr) -> number of rows masked
+/* step(trie, job) -> number of rows masked; job: STEP_FIELDS (the logits, then nodes, tokens, token_stride,
+ * parents, parent_stride, parent_size, moves).
  *
- * A whole decoding step of n rows that keep their places (logits row i is state row i), in one call: with tokens
- * (not 0), each row first moves from the node of its parent row (parents[i * parent_stride], parent_size-byte ints;
- * row i itself when parents is 0) by the token tokens[i * token_stride], as child() does (moves: 1 to take the span
- * rules' moves off the trie from the step table, 0 for plain rules); nodes (n int64) is updated in place. Then the rows are
- * masked as mask() does, without filters. The token and parent strides read them straight from the generation's
- * own arrays (the last column of input_ids, a column of beam search's parent indices). A parent outside [0, n)
- * raises IndexError before anything is written. */
-static PyObject *py_step(PyObject *self, PyObject *args) {
-    Py_ssize_t nodes_p, tokens_p, token_stride, parents_p, parent_stride;
-    Py_ssize_t out_p, src_p, table_p, child_token_p, blocked_p, child_ptr_p;
-    int parent_size, moves;
-    unsigned long long neg_bits, floor_bits;
+ * A whole decoding step of batch rows that keep their places (logits row i is state row i), in one call: with
+ * tokens (not 0), each row first moves from the node of its parent row (parents[i * parent_stride],
+ * parent_size-byte ints; row i itself when parents is 0) by the token tokens[i * token_stride], as child() does
+ * (moves: 1 to take the span rules' moves off the trie from the step table, 0 for plain rules); nodes (batch
+ * int64) is updated in place. Then the rows are masked as mask() does, without filters. The token and parent
+ * strides read them straight from the generation's own arrays (the last column of input_ids, a column of beam
+ * search's parent indices). A parent outside [0, batch) raises IndexError before anything is written. */
+static PyObject *py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int64_t tf[TF_COUNT], f[SF_COUNT];
     MaskJob j;
-    if (!PyArg_ParseTuple(args, "nnnnniinnnnnniKKnnnnnnnnnn", &nodes_p, &tokens_p, &token_stride, &parents_p,
-                          &parent_stride, &parent_size, &moves, &out_p, &src_p, &j.batch, &j.out_stride,
-                          &j.src_stride, &j.width, &j.es, &neg_bits, &floor_bits, &j.n, &table_p, &j.num_nodes,
-                          &j.num_codes, &child_token_p, &j.num_children, &blocked_p, &j.vt, &j.num_dense, &child_ptr_p))
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "step(trie, job) takes 2 arguments, got %zd", nargs);
         return NULL;
-    j.out = (char *)out_p, j.src = (const char *)src_p, j.neg_bits = neg_bits, j.floor_bits = floor_bits;
-    j.rows = NULL, j.nodes = (const int64_t *)nodes_p, j.table = (const int32_t *)table_p;
-    j.child_token = (const int32_t *)child_token_p, j.blocked = (const uint8_t *)blocked_p;
-    j.child_ptr = (const int32_t *)child_ptr_p, j.flags = NULL, j.filt = NULL, j.num_filters = 0;
+    }
+    if (!read_fields(args[0], tf, TF_COUNT, "trie") || !read_fields(args[1], f, SF_COUNT, "job")) return NULL;
+    mask_job_init(&j, tf, f);
+    j.n = j.batch, j.nodes = (const int64_t *)(intptr_t)f[SF_NODES];
+    if (!j.nodes) {
+        PyErr_SetString(PyExc_ValueError, "step() needs the rows' nodes");
+        return NULL;
+    }
     if (!mask_job_check(&j)) return NULL;
     const Py_ssize_t n = j.n;
-    int64_t *nodes = (int64_t *)nodes_p;
-    if (parents_p && parent_size != 4 && parent_size != 8) {
+    int64_t *nodes = (int64_t *)(intptr_t)f[SF_NODES];
+    const char *parents = (const char *)(intptr_t)f[SF_PARENTS];
+    const int64_t *tokens = (const int64_t *)(intptr_t)f[SF_TOKENS];
+    const Py_ssize_t token_stride = (Py_ssize_t)f[SF_TOKEN_STRIDE], parent_stride = (Py_ssize_t)f[SF_PARENT_STRIDE];
+    const int parent_size = (int)f[SF_PARENT_SIZE];
+    if (parents && parent_size != 4 && parent_size != 8) {
         PyErr_Format(PyExc_ValueError, "parent indices must be 4- or 8-byte integers, got %d bytes", parent_size);
         return NULL;
     }
     /* scratch: the parents' nodes (n), the new nodes (n), the searches' bounds (2n) */
     int64_t *scratch = NULL;
-    if (tokens_p && !(scratch = (int64_t *)malloc((size_t)(n > 0 ? n : 1) * 4 * sizeof(int64_t)))) return PyErr_NoMemory();
+    if (tokens && !(scratch = (int64_t *)malloc((size_t)(n > 0 ? n : 1) * 4 * sizeof(int64_t)))) return PyErr_NoMemory();
     int64_t *from = scratch;
-    if (tokens_p) {
+    if (tokens) {
         /* each row's parent node, every parent index checked before anything is written */
         for (Py_ssize_t i = 0; i < n; i++) {
             int64_t parent = i;
-            if (parents_p) {
-                const char *p = (const char *)parents_p + i * parent_stride * parent_size;
+            if (parents) {
+                const char *p = parents + i * parent_stride * parent_size;
                 parent = parent_size == 4 ? *(const int32_t *)p : *(const int64_t *)p;
                 if (parent < 0 || parent >= n) {
                     PyErr_Format(PyExc_IndexError, "row %zd names parent row %lld of %zd rows", i, (long long)parent, n);
@@ -516,10 +567,10 @@ static PyObject *py_step(PyObject *self, PyObject *args) {
     }
     Py_ssize_t masked;
     Py_BEGIN_ALLOW_THREADS
-    if (tokens_p) {
+    if (tokens) {
         int64_t *next = scratch + n;
-        child_rows(next, from, (const int64_t *)tokens_p, token_stride, n, j.child_ptr, j.child_token, j.num_nodes,
-                   moves ? j.table : NULL, j.num_codes, NULL, NULL, scratch + 2 * n);
+        child_rows(next, from, tokens, token_stride, n, j.child_ptr, j.child_token, j.num_nodes,
+                   f[SF_MOVES] ? j.table : NULL, j.num_codes, NULL, NULL, scratch + 2 * n);
         memcpy(nodes, next, (size_t)n * sizeof(int64_t));
     }
     masked = mask_job_run(&j);
@@ -530,9 +581,12 @@ static PyObject *py_step(PyObject *self, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
-    {"mask", py_mask, METH_VARARGS, "Mask logits rows by their trie states (see _kernel.c)."},
-    {"child", py_child, METH_VARARGS, "The child of each node by each token, or -1 (see _kernel.c)."},
-    {"step", py_step, METH_VARARGS, "Advance rows that keep their places and mask their logits (see _kernel.c)."},
+    {"mask", (PyCFunction)(void (*)(void))py_mask, METH_FASTCALL,
+     "mask(trie, job): mask logits rows by their trie states (see _kernel.c)."},
+    {"child", (PyCFunction)(void (*)(void))py_child, METH_FASTCALL,
+     "child(trie, job): the child of each node by each token, or the rules' move (see _kernel.c)."},
+    {"step", (PyCFunction)(void (*)(void))py_step, METH_FASTCALL,
+     "step(trie, job): advance rows that keep their places and mask their logits (see _kernel.c)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -540,4 +594,19 @@ static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, .m_name = "_kernel", .m_doc = "trie_decode's fused CPU step.", .m_size = -1, .m_methods = methods,
 };
 
-PyMODINIT_FUNC PyInit__kernel(void) { return PyModule_Create(&module); }
+/* The module exports the number of packed fields of each kind, checked against the field names on the Python side. */
+PyMODINIT_FUNC PyInit__kernel(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    if (PyModule_AddIntConstant(m, "TRIE_FIELDS", TF_COUNT) < 0
+        || PyModule_AddIntConstant(m, "LOGITS_FIELDS", LF_COUNT) < 0
+        || PyModule_AddIntConstant(m, "MASK_FIELDS", MF_COUNT) < 0
+        || PyModule_AddIntConstant(m, "STEP_FIELDS", SF_COUNT) < 0
+        || PyModule_AddIntConstant(m, "CHILD_FIELDS", CF_COUNT) < 0
+        || PyModule_AddIntConstant(m, "CHILD_EXCLUDED", CHILD_EXCLUDED) < 0
+        || PyModule_AddIntConstant(m, "END_EXCLUDED", END_EXCLUDED) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -27,10 +27,11 @@ from . import kernels
 from .device import DeviceTrie
 from .entries import Entry
 from .errors import ConstraintConfigError, InvalidTokenError
-from .filters import EntryOrder, RowFilters, apply_filters_, completed_ranks, entry_indices, is_per_row
+from .filters import (CHILD_EXCLUDED, END_EXCLUDED, EntryOrder, RowFilters, apply_filters_, completed_ranks,
+                      entry_indices, is_per_row)
 from .kernels.grouped import row_groups
 from .kernels.vectorized import plans_to_bool, plans_to_lists
-from .masking import pack_bitmask
+from .bitmask import pack_bitmask
 from .spans import DONE, FREE, ON_COMPLETE_MODES, SpanRules, completes_entry, forced_tokens, span_moves
 from .trie import TokenTrie
 
@@ -187,14 +188,12 @@ class TrieConstraint:
         if tokens.dtype is not torch.long or tokens.device != self.device:
             tokens = tokens.to(self.device, torch.long)
         flags = None
-        if filters is not None and not filters.distinct and getattr(self.kernel, "masks_filters", False):
+        if filters is not None and not filters.distinct and self.kernel.supports_filters:
             flags = filters.built_node_flags(len(tokens))
-        if flags is not None:  # the C kernel moves over the trie each row's filter leaves it, in the same call
-            new = self.kernel.advance(self.tables[0], state.node, tokens, flags)
-        else:
-            new = self.kernel.advance_rows(self._prepared, state.node, state.tree, tokens)
-            if filters is not None:
-                new = self._off_excluded_children(state.node, tokens, new, filters)
+        # A kernel that supports filters moves over the trie each row's filter leaves it, in the same call.
+        new = self.kernel.advance_rows(self._prepared, state.node, state.tree, tokens, flags)
+        if filters is not None and flags is None:
+            new = self._off_excluded_children(state.node, tokens, new, filters)
         if filters is not None and filters.distinct:
             done, rank = completed_ranks(state.node, new, self.dtries[0], filters.order)
             filters.add_denied(rank, done)
@@ -203,12 +202,14 @@ class TrieConstraint:
             new = torch.where(fires, torch.zeros_like(new), new)
         return RowState(new, state.tree)
 
-    def fused_step(self, state: RowState) -> Optional["kernels.native.FusedStep"]:
+    def fused_step(self, state: RowState) -> Optional[Any]:
         """A one-call step (advance by each row's last token, then mask) for ``state``'s rows, or None where it does
-        not apply: it needs the C kernel (a CPU constraint), one trie and no trigger, and it takes no filters.
+        not apply: it needs a kernel that ``supports_fused_step`` (the C kernel, on a CPU), one trie and no trigger,
+        and it takes no filters.
 
-        The returned :class:`~trie_decode.kernels.native.FusedStep` keeps ``state.node`` and updates it in place:
-        it is for a caller that owns the state, such as the transformers processor inside ``generate``.
+        The returned step (the kernel's, e.g. :class:`~trie_decode.kernels.native.FusedStep`) keeps ``state.node``
+        and updates it in place: it is for a caller that owns the state, such as the transformers processor inside
+        ``generate``.
 
         >>> import torch
         >>> from trie_decode import TokenTrie
@@ -221,11 +222,11 @@ class TrieConstraint:
         >>> step(torch.tensor([[9, 5]]), torch.zeros(1, 10))[0].isfinite().nonzero().flatten().tolist()
         [6, 7]
         """
-        if self.kernel.name != "native" or len(self.tries) != 1 or self.rules.trigger:
+        if not self.kernel.supports_fused_step or len(self.tries) != 1 or self.rules.trigger:
             return None
         if state.node.dtype is not torch.long or not state.node.is_contiguous():
             return None
-        return kernels.native.FusedStep(self.tables[0], state.node, self.needed_width)
+        return self.kernel.fused_step(self.tables[0], state.node, self.needed_width)
 
     def _off_excluded_children(self, node: torch.Tensor, tokens: torch.Tensor, new: torch.Tensor,
                                filters: RowFilters) -> torch.Tensor:
@@ -235,29 +236,27 @@ class TrieConstraint:
         (DONE). Fixed shapes, no host read."""
         d = self.dtries[0]
         flags = filters.built_node_flags(len(node))
-        if flags is not None and self.kernel.name != "torch":
-            # CPU kernels, with the kernel's per-node flags: a few numpy gathers, and nothing more when every row
+        if flags is not None and node.is_cpu:
+            # CPU state, with the filters' per-node bits: a few numpy gathers, and nothing more when every row
             # followed its mask (the usual case).
             bits, filt = flags[0].numpy(), flags[1].numpy()
             n_np, new_np = node.numpy(), new.numpy()
             up = np.maximum(new_np, 0)
             down = (new_np >= 1) & (n_np >= 0) & (d.trie.parent[up] == n_np)
-            off = down & ((bits[filt, up] & 1) != 0)
-            excluded = (n_np >= 0) & ((bits[filt, np.maximum(n_np, 0)] & 2) != 0) & ~(down & ~off)
+            off = down & ((bits[filt, up] & CHILD_EXCLUDED) != 0)
+            excluded = (n_np >= 0) & ((bits[filt, np.maximum(n_np, 0)] & END_EXCLUDED) != 0) & ~(down & ~off)
             if not (off | excluded).any():
                 return new
-        lo, hi, node_rank = filters.order.on(node.device)
         n, child = node.clamp(min=0), new.clamp(min=0)
         went_down = (new >= 1) & (node >= 0) & (d.parent_tensor[child] == node)
-        if flags is not None and flags[0].device == node.device:  # the kernel's per-node flags: two gathers
+        if flags is not None and flags[0].device == node.device:  # the built per-node bits: two gathers
             bits, filt = flags
-            child_ok = (bits[filt, child] & 1) == 0
-            own_ok = (bits[filt, n] & 2) == 0
-        else:
-            child_ok = filters.usable(torch.stack([lo[child], hi[child]], 1))[:, 0]
-            own_ok = filters.usable(torch.stack([lo[n], lo[n] + 1], 1))[:, 0]  # depth-first: a node's own entry first
-        off_child = went_down & ~child_ok
-        excluded_end = (node >= 0) & (node_rank[n] >= 0) & ~own_ok & ~(went_down & child_ok)
+            own_bits, child_bits = bits[filt, n].long(), bits[filt, child].long()
+        else:  # the same bits, counted for these nodes only
+            both = filters.bits(torch.stack([n, child], 1))
+            own_bits, child_bits = both[:, 0], both[:, 1]
+        off_child = went_down & ((child_bits & CHILD_EXCLUDED) != 0)
+        excluded_end = (node >= 0) & ((own_bits & END_EXCLUDED) != 0) & ~(went_down & ~off_child)
         moved = span_moves(self.tables[0].tensor, self.rules, node, tokens, torch.full_like(new, -1))
         new = torch.where(off_child, moved, new)
         return torch.where(excluded_end, torch.full_like(new, DONE), new)
@@ -303,11 +302,12 @@ class TrieConstraint:
             out = src = logits.clone()  # rows no state covers must be copied: clone, then mask in place
         if rows is not None and rows.device != logits.device:
             rows = rows.to(logits.device)
-        if (filters is not None and not filters.distinct and getattr(self.kernel, "masks_filters", False)
-                and kernels.native.usable_logits(src) and (out is src or kernels.native.usable_logits(out))):
-            # Static filters in the C kernel's own pass (per-node flags of the same rule, built once per filter).
+        if (filters is not None and not filters.distinct and self.kernel.supports_filters
+                and self.kernel.takes_filters(out, src)):
+            # Static filters in the kernel's own pass (their per-node bits, built once per filter).
             filters.node_flags(self.tries[0])
-            self.kernel.mask(out, src, state.node, rows, self.tables[0], filters.built_node_flags(len(state)))
+            self.kernel.mask_rows(self._prepared, out, src, state.node, state.tree, rows,
+                                  filters.built_node_flags(len(state)))
             return out
         self.kernel.mask_rows(self._prepared, out, src, state.node, state.tree, rows)
         if filters is not None:
@@ -409,8 +409,8 @@ class TrieConstraint:
         out = RowFilters(EntryOrder.of(trie), per_row(allow, "allow"), per_row(deny, "deny"), self.device,
                          distinct_capacity=max_entries if distinct else 0)
         out.distinct = distinct
-        if not distinct and getattr(self.kernel, "masks_filters", False):
-            out.node_flags(trie)  # the C kernel masks with them: built now, as part of the filters' setup
+        if not distinct and self.kernel.supports_filters:
+            out.node_flags(trie)  # the kernel masks with them: built now, as part of the filters' setup
         return out
 
     def stop_at_forced(self, state: RowState, min_run: torch.Tensor, tail_only: torch.Tensor) -> RowState:

@@ -219,7 +219,7 @@ class StepTable:
         array: a zero-copy numpy view of it on CPU, else None.
         dtrie, rules: what it was built from.
         num_codes: K.
-        kernel_cache: per-kernel data derived from the table (e.g. the C kernel's static arguments).
+        kernel_cache: per-kernel data derived from the table (e.g. the C kernel's packed trie fields).
     """
 
     def __init__(self, dtrie: DeviceTrie, rules: SpanRules) -> None:

@@ -10,6 +10,10 @@ request. The mechanism, written once for every integration:
   it may not (deny; in ``distinct`` lists, the entries it has already emitted are added to it);
 - a child is allowed when its interval still holds a usable entry: a count over the sorted arrays, one batched
   ``searchsorted`` per step, fixed shapes and no host read. A subtree whose entries are all denied is pruned.
+- the rule is stated once, here, as two bits per node (:data:`CHILD_EXCLUDED`, :data:`END_EXCLUDED`, by
+  :func:`filter_bits` from :func:`usable_count`); the kernels only apply the bits: counted per row on any device
+  (:meth:`RowFilters.bits`), or for a static filter once per node (:meth:`RowFilters.node_flags`, what the C kernel
+  reads).
 
 A distinct list has a capacity chosen at setup (``max_entries``; :func:`distinct_capacity` gives the most entries
 a row can complete in a token budget): the deny array has that much room per row, so the step keeps fixed shapes.
@@ -31,12 +35,70 @@ import torch
 
 from .catalogs import item_entries, item_key_table
 from .errors import ConstraintConfigError
-from .kernels.vectorized import ALL_MASKED_FLOOR, NEG_INF
+from .kernels.rules import NEG_INF, floor_rule, kept_alive
 from .spans import completes_entry
 from .trie import TokenTrie
 
-__all__ = ["EntryOrder", "KeyIndex", "RowFilters", "entry_indices", "is_per_row", "apply_filters_", "distinct_capacity"]
+__all__ = ["EntryOrder", "KeyIndex", "RowFilters", "entry_indices", "is_per_row", "apply_filters_", "distinct_capacity",
+           "CHILD_EXCLUDED", "END_EXCLUDED", "usable_count", "filter_bits"]
 
+
+#: The filter rule as data: two bits per (filter, node), computed in one place (:func:`filter_bits`, from the one count
+#: of usable entries, :func:`usable_count`) and read by every kernel: the C kernel's mask and moves
+#: (``trie_decode/_kernel.c``), the torch pass (:func:`apply_filters_`) and ``TrieConstraint.advance``.
+#: CHILD_EXCLUDED: no entry below the node is usable; as a child the node is blocked, and its token moves as a
+#: token off the trie does.
+CHILD_EXCLUDED = 1
+#: END_EXCLUDED: an entry ends at the node and is not usable; the end token and the separator are blocked there
+#: (unless they are usable children), and a row that leaves the node other than down a usable child ends (DONE).
+END_EXCLUDED = 2
+
+
+def usable_count(bounds: Any, allow: Optional[Any], deny: Any, has_allow: Optional[Any] = None) -> Any:
+    """The filter rule's count: how many entries of each rank interval ``[bounds[..., j], bounds[..., j + 1])`` a
+    filter leaves usable. With an allow set (the denied ranks already taken out of it), its ranks in the interval;
+    without, every rank in the interval that is not denied. numpy arrays or torch tensors alike.
+
+    Args:
+        bounds: non-decreasing along the last axis (a decreasing pair gives a meaningless count). Shape: (M,) or
+            (R, M), int64.
+        allow, deny: sorted rank sets, padded with a rank above every entry. Shape: (K,) (one set for every row)
+            or (R, K) (torch only). allow None: no row has an allow set.
+        has_allow: with (R, M) bounds and an allow set, which rows have one (None: every row). Shape: (R,), bool.
+    Returns:
+        Shape: bounds' shape with one less on the last axis, int64.
+    """
+    torch_ = isinstance(bounds, torch.Tensor)
+
+    def count(sets: Any) -> Any:
+        if torch_:
+            pos = torch.searchsorted(sets, bounds)
+        else:  # numpy searches a flat array of queries faster than a 2-D one
+            pos = np.searchsorted(sets, bounds.ravel()).reshape(bounds.shape)
+        return pos[..., 1:] - pos[..., :-1]
+
+    if allow is not None and has_allow is None:
+        return count(allow)
+    size = bounds[..., 1:] - bounds[..., :-1]
+    if allow is None:
+        return size - count(deny)
+    return (torch.where if torch_ else np.where)(has_allow[:, None], count(allow), size - count(deny))
+
+
+def filter_bits(usable_below: Any, usable_own: Any, terminal: Any) -> Any:
+    """The filter rule: each node's bits (:data:`CHILD_EXCLUDED`, :data:`END_EXCLUDED`) from whether an entry below
+    it is usable (its own entry included), whether its own entry is usable, and whether an entry ends there.
+
+    Args:
+        usable_below, usable_own, terminal: bool numpy arrays or torch tensors, of one shape (or broadcastable).
+    Returns:
+        uint8, same backend.
+    """
+    excluded_child, excluded_end = ~usable_below, terminal & ~usable_own
+    if isinstance(excluded_child, torch.Tensor):
+        return excluded_child.to(torch.uint8) * CHILD_EXCLUDED + excluded_end.to(torch.uint8) * END_EXCLUDED
+    return (excluded_child.view(np.uint8) * np.uint8(CHILD_EXCLUDED)
+            + excluded_end.view(np.uint8) * np.uint8(END_EXCLUDED))
 
 
 class EntryOrder:
@@ -283,10 +345,9 @@ class RowFilters:
         return flags, filt
 
     def node_flags(self, trie: TokenTrie) -> tuple[torch.Tensor, torch.Tensor]:
-        """The same rule as :meth:`usable_count`, evaluated once per node for every distinct filter of the rows:
-        ``flags[f, n]`` has bit 0 set when no entry below node n is usable by filter f (the child n is blocked) and
-        bit 1 when an entry ends at n and is not usable (its end token and separator are blocked). For the C
-        kernel, which masks static (not ``distinct``) filters in its single pass over each row.
+        """The filter rule (:func:`filter_bits`) evaluated once per node for every distinct filter of the rows:
+        ``flags[f, n]`` holds the bits of filter f at node n (:data:`CHILD_EXCLUDED`, :data:`END_EXCLUDED`). For a
+        kernel that applies static (not ``distinct``) filters in its own pass (``supports_filters``).
 
         Returns:
             flags: Shape: (F, N), uint8, CPU. filter_of_row: each row's filter. Shape: (R,), int64, CPU.
@@ -328,24 +389,54 @@ class RowFilters:
 
     def usable_count(self, bounds: torch.Tensor) -> torch.Tensor:
         """How many entries each rank interval ``[bounds[:, j], bounds[:, j + 1])`` of each row holds that the row
-        may use: with an allow set, its allowed entries (denied ones were removed from it); without, the entries
-        that are not denied. One batched ``searchsorted`` for all intervals.
+        may use (:func:`usable_count` over the rows' sets). One batched ``searchsorted`` for all intervals.
 
         Args:
             bounds: non-decreasing along each row. Shape: (R, M), int64.
         Returns:
             Shape: (R, M - 1), int64.
         """
-        def count(sets: torch.Tensor) -> torch.Tensor:
-            pos = torch.searchsorted(sets[0] if sets.shape[0] == 1 else sets, bounds)  # shared: one 1-D set
-            return pos[:, 1:] - pos[:, :-1]
-
-        size = bounds[:, 1:] - bounds[:, :-1]
+        one = lambda sets: sets[0] if sets.shape[0] == 1 else sets  # noqa: E731  (shared: one 1-D set)
         if not self.any_allow:
-            return size - count(self.deny)
-        if self.all_allow:
-            return count(self.allow)
-        return torch.where(self.has_allow.unsqueeze(1), count(self.allow), size - count(self.deny))
+            return usable_count(bounds, None, one(self.deny))
+        return usable_count(bounds, one(self.allow), one(self.deny), None if self.all_allow else self.has_allow)
+
+    def bits(self, nodes: torch.Tensor) -> torch.Tensor:
+        """The filter bits (:func:`filter_bits`) of each row's filter at any nodes, from one batched count of the
+        intervals ``[lo, lo + 1)`` (the node's own entry, when one ends there: depth-first, it ranks first) and
+        ``[lo + 1, hi)`` (the rest of its subtree).
+
+        Args:
+            nodes: node ids (>= 0) per row. Shape: (R, M), int64.
+        Returns:
+            Shape: (R, M), int64.
+        """
+        lo, hi, node_rank = self.order.on(nodes.device)
+        r, m = nodes.shape
+        first = lo[nodes]
+        ok = self.usable(torch.stack([first, first + 1, hi[nodes]], 2).reshape(r, 3 * m))  # (R, 3M - 1)
+        own, rest = ok[:, 0::3], ok[:, 1::3]
+        return filter_bits(own | rest, own, node_rank[nodes] >= 0)
+
+    def children_bits(self, node: torch.Tensor, child: torch.Tensor,
+                      valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`bits` of each row's node and of all its children, with fewer intervals: in depth-first rank order a
+        node's own entry comes first, then its children's subtrees one after another, so F + 2 bounds give the
+        F + 1 intervals.
+
+        Args:
+            node: each row's node (>= 0). Shape: (R,), int64.
+            child: the node's children in order, then padding. Shape: (R, F), int64, F >= every row's fanout.
+            valid: which of them are children. Shape: (R, F), bool.
+        Returns:
+            The node's :data:`END_EXCLUDED` bit, Shape: (R,), and the children's bits (0 for padding), Shape: (R, F).
+        """
+        lo, hi, node_rank = self.order.on(node.device)
+        kids_lo = torch.where(valid, lo[child], hi[node].unsqueeze(1))  # padding repeats the last bound: empty
+        ok = self.usable(torch.cat([lo[node].unsqueeze(1), kids_lo, hi[node].unsqueeze(1)], 1))
+        own = filter_bits(torch.ones_like(ok[:, 0]), ok[:, 0], node_rank[node] >= 0)
+        kids = filter_bits(ok[:, 1:] | ~valid, torch.ones_like(valid), torch.zeros_like(valid))
+        return own, kids
 
     def usable(self, bounds: torch.Tensor) -> torch.Tensor:
         """Whether each rank interval holds an entry the row may use (see :meth:`usable_count`). Shape: (R, M - 1),
@@ -374,38 +465,30 @@ class RowFilters:
 
 
 def _node_flags(order: EntryOrder, trie: TokenTrie, allow: Optional[np.ndarray], deny: np.ndarray) -> np.ndarray:
-    """Per node of ``trie``, for one filter (``allow``: the usable ranks, denied ones taken out; else every rank but
-    ``deny``): bit 0, no usable entry below the node; bit 1, an entry ends at the node and is not usable. Only the
-    nodes on the filter's paths are examined (an allow filter's ancestors, a deny filter's). Shape: (N,), uint8."""
+    """The filter rule (:func:`filter_bits`) at every node of ``trie``, for one filter (``allow``: the usable ranks,
+    denied ones taken out; else every rank but ``deny``). Only the nodes on the filter's paths (its entries' nodes
+    and their ancestors) are counted; every other node has nothing usable below it (an allow filter) or everything
+    (a deny filter). Shape: (N,), uint8."""
     parent = trie.parent
-    rank_node = order.rank_node
-
-    def ancestors(nodes: np.ndarray) -> np.ndarray:  # the nodes and every node above them, once each
-        seen = [nodes]
-        cur = nodes
-        for _ in range(trie.max_depth):  # one gather per level (repeats are dropped once, at the end)
-            cur = parent[cur]
-            cur = cur[cur >= 0]
-            seen.append(cur)
-        return np.concatenate(seen)  # repeats are harmless: every write below is idempotent
-
-    if allow is not None:
-        terminal = order.node_rank >= 0
-        own = rank_node[allow]
-        flags = np.ones(trie.num_nodes, dtype=np.uint8)  # dead everywhere but on the allowed entries' paths
-        flags[ancestors(own)] = 0
-        excluded_end = terminal.copy()
-        excluded_end[own] = False
-        flags |= excluded_end.astype(np.uint8) << 1
+    ranks = deny if allow is None else allow
+    if allow is None:  # the bits of a node whose entries are all usable, at every node (no per-node array needed)
+        usable = np.ones(1, dtype=np.bool_)
+        flags = np.full(trie.num_nodes, filter_bits(usable, usable, usable)[0])
+    else:  # the bits of a node with no usable entry (same-shape arrays: numpy's broadcast of bools is slow)
+        nothing = np.zeros(trie.num_nodes, dtype=np.bool_)
+        flags = filter_bits(nothing, nothing, order.node_rank >= 0)
+    if not len(ranks):
         return flags
-    flags = np.zeros(trie.num_nodes, dtype=np.uint8)
-    if not len(deny):
-        return flags
-    own = rank_node[deny]
-    flags[own] |= 2
-    cand = ancestors(own)
-    denied_below = np.searchsorted(deny, order.hi[cand]) - np.searchsorted(deny, order.lo[cand])
-    flags[cand[denied_below == order.hi[cand] - order.lo[cand]]] |= 1
+    # The nodes on the filter's paths, one gather per level (repeats are harmless: every write is idempotent).
+    cand = [order.rank_node[ranks]]
+    for _ in range(trie.max_depth):
+        up = parent[cand[-1]]
+        cand.append(up[up >= 0])
+    cand = np.concatenate(cand)
+    first = order.lo[cand]
+    counts = usable_count(np.stack([first, first + 1, order.hi[cand]], 1), allow, deny)  # (C, 2): own, rest
+    own, rest = counts[:, 0] > 0, counts[:, 1] > 0
+    flags[cand] = filter_bits(own | rest, own, order.node_rank[cand] >= 0)
     return flags
 
 
@@ -424,7 +507,7 @@ def apply_filters_(
         node: the state rows' codes. Shape: (R,), int64.
         rows: logits row of each state row (default: row i).
     """
-    lo, hi, node_rank = filters.order.on(node.device)
+    _, _, node_rank = filters.order.on(node.device)
     t = dtrie.tensors
     fanout_max = int(dtrie.max_fanout)
     inside = node >= 0
@@ -436,13 +519,9 @@ def apply_filters_(
     child = (start.unsqueeze(1) + j).clamp(max=dtrie.num_nodes - 1)
     r = node_rank[n]
     terminal = inside & (r >= 0)
-    # In depth-first rank order a node's own entry comes first, then its children's subtrees one after another:
-    # the intervals are consecutive, so F + 2 bounds give all F + 1 (padding repeats the last bound: empty).
-    kids_lo = torch.where(valid, lo[child], hi[n].unsqueeze(1))
-    bounds = torch.cat([lo[n].unsqueeze(1), kids_lo, hi[n].unsqueeze(1)], 1)
-    ok = filters.usable(bounds)
-    own_ok = ok[:, 0] & terminal
-    blocked = valid & ~ok[:, 1:]
+    own_bits, kid_bits = filters.children_bits(n, child, valid)  # the filter rule, as bits (see filter_bits)
+    own_ok = terminal & ((own_bits & END_EXCLUDED) == 0)
+    blocked = valid & ((kid_bits & CHILD_EXCLUDED) != 0)
     if filters.distinct:
         free = filters.deny_limit - filters.deny_count  # room left in each row's list
         full = free <= 0
@@ -469,17 +548,18 @@ def apply_filters_(
     x = logits if rows is None else logits.index_select(0, rows)
     # amin with +inf keeps a value, with -inf blocks it: duplicate columns resolve the same way in any order.
     x.scatter_reduce_(1, cols, torch.where(kill, NEG_INF, float("inf")).to(x.dtype), reduce="amin")
-    # The floor rule over what the row keeps now: if another processor set all of it to -inf (while a column the
-    # filter took away was finite), the kept columns get the floor, as the trie mask does for an unfiltered row.
+    # The floor rule (trie_decode.kernels.rules) over what the row keeps now: if another processor set all of it to
+    # -inf (while a column the filter took away was finite), the kept columns get the floor; a row the filter left
+    # with nothing keeps the end token, at the floor.
     keep = torch.cat([open_child | (valid & kept_end), (terminal & own_ok).unsqueeze(1) & ~block_end], dim=1)
     vals = x.gather(1, cols)
-    dead = inside & ~((vals != NEG_INF) & keep).any(1)
-    # amax with -inf leaves a value, with the floor raises a -inf one: duplicate columns resolve the same way.
-    x.scatter_reduce_(1, cols, torch.where(dead.unsqueeze(1) & keep, ALL_MASKED_FLOOR, NEG_INF).to(x.dtype), reduce="amax")
+    alive = ~inside | (kept_alive(vals) & keep).any(1)
+    # amax of a value with itself leaves it, with the floor raises a -inf one: duplicate columns resolve the same way.
+    x.scatter_reduce_(1, cols, floor_rule(vals, alive.unsqueeze(1) | ~keep), reduce="amax")
     left = open_child.any(1) | (terminal & own_ok)
     stuck = inside & ~left
     end = ends[:, :1]
-    x.scatter_(1, end, torch.where(stuck.unsqueeze(1), ALL_MASKED_FLOOR, x.gather(1, end)))
+    x.scatter_(1, end, floor_rule(x.gather(1, end), ~stuck.unsqueeze(1)))
     if rows is not None:
         logits.index_copy_(0, rows, x)
     return logits

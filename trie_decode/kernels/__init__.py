@@ -9,6 +9,18 @@ interface:
     kernel.advance_rows(prepared, node, tree, tokens) -> next codes     (before the trigger check)
     kernel.mask_rows(prepared, out, src, node, tree, rows)              (writes masked rows of src into out)
 
+Each kernel declares what it can do, and the constraint asks these, never a kernel's name:
+
+    name                 "native", "numpy" or "torch" (what ``TrieConstraint(kernel=...)`` names)
+    device_kinds         the device types it runs on (None: any); runs_on(device), available() (built),
+                         default_on(device) (chosen by default there)
+    writes_every_row     out of place, it writes every row itself (no copy of the logits first)
+    supports_filters     it applies static filters in its own pass, from their per-node bits
+                         (``advance_rows``/``mask_rows`` take ``filter_bits``; ``takes_filters(out, src)`` says
+                         whether it can for these logits); otherwise trie_decode.filters' pass applies them
+    supports_fused_step  ``fused_step(table, nodes, needed_width)`` gives a one-call step (advance, then mask) for
+                         a caller that owns its rows' state
+
 The mask contract, as a reference loop (``table`` holds a trie and its span rules, see :mod:`trie_decode.spans`)::
 
     for each state row i, logits row r = rows[i] (or i):
@@ -21,17 +33,18 @@ Columns past the trie's vocabulary (padded embeddings) are never allowed. Each k
 others (tests/test_native.py) and against the brute-force reference (tests/reference.py).
 
 A row whose kept values are all -inf already (another processor banned every token the trie allows) gets the
-finite floor ``ALL_MASKED_FLOOR`` in its kept columns instead, in every kernel, so it still emits a token of the
-trie.
+finite floor in its kept columns instead, in every kernel, so it still emits a token of the trie: the floor rule,
+stated once in :mod:`.rules` and applied by every kernel.
 
 Kernels:
-    :mod:`.native`      CPU, fused C (``trie_decode/_kernel.c``); turned off by ``TRIE_DECODE_NATIVE=0``. Its
-                        ``FusedStep`` runs advance and mask in one call for a caller that owns the rows' state
-                        (``TrieConstraint.fused_step``: the transformers processor inside ``generate``)
+    :mod:`.native`      CPU, fused C (``trie_decode/_kernel.c``); turned off by ``TRIE_DECODE_NATIVE=0``; supports
+                        filters and the fused step (``TrieConstraint.fused_step``: the transformers processor
+                        inside ``generate``)
     :mod:`.vectorized`  numpy index arithmetic on CPU without the C kernel (``NUMPY_KERNEL``); also the planner of
                         allowed sets and bitmasks on every device
     :mod:`.fixed`       fixed-shape torch ops, no host synchronization: CUDA, MPS (``FIXED_KERNEL``)
     :mod:`.grouped`     how the per-trie kernels (native, numpy) run a batch that mixes tries
+    :mod:`.rules`       the rules every kernel applies (the floor rule)
 """
 
 from __future__ import annotations
@@ -42,48 +55,49 @@ import torch
 
 from . import native
 from .fixed import FIXED_KERNEL
-from .vectorized import ALL_MASKED_FLOOR, NUMPY_KERNEL, TORCH_KERNEL
+from .rules import ALL_MASKED_FLOOR, floor_rule, kept_alive
+from .vectorized import NUMPY_KERNEL, TORCH_KERNEL
 
-__all__ = ["select", "planner", "mask_end_only_", "KERNELS"]
+__all__ = ["select", "planner", "mask_end_only_", "KERNELS", "ALL_MASKED_FLOOR", "floor_rule"]
 
 KERNELS = ("native", "numpy", "torch")
 _NATIVE = native.NativeKernel()
+#: Every per-step kernel, in order of preference: the default for a device is the first whose ``default_on`` holds.
+_REGISTRY = (_NATIVE, NUMPY_KERNEL, FIXED_KERNEL)
 
 
 def planner(device: torch.device | str) -> Any:
     """The kernel that plans allowed sets and bitmasks (``TrieConstraint.allowed``/``bitmask``/``allowed_tokens``)
     for logits on ``device``: the vectorized kernel over numpy on CPU, over torch elsewhere."""
-    return NUMPY_KERNEL if torch.device(device).type == "cpu" else TORCH_KERNEL
+    return NUMPY_KERNEL if NUMPY_KERNEL.runs_on(torch.device(device)) else TORCH_KERNEL
 
 
 def select(device: torch.device | str, name: Optional[str] = None) -> Any:
-    """The kernel for logits on ``device``: native C on CPU when built and enabled, else numpy on CPU, torch
-    elsewhere. ``name`` ("native", "numpy" or "torch") forces one (numpy and native need a CPU device)."""
+    """The kernel for logits on ``device``, from the kernels' declared capabilities: by default the first kernel
+    that is chosen there (native C on CPU when built and enabled, else numpy on CPU, torch elsewhere). ``name``
+    ("native", "numpy" or "torch") forces one; it must run on ``device`` and be built."""
     device = torch.device(device)
     if name is None:
-        if device.type != "cpu":
-            return FIXED_KERNEL
-        return _NATIVE if native.enabled() else NUMPY_KERNEL
+        return next(k for k in _REGISTRY if k.default_on(device))
     if name not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS}, got {name!r}")
-    if name == "torch":
-        return FIXED_KERNEL
-    if device.type != "cpu":
+    kernel = next(k for k in _REGISTRY if k.name == name)
+    if not kernel.runs_on(device):
         raise ValueError(f"the {name} kernel runs on CPU logits only, not on {device}")
-    if name == "native" and not native.AVAILABLE:
-        raise ValueError("the native kernel (trie_decode._kernel) is not built in this install")
-    return _NATIVE if name == "native" else NUMPY_KERNEL
+    if not kernel.available():
+        raise ValueError(f"the {name} kernel (trie_decode._kernel) is not built in this install")
+    return kernel
 
 
 def mask_end_only_(logits: torch.Tensor, rows: torch.Tensor, end_token_id: int) -> torch.Tensor:
     """The DONE state's mask for rows that have no trie (e.g. a vLLM request refused in the engine, which must end):
     every logit of logits rows ``rows`` but the end token's becomes -inf; an end token another processor banned
-    gets the floor (``ALL_MASKED_FLOOR``), as in every kernel. Any device, no host read.
+    gets the floor (the floor rule, :mod:`.rules`), as in every kernel. Any device, no host read.
 
     Args:
         logits: Shape: (B, V), modified in place. rows: Shape: (R,), int64, on the logits' device.
     """
     keep = logits[rows, end_token_id]
     logits.index_fill_(0, rows, float("-inf"))
-    logits[rows, end_token_id] = torch.where(keep == float("-inf"), torch.full_like(keep, ALL_MASKED_FLOOR), keep)
+    logits[rows, end_token_id] = floor_rule(keep, kept_alive(keep))
     return logits

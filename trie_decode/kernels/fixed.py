@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from ..spans import ANCHOR, COUNT, EXTRA0, EXTRA1, SLOT, START, TABLE_COLUMNS, span_moves
-from .vectorized import ALL_MASKED_FLOOR, NEG_INF
+from .rules import NEG_INF, floor_rule, kept_alive
 
 __all__ = ["FixedShapeKernel", "MergedTables", "FIXED_KERNEL"]
 
@@ -102,13 +102,34 @@ class FixedShapeKernel:
     CUDA and MPS)."""
 
     name = "torch"
+    device_kinds = None  # any device
     writes_every_row = False
+    supports_filters = False  # filters are applied after the mask, by trie_decode.filters' pass
+    supports_fused_step = False
+
+    def runs_on(self, device: torch.device) -> bool:
+        return True
+
+    def available(self) -> bool:
+        return True
+
+    def default_on(self, device: torch.device) -> bool:
+        return True
+
+    def takes_filters(self, out: torch.Tensor, src: torch.Tensor) -> bool:
+        return False
+
+    def fused_step(self, table: Any, nodes: torch.Tensor, needed_width: int) -> Any:
+        raise NotImplementedError("the torch kernel has no fused step")
 
     def prepare(self, tables: Sequence[Any]) -> MergedTables:
         return MergedTables(tables)
 
-    def advance_rows(self, m: MergedTables, node: torch.Tensor, tree: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    def advance_rows(self, m: MergedTables, node: torch.Tensor, tree: torch.Tensor, tokens: torch.Tensor,
+                     filter_bits: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
         """Each row's next state code (before the trigger check). Shape: (R,), int64."""
+        if filter_bits is not None:
+            raise ValueError("the torch kernel does not apply filter bits")
         offset = m.node_offset[tree]
         g = torch.where(node >= 0, node + offset, -1)
         key = g * m.vocab_size + tokens
@@ -122,16 +143,18 @@ class FixedShapeKernel:
 
     def mask_rows(
         self, m: MergedTables, out: torch.Tensor, src: torch.Tensor, node: torch.Tensor, tree: torch.Tensor,
-        rows: Optional[torch.Tensor],
+        rows: Optional[torch.Tensor], filter_bits: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
     ) -> None:
         """Mask logits rows ``rows`` (default: row i for state row i) of ``src`` into ``out`` (in place: out is src).
 
         Steps (no host read, static shapes):
           1. The state rows' table rows; their kept columns: W child tokens (padded with the anchor) + extras.
           2. Gather the kept values; a row is alive when one of them (or of its dense row) is not -inf.
-          3. -inf over the constrained rows; dense rows blended back; kept values scattered back, with the floor
-             (``ALL_MASKED_FLOOR``) for rows another processor had emptied.
+          3. -inf over the constrained rows; dense rows blended back; kept values scattered back, through the floor
+             rule (:func:`~.rules.floor_rule`).
         """
+        if filter_bits is not None:
+            raise ValueError("the torch kernel does not apply filter bits")
         if out is not src:
             raise ValueError("the torch kernel masks in place: pass out=src")
         x = src if rows is None else src.index_select(0, rows)
@@ -143,16 +166,16 @@ class FixedShapeKernel:
         cols = torch.cat([children, torch.where(extras >= 0, extras, keep)], dim=1)
         constrained = anchor >= 0
         kept = x.gather(1, cols)
-        alive = (kept != NEG_INF).any(dim=1)
+        alive = kept_alive(kept).any(dim=1)
         dense_vals = None
         if m.dense_allowed is not None:
             slot = info[:, SLOT]
             is_dense = (slot >= 0) & constrained
             v = min(m.vocab_size, x.shape[1])  # logits may be narrower than the tries' vocabulary
             allowed = m.dense_allowed[slot.clamp(min=0), :v] & is_dense.unsqueeze(1)
-            alive = alive | (allowed & (x[:, :v] != NEG_INF)).any(dim=1)
-            dense_vals = torch.where(allowed, torch.where(alive.unsqueeze(1), x[:, :v], ALL_MASKED_FLOOR), NEG_INF)
-        kept = torch.where((alive | ~constrained).unsqueeze(1), kept, ALL_MASKED_FLOOR)
+            alive = alive | (allowed & kept_alive(x[:, :v])).any(dim=1)
+            dense_vals = torch.where(allowed, floor_rule(x[:, :v], alive.unsqueeze(1)), NEG_INF)
+        kept = floor_rule(kept, (alive | ~constrained).unsqueeze(1))
         _fill_rows_(x, constrained)
         if dense_vals is not None:
             x[:, :v] = torch.where(is_dense.unsqueeze(1), dense_vals, x[:, :v])

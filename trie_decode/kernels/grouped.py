@@ -34,10 +34,30 @@ def row_groups(tree: torch.Tensor, num_tries: int) -> list[tuple[int, Optional[t
 
 class GroupedKernel:
     """A kernel that works one step table at a time; subclasses define :meth:`advance` and :meth:`mask` for one
-    table, this class runs them over the tries of a batch."""
+    table, this class runs them over the tries of a batch. The capabilities are declared as in every kernel (see
+    :mod:`trie_decode.kernels`)."""
 
     name = "abstract"
+    device_kinds: Optional[frozenset] = frozenset({"cpu"})
     writes_every_row = False
+    supports_filters = False
+    supports_fused_step = False
+
+    def runs_on(self, device: torch.device) -> bool:
+        return self.device_kinds is None or device.type in self.device_kinds
+
+    def available(self) -> bool:
+        return True
+
+    def default_on(self, device: torch.device) -> bool:
+        return self.runs_on(device)
+
+    def takes_filters(self, out: torch.Tensor, src: torch.Tensor) -> bool:
+        """Whether static filter bits are applied in this kernel's own pass over these logits."""
+        return False
+
+    def fused_step(self, table: Any, nodes: torch.Tensor, needed_width: int) -> Any:
+        raise NotImplementedError(f"the {self.name} kernel has no fused step")
 
     def advance(self, table: Any, node: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -49,8 +69,13 @@ class GroupedKernel:
         """Per-constraint data: the step tables themselves."""
         return tables
 
-    def advance_rows(self, tables: Sequence[Any], node: torch.Tensor, tree: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """Each row's next state code (before the trigger check). Shape: (R,), int64."""
+    def advance_rows(self, tables: Sequence[Any], node: torch.Tensor, tree: torch.Tensor, tokens: torch.Tensor,
+                     filter_bits: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+        """Each row's next state code (before the trigger check). Shape: (R,), int64. With ``filter_bits`` (a
+        kernel that ``supports_filters``, one trie), over the trie each row's filter leaves it."""
+        if filter_bits is not None:
+            self._check_filters(tables)
+            return self.advance(tables[0], node, tokens, filter_bits)
         groups = row_groups(tree, len(tables))
         if groups[0][1] is None:
             return self.advance(tables[0], node, tokens)
@@ -61,10 +86,19 @@ class GroupedKernel:
 
     def mask_rows(
         self, tables: Sequence[Any], out: torch.Tensor, src: torch.Tensor, node: torch.Tensor, tree: torch.Tensor,
-        rows: Optional[torch.Tensor],
+        rows: Optional[torch.Tensor], filter_bits: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
     ) -> None:
-        """Mask logits rows ``rows`` (default: row i for state row i) of ``src`` into ``out``, every trie's rows."""
+        """Mask logits rows ``rows`` (default: row i for state row i) of ``src`` into ``out``, every trie's rows.
+        With ``filter_bits`` (see :meth:`takes_filters`), the rows' static filters in the same pass."""
+        if filter_bits is not None:
+            self._check_filters(tables)
+            self.mask(out, src, node, rows, tables[0], filter_bits)
+            return
         for i, pos in row_groups(tree, len(tables)):
             nodes = node if pos is None else node[pos]
             lrows = rows if pos is None else (pos if rows is None else rows[pos])
             self.mask(out, src, nodes, lrows, tables[i])
+
+    def _check_filters(self, tables: Sequence[Any]) -> None:
+        if not self.supports_filters or len(tables) != 1:
+            raise ValueError(f"the {self.name} kernel does not apply filter bits (over {len(tables)} tries)")

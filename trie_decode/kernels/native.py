@@ -7,11 +7,17 @@ It is optional (an install without a C compiler has no ``_kernel``); :data:`AVAI
 
 Every public function here takes tensors, checks device, dtype, contiguity and shape, and only then hands data
 pointers to C; the kernel itself bounds-checks every per-step node id, row and token it reads.
+
+The C boundary: each C function takes two bytes objects of packed int64 fields, named by the tuples below (the C
+side exports their lengths; a mismatch fails at import). The trie's fields are packed once per step table
+(:func:`trie_fields`); a call packs only what changes: the logits, the rows' states, the filters.
 """
 
 from __future__ import annotations
 
 import os
+import struct
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -19,24 +25,53 @@ import torch
 from ..errors import InvalidTokenError
 from ..spans import TABLE_COLUMNS
 from .grouped import GroupedKernel
-from .vectorized import ALL_MASKED_FLOOR, NUMPY_KERNEL
+from .rules import ALL_MASKED_FLOOR
+from .vectorized import NUMPY_KERNEL
 
 try:  # built by setup.py when a C compiler was available at install time
     from .. import _kernel
 except ImportError:  # pragma: no cover - exercised only on installs without a compiler
     _kernel = None
 
-__all__ = ["AVAILABLE", "ENABLED", "enabled", "usable_logits", "static_args", "mask_rows", "child", "FusedStep",
-           "NativeKernel"]
+__all__ = ["AVAILABLE", "ENABLED", "enabled", "usable_logits", "trie_fields", "mask_rows", "child", "FusedStep",
+           "NativeKernel", "TRIE_FIELDS", "LOGITS_FIELDS", "MASK_FIELDS", "STEP_FIELDS", "CHILD_FIELDS"]
 
 AVAILABLE = _kernel is not None
 
+# The packed fields of each C call, in order (``_kernel.c``'s TF_/LF_/MF_/SF_/CF_ enums). Pointers are data
+# addresses; 0 stands for "none".
+#: The step table and the trie, packed once per step table.
+TRIE_FIELDS = ("table", "num_nodes", "num_codes", "child_token", "child_ptr", "dense_blocked", "vocab_size",
+               "num_dense")
+#: The logits of a mask or step call: out and src (B, W) arrays, their row strides, W, the element size and the bit
+#: patterns of -inf and of the floor in their dtype.
+LOGITS_FIELDS = ("out", "src", "batch", "out_stride", "src_stride", "width", "elsize", "neg_bits", "floor_bits")
+#: ``mask(trie, job)``: the logits, then the state rows, their logits rows (0: row i), their nodes, the filter bits
+#: (0: none), each row's filter and the number of filters.
+MASK_FIELDS = LOGITS_FIELDS + ("n", "rows", "nodes", "flags", "row_filter", "num_filters")
+#: ``step(trie, job)``: the logits, then the rows' nodes (updated in place), the new tokens and their stride, the
+#: parent rows, their stride and element size (0: each row its own parent), and whether to take the rules' moves.
+STEP_FIELDS = LOGITS_FIELDS + ("nodes", "tokens", "token_stride", "parents", "parent_stride", "parent_size", "moves")
+#: ``child(trie, job)``: the output, the nodes, the tokens, their number, whether to take the rules' moves, filters.
+CHILD_FIELDS = ("out", "nodes", "tokens", "n", "moves", "flags", "row_filter", "num_filters")
+
+_PACK = {name: struct.Struct(f"={len(fields)}q") for name, fields in (
+    ("trie", TRIE_FIELDS), ("mask", MASK_FIELDS), ("step", STEP_FIELDS), ("child", CHILD_FIELDS))}
+_COUNTS = ("TRIE_FIELDS", "LOGITS_FIELDS", "MASK_FIELDS", "STEP_FIELDS", "CHILD_FIELDS")
+if AVAILABLE and tuple(getattr(_kernel, c, -1) for c in _COUNTS) != tuple(len(globals()[c]) for c in _COUNTS):
+    # A kernel built from another version of _kernel.c would read its fields wrongly: it is not used at all.
+    warnings.warn("trie_decode._kernel was built from another version of _kernel.c and is not used: rebuild it "
+                  "(python setup.py build_ext --inplace, or reinstall)", RuntimeWarning, stacklevel=2)
+    _kernel, AVAILABLE = None, False
+
 
 def _bits(value: float, dtype: torch.dtype) -> int:
-    """The bit pattern of ``value`` in ``dtype``, as an unsigned integer."""
+    """The bit pattern of ``value`` in ``dtype``, as a non-negative integer below 2**63 for 2- and 4-byte dtypes, and
+    as the signed int64 of the same bits for 8-byte ones (how it is packed)."""
     size = torch.empty(0, dtype=dtype).element_size()
     as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[size]
-    return int(torch.tensor([value], dtype=dtype).view(as_int).item()) & ((1 << (8 * size)) - 1)
+    bits = int(torch.tensor([value], dtype=dtype).view(as_int).item())
+    return bits if size == 8 else bits & ((1 << (8 * size)) - 1)
 
 
 # The float dtypes the kernel handles, with the bit pattern of -inf in each (it copies elements, it never computes on
@@ -44,11 +79,11 @@ def _bits(value: float, dtype: torch.dtype) -> int:
 _NEG_INF_BITS = {dtype: _bits(float("-inf"), dtype) for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16)}
 
 
-# The bit pattern of the floor given to a row whose kept values were all -inf (trie_decode.kernels.ALL_MASKED_FLOOR).
+# The bit pattern of the floor given to a row whose kept values were all -inf (the floor rule, kernels/rules.py).
 _FLOOR_BITS = {dtype: _bits(ALL_MASKED_FLOOR, dtype) for dtype in _NEG_INF_BITS}
 
 
-# Per dtype: the element size and the bit patterns of -inf and of the floor, as the kernel takes them.
+# Per dtype: the element size and the bit patterns of -inf and of the floor, the last three LOGITS_FIELDS.
 _DTYPE_ARGS = {
     dtype: (torch.empty(0, dtype=dtype).element_size(), _NEG_INF_BITS[dtype], _FLOOR_BITS[dtype])
     for dtype in _NEG_INF_BITS
@@ -76,8 +111,8 @@ def usable_logits(logits: torch.Tensor) -> bool:
     )
 
 
-def static_args(table: Any) -> tuple:
-    """The kernel's arguments that depend only on a CPU step table and its trie (computed once per table and kept
+def trie_fields(table: Any) -> bytes:
+    """The packed :data:`TRIE_FIELDS` of a CPU step table and its trie, checked and packed once per table (kept
     with it; the table keeps the arrays alive)."""
     found = table.kernel_cache.get("native")
     if found is not None:
@@ -92,12 +127,12 @@ def static_args(table: Any) -> tuple:
         raise ValueError("step table and trie sizes disagree")
     if t.child_ptr.numel() != d.num_nodes + 1 or tuple(t.dense_blocked.shape) != (d.num_dense, d.vocab_size):
         raise ValueError("trie arrays have inconsistent shapes")
-    args = (
-        table.tensor.data_ptr(), d.num_nodes, table.num_codes, t.child_token.data_ptr(), d.num_nodes,
+    packed = _PACK["trie"].pack(
+        table.tensor.data_ptr(), d.num_nodes, table.num_codes, t.child_token.data_ptr(), t.child_ptr.data_ptr(),
         t.dense_blocked.data_ptr(), d.vocab_size, d.num_dense,
     )
-    table.kernel_cache["native"] = args
-    return args
+    table.kernel_cache["native"] = packed
+    return packed
 
 
 def _index(t: torch.Tensor, n: int, what: str) -> torch.Tensor:
@@ -127,7 +162,7 @@ def mask_rows(out: torch.Tensor, src: torch.Tensor, nodes: torch.Tensor, rows: O
     if not usable_logits(src) or (out is not src and (out.shape != src.shape or out.dtype != src.dtype or not usable_logits(out))):
         raise ValueError("the kernel takes 2-D CPU float logits with unit column stride, out and src alike")
     batch, width = src.shape
-    filters = (0, 0, 0, 0)
+    filters = (0, 0, 0)
     if node_flags is not None:
         flags, filt = node_flags
         d = table.dtrie
@@ -135,12 +170,11 @@ def mask_rows(out: torch.Tensor, src: torch.Tensor, nodes: torch.Tensor, rows: O
                 or flags.shape[1] != d.num_nodes:
             raise ValueError(f"node flags must be a contiguous (F, {d.num_nodes}) uint8 CPU tensor")
         filt = _index(filt, n, "row filters")
-        filters = (d.tensors.child_ptr.data_ptr(), flags.data_ptr(), filt.data_ptr(), flags.shape[0])
-    return _kernel.mask(
-        out.data_ptr(), src.data_ptr(), batch, out.stride(0), src.stride(0), width, src.element_size(),
-        _NEG_INF_BITS[src.dtype], _FLOOR_BITS[src.dtype], n, 0 if rows is None else rows.data_ptr(), nodes.data_ptr(),
-        *static_args(table), *filters,
-    )
+        filters = (flags.data_ptr(), filt.data_ptr(), flags.shape[0])
+    return _kernel.mask(trie_fields(table), _PACK["mask"].pack(
+        out.data_ptr(), src.data_ptr(), batch, out.stride(0), src.stride(0), width, *_DTYPE_ARGS[src.dtype],
+        n, 0 if rows is None else rows.data_ptr(), nodes.data_ptr(), *filters,
+    ))
 
 
 def child(dtrie: Any, nodes: torch.Tensor, tokens: torch.Tensor, table: Any = None,
@@ -160,19 +194,19 @@ def child(dtrie: Any, nodes: torch.Tensor, tokens: torch.Tensor, table: Any = No
     n = nodes.numel()
     nodes, tokens = _index(nodes, n, "nodes"), _index(tokens, n, "tokens")
     out = torch.empty(n, dtype=torch.int64)
-    trie_args = dtrie.__dict__.get("_kernel_child_args")
-    if trie_args is None:
-        t = dtrie.tensors
-        if not (t.child_ptr.is_cpu and t.child_token.is_cpu):
-            raise ValueError("the kernel needs a CPU DeviceTrie")
-        trie_args = dtrie._kernel_child_args = (t.child_ptr.data_ptr(), t.child_token.data_ptr(), dtrie.num_nodes)
     if table is None:
-        moves = (0, 0)
+        trie = dtrie.__dict__.get("_kernel_trie_fields")
+        if trie is None:
+            t = dtrie.tensors
+            if not (t.child_ptr.is_cpu and t.child_token.is_cpu) or t.child_ptr.dtype != torch.int32 \
+                    or t.child_token.dtype != torch.int32:
+                raise ValueError("the kernel needs a CPU DeviceTrie with int32 child arrays")
+            trie = dtrie._kernel_trie_fields = _PACK["trie"].pack(
+                0, dtrie.num_nodes, 0, t.child_token.data_ptr(), t.child_ptr.data_ptr(), 0, dtrie.vocab_size, 0)
     else:
         if table.dtrie is not dtrie:
             raise ValueError("the step table belongs to another trie")
-        static_args(table)  # checks the table's dtype, device and shape once
-        moves = (table.tensor.data_ptr(), table.num_codes)
+        trie = trie_fields(table)  # checks the table's dtype, device and shape once
     filters = (0, 0, 0)
     if node_flags is not None:
         flags, filt = node_flags
@@ -181,8 +215,12 @@ def child(dtrie: Any, nodes: torch.Tensor, tokens: torch.Tensor, table: Any = No
             raise ValueError(f"node flags need the step table and a contiguous (F, {dtrie.num_nodes}) uint8 CPU tensor")
         filt = _index(filt, n, "row filters")
         filters = (flags.data_ptr(), filt.data_ptr(), flags.shape[0])
-    _kernel.child(out.data_ptr(), nodes.data_ptr(), tokens.data_ptr(), n, *trie_args, *moves, *filters)
+    _kernel.child(trie, _PACK["child"].pack(out.data_ptr(), nodes.data_ptr(), tokens.data_ptr(), n,
+                                            int(table is not None), *filters))
     return out
+
+
+_PACK_STEP = _PACK["step"].pack
 
 
 class FusedStep:
@@ -202,7 +240,7 @@ class FusedStep:
         needed_width: the fewest logits columns that hold every token the rows can keep.
     """
 
-    __slots__ = ("nodes", "rows", "needed_width", "_nodes_ptr", "_moves", "_static")
+    __slots__ = ("nodes", "rows", "needed_width", "_nodes_ptr", "_moves", "_trie")
 
     def __init__(self, table: Any, nodes: torch.Tensor, needed_width: int) -> None:
         if not AVAILABLE:
@@ -211,9 +249,8 @@ class FusedStep:
         self.rows = self.nodes.numel()
         self._nodes_ptr = self.nodes.data_ptr()  # the tensor is kept: its storage does not move
         self.needed_width = needed_width
-        static = static_args(table)
+        self._trie = trie_fields(table)
         self._moves = 0 if table.rules.plain else 1  # the span rules' moves off the trie, from the step table
-        self._static = (*static, table.dtrie.tensors.child_ptr.data_ptr())
 
     def __call__(self, input_ids: Optional[torch.Tensor], logits: torch.Tensor, out: Optional[torch.Tensor] = None,
                  parents: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -258,10 +295,10 @@ class FusedStep:
                     raise ValueError(f"parents must be a ({self.rows},) int32 or int64 CPU tensor, got {parents.dtype} "
                                      f"{tuple(parents.shape)} on {parents.device}")
                 parent_ptr, parent_stride, parent_size = parents.data_ptr(), parents.stride(0), parents.element_size()
-        _kernel.step(
+        _kernel.step(self._trie, _PACK_STEP(
+            out_ptr, src_ptr, self.rows, out_stride, stride[0], shape[1], *bits,
             self._nodes_ptr, tokens, token_stride, parent_ptr, parent_stride, parent_size, self._moves,
-            out_ptr, src_ptr, self.rows, out_stride, stride[0], shape[1], *bits, self.rows, *self._static,
-        )
+        ))
         return logits if out is None else out
 
 
@@ -272,7 +309,24 @@ class NativeKernel(GroupedKernel):
     """
 
     name = "native"
+    device_kinds = frozenset({"cpu"})
     writes_every_row = True  # out of place, every row is written (masked, or copied through): no clone needed
+    #: Static filters are applied in the kernel's own pass, from their per-node bits (see :func:`mask_rows`).
+    supports_filters = True
+    #: A caller that owns its rows' state can step them in one C call (:class:`FusedStep`).
+    supports_fused_step = True
+
+    def available(self) -> bool:
+        return AVAILABLE
+
+    def default_on(self, device: torch.device) -> bool:
+        return ENABLED and self.runs_on(device)
+
+    def takes_filters(self, out: torch.Tensor, src: torch.Tensor) -> bool:
+        return usable_logits(src) and (out is src or usable_logits(out))
+
+    def fused_step(self, table: Any, nodes: torch.Tensor, needed_width: int) -> FusedStep:
+        return FusedStep(table, nodes, needed_width)
 
     def advance(self, table: Any, node: torch.Tensor, tokens: torch.Tensor,
                 node_flags: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
@@ -281,9 +335,6 @@ class NativeKernel(GroupedKernel):
         plain = table.rules.plain and node_flags is None
         return child(table.dtrie, node, tokens, None if plain else table, node_flags)
 
-    #: Static filters are masked in the kernel's own pass (see :func:`mask_rows`'s ``node_flags``).
-    masks_filters = True
-
     def mask(self, out: torch.Tensor, src: torch.Tensor, node: torch.Tensor, rows: Optional[torch.Tensor], table: Any,
              node_flags: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> None:
         """Mask the state rows' logits rows of ``src`` into ``out`` (the same tensor, or one of the same shape)."""
@@ -291,7 +342,7 @@ class NativeKernel(GroupedKernel):
             mask_rows(out, src, node, rows, table, node_flags)
             return
         if node_flags is not None:
-            raise ValueError("node flags need logits the C kernel takes")
+            raise ValueError("node flags need logits the C kernel takes (see takes_filters)")
         if out is not src:
             out.copy_(src)
         NUMPY_KERNEL.mask(out, out, node, rows, table)

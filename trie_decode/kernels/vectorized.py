@@ -25,16 +25,9 @@ import torch
 from ..spans import ANCHOR, COUNT, EXTRA0, EXTRA1, SLOT, START, span_moves
 from .arrays import NUMPY, TORCH, Ops
 from .grouped import GroupedKernel
+from .rules import ALL_MASKED_FLOOR, NEG_INF, floor_rule, kept_alive
 
 __all__ = ["MaskPlan", "VectorizedKernel", "apply_plans_", "plans_to_bool", "plans_to_lists", "NUMPY_KERNEL", "TORCH_KERNEL", "ALL_MASKED_FLOOR"]
-
-NEG_INF = float("-inf")
-#: The logit a row's allowed tokens get when another processor already set all of them to -inf: finite, so a token
-#: of the trie is still chosen (greedy: the first; sampling: uniformly), and low, so that under beam search such a
-#: beam ranks below every beam that has a real choice (transformers' PrefixConstrainedLogitsProcessor uses 0,
-#: which would make it the best beam).
-ALL_MASKED_FLOOR = -1.0e4
-
 
 @dataclass
 class MaskPlan:
@@ -63,6 +56,9 @@ class VectorizedKernel(GroupedKernel):
     def __init__(self, ops: Ops) -> None:
         self.ops = ops
         self.name = ops.name
+        # numpy views need CPU tensors; torch runs anywhere (as a per-step kernel it is the fixed kernel's fallback
+        # only through the planner: see trie_decode.kernels.select)
+        self.device_kinds = frozenset({"cpu"}) if ops is NUMPY else None
 
     # ------------------------------------------------------------------ state
     def child(self, dtrie: Any, nodes: Any, tokens: Any) -> Any:
@@ -161,8 +157,8 @@ def apply_plans_(logits: torch.Tensor, plans: Sequence[MaskPlan]) -> torch.Tenso
 
     Steps: 1. read the kept values and the dense rows; 2. -inf over every masked row (the floor); 3. write the
     dense rows with their blocked columns at -inf; 4. write the kept values. A row whose kept values are all -inf
-    already (another processor banned them) gets :data:`ALL_MASKED_FLOOR` in its kept columns instead. No step
-    reads a value back to the host.
+    already (another processor banned them) gets the floor instead (:func:`~.rules.floor_rule`). No step reads a
+    value back to the host.
     """
     if not plans:
         return logits
@@ -181,17 +177,16 @@ def apply_plans_(logits: torch.Tensor, plans: Sequence[MaskPlan]) -> torch.Tenso
     for i, (p, d) in enumerate(zip(plans, dense)):
         # How many kept values of each row are not -inf (Shape: (B,)): rows with none get the floor.
         alive = torch.zeros(logits.shape[0], dtype=torch.int32, device=device)
-        alive.index_add_(0, p.rows, (kept[i] != NEG_INF).to(torch.int32))
+        alive.index_add_(0, p.rows, kept_alive(kept[i]).to(torch.int32))
         if d is not None:
             v = min(p.dense_blocked.shape[1], width)  # logits may be narrower than the trie's vocabulary
             blocked = p.dense_blocked[:, :v]
             d[:, :v].masked_fill_(blocked, NEG_INF)
             d[:, v:] = NEG_INF
-            alive.index_add_(0, p.dense_rows, (d[:, :v] != NEG_INF).any(1).to(torch.int32))
-            dead = (alive[p.dense_rows] == 0).unsqueeze(1) & ~blocked
-            d[:, :v] = torch.where(dead, torch.full_like(d[:, :v], ALL_MASKED_FLOOR), d[:, :v])
+            alive.index_add_(0, p.dense_rows, kept_alive(d[:, :v]).any(1).to(torch.int32))
+            d[:, :v] = floor_rule(d[:, :v], (alive[p.dense_rows] > 0).unsqueeze(1) | blocked)
             logits.index_copy_(0, p.dense_rows, d)
-        kept[i] = torch.where(alive[p.rows] == 0, torch.full_like(kept[i], ALL_MASKED_FLOOR), kept[i])
+        kept[i] = floor_rule(kept[i], alive[p.rows] > 0)
     for f, vals in zip(flat, kept):
         logits.put_(f, vals)
     return logits
