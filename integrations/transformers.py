@@ -12,7 +12,7 @@ its new token (O(1) per row, no lookup). Under beam search transformers reorders
 telling the processor; each row's state is then keyed by its generated prefix, a 64-bit polynomial hash of (prompt
 index, generated tokens) computed as one integer dot product over the batch, and each row finds its parent row of
 the previous step by the hash of its prefix minus the last token (argsort + searchsorted: no host read). Which
-loop calls the processor is read from the caller's frames (:class:`_GenerateLoop`); an unknown caller gets the
+loop calls the processor is read from the caller's frames (:class:`GenerateLoop`); an unknown caller gets the
 beam-search treatment.
 
 Masking writes into the scores in place when ``generate`` allows it (it does not keep them, i.e. not
@@ -23,7 +23,6 @@ else can still see.
 from __future__ import annotations
 
 import inspect
-import sys
 import weakref
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -38,6 +37,8 @@ from trie_decode.forms import entry_identity, warn_prompt
 from trie_decode.live import CatalogSnapshot, LiveCatalog, constraint_for
 from trie_decode.options import TrieArg, as_tries, build_rules, filter_rows, first_eos, prompt_filters, prompt_groups
 from trie_decode.trie import TokenTrie
+
+from .transformers_internals import GenerateLoop, beam_parents, prefix_processor_start, reusable_buffer
 
 try:
     from transformers import LogitsProcessor, LogitsProcessorList, PrefixConstrainedLogitsProcessor
@@ -75,63 +76,6 @@ class _PrefixHasher:
         return h
 
 
-class _GenerateLoop:
-    """What the processor may assume about the ``generate`` loop calling it, read once per call from the caller's
-    frames: the one place this module relies on transformers internals (5.x ``generation/utils.py``;
-    tests/test_transformers_internals.py fails loudly if they change).
-
-    - ``_sample`` (greedy and sampling) never reorders rows, and keeps the tensor it passes to the processors only
-      as the raw logits of ``output_logits=True``: so rows need no lookup, and the scores are masked in place
-      unless raw logits are kept.
-    - ``_beam_search`` reorders rows, and passes fresh log-probs (it keeps raw logits separately): in place. It
-      records each running beam's parent row of every step in its ``running_beam_indices`` (Shape: (batch, beams,
-      max new tokens), flat row indices of the previous step): rows follow their parents with no lookup.
-    - Any other caller (a user's own loop): rows may be reordered, and the scores are left untouched (the result
-      is written into a reusable buffer, see :class:`_OutputBuffers`).
-
-    A new ``generate`` call is recognized by its new ``LogitsProcessorList``. Reading the frames costs a few
-    microseconds: the sampling loop's many locals are read only when a generation starts.
-    """
-
-    __slots__ = ("reorders", "in_place", "parents", "_owner")
-
-    def __init__(self, reorders: bool, in_place: bool, owner: Any, parents: Optional[torch.Tensor] = None) -> None:
-        self.reorders, self.in_place, self.parents = reorders, in_place, parents
-        self._owner = weakref.ref(owner) if owner is not None else None
-
-    def continues(self, previous: Optional["_GenerateLoop"]) -> bool:
-        """Whether this call belongs to the same generation as ``previous``."""
-        if previous is None or (self._owner is None) != (previous._owner is None):
-            return False
-        return self._owner is None or self._owner() is previous._owner()
-
-    @classmethod
-    def of_caller(cls, previous: Optional["_GenerateLoop"]) -> "_GenerateLoop":
-        """The loop calling the processor (``previous``: the loop of the processor's last call, reused when the
-        same generation calls again)."""
-        frame = sys._getframe(2)
-        owner = None
-        for _ in range(4):
-            if frame is None:
-                break
-            code = frame.f_code.co_name
-            if code == "__call__":
-                candidate = frame.f_locals.get("self")
-                if isinstance(candidate, LogitsProcessorList):
-                    owner = candidate
-            elif code == "_sample" and "output_logits" in frame.f_code.co_varnames:
-                if (previous is not None and not previous.reorders and previous._owner is not None
-                        and owner is not None and previous._owner() is owner):
-                    return previous  # the same generation: its locals were read at its first call
-                local = frame.f_locals
-                keeps_raw = bool(local.get("return_dict_in_generate")) and bool(local.get("output_logits"))
-                return cls(reorders=False, in_place=not keeps_raw, owner=owner)
-            elif code == "_beam_search":
-                return cls(reorders=True, in_place=True, owner=owner, parents=frame.f_locals.get("running_beam_indices"))
-            frame = frame.f_back
-        return cls(reorders=True, in_place=False, owner=None)
-
-
 class _OutputBuffers:
     """Output tensors for out-of-place masking, reused once nothing outside this object can see them.
 
@@ -146,18 +90,13 @@ class _OutputBuffers:
 
     def get(self, like: torch.Tensor) -> torch.Tensor:
         for buf in self._bufs:
-            # References: the list, the loop variable, getrefcount's argument.
+            # References: the list and the loop variable.
             if (buf.shape == like.shape and buf.dtype == like.dtype and buf.device == like.device
-                    and sys.getrefcount(buf) == 3 and _storage_users(buf) == 1):
+                    and reusable_buffer(buf, references=2)):
                 return buf
         buf = torch.empty(like.shape, dtype=like.dtype, device=like.device)
         self._bufs = (self._bufs + [buf])[-self._keep :]
         return buf
-
-
-def _storage_users(t: torch.Tensor) -> int:
-    """How many tensors use ``t``'s storage (``t`` and its views), not counting the probe's own handle."""
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata) - 1
 
 
 class TrieLogitsProcessor(LogitsProcessor):
@@ -172,7 +111,8 @@ class TrieLogitsProcessor(LogitsProcessor):
         tries (`TokenTrie` or list of `TokenTrie`):
             One trie for every row, or one per prompt (rows of beams / return sequences map back to their prompt).
             Or a live catalog (:class:`~trie_decode.LiveCatalog`, or one :class:`~trie_decode.CatalogSnapshot`):
-            each generation decodes the catalog as it is when the generation starts (see :mod:`trie_decode.live`).
+            each generation decodes the catalog's view when the generation starts, removals at once, additions
+            once compacted (see :mod:`trie_decode.live`).
         tokenizer (optional):
             The model's tokenizer: checks every trie's vocabulary fingerprint, supplies the default end token
             (``eos_token_id``) and tokenizes ``trigger``/``separator`` given as text.
@@ -236,8 +176,7 @@ class TrieLogitsProcessor(LogitsProcessor):
         # Live catalogs (trie_decode.live): every generation takes the catalog's snapshot when it starts.
         self._live = tries if isinstance(tries, (LiveCatalog, CatalogSnapshot)) else None
         if self._live is not None:
-            self._snapshot = self._live.snapshot()
-            tries = self._snapshot.base
+            tries = self._live.snapshot().base
         self.tries = as_tries(tries, tokenizer)
         if check_prompt and (tokenizer is None or trigger is not None):
             raise ConstraintConfigError("check_prompt=True needs the tokenizer and no trigger (the span must start "
@@ -247,25 +186,28 @@ class TrieLogitsProcessor(LogitsProcessor):
         self._filtered = allow is not None or deny is not None or bool(distinct)
         self._filter_specs: tuple = (None, None, False, 0, max_entries)
         if self._filtered:  # resolved (keys to entry indices) and checked now, once: a bad key fails here
-            probe = (TrieConstraint(self.tries, self.rules, "cpu") if self._live is None
-                     else self._snapshot.constraint(self.rules, "cpu"))
             n = prompt_filters(allow, deny)
 
             def resolve(spec: Any, what: str) -> Any:
-                if spec is None or self._live is not None:  # a live catalog's keys are resolved per snapshot
+                if spec is None or self._live is not None:  # a live catalog's keys are resolved per view (_begin)
                     return spec
                 if n:
                     return [None if s is None else entry_indices(self.tries[0], s, what) for s in spec]
                 return entry_indices(self.tries[0], spec, what)
 
             allow, deny = resolve(allow, "allow"), resolve(deny, "deny")
-            probe.filters(n or 1, filter_rows(allow, n, n or 1), filter_rows(deny, n, n or 1), distinct=distinct,
-                          max_entries=max_entries)
+            rows = (n or 1, filter_rows(allow, n, n or 1), filter_rows(deny, n, n or 1))
+            if self._live is None:
+                TrieConstraint(self.tries, self.rules, "cpu").filters(*rows, distinct=distinct, max_entries=max_entries)
+            else:
+                view = self._live.snapshot().view(self.rules)
+                view.filters(view.constraint(self.rules, "cpu"), *rows, distinct=distinct, max_entries=max_entries)
             self._filter_specs = (allow, deny, bool(distinct), n, max_entries)
         self._constraints: dict[str, TrieConstraint] = {}
         self._last_constraint: Optional[TrieConstraint] = None
         self._hasher = _PrefixHasher()
-        self._max_depth = max(t.max_depth for t in self.tries) if self._live is None else self._snapshot.max_depth
+        self._max_depth = max(t.max_depth for t in self.tries) if self._live is None else self._live.snapshot().max_depth
+        self._view = None  # a live catalog's view of the current generation (trie_decode.live.CatalogView)
         self.reset()
 
     def reset(self) -> None:
@@ -275,7 +217,8 @@ class TrieLogitsProcessor(LogitsProcessor):
         self._groups: Optional[torch.Tensor] = None
         self._start = 0
         self._last_len = -1
-        self._loop: Optional[_GenerateLoop] = None
+        self._loop: Optional[GenerateLoop] = None
+        self._parents_checked: Optional[GenerateLoop] = None
         self._filters = None
         self._fused = None
         self._buffers = _OutputBuffers()
@@ -283,9 +226,11 @@ class TrieLogitsProcessor(LogitsProcessor):
 
     def constraint(self, device: torch.device) -> TrieConstraint:
         """The :class:`TrieConstraint` on ``device`` (built once per device); for a live catalog, the constraint of
-        the current generation's snapshot (a :class:`~trie_decode.live.SnapshotConstraint` once the catalog changed)."""
+        the current generation's view (:meth:`trie_decode.live.CatalogView.constraint`)."""
         if self._live is not None:
-            return self._snapshot.constraint(self.rules, device)
+            if self._view is None:
+                self._view = self._live.snapshot().view(self.rules)
+            return self._view.constraint(self.rules, device)
         last = self._last_constraint
         if last is not None and last.device == device:
             return last
@@ -302,27 +247,29 @@ class TrieLogitsProcessor(LogitsProcessor):
 
     @property
     def masks_in_place(self) -> bool:
-        """Whether the current generation's scores are masked in place (see :class:`_GenerateLoop`)."""
+        """Whether the current generation's scores are masked in place (see :class:`GenerateLoop`)."""
         return self._loop is not None and self._loop.in_place
 
     def _trigger_tails(self, input_ids: torch.Tensor) -> Optional[torch.Tensor]:
         t = len(self.rules.trigger)
         return input_ids[:, -t:] if t else None
 
-    def _begin(self, input_ids: torch.Tensor, device: torch.device, loop: "_GenerateLoop") -> None:
+    def _begin(self, input_ids: torch.Tensor, device: torch.device, loop: "GenerateLoop") -> None:
         batch, cur = input_ids.shape
         if self._live is not None:  # a generation decodes the catalog as it is now, to its end
-            self._snapshot = self._live.snapshot()
-            self._max_depth = self._snapshot.max_depth
+            self._view = self._live.snapshot().view(self.rules)
+            self.tries = [self._view.trie]
+            self._max_depth = self._view.trie.max_depth
         constraint = self.constraint(device)
         self._groups = prompt_groups(batch, len(self.tries), device)
         self._state = constraint.start(batch, self._groups, self._trigger_tails(input_ids))
         self._hashes = self._hasher.hash(self._groups, input_ids[:, :0]) if loop.reorders and loop.parents is None else None
         self._filters = None
-        if self._filtered:
+        if self._filtered or self._live is not None:  # a live catalog's view denies the entries removed since
             allow, deny, distinct, n, max_entries = self._filter_specs
-            self._filters = constraint.filters(batch, filter_rows(allow, n, batch), filter_rows(deny, n, batch),
-                                               distinct=distinct, max_entries=max_entries)
+            rows = (batch, filter_rows(allow, n, batch), filter_rows(deny, n, batch))
+            self._filters = (constraint.filters(*rows, distinct=distinct, max_entries=max_entries) if self._live is None
+                             else self._view.filters(constraint, *rows, distinct=distinct, max_entries=max_entries))
         self._start = cur
         self._loop = loop
         self.steps = 0
@@ -330,7 +277,7 @@ class TrieLogitsProcessor(LogitsProcessor):
         # steps are one C call each on a CPU (see TrieConstraint.fused_step), None elsewhere.
         follows = not loop.reorders or (loop.parents is not None and self._hashes is None)
         self._fused = (constraint.fused_step(self._state)
-                       if follows and self._filters is None and self._live is None else None)
+                       if follows and self._filters is None else None)
         if self._check_with is not None:
             self._warn_prompts(input_ids)
 
@@ -345,22 +292,28 @@ class TrieLogitsProcessor(LogitsProcessor):
                 seen.add((tree, tuple(row)))
                 warn_prompt(self.tries[tree], self._check_with, row)
 
-    def _parent_column(self, loop: "_GenerateLoop", shape: torch.Size) -> Optional[torch.Tensor]:
+    def _parent_column(self, loop: "GenerateLoop", shape: torch.Size) -> Optional[torch.Tensor]:
         """Each row's parent row for the token it just appended, from beam search's ``running_beam_indices``
-        (a view, on its device), or None when the loop records none for this step."""
+        (a view, on its device), or None when the loop records none for this step or its layout is not the one
+        the fast path reads (checked at a generation's first use: :func:`.transformers_internals.beam_parents`)."""
         batch, cur = shape
         column = cur - 1 - self._start
-        parents = loop.parents.reshape(-1, loop.parents.shape[-1])
-        if parents.shape[0] != batch or not 0 <= column < parents.shape[1]:
-            return None
-        return parents[:, column]
+        check = not loop.continues(self._parents_checked)  # once per generation
+        parents = beam_parents(loop.parents, batch, column, check=check)
+        if check:
+            self._parents_checked = loop
+            if parents is None and loop.parents is not None and column == 0:
+                # This generation takes the prefix-hash lookup instead; its previous rows had empty prefixes.
+                loop.parents = None
+                self._hashes = self._hasher.hash(self._groups, torch.empty(batch, 0, dtype=torch.long, device=self._groups.device))
+        return parents
 
-    def _follow(self, input_ids: torch.Tensor, device: torch.device, loop: "_GenerateLoop") -> bool:
+    def _follow(self, input_ids: torch.Tensor, device: torch.device, loop: "GenerateLoop") -> bool:
         """Advance every row from its parent row; False if the rows do not continue the previous call's rows.
 
         Every way costs O(1) per row, whatever the number of generated tokens. Inside ``generate``'s sampling loop
         (greedy or sampling) rows never move: row i's parent is row i. Beam search names each row's parent (see
-        :class:`_GenerateLoop`). Elsewhere (a caller this class does not know) rows may be reordered between
+        :class:`GenerateLoop`). Elsewhere (a caller this class does not know) rows may be reordered between
         calls; each row finds its parent by a hash of its generated prefix, a lookup with no host read (argsort,
         searchsorted, gather), and the hash is O(generated tokens), except in ``"eos"`` mode past the deepest entry.
         """
@@ -375,14 +328,15 @@ class TrieLogitsProcessor(LogitsProcessor):
             return True
         if loop.parents is not None and self._hashes is None:
             parent = self._parent_column(loop, input_ids.shape)
-            if parent is None:
+            if parent is not None:
+                parent = parent.to(device, torch.long)
+                if self._filters is not None:
+                    self._filters = self._filters.select(parent)
+                self._state = constraint.advance(self._state.select(parent), ids[:, -1], self._trigger_tails(ids),
+                                                 filters=self._filters)
+                return True
+            if self._hashes is None:
                 return False
-            parent = parent.to(device, torch.long)
-            if self._filters is not None:
-                self._filters = self._filters.select(parent)
-            self._state = constraint.advance(self._state.select(parent), ids[:, -1], self._trigger_tails(ids),
-                                             filters=self._filters)
-            return True
         if self.rules.plain and cur - 1 - self._start > self._max_depth and self._filters is None:
             # "eos" mode: a prefix longer than every entry has ended its entry (or left the trie): every row is
             # DONE, whatever its parent. So under beam search the lookup costs O(max depth), not O(tokens generated).
@@ -404,7 +358,7 @@ class TrieLogitsProcessor(LogitsProcessor):
         return True
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        loop = _GenerateLoop.of_caller(self._loop)
+        loop = GenerateLoop.of_caller(self._loop)
         fused = self._fused
         if fused is not None and loop.continues(self._loop):
             shape = input_ids.shape
@@ -427,6 +381,8 @@ class TrieLogitsProcessor(LogitsProcessor):
     # LogitsProcessorList reads every processor's signature at every step (``inspect.signature``, ~15 us, more than
     # the whole mask at batch 1); a precomputed ``__signature__`` is inspect's documented shortcut.
     __call__.__signature__ = inspect.signature(__call__)  # type: ignore[attr-defined]
+    # Continuous batching (``generate_batch``) calls processors on packed rows this class cannot follow.
+    supports_continuous_batching = False
 
     # ------------------------------------------------------------------ results
     def match(self, sequences: torch.Tensor, *, prompt_length: Optional[int] = None) -> list[Optional[Entry]]:
@@ -670,15 +626,15 @@ def prefix_allowed_tokens_fn(
             if not 0 <= batch_id < len(prompt_length):
                 raise ConstraintConfigError(f"batch_id {batch_id} has no prompt_length (got {len(prompt_length)})")
             return prompt_length[batch_id]
-        caller = sys._getframe(2)
-        owner = caller.f_locals.get("self") if caller.f_code.co_name == "__call__" else None
-        if not isinstance(owner, PrefixConstrainedLogitsProcessor):
+        seen = prefix_processor_start(depth=2)
+        if seen is None:
             raise ConstraintConfigError(
                 "prefix_allowed_tokens_fn without prompt_length must be called by generate() "
                 "(transformers' PrefixConstrainedLogitsProcessor); pass prompt_length=... to call it directly"
             )
+        owner, length = seen
         if owner not in starts:
-            starts[owner] = int(caller.f_locals["input_ids"].shape[-1])
+            starts[owner] = length
         return starts[owner]
 
     def allowed(batch_id: int, input_ids: torch.Tensor) -> list[int]:

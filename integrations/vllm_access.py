@@ -12,7 +12,9 @@ existed, its size and its first bytes. vLLM's own rule for files named by client
   are relative to the server's working directory); the path as sent *and* its real path (symbolic links and ``..``
   resolved) must be inside an allowed directory, so the server touches nothing outside them to answer. Only
   regular files are opened (``O_NONBLOCK``, ``O_NOFOLLOW`` on the last component, ``fstat`` of the opened
-  descriptor: never a FIFO, device, directory or a symlink swapped in after the check).
+  descriptor: never a FIFO, device, directory or a symlink swapped in after the check). A live catalog's delta file
+  beside a trie file (:func:`trie_decode.live.delta_path_for`) is opened the same way, once, and read from that
+  descriptor (:meth:`AccessPolicy.open_delta`): it is a regular file beside the trie file, never a link.
 * **Refusals reveal nothing.** Errors a client sees carry no file bytes, sizes or header values: a file inside an
   allowed directory that fails to load gets a categorized message ("not a valid trie file"); the full reason goes
   to the server log (logger ``trie_decode.vllm``, rate-limited).
@@ -61,6 +63,7 @@ diagnostic only: the engine never opens anything because a stamp says so.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hashlib
 import io
 import json
@@ -73,12 +76,13 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO, Optional
+from typing import Any, BinaryIO, Iterator, Optional
 
 import numpy as np
 
 from trie_decode.errors import TrieDecodeError, TrieFileError
 from trie_decode.fileio import open_regular_file
+from trie_decode.live import apply_delta_file, delta_path_for
 from trie_decode.trie import TokenTrie
 
 __all__ = [
@@ -379,20 +383,62 @@ class AccessPolicy:
             raise TrieAccessError(
                 f"extra_args[{what!r}]: {resolved.label} cannot be opened as a {noun} (not a regular readable file)"
             ) from None
-        if resolved.kind == "file":
-            # What was opened, by the kernel's account: a directory above the file swapped for a link between the
-            # check and the open would show here (Linux; elsewhere the O_NOFOLLOW open of the checked path stands).
-            try:
-                opened = os.readlink(f"/proc/self/fd/{handle.fileno()}")
-            except OSError:
-                opened = None
-            real_dirs = self._real  # type: ignore[attr-defined]
-            if opened is not None and not any(_is_inside(opened, d) and opened != d for d in real_dirs):
-                handle.close()
-                _log("refused", logging.WARNING, "trie_decode: refused trie path %r: it opened %r, outside the "
-                     "allowed directories (changed since the check)", resolved.value[:300], opened[:300])
-                raise self.refusal(resolved.value, resolved.what)
+        self._check_opened(handle, resolved)
         return handle
+
+    def _check_opened(self, handle: BinaryIO, resolved: Resolved) -> None:
+        """Refuse (and close) a descriptor opened for a request file that is not inside the allowed directories."""
+        if resolved.kind != "file":
+            return
+        # What was opened, by the kernel's account: a directory above the file swapped for a link between the
+        # check and the open would show here (Linux; elsewhere the O_NOFOLLOW open of the checked path stands).
+        try:
+            opened = os.readlink(f"/proc/self/fd/{handle.fileno()}")
+        except OSError:
+            opened = None
+        real_dirs = self._real  # type: ignore[attr-defined]
+        if opened is not None and not any(_is_inside(opened, d) and opened != d for d in real_dirs):
+            handle.close()
+            _log("refused", logging.WARNING, "trie_decode: refused trie path %r: it opened %r, outside the "
+                 "allowed directories (changed since the check)", resolved.value[:300], opened[:300])
+            raise self.refusal(resolved.value, resolved.what)
+
+    @contextlib.contextmanager
+    def open_delta(self, resolved: Resolved) -> Iterator[Optional[BinaryIO]]:
+        """Open the live catalog delta file beside a resolved trie file (:func:`~trie_decode.live.delta_path_for`)
+        under this policy, or give None when there is none: one open (``O_NOFOLLOW``, ``O_NONBLOCK``, ``fstat`` of the
+        opened descriptor, then the kernel's account of what it opened, as :meth:`open`); read the delta from the
+        yielded descriptor, never by its path again. A delta file that is a symbolic link, a directory, a FIFO or a
+        device is refused (the trie file would otherwise be served without its removals).
+
+        Raises:
+            TrieAccessError: the delta file is not a regular file inside the allowed directories.
+        """
+        path = delta_path_for(resolved.path)
+        try:
+            handle = open_regular_file(path, follow_symlinks=False)
+        except TrieFileError as exc:
+            if isinstance(exc.__cause__, FileNotFoundError):
+                yield None
+                return
+            _log("load", logging.WARNING, "trie_decode: refused the delta file %s of %s: %s", path, resolved.label, exc)
+            raise TrieAccessError(
+                f"extra_args[{resolved.what!r}]: {resolved.label} has a live catalog delta file beside it "
+                f"({os.path.basename(path)!r}) that is not a regular file (a symbolic link, directory, FIFO or "
+                "device): it is refused, and so is the trie; the operator must replace it by a regular file"
+            ) from None
+        with handle:
+            self._check_opened(handle, resolved)
+            yield handle
+
+    def delta_failed(self, resolved: Resolved, exc: BaseException) -> TrieAccessError:
+        """The client's message for a delta file that opened but does not apply to its trie file."""
+        _log("load", logging.WARNING, "trie_decode: the delta file of %s (%s) does not load: %s: %s", resolved.label,
+             resolved.path, type(exc).__name__, exc)
+        return TrieAccessError(
+            f"extra_args[{resolved.what!r}]: {resolved.label} has a live catalog delta file beside it that is not a "
+            "valid delta for it (corrupted, or written for another trie; details in the server log)"
+        )
 
     def load_failed(self, resolved: Resolved, exc: BaseException) -> TrieAccessError:
         """The client's message for a file that opened but does not load (its bytes never reach the client)."""
@@ -592,14 +638,20 @@ def handoff_store() -> HandoffStore:
 
 def load_allowed_file(value: str) -> TokenTrie:
     """Resolve, open and load a request's trie string under the current policy, uncached (the check used when no
-    tokenizer is at hand). Raises :class:`TrieAccessError` with the client-safe messages."""
+    tokenizer is at hand), with the changes of a live catalog delta file beside it (:meth:`AccessPolicy.open_delta`).
+    Raises :class:`TrieAccessError` with the client-safe messages."""
     policy = current_policy()
     resolved = policy.resolve(value)
-    with policy.open(resolved) as handle:
+    with policy.open(resolved) as handle, policy.open_delta(resolved) as delta:
+        failed = policy.load_failed
         try:
-            return TokenTrie.load(handle, verify=True)
+            trie = TokenTrie.load(handle, verify=True)
+            if delta is not None:
+                failed = policy.delta_failed
+                trie = apply_delta_file(trie, delta)
+            return trie
         except (TrieDecodeError, OSError, ValueError, KeyError, TypeError, IndexError, MemoryError) as exc:
-            raise policy.load_failed(resolved, exc) from None
+            raise failed(resolved, exc) from None
 
 
 #: The most bytes a filter file may hold (64 MiB: millions of keys).

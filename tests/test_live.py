@@ -1,14 +1,17 @@
-"""Live catalogs: a snapshot (base minus tombstones, plus a delta) decodes exactly like the one trie compact() builds.
+"""Live catalogs: a snapshot decodes as data (one trie plus a deny filter), removals at once, additions once compacted.
 
-Checked step by step against :class:`TrieConstraint` over ``compact()`` and the brute-force reference, in every
-``on_complete`` mode, with triggers, on every kernel, after random adds and removes; with per-request filters and
-distinct lists; on the torch path with no host read; inside a real ``generate`` (a request keeps the snapshot it
-started with, the next one sees the change); and through delta files.
+A view of a snapshot (:meth:`CatalogSnapshot.view`) is checked step by step against the brute-force reference over
+the entries it serves (the live entries its trie holds), in every ``on_complete`` mode, with triggers, on every
+kernel, after random adds and removes before and after a compaction; with per-request filters and distinct lists;
+on the torch path with no host read; in the background compaction's life cycle (requests keep the last compacted
+trie until the next one is ready; a failed compaction is reported); inside a real ``generate`` (a request keeps the
+view it started with, the one-call step runs on a live catalog); and through delta files.
 """
 
 from __future__ import annotations
 
 import random
+import threading
 
 import numpy as np
 import pytest
@@ -17,9 +20,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trie_decode import CatalogUpdateError, ConstraintConfigError, EmptyTrieError, TokenTrie, TrieFileError
-from trie_decode.constraint import DONE, SpanRules, TrieConstraint
+from trie_decode.constraint import SpanRules, TrieConstraint
 from trie_decode.errors import InvalidTokenError, TokenizerMismatchError
-from trie_decode.live import CatalogSnapshot, LiveCatalog, SnapshotConstraint, constraint_for, delta_path_for
+from trie_decode.live import CatalogView, LiveCatalog, _Compaction, apply_delta_file, constraint_for, delta_path_for
 
 from reference import SPAN_RULE_CASES, SpanReference
 from test_device_step import no_host_sync
@@ -33,20 +36,11 @@ def key(seq) -> str:
     return "k" + "-".join(map(str, seq))
 
 
-def random_catalog(rng: random.Random, low: int = 2, max_len: int = 4) -> tuple[LiveCatalog, TokenTrie, set]:
-    """A base trie with keys, then random adds (some reviving removed base entries) and removes (by key, by base
-    index, by tokens). Returns the catalog, its base and the set of live sequences it must hold."""
-    # A small alphabet often makes entries prefixes of one another (removed entry ends inside live paths).
-    high = rng.choice([low + 3, low + 6, V])
-
-    def fresh() -> tuple[int, ...]:
-        return tuple(rng.randrange(low, high) for _ in range(rng.randrange(1, max_len + 1)))
-
-    seqs = [fresh() for _ in range(rng.randrange(1, 12))]
-    base = TokenTrie.from_sequences([list(s) for s in seqs], vocab_size=V, keys=[key(s) for s in seqs])
-    catalog = LiveCatalog(base)
-    live = set(seqs)
-    for _ in range(rng.randrange(0, 14)):
+def random_changes(rng: random.Random, catalog: LiveCatalog, base: TokenTrie, live: set, fresh, count: int) -> None:
+    """Random adds (some reviving removed base entries) and removes (by key, by base index, by tokens); ``live`` is
+    kept equal to the set of entries the catalog holds."""
+    seqs = base.sequences()
+    for _ in range(count):
         if rng.random() < 0.5 or not live:
             batch = [rng.choice(seqs) if rng.random() < 0.3 else fresh() for _ in range(rng.randrange(1, 4))]
             catalog.add([list(s) for s in batch], keys=[key(s) for s in batch])
@@ -62,7 +56,29 @@ def random_catalog(rng: random.Random, low: int = 2, max_len: int = 4) -> tuple[
             else:
                 catalog.remove([entry.index])
             live.discard(s)
-    return catalog, base, live
+
+
+def random_catalog(rng: random.Random, low: int = 2, max_len: int = 4) -> tuple[LiveCatalog, TokenTrie, set, set]:
+    """A base trie with keys, random changes, sometimes a compaction, then more random changes. Returns the catalog,
+    its base, the entries it holds and the entries its newest compacted trie (or the base) holds."""
+    # A small alphabet often makes entries prefixes of one another (removed entry ends inside live paths).
+    high = rng.choice([low + 3, low + 6, V])
+
+    def fresh() -> tuple[int, ...]:
+        return tuple(rng.randrange(low, high) for _ in range(rng.randrange(1, max_len + 1)))
+
+    seqs = [fresh() for _ in range(rng.randrange(1, 12))]
+    base = TokenTrie.from_sequences([list(s) for s in seqs], vocab_size=V, keys=[key(s) for s in seqs])
+    catalog = LiveCatalog(base)
+    live = set(seqs)
+    random_changes(rng, catalog, base, live, fresh, rng.randrange(0, 10))
+    compacted = set(seqs)
+    if live and rng.random() < 0.6:
+        assert catalog.wait_compacted()
+        if live - compacted:  # additions to make visible: a compaction ran (revived base entries need none)
+            compacted = set(live)
+    random_changes(rng, catalog, base, live, fresh, rng.randrange(0, 8))
+    return catalog, base, live, compacted
 
 
 def _junk(rng: random.Random, rules: SpanRules) -> int:
@@ -72,42 +88,50 @@ def _junk(rng: random.Random, rules: SpanRules) -> int:
     return rng.choice(special) if rng.random() < 0.6 else rng.randrange(V)
 
 
+def _allowed(c: TrieConstraint, state, filters, width: int) -> list:
+    out = c.mask_(torch.zeros(len(state), width), state, filters=filters)
+    return [None if bool(row.isfinite().all()) else set(row.isfinite().nonzero().flatten().tolist()) for row in out]
+
+
 @settings(max_examples=150, deadline=None)
 @given(seed=st.integers(0, 2**20), mode=st.sampled_from(MODES), kernel=st.sampled_from(["native", "numpy", "torch"]),
        dense=st.booleans())
-def test_snapshot_decodes_like_its_compacted_trie(seed, mode, kernel, dense):
+def test_a_view_decodes_like_a_trie_of_the_entries_it_serves(seed, mode, kernel, dense):
     rng = random.Random(seed)
-    catalog, base, live = random_catalog(rng)
+    catalog, base, live, compacted = random_catalog(rng)
     snap = catalog.snapshot()
     assert sorted(snap.sequences()) == sorted(live)
+    assert list(snap.added()) == (snap.delta.sequences() if snap.delta is not None else [])  # delta entry order
     rules = SpanRules(end_token_id=END, **mode)
     if not live:
         with pytest.raises(EmptyTrieError):
-            SnapshotConstraint(snap, rules, "cpu")
+            snap.view(rules)
         with pytest.raises(EmptyTrieError):
             snap.compact()
         return
-    compact = snap.compact()
-    assert sorted(compact.sequences()) == sorted(live)
-    assert {compact.entry(i).key for i in range(compact.num_entries)} == {key(s) for s in live}
-    fanout = dict(dense_min_fanout=2 if dense else None)
-    cs = SnapshotConstraint(snap, rules, "cpu", kernel=kernel, **fanout)
-    cc = TrieConstraint(compact, rules, "cpu", kernel=kernel, **fanout)
-    assert cs.kernel.name == kernel
+    served = live & compacted  # removals at once, additions once compacted
+    if not served or (rules.on_complete == "release" and compacted - live):
+        served = live  # nothing to serve yet, or "release" (no filter) with removals: the snapshot's own compaction
+    view = snap.view(rules)
+    held = set(view.trie.sequences())
+    assert {view.trie.entry(int(i)).tokens for i in view.deny} == held - served
+    assert held & live == served and view.pending == len(live - served) and view.visible == len(served)
+    c = view.constraint(rules, "cpu", kernel=kernel, dense_min_fanout=2 if dense else None)
+    assert c.kernel.name == kernel and c is view.constraint(rules, "cpu", kernel=kernel,
+                                                             dense_min_fanout=2 if dense else None)
+    filters = view.filters(c, 6)
+    assert (filters is None) == (not view.deny.size)
     rows = 6
     tails = torch.tensor([[rng.randrange(2, V) for _ in range(3)] for _ in range(rows)])
     if rules.trigger:
         tails[0, -len(rules.trigger):] = torch.tensor(rules.trigger)
-    s_snap, s_comp = cs.start(rows, None, tails), cc.start(rows, None, tails)
-    refs = [SpanReference(live, rules, tuple(tails[i].tolist())) for i in range(rows)]
+    state = c.start(rows, None, tails)
+    refs = [SpanReference(served, rules, tuple(tails[i].tolist())) for i in range(rows)]
     history = tails.clone()
     width = V + 3  # logits wider than the vocabulary
     for _ in range(12):
-        logits = torch.randn(rows, width)
-        masked = cs.mask_(logits.clone(), s_snap)
-        assert torch.equal(masked, cc.mask_(logits.clone(), s_comp))
         expected = [r.allowed() for r in refs]
-        assert cs.allowed_tokens(s_snap, width) == [None if a is None else sorted(a) for a in expected]
+        assert _allowed(c, state, filters, width) == expected
         toks = []
         for r, allowed in zip(refs, expected):
             pool = sorted(allowed) if allowed is not None else list(range(2, V))
@@ -117,33 +141,29 @@ def test_snapshot_decodes_like_its_compacted_trie(seed, mode, kernel, dense):
             toks.append(tok)
             r.step(tok)
         history = torch.cat([history, torch.tensor(toks)[:, None]], dim=1)
-        s_snap = cs.advance(s_snap, torch.tensor(toks), history)
-        s_comp = cc.advance(s_comp, torch.tensor(toks), history)
-    generated = history[:, tails.shape[1]:].tolist()
-    cut = [g[: rng.randrange(len(g) + 1)] for g in generated]
-    for rows_tokens in (generated, cut):
-        got = cs.replay(rows_tokens, None, tails.tolist())
-        want = cc.replay(rows_tokens, None, tails.tolist())
-        assert [[(e.tokens, e.key) for e in row] for row in got] == [[(e.tokens, e.key) for e in row] for row in want]
-        for row in got:  # snapshot entry numbers lead back to the entries
-            for e in row:
-                assert snap.entry(e.index) == e
+        state = c.advance(state, torch.tensor(toks), history, filters=filters)
+    if filters is None:  # the entries each row completed, read back from the generated tokens
+        got = c.replay(history[:, tails.shape[1]:].tolist(), None, tails.tolist())
+        assert [[e.tokens for e in row] for row in got] == [r.finish() for r in refs]
 
 
 @pytest.mark.parametrize("kernel", ["native", "numpy", "torch"])
 @pytest.mark.parametrize("seed", range(8))
-def test_filters_over_a_snapshot_match_the_compacted_trie(kernel, seed):
+def test_request_filters_and_distinct_lists_over_a_view(kernel, seed):
     rng = random.Random(seed)
-    catalog, base, live = random_catalog(rng, low=3, max_len=3)
-    if len(live) < 2:
-        catalog.add([[20, 21], [22]], keys=[key((20, 21)), key((22,))])
-        live |= {(20, 21), (22,)}
+    catalog, base, live, compacted = random_catalog(rng, low=3, max_len=3)
+    catalog.add([[20, 21], [22], [23]], keys=[key((20, 21)), key((22,)), key((23,))])
+    live |= {(20, 21), (22,), (23,)}
+    assert catalog.wait_compacted()
+    gone = sorted(live)[0]
+    catalog.remove(sequences=[list(gone)])  # a removal after the compaction: denied over the compacted trie
+    live.discard(gone)
     snap = catalog.snapshot()
-    compact = snap.compact()
-    repeat = seed % 2 == 1
-    rules = SpanRules(end_token_id=END, on_complete="repeat", separator=(2,)) if repeat else SpanRules(END)
-    cs = SnapshotConstraint(snap, rules, "cpu", kernel=kernel)
-    cc = TrieConstraint(compact, rules, "cpu", kernel=kernel)
+    distinct = seed % 2 == 1
+    rules = SpanRules(end_token_id=END, on_complete="repeat", separator=(2,)) if distinct else SpanRules(END)
+    view = snap.view(rules)
+    assert view.deny.size == 1 and view.pending == 0
+    c = view.constraint(rules, "cpu", kernel=kernel)
     entries = sorted(live)
     rows = 5
     allow = [None if i == 0 else [key(s) for s in rng.sample(entries, rng.randrange(1, len(entries) + 1))]
@@ -152,57 +172,199 @@ def test_filters_over_a_snapshot_match_the_compacted_trie(kernel, seed):
     usable = [(set(a) if a is not None else {key(s) for s in entries}) - set(d) for a, d in zip(allow, deny)]
     keep = [i for i in range(rows) if usable[i]]
     allow, deny = [allow[i] for i in keep], [deny[i] for i in keep]
-    fs = cs.filters(len(keep), allow, deny)
-    fc = cc.filters(len(keep), allow, deny)
-    s_snap, s_comp = cs.start(len(keep)), cc.start(len(keep))
+    filters = view.filters(c, len(keep), allow, deny, distinct=distinct, max_entries=8)
+    refs = [SpanReference({s for s in entries if key(s) in usable[i]}, rules, distinct=distinct) for i in keep]
+    state = c.start(len(keep))
     for _ in range(14):
-        logits = torch.randn(len(keep), V)
-        masked = cs.mask_(logits.clone(), s_snap, filters=fs)
-        assert torch.equal(masked, cc.mask_(logits.clone(), s_comp, filters=fc))
-        toks = torch.tensor([rng.choice(row.isfinite().nonzero().flatten().tolist()) if rng.random() < 0.9
-                             else _junk(rng, rules) for row in masked])
+        expected = [r.allowed() for r in refs]
+        assert _allowed(c, state, filters, V) == expected
+        toks = [rng.choice(sorted(a)) for a in expected]
+        for r, t in zip(refs, toks):
+            r.step(t)
+        state = c.advance(state, torch.tensor(toks), filters=filters)
         beams = torch.tensor([rng.randrange(len(keep)) for _ in range(len(keep))])  # beam search reorders rows
-        fs, fc = fs.select(beams), fc.select(beams)
-        s_snap = cs.advance(s_snap.select(beams), toks, filters=fs)
-        s_comp = cc.advance(s_comp.select(beams), toks, filters=fc)
+        filters, state = filters.select(beams), state.select(beams)
+        refs = [_copy_ref(refs[b]) for b in beams.tolist()]
+    for r in refs:
+        assert not distinct or len(r.completed) == len(set(r.completed))
+
+
+def _copy_ref(ref: SpanReference) -> SpanReference:
+    out = SpanReference(set(ref.entries), ref.rules, distinct=ref.distinct)
+    out.history, out.state, out.completed = list(ref.history), ref.state, list(ref.completed)
+    return out
 
 
 @pytest.mark.parametrize("mode", MODES[:4], ids=lambda m: "-".join(str(v) for v in m.values()))
-def test_snapshot_step_never_reads_the_device(mode):
+def test_a_view_step_never_reads_the_device(mode):
     rng = random.Random(3)
     base = TokenTrie.from_sequences([[rng.randrange(3, V) for _ in range(rng.randrange(1, 4))] for _ in range(40)]
                                     + [[8], [8, 9]], vocab_size=V, keys=[str(i) for i in range(42)])
     catalog = LiveCatalog(base)
-    catalog.remove(list(range(0, base.num_entries - 2, 3)), sequences=[[8]])
     catalog.add([[10, 11, 12], [8, 13], [14]], keys=["x", "y", "z"])
+    assert catalog.wait_compacted()
+    catalog.remove(list(range(0, base.num_entries - 2, 3)), sequences=[[8]])
     rules = SpanRules(end_token_id=END, **mode)
-    c = SnapshotConstraint(catalog.snapshot(), rules, "cpu", dense_min_fanout=4, kernel="torch")
+    view = catalog.snapshot().view(rules)
+    c = view.constraint(rules, "cpu", dense_min_fanout=4, kernel="torch")
     rows = 7
-    filters = None if mode["on_complete"] == "release" else c.filters(rows, deny=["y", base.entry(1).key])
+    filters = view.filters(c, rows) if mode["on_complete"] == "release" else view.filters(c, rows, deny=["y", "1"])
+    assert (filters is None) == (mode["on_complete"] == "release")  # release: the snapshot's own compaction
     tails = torch.randint(2, V, (rows, 2))
     state = c.start(rows, None, tails)  # setup may read the device; the step may not
     for _ in range(6):
         tokens = torch.randint(0, V, (rows,))
         with no_host_sync():
-            c.mask_(torch.randn(rows, V + 3), state)
+            c.mask_(torch.randn(rows, V + 3), state, filters=filters)
             c.mask_(torch.randn(rows, V + 3), state, inplace=False, filters=filters)
-            c.mask_(torch.randn(rows + 2, V + 3), state, torch.arange(rows) + 1)  # a row mapping (vLLM)
             tails = torch.cat([tails[:, 1:], tokens.unsqueeze(1)], dim=1)
             state = c.advance(state, tokens, tails, filters=filters)
             state = state.select(torch.arange(rows).flip(0))
+            filters = filters.select(torch.arange(rows).flip(0)) if filters is not None else None
 
 
-def test_a_plain_snapshot_is_the_base_constraint():
-    base = TokenTrie.from_sequences([[3, 4], [5]], vocab_size=8)
+def test_removals_are_immediate_and_additions_visible_after_a_compaction():
+    base = TokenTrie.from_sequences([[3, 4], [3, 5], [6]], vocab_size=10, keys=["a", "b", "c"])
     catalog = LiveCatalog(base)
     rules = SpanRules(END)
-    assert isinstance(catalog.snapshot().constraint(rules, "cpu"), TrieConstraint)
-    catalog.add([[6]])
-    c = catalog.snapshot().constraint(rules, "cpu")
-    assert isinstance(c, SnapshotConstraint)
-    assert c.base is catalog.snapshot().constraint(rules, "cpu").base  # the base's constraint is built once
-    catalog.remove(sequences=[[6]])
-    assert catalog.snapshot().plain and isinstance(constraint_for(catalog, rules, "cpu"), TrieConstraint)
+    first = catalog.snapshot().view(rules)
+    assert first.trie is base and not first.deny.size and first.filters(first.constraint(rules, "cpu"), 2) is None
+    catalog.remove(["b"])
+    removed = catalog.snapshot().view(rules)
+    assert removed.trie is base and removed.deny.tolist() == [1]  # the base plus its tombstones
+    catalog.add([[3, 7]], keys=["d"])
+    pending = catalog.snapshot().view(rules)
+    assert pending.pending == 1 and pending.trie is base and pending.deny.tolist() == [1]
+    assert catalog.wait_compacted() and catalog.wait_compacted(timeout=0)
+    compacted = catalog.snapshot().view(rules)
+    assert compacted.trie is not base and sorted(compacted.trie.sequences()) == [(3, 4), (3, 7), (6,)]
+    assert not compacted.deny.size and compacted.pending == 0
+    c = compacted.constraint(rules, "cpu")
+    assert c.allowed_tokens(c.advance(c.start(1), torch.tensor([3]))) == [[4, 7]]
+    catalog.remove(["d", "a"])
+    catalog.add([[9]], keys=["e"])
+    later = catalog.snapshot().view(rules)  # the last compacted trie, its removed entries denied at once
+    assert later.trie is compacted.trie and later.pending == 1
+    assert sorted(later.trie.entry(int(i)).key for i in later.deny) == ["a", "d"]
+    c = later.constraint(rules, "cpu")
+    f = later.filters(c, 1)
+    assert c.mask_(torch.zeros(1, 10), c.start(1), filters=f).isfinite().nonzero()[:, 1].tolist() == [6]
+    assert first.trie is base and not first.deny.size  # a running request's view never changes
+    assert catalog.wait_compacted()
+    assert sorted(catalog.snapshot().view(rules).trie.sequences()) == [(6,), (9,)]
+    new_base = catalog.rebase()
+    assert catalog.snapshot().plain and catalog.snapshot().view(rules).trie is new_base
+    assert "pending=0" in repr(catalog.snapshot().view(rules))
+
+
+def test_requests_keep_the_last_compacted_trie_while_the_next_one_builds(monkeypatch):
+    base = TokenTrie.from_sequences([[3, 4], [5]], vocab_size=10, keys=["a", "b"])
+    catalog = LiveCatalog(base)
+    started, release = threading.Event(), threading.Event()
+    real = _Compaction.of
+
+    def slow(snap, warm=()):
+        started.set()
+        assert release.wait(30)
+        return real(snap, warm)
+
+    monkeypatch.setattr(_Compaction, "of", staticmethod(slow))
+    catalog.add([[6]], keys=["c"])
+    view = catalog.snapshot().view()  # asks for the compaction and returns at once: it is built off this thread
+    assert started.wait(30) and view.trie is base and view.pending == 1
+    catalog.remove(["a"])
+    assert catalog.snapshot().view().deny.tolist() == [0]  # still the base, the removal denied at once
+    assert not catalog.wait_compacted(timeout=0.05)
+    release.set()
+    assert catalog.wait_compacted(timeout=30)
+    view = catalog.snapshot().view()
+    assert sorted(view.trie.sequences()) == [(5,), (6,)] and not view.deny.size
+
+
+def test_a_compaction_builds_the_step_tables_requests_use():
+    from trie_decode.device import DeviceTrie
+
+    catalog = LiveCatalog(TokenTrie.from_sequences([[3, 4], [5]], vocab_size=10, keys=["a", "b"]))
+    lists = SpanRules(END, on_complete="repeat", separator=(2,))
+    catalog.snapshot().view(lists).constraint(lists, "cpu")  # a request decodes with these rules
+    catalog.add([[6]], keys=["c"])
+    assert catalog.wait_compacted()
+    trie = catalog.snapshot().view(lists).trie
+    assert trie is not catalog.base and lists in DeviceTrie.get(trie, "cpu")._tables  # off the request path
+
+
+def test_a_failed_compaction_is_reported_and_requests_keep_decoding(monkeypatch):
+    base = TokenTrie.from_sequences([[3, 4], [5]], vocab_size=10, keys=["a", "b"])
+    catalog = LiveCatalog(base)
+
+    def fail(snap, warm=()):
+        raise MemoryError("no room for the compacted trie")
+
+    monkeypatch.setattr(_Compaction, "of", staticmethod(fail))
+    catalog.add([[6]], keys=["c"])
+    with pytest.raises(MemoryError, match="no room"):
+        catalog.wait_compacted()
+    view = catalog.snapshot().view()
+    assert view.trie is base and view.pending == 1
+
+
+def test_view_filters_and_their_errors():
+    catalog = LiveCatalog(TokenTrie.from_sequences([[3, 4], [5]], vocab_size=8, keys=["a", "b"]))
+    catalog.add([[6]], keys=["c"])
+    catalog.remove(["a"])
+    view = catalog.snapshot().view()
+    c = view.constraint(SpanRules(END), "cpu")
+    with pytest.raises(ConstraintConfigError, match="not entries of the catalog"):
+        view.filters(c, 1, deny=["zzz"])
+    with pytest.raises(ConstraintConfigError, match="holds no entry the catalog serves now"):
+        view.filters(c, 1, allow=["a"])  # removed
+    with pytest.raises(ConstraintConfigError, match="holds no entry the catalog serves now"):
+        view.filters(c, 1, allow=["c"])  # added, not compacted yet
+    with pytest.raises(ConstraintConfigError, match="outside the snapshot"):
+        view.filters(c, 1, allow=[3])
+    with pytest.raises(ConstraintConfigError, match="entry keys"):
+        view.filters(c, 1, allow=[1.5])
+    with pytest.raises(ConstraintConfigError, match="the string"):
+        view.filters(c, 1, deny="b")
+    with pytest.raises(ConstraintConfigError, match="2 row specs for 1 rows"):
+        view.filters(c, 1, deny=[["b"], None])
+    with pytest.raises(ConstraintConfigError, match="this view's own"):
+        view.filters(TrieConstraint(TokenTrie.from_sequences([[3, 4], [5]], vocab_size=8), SpanRules(END), "cpu"), 1)
+    assert catalog.wait_compacted()
+    view = catalog.snapshot().view()
+    c = view.constraint(SpanRules(END), "cpu")
+    f = view.filters(c, 1, allow=[2])  # snapshot entry number 2: the added entry
+    assert c.mask_(torch.zeros(1, 8), c.start(1), filters=f).isfinite().nonzero()[:, 1].tolist() == [6]
+    catalog.remove(["b"])
+    release = SpanRules(END, on_complete="release")
+    loose = catalog.snapshot().view()
+    with pytest.raises(ConstraintConfigError, match="release"):
+        loose.filters(loose.constraint(release, "cpu"), 1)
+    exact = catalog.snapshot().view(release)  # "release" takes no filter: the snapshot's own compaction
+    assert exact.trie.sequences() == [(6,)] and not exact.deny.size and catalog.snapshot().view(release) is exact
+    with pytest.raises(ConstraintConfigError, match="release"):
+        exact.filters(exact.constraint(release, "cpu"), 1, deny=["c"])
+    with pytest.raises(TypeError, match="SpanRules"):
+        catalog.snapshot().view("eos")
+
+
+def test_distinct_lists_over_a_changed_catalog():
+    catalog = LiveCatalog(TokenTrie.from_sequences([[3, 4], [5], [6]], vocab_size=8, keys=["a", "b", "c"]))
+    catalog.add([[7]], keys=["d"])
+    assert catalog.wait_compacted()
+    catalog.remove(["c"])
+    lists = SpanRules(END, on_complete="repeat", separator=(2,))
+    view = catalog.snapshot().view(lists)
+    c = view.constraint(lists, "cpu")
+    f = view.filters(c, 1, distinct=True, max_entries=4)
+    state = c.start(1)
+    assert c.allowed_tokens(state) == [[3, 5, 6, 7]] and _allowed(c, state, f, 8) == [{3, 5, 7}]
+    for tok in (7, 2, 5, 2):
+        state = c.advance(state, torch.tensor([tok]), filters=f)
+    assert _allowed(c, state, f, 8) == [{3}]  # 7 and 5 are used, 6 is removed
+    for tok in (3, 4):
+        state = c.advance(state, torch.tensor([tok]), filters=f)
+    assert _allowed(c, state, f, 8) == [{END}]  # every entry used: the list ends
 
 
 def test_changes_and_their_errors():
@@ -261,40 +423,10 @@ def test_snapshots_are_immutable_and_numbered():
     with pytest.raises(IndexError, match="removed"):
         after.entry(0)
     assert after.lookup([3, 4]) is None and before.lookup([3, 4]).key == "a"
-    assert not after.tombstones.flags.writeable
+    assert not after.tombstones.flags.writeable and not after.view().deny.flags.writeable
     new_base = catalog.rebase()
     assert sorted(new_base.sequences()) == [(5,), (6, 7)] and catalog.base is new_base and catalog.snapshot().plain
     assert sorted(after.sequences()) == [(5,), (6, 7)]  # still readable by requests that hold it
-
-
-def test_filters_errors_over_a_snapshot():
-    catalog = LiveCatalog(TokenTrie.from_sequences([[3, 4], [5]], vocab_size=8, keys=["a", "b"]))
-    catalog.add([[6]], keys=["c"])
-    catalog.remove(["a"])
-    c = SnapshotConstraint(catalog.snapshot(), SpanRules(END), "cpu")
-    with pytest.raises(ConstraintConfigError, match="not entries of the catalog"):
-        c.filters(1, deny=["zzz"])
-    with pytest.raises(ConstraintConfigError, match="holds no live entry"):
-        c.filters(1, allow=["a"])  # removed
-    with pytest.raises(ConstraintConfigError, match="outside the snapshot"):
-        c.filters(1, allow=[3])
-    f = c.filters(1, allow=[2])  # snapshot index 2: the added entry
-    assert c.allowed_tokens(c.start(1), filters=f) == [[6]]
-    lists = SpanRules(END, on_complete="repeat", separator=(2,))
-    with pytest.raises(ConstraintConfigError, match="rebase"):
-        SnapshotConstraint(catalog.snapshot(), lists, "cpu").filters(1, distinct=True)
-    catalog.rebase()
-    plain = SnapshotConstraint(catalog.snapshot(), lists, "cpu")  # unchanged: the base's own distinct lists
-    f = plain.filters(1, distinct=True)
-    state = plain.start(1)
-    for tok in (6, 2):
-        state = plain.advance(state, torch.tensor([tok]), filters=f)
-    assert plain.allowed_tokens(state, filters=f) == [[5]]  # 6 is used
-    release = SnapshotConstraint(catalog.snapshot(), SpanRules(END, on_complete="release"), "cpu")
-    with pytest.raises(ConstraintConfigError, match="release"):
-        release.filters(1, deny=["b"])
-    with pytest.raises(ConstraintConfigError, match="trie index must be 0"):
-        c.start(2, torch.tensor([0, 1]))
 
 
 def test_delta_files_round_trip_and_refuse_another_base(tmp_path):
@@ -348,11 +480,12 @@ def test_strings_with_a_tokenizer(tokenizer):
         LiveCatalog(other).add(["Rome"], tokenizer=tokenizer, keys=["r"])
 
 
-def test_generate_keeps_the_snapshot_it_started_with(tiny_llama, tokenizer):
-    """A request that starts before a change decodes against its snapshot to the end; the next one sees it."""
+def test_generate_keeps_the_view_it_started_with(tiny_llama, tokenizer):
+    """A request that starts before a change decodes its view to the end; the next one sees the removals at once and
+    the additions once compacted; greedy decoding of a compacted catalog steps in one C call (the fused step)."""
     from transformers import LogitsProcessor
 
-    from trie_decode.integrations.transformers import TrieLogitsProcessor
+    from trie_decode.integrations.transformers import TrieLogitsProcessor, rank
 
     words = ["apple pie", "banana split", "cherry tart", "date loaf"]
     base = TokenTrie.from_strings(words, tokenizer, keys=words)
@@ -374,46 +507,51 @@ def test_generate_keeps_the_snapshot_it_started_with(tiny_llama, tokenizer):
 
     processor = TrieLogitsProcessor(catalog, tokenizer)
     inputs = tokenizer(["List a dessert:", "Another one:"], return_tensors="pt", padding=True)
-    out = tiny_llama.generate(**inputs, logits_processor=[ChangeMidway(), processor], max_new_tokens=12,
-                              do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    gen = dict(max_new_tokens=12, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    out = tiny_llama.generate(**inputs, logits_processor=[ChangeMidway(), processor], **gen)
+    assert processor._fused is not None  # an unchanged catalog: the base, no filter, one C call per step
     assert catalog.snapshot().sequences() == [tuple(TokenTrie.from_strings([new_entry], tokenizer).sequences()[0])]
     first = processor.match(out)
-    assert all(e is not None and e.key in words for e in first), first  # the old snapshot, to the end
-    out = tiny_llama.generate(**inputs, logits_processor=[processor], max_new_tokens=12, do_sample=False,
-                              pad_token_id=tokenizer.pad_token_id)
+    assert all(e is not None and e.key in words for e in first), first  # the old view, to the end
+    assert catalog.wait_compacted()
+    out = tiny_llama.generate(**inputs, logits_processor=[processor], **gen)
     assert [e.key for e in processor.match(out)] == [new_entry, new_entry]
-    # Beam search over a snapshot with a delta and tombstones: every beam is a live entry.
+    assert processor._fused is not None  # a compacted catalog with nothing removed since: one C call per step too
+    # Removals after the compaction are denied at once; additions wait for the next compaction.
     catalog.add(words[:2], tokenizer=tokenizer, keys=words[:2])
-    beams = tiny_llama.generate(**inputs, logits_processor=[processor], max_new_tokens=12, num_beams=4,
-                                num_return_sequences=3, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-    assert {e.key for e in processor.match(beams)} <= {new_entry, *words[:2]}
-    from trie_decode.integrations.transformers import rank
-
+    out = tiny_llama.generate(**inputs, logits_processor=[processor], **gen)
+    assert [e.key for e in processor.match(out)] == [new_entry, new_entry]
+    assert catalog.wait_compacted()
+    catalog.remove([words[0]])
+    beams = tiny_llama.generate(**inputs, logits_processor=[processor], num_beams=4, num_return_sequences=3, **gen)
+    assert {e.key for e in processor.match(beams)} <= {new_entry, words[1]}
     ranked = rank(tiny_llama, inputs, catalog, k=3, tokenizer=tokenizer, pad_token_id=tokenizer.pad_token_id)
-    assert [sorted(r.entry.key for r in row) for row in ranked] == [sorted([new_entry, *words[:2]])] * 2
+    assert [sorted(r.entry.key for r in row) for row in ranked] == [sorted([new_entry, words[1]])] * 2
+    # A distinct list over the changed catalog.
+    torch.manual_seed(0)
+    lists = TrieLogitsProcessor(catalog, tokenizer, on_complete="repeat", separator=",", distinct=True)
+    out = tiny_llama.generate(**inputs, logits_processor=[lists], max_new_tokens=30, do_sample=True,
+                              pad_token_id=tokenizer.pad_token_id)
+    for row in lists.match_all(out):
+        keys = [e.key for e in row]
+        assert len(keys) == len(set(keys)) and set(keys) <= {new_entry, words[1]}, keys
 
 
-def test_a_server_picks_up_a_delta_file_beside_the_trie_file(tmp_path):
-    """The pieces a server's trie cache uses: the delta file's identity (a new or replaced delta changes the key)
-    and the trie it decodes (base plus changes, compacted)."""
-    from trie_decode.live import apply_delta_file, delta_stat
-
+def test_a_server_reads_a_delta_file_beside_the_trie_file(tmp_path):
+    """What a server's trie cache uses: the trie it decodes for a trie file and its delta (base plus changes,
+    compacted), from the delta file's path or from a descriptor the server opened."""
     base = TokenTrie.from_sequences([[3, 4], [3, 5], [6]], vocab_size=10, keys=["a", "b", "c"])
     trie_path = tmp_path / "catalog.safetensors"
     base.save(trie_path)
-    assert delta_stat(trie_path) is None
     catalog = LiveCatalog.open(trie_path)
     catalog.add([[7]], keys=["d"])
     catalog.save_delta(delta_path_for(trie_path))
-    first = delta_stat(trie_path)
-    assert first is not None and first[0] == delta_path_for(trie_path)
-    served = apply_delta_file(TokenTrie.load(trie_path), first[0])
+    served = apply_delta_file(TokenTrie.load(trie_path), delta_path_for(trie_path))
     assert sorted(served.sequences()) == [(3, 4), (3, 5), (6,), (7,)]
     catalog.remove(["a", "d"])
-    catalog.save_delta(delta_path_for(trie_path))  # replaced: a new file identity
-    second = delta_stat(trie_path)
-    assert second != first
-    served = apply_delta_file(TokenTrie.load(trie_path), second[0])
+    catalog.save_delta(delta_path_for(trie_path))
+    with open(delta_path_for(trie_path), "rb") as handle:
+        served = apply_delta_file(TokenTrie.load(trie_path), handle)
     assert sorted(served.sequences()) == [(3, 5), (6,)] and served.lookup([3, 5]).key == "b"
     LiveCatalog(base).save_delta(delta_path_for(trie_path))  # an empty delta: the base itself
     loaded = TokenTrie.load(trie_path)
@@ -421,16 +559,22 @@ def test_a_server_picks_up_a_delta_file_beside_the_trie_file(tmp_path):
     other = TokenTrie.from_sequences([[1]], vocab_size=10, keys=["x"])
     with pytest.raises(TrieFileError, match="another base trie"):
         apply_delta_file(other, delta_path_for(trie_path))
+    with open(trie_path, "rb") as handle, pytest.raises(TrieFileError, match="catalog.safetensors is not a live"):
+        apply_delta_file(loaded, handle)
 
 
-def test_filters_name_a_catalogs_items_over_a_snapshot():
+def test_filters_name_a_catalogs_items_over_a_view():
     from trie_decode.catalogs import catalog_from_codes
 
     codes = np.array([[3, 1], [3, 2], [3, 1], [0, 5]])  # items a and c share one semantic id
     base = catalog_from_codes(codes, codebook_size=8, token_offset=100, vocab_size=200, keys=["a", "b", "c", "d"])
     catalog = LiveCatalog(base)
     catalog.add([[103, 111]], keys=["e"])
-    c = catalog.snapshot().constraint(SpanRules(END), "cpu")
+    assert catalog.wait_compacted()  # the compacted trie has no item lists: keys resolve over the snapshot
+    view = catalog.snapshot().view()
+    c = view.constraint(SpanRules(END), "cpu")
     state = c.advance(c.start(1), torch.tensor([103]))
     assert c.allowed_tokens(state) == [[109, 110, 111]]
-    assert c.allowed_tokens(state, filters=c.filters(1, deny=["c", "e"])) == [[110]]  # c: the id it shares with a
+    f = view.filters(c, 1, deny=["c", "e"])  # c: the id it shares with a
+    assert c.mask_(torch.zeros(1, 200), state, filters=f).isfinite().nonzero()[:, 1].tolist() == [110]
+    assert isinstance(view, CatalogView) and constraint_for(catalog, SpanRules(END), "cpu") is c

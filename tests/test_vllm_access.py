@@ -524,3 +524,113 @@ def test_filter_files_under_the_same_policy(resolver, tree, monkeypatch):
     (allowed / "unknown.txt").write_text("purple\n")
     with pytest.raises(TrieRequestError, match="not entries of the trie"):
         _filters(resolver, deny={"file": str(allowed / "unknown.txt")})
+
+
+# ------------------------------------------------------------------ live catalog delta files
+def _delta_beside(path, tokenizer, add=("purple",), remove=("red",)) -> str:
+    """Write a delta file for the trie file ``path`` (added and removed colors); return the delta's path."""
+    from trie_decode.live import LiveCatalog, delta_path_for
+
+    catalog = LiveCatalog.open(path)
+    catalog.add(list(add), tokenizer=tokenizer)
+    catalog.remove(list(remove))
+    target = delta_path_for(path)
+    catalog.save_delta(target)
+    return target
+
+
+def _names(trie) -> list:
+    return sorted(trie.names())
+
+
+def test_a_delta_file_beside_a_trie_file_is_read_from_the_descriptor_the_policy_opened(resolver, tree, tokenizer,
+                                                                                        monkeypatch):
+    allowed, _ = tree
+    monkeypatch.setenv(ENV_ALLOWED_DIRS, str(allowed))
+    value = str(allowed / "colors.trie")
+    delta = _delta_beside(allowed / "colors.trie", tokenizer)
+    opened = []
+    real_open = vllm_access.open_regular_file
+
+    def spy(path, *, follow_symlinks=True):
+        opened.append((os.fspath(path), follow_symlinks))
+        return real_open(path, follow_symlinks=follow_symlinks)
+
+    monkeypatch.setattr(vllm_access, "open_regular_file", spy)
+    assert _names(_trie(resolver, value)) == ["blue", "green", "purple"]
+    assert (delta, False) in opened  # once, O_NOFOLLOW
+    assert _names(vllm_access.load_allowed_file(value)) == ["blue", "green", "purple"]  # the uncached check too
+    os.replace(_delta_beside(allowed / "colors.trie", tokenizer, add=("teal",), remove=("blue",)), delta)
+    assert _names(_trie(resolver, value)) == ["green", "red", "teal"]  # a replaced delta is a new cache key
+    os.unlink(delta)
+    assert _names(_trie(resolver, value)) == sorted(COLORS)  # no delta: the trie file alone
+
+
+def test_a_delta_file_that_is_a_link_or_not_a_file_is_refused(resolver, tree, tokenizer, monkeypatch):
+    allowed, outside = tree
+    monkeypatch.setenv(ENV_ALLOWED_DIRS, str(allowed))
+    value = str(allowed / "colors.trie")
+    # A valid delta for this very trie, outside the allowed directories, linked in beside the trie file.
+    TokenTrie.load(allowed / "colors.trie").save(outside / "colors.trie")
+    secret = _delta_beside(outside / "colors.trie", tokenizer, add=("secret",), remove=())
+    os.symlink(secret, allowed / "colors.trie.delta.safetensors")
+    message = _refusal_of(resolver, value)
+    assert "delta file beside it" in message and "symbolic link" in message and "secret" not in message
+    with pytest.raises(TrieAccessError, match="delta file beside it"):
+        vllm_access.load_allowed_file(value)
+    os.unlink(allowed / "colors.trie.delta.safetensors")
+    os.mkdir(allowed / "colors.trie.delta.safetensors")
+    assert "not a regular file" in _refusal_of(resolver, value)
+    os.rmdir(allowed / "colors.trie.delta.safetensors")
+    (allowed / "colors.trie.delta.safetensors").write_bytes(b"not a delta file")
+    message = _refusal_of(resolver, value)
+    assert "is not a valid delta for it" in message and "not a delta file" not in message  # no file bytes
+
+
+def test_a_delta_file_swapped_for_a_link_between_check_and_open_is_refused(resolver, tree, tokenizer, monkeypatch):
+    """The race of an lstat-then-open: the delta is a regular file when the request arrives and a link to a file
+    outside the allowed directories when it is opened. The one O_NOFOLLOW open refuses it, and nothing outside is
+    read."""
+    allowed, outside = tree
+    monkeypatch.setenv(ENV_ALLOWED_DIRS, str(allowed))
+    value = str(allowed / "colors.trie")
+    delta = _delta_beside(allowed / "colors.trie", tokenizer)
+    TokenTrie.load(allowed / "colors.trie").save(outside / "colors.trie")
+    secret = _delta_beside(outside / "colors.trie", tokenizer, add=("secret",), remove=())
+    real_open = vllm_access.open_regular_file
+    read = []
+
+    def swap_then_open(path, *, follow_symlinks=True):
+        if os.fspath(path) == delta:  # between the check of the request's files and this open
+            os.unlink(delta)
+            os.symlink(secret, delta)
+        handle = real_open(path, follow_symlinks=follow_symlinks)
+        read.append(os.readlink(f"/proc/self/fd/{handle.fileno()}"))
+        return handle
+
+    monkeypatch.setattr(vllm_access, "open_regular_file", swap_then_open)
+    message = _refusal_of(resolver, value)
+    assert "delta file beside it" in message and "symbolic link" in message
+    assert secret not in read and os.path.realpath(secret) not in read
+
+
+def test_a_delta_opened_outside_the_allowed_directories_is_refused(resolver, tree, tokenizer, monkeypatch):
+    """A directory above the delta swapped for a link between the trie's open and the delta's: the kernel's account
+    of the opened descriptor is outside the allowed directories, so the request gets the generic refusal."""
+    allowed, _ = tree
+    monkeypatch.setenv(ENV_ALLOWED_DIRS, str(allowed))
+    delta = _delta_beside(allowed / "colors.trie", tokenizer)
+    real_open, real_readlink = vllm_access.open_regular_file, os.readlink
+    delta_fds = []
+
+    def record(path, *, follow_symlinks=True):
+        handle = real_open(path, follow_symlinks=follow_symlinks)
+        if os.fspath(path) == delta:
+            delta_fds.append(f"/proc/self/fd/{handle.fileno()}")
+        return handle
+
+    monkeypatch.setattr(vllm_access, "open_regular_file", record)
+    monkeypatch.setattr(vllm_access.os, "readlink",
+                        lambda p: "/etc/passwd" if p in delta_fds else real_readlink(p))
+    assert "is not a trie file this server makes available" in _refusal_of(resolver, str(allowed / "colors.trie"))
+    assert delta_fds

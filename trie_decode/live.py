@@ -1,29 +1,36 @@
-"""Live catalogs: add and remove entries of a loaded trie without rebuilding it, and decode over the result.
+"""Live catalogs: add and remove entries of a loaded trie without rebuilding it on the request path.
 
 Why this exists: retrieval and recommendation catalogs change every day (new items, withdrawn ones), and a trie of
-millions of entries takes seconds to rebuild. A :class:`LiveCatalog` keeps the loaded trie (the *base*) as it is and
-records the changes beside it:
+millions of entries takes about a second to rebuild. A :class:`LiveCatalog` keeps the loaded trie (the *base*) as it
+is and records the changes beside it:
 
-- added entries go into a small *delta* trie, rebuilt from its entry list when a snapshot is taken (it is small);
-- removed base entries become *tombstones* (sorted base entry indices), applied while decoding through the deny
-  filters of :mod:`trie_decode.filters`: a removed entry can never be completed, and a subtree whose entries are all
-  removed is pruned from the mask;
+- added entries go into a small *delta* (an entry list, and a small trie of it in each snapshot);
+- removed base entries become *tombstones* (sorted base entry indices);
 - removing an added entry drops it from the delta; adding an entry the base holds but that was removed revives it.
 
-Decoding reads a :class:`CatalogSnapshot`: base, delta, tombstones and a version number, immutable. A
-:class:`SnapshotConstraint` decodes over the union of base-minus-tombstones and delta exactly as a
-:class:`~trie_decode.constraint.TrieConstraint` over the single trie :meth:`CatalogSnapshot.compact` builds
-(tests/test_live.py checks it step by step, in every ``on_complete`` mode, with triggers, on every kernel).
-:meth:`LiveCatalog.compact` folds the changes into one real trie when the delta has grown.
+A :class:`CatalogSnapshot` is one immutable state (base, delta, tombstones, version). Decoding reads it as data, one
+ordinary :class:`~trie_decode.constraint.TrieConstraint` plus a deny filter (:class:`CatalogView`), never as a second
+decoder:
 
-What running requests see: a request decodes against the snapshot taken when it started, to its end. A change
-never reaches a running request, so it never sees half of one (an entry's removal without the addition made with
-it, or a path whose entry disappeared under it); every request that starts after the change sees all of it.
+1. nothing changed: the base trie, no filter;
+2. otherwise the newest *compacted* trie of the catalog (one real trie of the base with the changes folded in,
+   built by a background thread, about 1 s per million entries), or the base before the first compaction, with the
+   entries removed since then as a deny filter (:mod:`trie_decode.filters`: the C kernel masks it in its own pass);
+   a snapshot with removals only is therefore the base plus its tombstones.
+
+So **removals are immediate and additions become visible after a compaction**: a snapshot whose added entries the
+newest compacted trie lacks asks for a new compaction and decodes the last one until it is ready
+(:meth:`LiveCatalog.wait_compacted` waits for it). ``"release"`` mode takes no filter: there a snapshot with removals
+decodes its own compacted trie, built on first use (the request waits for it).
+
+What running requests see: a request decodes against the view it took when it started, to its end. A change never
+reaches a running request, so it never sees half of one; every request that starts after the change sees its
+removals at once and its additions once compacted.
 
 Changes are saved as a small *delta file* (:meth:`LiveCatalog.save_delta`, a safetensors file beside the trie file,
 by convention :func:`delta_path_for`) that names the base trie it belongs to: it is never applied to another base.
 
-Dimension letters: R state rows, B logits rows, V logits width, E entries, T tombstones.
+Dimension letters: E entries, T tombstones, K base entries a compacted trie holds, A added entries.
 """
 
 from __future__ import annotations
@@ -31,47 +38,39 @@ from __future__ import annotations
 import hashlib
 import itertools
 import os
-import stat
 import threading
-from dataclasses import dataclass, replace
-from typing import Any, Iterable, Optional, Sequence, Union
+import time
+from dataclasses import replace
+from typing import Any, BinaryIO, Iterable, Optional, Sequence, Union
 
 import numpy as np
 import torch
 
 from ._build import RaggedTokens, build_arrays, check_tokens, to_ragged
-from .constraint import DONE, FREE, RowState, SpanRules, TrieConstraint
+from .constraint import SpanRules, TrieConstraint
 from .device import DeviceTrie
 from .entries import Entry, StringTable
-from .errors import (
-    CatalogUpdateError,
-    ConstraintConfigError,
-    EmptyTrieError,
-    InvalidTokenError,
-    TrieFileError,
-)
+from .errors import CatalogUpdateError, ConstraintConfigError, EmptyTrieError, TrieFileError
 from .fileio import read_arrays, write_arrays
-from .filters import EntryOrder, KeyIndex, RowFilters, entry_indices, is_per_row
-from .kernels.vectorized import ALL_MASKED_FLOOR, NEG_INF
-from .masking import pack_bitmask
-from .spans import EXTRA0, EXTRA1, span_moves
+from .filters import EntryOrder, KeyIndex, RowFilters, is_per_row
 from .trie import TokenTrie
 
 __all__ = [
     "LiveCatalog",
     "CatalogSnapshot",
-    "SnapshotConstraint",
-    "SnapshotState",
-    "SnapshotFilters",
+    "CatalogView",
     "constraint_for",
     "delta_path_for",
-    "delta_stat",
     "apply_delta_file",
     "base_identity",
 ]
 
 DELTA_KIND = "trie_decode.live_delta"
 DELTA_VERSION = 1
+#: Compacted tries a catalog keeps besides its base (older snapshots still being viewed use the older one).
+KEEP_COMPACTIONS = 2
+#: Deny filters a view keeps built (one per device, kernel and batch size seen).
+KEEP_FILTERS = 8
 
 
 # ---------------------------------------------------------------------------------------------------------- helpers
@@ -156,37 +155,23 @@ def _walk(trie: TokenTrie, ragged: RaggedTokens) -> np.ndarray:
     return node
 
 
-def delta_stat(trie_path: Union[str, "os.PathLike[str]"]) -> Optional[tuple]:
-    """The identity of the delta file beside a trie file (:func:`delta_path_for`): ``(path, st_dev, st_ino,
-    st_mtime_ns, st_size)``, or None when there is none (or it is not a regular file). A server adds it to its trie cache key, so that a new or
-    replaced delta file is picked up by the next request (as a replaced trie file is, by its own stat).
-
-    Example:
-        >>> delta_stat("/nonexistent/catalog.safetensors") is None
-        True
-    """
-    path = delta_path_for(trie_path)
-    try:
-        st = os.lstat(path)  # a symlink is not followed: a delta file is the regular file beside the trie file
-    except OSError:
-        return None
-    if not stat.S_ISREG(st.st_mode):
-        return None
-    return (path, st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
-
-
-def apply_delta_file(base: TokenTrie, delta_path: Union[str, "os.PathLike[str]"], *, verify: bool = True) -> TokenTrie:
+def apply_delta_file(base: TokenTrie, delta: Union[str, "os.PathLike[str]", BinaryIO], *, verify: bool = True
+                     ) -> TokenTrie:
     """The trie a server decodes for a trie file with a delta file beside it: the base with the delta's changes
     folded in (:meth:`LiveCatalog.load_delta`, then :meth:`CatalogSnapshot.compact`), one real trie, so every
     serving path (processors, beam search, fast-forward, filters, distinct lists) works on it unchanged. The base
     is returned as it is when the delta changes nothing. Costs a compaction (about 1 s per million entries): cache
-    the result by both files' identities (:func:`delta_stat`).
+    the result by both files' identities.
+
+    Args:
+        delta: the delta file's path, or a binary file object opened on it (a server opens it through its access
+            policy and passes the descriptor: the file read is the file checked).
 
     Raises:
         TrieFileError: the delta file is corrupted, malformed, or was written for another base trie.
     """
     catalog = LiveCatalog(base)
-    catalog.load_delta(delta_path, verify=verify)
+    catalog.load_delta(delta, verify=verify)
     snap = catalog.snapshot()
     return base if snap.plain else snap.compact()
 
@@ -194,11 +179,11 @@ def apply_delta_file(base: TokenTrie, delta_path: Union[str, "os.PathLike[str]"]
 # ---------------------------------------------------------------------------------------------------------- snapshot
 class CatalogSnapshot:
     """One immutable state of a live catalog: the base trie, the delta trie of added entries (or None), the sorted
-    base entry indices removed (tombstones) and a version number.
+    base entry indices removed (tombstones) and a version number. Decode it through :meth:`view`.
 
     Entries are numbered as the union: base entries keep their base index (removed ones are gone), added entries
-    come after, ``base.num_entries + i`` for the delta's entry ``i``. These numbers hold within one snapshot;
-    :meth:`compact` renumbers.
+    come after, ``base.num_entries + i`` for the delta's entry ``i``. These numbers hold within one snapshot (filters
+    over a live catalog take them); :meth:`compact` renumbers.
 
     Args:
         base: the base trie.
@@ -224,7 +209,8 @@ class CatalogSnapshot:
         tombstones: Optional[np.ndarray] = None,
         version: int = 0,
         *,
-        _base_constraints: Optional[dict] = None,
+        _compactor: Optional["_Compactor"] = None,
+        _added: Optional[Sequence[tuple[int, ...]]] = None,
     ) -> None:
         if not isinstance(base, TokenTrie):
             raise TypeError(f"base must be a TokenTrie, not {type(base).__name__}")
@@ -239,11 +225,13 @@ class CatalogSnapshot:
             raise CatalogUpdateError(f"tombstones must be sorted, unique base entry indices in [0, {base.num_entries})")
         tomb.flags.writeable = False
         self.base, self.delta, self.tombstones, self.version = base, delta, tomb, int(version)
-        # Constraints over the base are shared by every snapshot of one catalog (same base): a new snapshot only
-        # builds its delta's.
-        self._base_constraints = {} if _base_constraints is None else _base_constraints
-        self._constraints: dict[tuple, Any] = {}
+        # The compacted versions of this base, shared by every snapshot of one catalog (a snapshot made on its own
+        # has its own).
+        self._compactor = _Compactor(base) if _compactor is None else _compactor
         self._lock = threading.Lock()
+        self._view: Optional[CatalogView] = None
+        self._added_seqs = _added  # the delta's entries in order, when the catalog knows them
+        self._added: Optional[dict[tuple[int, ...], int]] = None
 
     def snapshot(self) -> "CatalogSnapshot":
         """This snapshot (so that a snapshot and a :class:`LiveCatalog` are interchangeable where one is read)."""
@@ -307,7 +295,7 @@ class CatalogSnapshot:
         if self.delta is not None:
             found = self.delta.lookup(tokens)
             if found is not None:
-                return replace(found, index=self.base.num_entries + found.index)
+                return self.entry(self.base.num_entries + found.index)
         return None
 
     def sequences(self) -> list[tuple[int, ...]]:
@@ -327,6 +315,19 @@ class CatalogSnapshot:
             parts.append(_entry_tokens(self.delta, np.arange(self.delta.num_entries)))
         return _concat_ragged(parts)
 
+    def added(self) -> dict[tuple[int, ...], int]:
+        """Tokens of each added entry -> its index within the delta (computed once)."""
+        if self._added is None:
+            if self.delta is None:
+                self._added = {}
+            elif self._added_seqs is not None:
+                self._added = {seq: i for i, seq in enumerate(self._added_seqs)}
+            else:
+                ragged = _entry_tokens(self.delta, np.arange(self.delta.num_entries))
+                v, o = ragged.values.tolist(), ragged.offsets.tolist()
+                self._added = {tuple(v[o[i] : o[i + 1]]): i for i in range(len(o) - 1)}
+        return self._added
+
     def delta_keys(self) -> Optional[KeyIndex]:
         """key -> added entry indices (within the delta), or None without a delta."""
         return None if self.delta is None else _key_index(self.delta)
@@ -334,11 +335,16 @@ class CatalogSnapshot:
     def compact(self) -> TokenTrie:
         """One real trie: the base minus its removed entries, then the added ones (entries renumbered in that
         order; names, keys, fingerprint and options kept). The base's ``extra`` arrays (a catalog's item lists) are
-        not carried over.
+        not carried over. Costs about 1 s per million entries.
 
         Raises:
             EmptyTrieError: every entry was removed.
         """
+        return self._compact()[0]
+
+    def _compact(self) -> tuple[TokenTrie, np.ndarray]:
+        """The compacted trie and each of its entries' source (the live base entries in base order, then the
+        delta's entries). Shape of the sources: (E,), int64."""
         if self.num_entries == 0:
             raise EmptyTrieError("every entry of the catalog was removed: compact() would give an empty trie")
         alive = self._alive_base()
@@ -353,7 +359,7 @@ class CatalogSnapshot:
             return StringTable.concat(tables).take(built.entry_source)
 
         delta = self.delta
-        return TokenTrie(
+        trie = TokenTrie(
             child_ptr=built.child_ptr,
             token=built.token,
             node_entry=built.node_entry,
@@ -365,35 +371,44 @@ class CatalogSnapshot:
             fingerprint=self.base.fingerprint,
             options=self.base.options,
         )
+        return trie, np.asarray(built.entry_source, dtype=np.int64)
 
     # ------------------------------------------------------------------ decoding
-    def constraint(
-        self, rules: SpanRules, device: torch.device | str, *, kernel: Optional[str] = None,
-        dense_min_fanout: Optional[int] = None,
-    ) -> Union[TrieConstraint, "SnapshotConstraint"]:
-        """The constraint that decodes this snapshot under ``rules`` on ``device`` (built once, then cached): the
-        base's own :class:`TrieConstraint` when nothing changed, else a :class:`SnapshotConstraint`."""
-        key = (rules, str(torch.device(device)), kernel, dense_min_fanout)
-        with self._lock:
-            found = self._constraints.get(key)
-        if found is None:
-            found = (self._base_constraint(rules, device, kernel, dense_min_fanout) if self.plain else
-                     SnapshotConstraint(self, rules, device, kernel=kernel, dense_min_fanout=dense_min_fanout))
-            with self._lock:
-                found = self._constraints.setdefault(key, found)
+    def view(self, rules: Optional[SpanRules] = None) -> "CatalogView":
+        """What decoding this snapshot reads now: one trie and the entries of it to deny (see the module docstring).
+        A snapshot whose added entries are not all in the newest compacted trie asks the catalog's background
+        thread for a new one; the view is then the last one, with this snapshot's removals denied. With
+        ``"release"`` rules (which take no filter) and removals, the snapshot's own compacted trie (built now, once).
+
+        Raises:
+            EmptyTrieError: the snapshot holds no entry.
+        """
+        if self.num_entries == 0:
+            raise EmptyTrieError("every entry of the catalog was removed: nothing could be generated")
+        if rules is not None and not isinstance(rules, SpanRules):
+            raise TypeError(f"rules must be SpanRules or None, not {type(rules).__name__}")
+        found = self._latest_view()
+        if found.visible == 0 or (found.deny.size and rules is not None and rules.on_complete == "release"):
+            # Nothing live is visible yet (only added entries remain), or "release" mode, which takes no deny filter:
+            # this snapshot compacted now, on this thread, and kept as the catalog's newest compaction.
+            record = _Compaction.of(self)
+            self._compactor.publish(record)
+            found = self._latest_view()
+            if found.record.version != self.version:  # an old snapshot: the catalog keeps newer compactions
+                found = CatalogView(self, record)
+        elif found.pending:
+            self._compactor.request(self)
         return found
 
-    def _base_constraint(self, rules: SpanRules, device: torch.device | str, kernel: Optional[str],
-                         dense_min_fanout: Optional[int]) -> TrieConstraint:
-        """The base's :class:`TrieConstraint` for these options, shared by every snapshot of one catalog (a new
-        snapshot builds only its delta's)."""
-        key = (rules, str(torch.device(device)), kernel, dense_min_fanout)
+    def _latest_view(self) -> "CatalogView":
+        """The view over the newest compaction this snapshot may read (cached while it stays the newest)."""
+        record = self._compactor.best(self.version)
         with self._lock:
-            found = self._base_constraints.get(key)
-        if found is None:
-            found = TrieConstraint(self.base, rules, device, kernel=kernel, dense_min_fanout=dense_min_fanout)
+            found = self._view
+        if found is None or found.record is not record:
+            found = CatalogView(self, record)
             with self._lock:
-                found = self._base_constraints.setdefault(key, found)
+                self._view = found
         return found
 
     def __repr__(self) -> str:
@@ -402,31 +417,347 @@ class CatalogSnapshot:
                 f"added={added}, removed={len(self.tombstones)})")
 
 
+class _Compaction:
+    """One compacted state of a catalog: its trie and where the trie's entries come from.
+
+    Attributes:
+        trie: the compacted trie (the base itself in the base's own record).
+        version: the catalog version it holds (-1: the base's record, before any change).
+        alive: the base entries it holds, sorted; None: every base entry (the base's record). Shape: (K,), int64.
+        added: tokens of each added entry it holds -> its source number (after the K base entries).
+        index: the trie entry of each source (the K base entries, then the added ones); None: the identity.
+            Shape: (K + A,), int64.
+    """
+
+    def __init__(self, trie: TokenTrie, version: int, alive: Optional[np.ndarray],
+                 added: dict[tuple[int, ...], int], index: Optional[np.ndarray]) -> None:
+        self.trie, self.version, self.alive, self.added, self.index = trie, version, alive, added, index
+
+    @classmethod
+    def of(cls, snap: CatalogSnapshot, warm: Iterable[tuple[SpanRules, str]] = ()) -> "_Compaction":
+        """The compaction of ``snap`` (about 1 s per million entries), with the arrays the first request reads: the
+        entry order, the CPU arrays, and the step tables of the (rules, device) pairs in ``warm`` (about 0.5 s per
+        million entries each)."""
+        trie, source = snap._compact()
+        alive = snap._alive_base()
+        index = np.empty(len(source), dtype=np.int64)
+        index[source] = np.arange(len(source), dtype=np.int64)
+        added = {seq: len(alive) + i for seq, i in snap.added().items()}
+        EntryOrder.of(trie)  # built here, off the request path: the deny filters of later removals read it
+        DeviceTrie.get(trie, "cpu")
+        for rules, device in warm:
+            DeviceTrie.get(trie, device).table(rules)
+        return cls(trie, snap.version, alive, added, index)
+
+
+class _Compactor:
+    """The compacted tries of one base and the background thread that builds them, one at a time, always for the
+    newest snapshot that asked (:meth:`request`). Shared by a catalog and its snapshots."""
+
+    def __init__(self, base: TokenTrie) -> None:
+        self.base_record = _Compaction(base, -1, None, {}, None)
+        self.records: list[_Compaction] = []  # newest last
+        self.cond = threading.Condition()
+        self.wanted: Optional[CatalogSnapshot] = None
+        self.running = False
+        self.error: Optional[BaseException] = None
+        self.failed_version = -2
+        self.warm: dict[tuple[SpanRules, str], None] = {}  # the (rules, device) pairs views decoded, newest last
+
+    def used(self, rules: SpanRules, device: str) -> None:
+        """Note that a view decodes with ``rules`` on ``device``: the next compactions build that step table."""
+        with self.cond:
+            self.warm.pop((rules, device), None)
+            self.warm[rules, device] = None
+            while len(self.warm) > KEEP_FILTERS:
+                del self.warm[next(iter(self.warm))]
+
+    def best(self, version: int) -> _Compaction:
+        """The newest record a snapshot of ``version`` may read (a newer one could show it later additions)."""
+        with self.cond:
+            for record in reversed(self.records):
+                if record.version <= version:
+                    return record
+        return self.base_record
+
+    def request(self, snap: CatalogSnapshot) -> None:
+        """Compact ``snap`` in the background (coalesced: the thread takes the newest snapshot asked for)."""
+        with self.cond:
+            if snap.version == self.failed_version or any(r.version >= snap.version for r in self.records):
+                return
+            if self.wanted is None or snap.version > self.wanted.version:
+                self.wanted = snap
+            if not self.running:
+                self.running = True
+                threading.Thread(target=self._run, name="trie_decode-compaction", daemon=True).start()
+
+    def _run(self) -> None:
+        while True:
+            with self.cond:
+                snap, self.wanted = self.wanted, None
+                warm = list(self.warm)
+                if snap is None:
+                    self.running = False
+                    self.cond.notify_all()
+                    return
+            try:
+                record = _Compaction.of(snap, warm)
+            except Exception as exc:  # kept for wait_compacted(); requests keep the last compacted trie
+                with self.cond:
+                    self.error, self.failed_version = exc, snap.version
+                continue
+            self.publish(record)
+
+    def publish(self, record: _Compaction) -> None:
+        """Keep ``record`` among the newest compactions (in version order)."""
+        with self.cond:
+            if all(r.version != record.version for r in self.records):
+                self.records = sorted(self.records + [record], key=lambda r: r.version)[-KEEP_COMPACTIONS:]
+            self.error = None
+            self.cond.notify_all()
+
+    def wait(self, timeout: Optional[float]) -> bool:
+        """Wait until no compaction is running or wanted; False on timeout. Raises the last compaction's error."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self.cond:
+            while self.running:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self.cond.wait(left)
+            if self.error is not None:
+                raise self.error
+        return True
+
+
+class CatalogView:
+    """What decoding a snapshot reads: one trie (:attr:`trie`) and the entries of it the snapshot no longer holds
+    (:attr:`deny`), for an ordinary :class:`~trie_decode.constraint.TrieConstraint` and the deny filter of
+    :mod:`trie_decode.filters` combined with a request's own filters (:meth:`filters`). Made by
+    :meth:`CatalogSnapshot.view`.
+
+    Attributes:
+        snapshot: the snapshot.
+        trie: the base, or a compacted trie of the catalog.
+        deny: entries of ``trie`` that the snapshot removed, sorted. Shape: (D,), int64.
+        visible: live entries of the snapshot that ``trie`` holds.
+        pending: live entries of the snapshot that ``trie`` lacks (added since its compaction; 0 once compacted).
+
+    Example:
+        >>> import torch
+        >>> from trie_decode import TokenTrie
+        >>> catalog = LiveCatalog(TokenTrie.from_sequences([[3, 4], [3, 5], [6]], vocab_size=8))
+        >>> catalog.remove([1])
+        1
+        >>> rules = SpanRules(end_token_id=0)
+        >>> view = catalog.snapshot().view(rules)
+        >>> view.trie is catalog.base, view.deny.tolist()
+        (True, [1])
+        >>> c = view.constraint(rules, "cpu")
+        >>> state = c.advance(c.start(1), torch.tensor([3]))
+        >>> masked = c.mask_(torch.zeros(1, 8), state, filters=view.filters(c, 1))
+        >>> c.allowed_tokens(state), masked.isfinite().nonzero()[:, 1].tolist()   # the trie's, and with removals
+        ([[4, 5]], [4])
+    """
+
+    def __init__(self, snapshot: CatalogSnapshot, record: _Compaction) -> None:
+        self.snapshot, self.record, self.trie = snapshot, record, record.trie
+        tomb = snapshot.tombstones
+        nb = snapshot.base.num_entries
+        # Sources of the trie's entries that the snapshot removed: base entries it holds that are tombstones now,
+        # added entries no longer added.
+        if record.alive is None:
+            removed, held_base = tomb, nb
+        else:
+            k = len(record.alive)
+            pos = np.searchsorted(record.alive, tomb)
+            hit = pos < k
+            hit[hit] = record.alive[pos[hit]] == tomb[hit]
+            removed, held_base = pos[hit], k
+        added = snapshot.added()
+        gone = [src for seq, src in record.added.items() if seq not in added]
+        sources = np.concatenate([removed, np.asarray(gone, dtype=np.int64)])
+        deny = np.sort(sources if record.index is None else record.index[sources])
+        deny.flags.writeable = False
+        self.deny = deny
+        self.visible = held_base + len(record.added) - len(deny)
+        self.pending = snapshot.num_entries - self.visible
+        self._lock = threading.Lock()
+        self._constraints: dict[tuple, TrieConstraint] = {}
+        self._deny_filters: dict[tuple, RowFilters] = {}
+
+    def constraint(self, rules: SpanRules, device: torch.device | str, *, kernel: Optional[str] = None,
+                   dense_min_fanout: Optional[int] = None) -> TrieConstraint:
+        """The :class:`TrieConstraint` of :attr:`trie` under ``rules`` on ``device`` (built once, then cached)."""
+        key = (rules, str(torch.device(device)), kernel, dense_min_fanout)
+        found = self._constraints.get(key)
+        if found is None:
+            if dense_min_fanout is None:
+                self.snapshot._compactor.used(rules, str(torch.device(device)))
+            found = TrieConstraint(self.trie, rules, device, kernel=kernel, dense_min_fanout=dense_min_fanout)
+            with self._lock:
+                found = self._constraints.setdefault(key, found)
+        return found
+
+    def entry_indices(self, spec: Any, what: str) -> np.ndarray:
+        """The entries of :attr:`trie` that a filter spec names: entry keys (str: every entry of the snapshot that
+        holds the key, a catalog's item keys included) or the snapshot's entry numbers (int, see
+        :class:`CatalogSnapshot`). Entries the trie lacks (added, not compacted yet) are left out. Shape: (K,), int64.
+
+        Raises:
+            ConstraintConfigError: a key the snapshot never held, an entry number outside the snapshot, an item that
+                is neither.
+        """
+        snap = self.snapshot
+        if isinstance(spec, (str, bytes)):
+            raise ConstraintConfigError(f"{what} must be a list of keys or entry numbers, got the string {spec!r:.60}")
+        items = spec.ravel().tolist() if isinstance(spec, np.ndarray) else list(spec)
+        nb = snap.base.num_entries
+        nd = snap.delta.num_entries if snap.delta is not None else 0
+        base_idx: list[int] = []
+        delta_idx: list[int] = []
+        missing: list[str] = []
+        keys = [x for x in items if isinstance(x, str)]
+        if keys:
+            base_keys, delta_keys = _key_index(snap.base), snap.delta_keys()
+            for x in keys:
+                hits_b = base_keys.get(x)
+                hits_d = delta_keys.get(x) if delta_keys is not None else []
+                base_idx += hits_b
+                delta_idx += hits_d
+                if not hits_b and not hits_d:
+                    missing.append(x)
+            if missing:
+                raise ConstraintConfigError(
+                    f"{what}: {len(missing)} keys are not entries of the catalog, e.g. {missing[:3]}")
+        for x in items:
+            if isinstance(x, str):
+                continue
+            if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
+                raise ConstraintConfigError(f"{what} must hold entry keys (str) or entry numbers (int), got {x!r:.40}")
+            i = int(x)
+            if not 0 <= i < nb + nd:
+                raise ConstraintConfigError(f"{what}: entry number {i} is outside the snapshot's {nb + nd} entry "
+                                            "numbers")
+            (base_idx if i < nb else delta_idx).append(i if i < nb else i - nb)
+        record = self.record
+        base_src = np.unique(np.asarray(base_idx, dtype=np.int64))
+        if record.alive is not None:
+            pos = np.searchsorted(record.alive, base_src)
+            ok = pos < len(record.alive)
+            ok[ok] = record.alive[pos[ok]] == base_src[ok]
+            base_src = pos[ok]
+        added = list(snap.added())
+        delta_src = [record.added.get(added[j], -1) for j in set(delta_idx)]
+        sources = np.concatenate([base_src, np.asarray([s for s in delta_src if s >= 0], dtype=np.int64)])
+        return np.sort(sources if record.index is None else record.index[sources])
+
+    def filters(
+        self,
+        constraint: TrieConstraint,
+        num_rows: int,
+        allow: Optional[Sequence[Any]] = None,
+        deny: Optional[Sequence[Any]] = None,
+        *,
+        distinct: bool = False,
+        max_entries: int = 64,
+    ) -> Optional[RowFilters]:
+        """The rows' filters: this view's deny set combined with a request's own allow/deny (entries named as
+        :meth:`entry_indices` takes them) by :meth:`TrieConstraint.filters`, distinct lists included; None when
+        nothing is filtered (an unchanged catalog, or a compacted one with nothing removed since, and no request
+        filter). The deny set alone is built once per device, kernel and batch size.
+
+        Args:
+            constraint: :meth:`constraint`'s (over :attr:`trie`).
+            num_rows, allow, deny, distinct, max_entries: as :meth:`TrieConstraint.filters` (``allow``/``deny``: one
+                spec for every row, or one per row).
+
+        Raises:
+            ConstraintConfigError: as :meth:`entry_indices`; a row whose allow set holds no entry this view serves;
+                ``"release"`` rules with removals (take the view with :meth:`CatalogSnapshot.view` ``(rules)``); as
+                :meth:`TrieConstraint.filters`.
+        """
+        own = isinstance(constraint, TrieConstraint) and len(constraint.tries) == 1 and constraint.tries[0] is self.trie
+        if not own:
+            raise ConstraintConfigError("constraint must be this view's own (CatalogView.constraint)")
+        if allow is None and deny is None and not distinct:
+            if not self.deny.size:
+                return None
+            if constraint.rules.on_complete == "release":
+                raise ConstraintConfigError(
+                    '"release" mode takes no filter, and this view denies removed entries: take the view with '
+                    "CatalogSnapshot.view(rules), which compacts the snapshot for it")
+            key = (str(constraint.device), constraint.kernel.name, int(num_rows))
+            found = self._deny_filters.get(key)
+            if found is None:
+                found = constraint.filters(num_rows, deny=self.deny)
+                with self._lock:
+                    self._deny_filters = dict(list(self._deny_filters.items())[-(KEEP_FILTERS - 1):])
+                    found = self._deny_filters.setdefault(key, found)
+            return found
+        converted: dict[tuple, Optional[np.ndarray]] = {}  # rows sharing one spec object share its arrays
+
+        def rows_of(spec: Any, what: str) -> list[Optional[np.ndarray]]:
+            extra = self.deny if what == "deny" and self.deny.size else None
+
+            def one(s: Any) -> Optional[np.ndarray]:
+                if s is None:
+                    return extra
+                if (what, id(s)) not in converted:
+                    idx = self.entry_indices(s, what)
+                    converted[what, id(s)] = idx if extra is None else np.union1d(idx, extra)
+                return converted[what, id(s)]
+
+            if spec is None:
+                return [extra] * num_rows
+            if is_per_row(spec):
+                if len(spec) != num_rows:
+                    raise ConstraintConfigError(f"{what} has {len(spec)} row specs for {num_rows} rows")
+                return [one(s) for s in spec]
+            return [one(spec)] * num_rows
+
+        allow_rows, deny_rows = rows_of(allow, "allow"), rows_of(deny, "deny")
+        for i, (a, d) in enumerate(zip(allow_rows, deny_rows)):
+            if a is not None and (not a.size or (d is not None and np.isin(a, d, assume_unique=True).all())):
+                raise ConstraintConfigError(
+                    f"row {i}: the allow filter holds no entry the catalog serves now (removed, denied, or added "
+                    "and not compacted yet): nothing could be generated")
+        return constraint.filters(num_rows, allow_rows, deny_rows, distinct=distinct, max_entries=max_entries)
+
+    def __repr__(self) -> str:
+        return (f"CatalogView({self.snapshot!r}, trie of {self.trie.num_entries} entries, denied={len(self.deny)}, "
+                f"pending={self.pending})")
+
+
 def constraint_for(
     trie: Union[TokenTrie, CatalogSnapshot, "LiveCatalog"], rules: SpanRules, device: torch.device | str,
     *, kernel: Optional[str] = None,
-) -> Union[TrieConstraint, "SnapshotConstraint"]:
-    """The constraint for a trie, a snapshot, or a live catalog's latest snapshot.
+) -> TrieConstraint:
+    """The constraint of a trie, or of the trie a snapshot (a live catalog's latest) is viewed as
+    (:meth:`CatalogSnapshot.view`): what :meth:`TrieConstraint.replay` reads back generated entries with. Masking a
+    live catalog also needs the view's deny filter (:meth:`CatalogView.filters`).
 
     Example:
         >>> from trie_decode import TokenTrie
-        >>> catalog = LiveCatalog(TokenTrie.from_sequences([[3, 4], [6]], vocab_size=8))
-        >>> catalog.add([[5]])
-        1
+        >>> catalog = LiveCatalog(TokenTrie.from_sequences([[3, 4], [6]], vocab_size=8, keys=["a", "b"]))
+        >>> catalog.add([[5]], keys=["c"]), catalog.wait_compacted()
+        (1, True)
         >>> c = constraint_for(catalog, SpanRules(end_token_id=0), "cpu")
-        >>> c.allowed_tokens(c.start(1))
-        [[3, 5, 6]]
+        >>> c.allowed_tokens(c.start(1)), [e.key for e in c.replay([[5, 0]])[0]]
+        ([[3, 5, 6]], ['c'])
     """
     if isinstance(trie, TokenTrie):
         return TrieConstraint(trie, rules, device, kernel=kernel)
     if isinstance(trie, (CatalogSnapshot, LiveCatalog)):
-        return trie.snapshot().constraint(rules, device, kernel=kernel)
+        return trie.snapshot().view(rules).constraint(rules, device, kernel=kernel)
     raise TypeError(f"expected a TokenTrie, CatalogSnapshot or LiveCatalog, not {type(trie).__name__}")
 
 
 # ---------------------------------------------------------------------------------------------------------- catalog
 class LiveCatalog:
-    """A trie that accepts changes: entries added and removed without a rebuild; decode over :meth:`snapshot`.
+    """A trie that accepts changes: entries added and removed without a rebuild on the request path; decode
+    ``snapshot().view(rules)`` (removals at once, additions once a background thread compacted them, see the module
+    docstring; :meth:`wait_compacted` waits for it).
 
     Changes are validated before anything is applied (a change either happens whole or raises), and are safe
     against concurrent :meth:`snapshot` calls from other threads.
@@ -463,7 +794,7 @@ class LiveCatalog:
         self._delta: dict[tuple[int, ...], tuple[Optional[str], Optional[str]]] = {}
         self._delta_by_label: dict[str, dict[tuple[int, ...], None]] = {}
         self._snap: Optional[CatalogSnapshot] = None
-        self._base_constraints: dict = {}
+        self._compactor = _Compactor(base)
         self._identity: Optional[str] = None
 
     @classmethod
@@ -690,8 +1021,10 @@ class LiveCatalog:
         rebuilds the delta trie from the added entries (it is small: milliseconds per ten thousand entries)."""
         with self._lock:
             if self._snap is None:
+                # The delta trie numbers its entries in the order of self._delta (from_sequences keeps input order).
                 self._snap = CatalogSnapshot(self._base, self._delta_trie(), np.array(sorted(self._tomb), dtype=np.int64),
-                                             self._version, _base_constraints=self._base_constraints)
+                                             self._version, _compactor=self._compactor,
+                                             _added=tuple(self._delta))
             return self._snap
 
     def _delta_trie(self) -> Optional[TokenTrie]:
@@ -712,6 +1045,24 @@ class LiveCatalog:
             fingerprint=base.fingerprint,
             options={"source": "live catalog delta"},
         )
+
+    def wait_compacted(self, timeout: Optional[float] = None) -> bool:
+        """Make the catalog's additions visible: start the compaction of the current snapshot if it has entries the
+        newest compacted trie lacks, and wait for the background thread (about 1 s per million entries).
+
+        Returns:
+            True when the current snapshot decodes with every entry it holds; False on timeout (or when the catalog
+            changed meanwhile: call again).
+
+        Raises:
+            The compaction's error (e.g. MemoryError); requests keep decoding the last compacted trie.
+        """
+        snap = self.snapshot()
+        if snap.num_entries == 0 or not snap.view().pending:
+            return True
+        if not snap._compactor.wait(timeout):
+            return False
+        return snap._latest_view().pending == 0
 
     def compact(self) -> TokenTrie:
         """One real trie of the current entries (see :meth:`CatalogSnapshot.compact`); the catalog is unchanged."""
@@ -764,14 +1115,14 @@ class LiveCatalog:
         }
         write_arrays(path, arrays, metadata)
 
-    def load_delta(self, path: Union[str, "os.PathLike[str]"], *, verify: bool = True) -> None:
+    def load_delta(self, path: Union[str, "os.PathLike[str]", BinaryIO], *, verify: bool = True) -> None:
         """Replace the catalog's changes with those of a delta file written by :meth:`save_delta` for this base.
 
         Raises:
             TrieFileError: not a delta file, corrupted, malformed, or written for another base trie.
         """
         arrays, meta = read_arrays(path, verify=verify)
-        label = os.fspath(path)
+        label = str(getattr(path, "name", "the delta file")) if hasattr(path, "read") else os.fspath(path)
         if meta.get("kind") != DELTA_KIND:
             raise TrieFileError(f"{label} is not a live catalog delta file (kind {meta.get('kind')!r})")
         if meta.get("delta_version") != str(DELTA_VERSION):
@@ -834,608 +1185,3 @@ class LiveCatalog:
     def __repr__(self) -> str:
         return (f"LiveCatalog(version={self._version}, entries={self.num_entries}, base={self._base.num_entries}, "
                 f"added={len(self._delta)}, removed={len(self._tomb)})")
-
-
-# ---------------------------------------------------------------------------------------------------------- decoding
-@dataclass
-class SnapshotState:
-    """The state of R rows decoding a snapshot: one state code per side (see :mod:`trie_decode.spans`), and the
-    trie index (always 0: a snapshot is one catalog). Every Shape: (R,), int64.
-
-    While a row is inside an entry, each side is at its node for the row's path, or DONE when the path left that
-    side (the side is *out*: it contributes nothing). At a state code (FREE, a separator, DONE) both sides hold it.
-
-    Attributes:
-        base: each row's state on the base side. delta: on the delta side (equal to ``base`` when there is no
-            delta). tree: zeros.
-    """
-
-    base: torch.Tensor
-    delta: torch.Tensor
-    tree: torch.Tensor
-
-    def __len__(self) -> int:
-        return self.base.numel()
-
-    def select(self, index: torch.Tensor) -> "SnapshotState":
-        """Rows ``index`` of this state (a gather: beam reordering)."""
-        return SnapshotState(self.base[index], self.delta[index], self.tree[index])
-
-    def clone(self) -> "SnapshotState":
-        return SnapshotState(self.base.clone(), self.delta.clone(), self.tree.clone())
-
-    def assign(self, index: Any, other: "SnapshotState") -> None:
-        """Write ``other``'s rows into rows ``index`` of this state (in place)."""
-        self.base[index] = other.base
-        self.delta[index] = other.delta
-        self.tree[index] = other.tree
-
-    @staticmethod
-    def cat(states: Sequence["SnapshotState"]) -> "SnapshotState":
-        return SnapshotState(torch.cat([s.base for s in states]), torch.cat([s.delta for s in states]),
-                             torch.cat([s.tree for s in states]))
-
-    @property
-    def node(self) -> torch.Tensor:
-        """A :class:`RowState`-like view: the shared code where the row is at one, else the base side's node where
-        the base is in, else the delta side's node. Assigning it sets the rows whose value changes to that code on
-        both sides (for codes, e.g. ``state.node = torch.where(ended, DONE, state.node)``)."""
-        return torch.where(self.base != DONE, self.base, self.delta)
-
-    @node.setter
-    def node(self, value: torch.Tensor) -> None:
-        changed = value != self.node
-        self.base = torch.where(changed, value, self.base)
-        self.delta = torch.where(changed, value, self.delta)
-
-    @property
-    def done(self) -> torch.Tensor:
-        """Rows that may only emit the end token. Shape: (R,), bool."""
-        return (self.base == DONE) & (self.delta == DONE)
-
-
-def _as_state(state: Any) -> SnapshotState:
-    """A :class:`SnapshotState`; a :class:`RowState` of state codes only (DONE, FREE, separator codes) is taken as
-    both sides at those codes."""
-    if isinstance(state, SnapshotState):
-        return state
-    if isinstance(state, RowState):
-        return SnapshotState(state.node, state.node, state.tree)
-    raise TypeError(f"state must be a SnapshotState, not {type(state).__name__}")
-
-
-class SnapshotFilters:
-    """Per-row allow/deny filters over a snapshot: one :class:`RowFilters` per side, the base's including the
-    tombstones. Made by :meth:`SnapshotConstraint.filters`.
-
-    Attributes:
-        base, delta: the sides' filters (None: the side is unfiltered; the base then uses the tombstones alone).
-        base_off, delta_off: rows whose allow set holds nothing on that side. Shape: (R,), bool, or None.
-    """
-
-    def __init__(self, base: Optional[RowFilters], delta: Optional[RowFilters], base_off: Optional[torch.Tensor],
-                 delta_off: Optional[torch.Tensor]) -> None:
-        self.base, self.delta, self.base_off, self.delta_off = base, delta, base_off, delta_off
-
-    def select(self, index: torch.Tensor) -> "SnapshotFilters":
-        """Rows ``index`` of these filters (beam reordering)."""
-        pick = lambda f: None if f is None else f.select(index)  # noqa: E731
-        cut = lambda t: None if t is None else t[index]  # noqa: E731
-        return SnapshotFilters(pick(self.base), pick(self.delta), cut(self.base_off), cut(self.delta_off))
-
-
-class SnapshotConstraint:
-    """Decode over a :class:`CatalogSnapshot`: the union of the base minus its tombstones and the delta, exactly as
-    a :class:`TrieConstraint` over the trie :meth:`CatalogSnapshot.compact` would build.
-
-    The same public methods as :class:`TrieConstraint` (``start``, ``advance``, ``mask_``, ``allowed``,
-    ``allowed_tokens``, ``bitmask``, ``replay``, ``filters``), with :class:`SnapshotState` for the rows. Inside,
-    one :class:`TrieConstraint` per side with the same :class:`SpanRules`; every row has a state on each side.
-
-    A step (advance): each side takes the token by its own rules. A side whose node has the token as a child (with
-    an entry left below it) goes down; a side that has no such child is *out* (DONE) until the entry ends. When no
-    side went down, a side that stood at a live entry end (or at a shared code) moves to a code (FREE, a separator
-    code, the root after a separator or a trigger): every side takes it; otherwise every side is DONE.
-
-    The mask: the delta side's kept columns (its node's children and extra tokens, W + 2 per row, W the delta's
-    largest fanout) and their values are read first; then the base side is masked in place by its kernel (the
-    tombstones as a deny filter, with the request's own filters); a side that is out keeps nothing, not even the end
-    token; the delta's columns are merged in by a max over those columns only. With a request filter on the delta
-    side, the delta is masked whole into a scratch copy and merged by an element-wise max. In ``"release"`` mode,
-    rows standing at a live entry end are shown FREE to both sides (unconstrained), and with tombstones the sides
-    mask under ``"eos"`` rules (a removed entry end must not release the row). Fixed shapes and no host read on
-    the torch path. With no delta and no tombstone it is :class:`TrieConstraint`'s step.
-
-    One deviation from the compacted trie: where another processor set every token the base side allows to -inf
-    while a token of the delta is still finite, the base side's tokens keep the floor
-    (:data:`~trie_decode.kernels.vectorized.ALL_MASKED_FLOOR`) instead of -inf (and the other way round on the
-    whole-mask path). The floor is far below any real logit, so the chosen token is the same.
-
-    Args:
-        snapshot: the snapshot.
-        rules, device, dense_min_fanout, kernel: as :class:`TrieConstraint`.
-
-    Raises:
-        EmptyTrieError: the snapshot holds no entry.
-
-    Example:
-        >>> import torch
-        >>> from trie_decode import TokenTrie
-        >>> catalog = LiveCatalog(TokenTrie.from_sequences([[3, 4], [3, 5], [6]], vocab_size=8))
-        >>> catalog.remove([1]), catalog.add([[3, 7], [2]])
-        (1, 2)
-        >>> c = SnapshotConstraint(catalog.snapshot(), SpanRules(end_token_id=0), "cpu")
-        >>> state = c.start(1)
-        >>> c.allowed_tokens(state), c.allowed_tokens(c.advance(state, torch.tensor([3])))
-        ([[2, 3, 6]], [[4, 7]])
-    """
-
-    def __init__(
-        self,
-        snapshot: CatalogSnapshot,
-        rules: SpanRules,
-        device: torch.device | str,
-        *,
-        dense_min_fanout: Optional[int] = None,
-        kernel: Optional[str] = None,
-    ) -> None:
-        if not isinstance(snapshot, CatalogSnapshot):
-            raise TypeError(f"snapshot must be a CatalogSnapshot, not {type(snapshot).__name__}")
-        if not isinstance(rules, SpanRules):
-            raise TypeError(f"rules must be SpanRules, not {type(rules).__name__}")
-        if snapshot.num_entries == 0:
-            raise EmptyTrieError("every entry of the catalog was removed: nothing could be generated")
-        self.snapshot, self.rules, self.device = snapshot, rules, torch.device(device)
-        options = dict(dense_min_fanout=dense_min_fanout, kernel=kernel)
-        self.base = snapshot._base_constraint(rules, device, kernel, dense_min_fanout)
-        self.delta = TrieConstraint(snapshot.delta, rules, device, **options) if snapshot.delta is not None else None
-        self.kernel = self.base.kernel
-        self._options = options
-        self.vocab_size = snapshot.vocab_size
-        self.needed_width = max(self.base.needed_width, self.delta.needed_width if self.delta is not None else 0)
-        self._plain = snapshot.plain
-        tomb = snapshot.tombstones
-        self._tomb = (RowFilters(EntryOrder.of(snapshot.base), [None], [tomb], self.device) if tomb.size else None)
-        self._release_fix = rules.on_complete == "release" and tomb.size > 0
-        if self._release_fix:
-            eos = SpanRules(rules.end_token_id)
-            self._mask_base = snapshot._base_constraint(eos, device, kernel, dense_min_fanout)
-            self._mask_delta = TrieConstraint(snapshot.delta, eos, device, **options) if self.delta is not None else None
-        else:
-            self._mask_base, self._mask_delta = self.base, self.delta
-        self._scratch = threading.local()
-        if self.delta is not None:  # the delta side's sparse reading (see _delta_columns)
-            t = self.delta.dtries[0].tensors
-            width = int(np.diff(snapshot.delta.child_ptr).max(initial=0))
-            self._delta_ptr = t.child_ptr.to(torch.long)
-            self._delta_tok = torch.cat([t.child_token.to(torch.long), t.child_token.new_zeros(width, dtype=torch.long)])
-            n = snapshot.delta.num_nodes
-            self._delta_extra = self._mask_delta.tables[0].tensor[:n, EXTRA0 : EXTRA1 + 1].to(torch.long)
-            self._delta_j = torch.arange(width, device=self.device)
-        # Arrays the step reads, built now (setup may read the device; the step may not).
-        for side in (self.base, self.delta):
-            if side is not None:
-                side.dtries[0].tensors.terminal
-        for order in ([EntryOrder.of(snapshot.base)] if tomb.size else []):
-            order.on(self.device)
-
-    def with_kernel(self, kernel: str) -> "SnapshotConstraint":
-        """The same constraint stepping with another kernel (to compare them)."""
-        return SnapshotConstraint(self.snapshot, self.rules, self.device, kernel=kernel,
-                                  dense_min_fanout=self._options["dense_min_fanout"])
-
-    # ------------------------------------------------------------------ state
-    def start(self, num_rows: int, tree: Optional[torch.Tensor] = None, tails: Optional[torch.Tensor] = None
-              ) -> SnapshotState:
-        """The state of rows about to generate their first token (see :meth:`TrieConstraint.start`; ``tree`` must
-        be zeros: a snapshot is one catalog)."""
-        if tree is not None and tree.numel() and bool((tree != 0).any()):
-            raise ConstraintConfigError("a catalog snapshot is one trie: every row's trie index must be 0")
-        s = self.base.start(num_rows, None, tails)
-        return SnapshotState(s.node, s.node.clone(), s.tree)
-
-    def _side_filters(self, filters: Optional[SnapshotFilters]) -> tuple:
-        if filters is None:
-            return self._tomb, None, None, None
-        if not isinstance(filters, SnapshotFilters):
-            raise TypeError(f"filters must come from SnapshotConstraint.filters, not {type(filters).__name__}")
-        return (filters.base if filters.base is not None else self._tomb), filters.delta, filters.base_off, filters.delta_off
-
-    @staticmethod
-    def _info(c: TrieConstraint, node: torch.Tensor, filters: Optional[RowFilters], off: Optional[torch.Tensor]
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per row of one side: whether its node still has a usable entry below it (``alive``), and whether a usable
-        entry ends at it (``own``); both False at codes. One batched ``searchsorted`` with filters. Shape: (R,)."""
-        inside = node >= 0
-        n = node.clamp(min=0)
-        if filters is None:
-            alive, own = inside, inside & c.dtries[0].tensors.terminal[n]
-        else:
-            lo, hi, node_rank = filters.order.on(node.device)
-            first = lo[n]
-            # In depth-first rank order a node's own entry comes first in its interval: [lo, lo+1) is it.
-            usable = filters.usable(torch.stack([first, first + 1, hi[n]], dim=1))
-            alive = inside & (usable[:, 0] | usable[:, 1])
-            own = inside & (node_rank[n] >= 0) & usable[:, 0]
-        if off is not None:
-            alive, own = alive & ~off, own & ~off
-        return alive, own
-
-    def _step(self, state: Any, tokens: torch.Tensor, tails: Optional[torch.Tensor],
-              filters: Optional[SnapshotFilters]) -> tuple[SnapshotState, torch.Tensor, Optional[torch.Tensor]]:
-        """The union step (see the class docstring); also which rows completed a base / a delta entry.
-
-        Moves follow the trie the row may use, as :class:`TrieConstraint` with filters does: the compacted trie
-        without what the tombstones and the request's filters exclude (an excluded child is no child).
-        """
-        state = _as_state(state)
-        if tokens.dtype is not torch.long or tokens.device != self.device:
-            tokens = tokens.to(self.device, torch.long)
-        fb, fd, off_b, off_d = self._side_filters(filters)
-        ob, od, tree = state.base, state.delta, state.tree
-        nb = self.base.advance(RowState(ob, tree), tokens, tails).node
-        exist_nb, _ = self._info(self.base, nb, fb, off_b)
-        _, own_ob = self._info(self.base, ob, fb, off_b)
-        # Inside an entry a move to a node id >= 1 is a child (the root, 0, is only reached from a code).
-        down_b = (ob >= 0) & (nb >= 1) & exist_nb
-        move_b = torch.where((ob >= 0) & ((nb >= 1) | ~own_ob), DONE, nb)
-        if fb is not None or off_b is not None:
-            # An excluded child is no child: at a usable entry end the token makes the move it makes off the trie (a
-            # separator, a release), which the kernel did not take because the base still holds the child.
-            move_b = torch.where((ob >= 0) & (nb >= 1) & ~exist_nb & own_ob,
-                                 self._off_trie(self.base, ob, tokens, tails), move_b)
-        if self.delta is not None:
-            nd = self.delta.advance(RowState(od, tree), tokens, tails).node
-            exist_nd, _ = self._info(self.delta, nd, fd, off_d)
-            _, own_od = self._info(self.delta, od, fd, off_d)
-            down_d = (od >= 0) & (nd >= 1) & exist_nd
-            move_d = torch.where((od >= 0) & ((nd >= 1) | ~own_od), DONE, nd)
-            if fd is not None or off_d is not None:
-                move_d = torch.where((od >= 0) & (nd >= 1) & ~exist_nd & own_od,
-                                     self._off_trie(self.delta, od, tokens, tails), move_d)
-            went = down_b | down_d
-            code = torch.where(move_b != DONE, move_b, move_d)
-            new_b = torch.where(down_b, nb, torch.where(went, DONE, code))
-            new_d = torch.where(down_d, nd, torch.where(went, DONE, code))
-            done_d = own_od & ~went
-        else:
-            went = down_b
-            new_b = new_d = torch.where(down_b, nb, move_b)
-            done_d = None
-        done_b = own_ob & ~went
-        return SnapshotState(new_b, new_d, tree), done_b, done_d
-
-    def _off_trie(self, side: TrieConstraint, node: torch.Tensor, tokens: torch.Tensor,
-                  tails: Optional[torch.Tensor]) -> torch.Tensor:
-        """Each row's move on ``side`` as if its token were not a child (the step table's off-trie move)."""
-        moved = span_moves(side.tables[0].tensor, self.rules, node, tokens, torch.full_like(node, -1))
-        if self.rules.trigger:
-            moved = torch.where((moved == FREE) & side._tail_is_trigger(tails, len(tokens)), 0, moved)
-        return moved
-
-    def advance(self, state: SnapshotState, tokens: torch.Tensor, tails: Optional[torch.Tensor] = None, *,
-                filters: Optional[SnapshotFilters] = None) -> SnapshotState:
-        """The state after each row appends ``tokens`` (a new state; ``state`` is unchanged). Arguments as
-        :meth:`TrieConstraint.advance`; ``filters`` from :meth:`filters`."""
-        if isinstance(filters, RowFilters):  # an unchanged snapshot's filters (see :meth:`filters`)
-            return _as_state(self.base.advance(RowState(_as_state(state).base, state.tree), tokens, tails,
-                                               filters=filters))
-        return self._step(state, tokens, tails, filters)[0]
-
-    # ------------------------------------------------------------------ masks
-    def _mask_nodes(self, state: SnapshotState, filters: Optional[SnapshotFilters]) -> tuple:
-        """Each side's node to mask with, the rows where a side is out while the other is in, and the rows left
-        with no usable entry although their path is live (a request's filters exclude everything below it: the
-        compacted trie's constraint gives them the end token at the floor, and so does this one). Shape: (R,) each.
-
-        A side with no usable entry below its node is masked as DONE (it keeps the end token only, which is then
-        taken away when the other side is in). In ``"release"`` mode rows at a live entry end are shown FREE on both
-        sides: the row is unconstrained (the base side's mask then keeps everything).
-        """
-        fb, fd, off_b, off_d = self._side_filters(filters)
-        b, d = state.base, state.delta
-        use_b, own_b = self._info(self.base, b, fb, off_b)
-        dead_b = (b == DONE) | ((b >= 0) & ~use_b)
-        stuck = None
-        if filters is not None and (filters.base is not None or off_b is not None):
-            exist_b, _ = self._info(self.base, b, self._tomb, None)
-            stuck = exist_b & ~use_b
-        release = self.rules.on_complete == "release"
-        if self.delta is None:
-            nb = torch.where(dead_b, DONE, b)
-            if release:
-                nb = torch.where(own_b, FREE, nb)
-            return nb, None, None, None, stuck
-        use_d, own_d = self._info(self.delta, d, fd, off_d)
-        dead_d = (d == DONE) | ((d >= 0) & ~use_d)
-        if filters is not None and (fd is not None or off_d is not None or stuck is not None):
-            stuck = ((d >= 0) | (stuck if stuck is not None else False)) & dead_b & dead_d
-        nb, nd = torch.where(dead_b, DONE, b), torch.where(dead_d, DONE, d)
-        out_b, out_d = dead_b & ~dead_d, dead_d & ~dead_b
-        if release:
-            ends = own_b | own_d
-            nb, nd = torch.where(ends, FREE, nb), torch.where(ends, FREE, nd)
-            out_b, out_d = out_b & ~ends, out_d & ~ends
-        return nb, nd, out_b, out_d, stuck
-
-    def _delta_columns(self, logits: torch.Tensor, idx: torch.Tensor, nd: torch.Tensor, out_b: torch.Tensor
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The delta side's kept columns and their values, for rows inside the delta: the node's children and its
-        extra tokens (the step table's end and separator columns). Columns a row does not keep repeat its first
-        kept column and value (duplicate writes then write one value); a row keeping nothing names the end token
-        with -inf. Values: the logits', or the floor where every kept value is -inf and the base side is out.
-
-        Args:
-            idx: logits row of each state row. nd: each row's delta node (negative: nothing kept). Shape: (R,).
-        Returns:
-            cols, vals: Shape: (R, W + 2), W the delta's largest fanout.
-        """
-        ptr, tok, extra, j = self._delta_ptr, self._delta_tok, self._delta_extra, self._delta_j
-        inside = nd >= 0
-        n = nd.clamp(min=0)
-        start = ptr[n]
-        kids = (j < (ptr[n + 1] - start).unsqueeze(1)) & inside.unsqueeze(1)
-        ex = extra[n]
-        valid = torch.cat([kids, (ex >= 0) & inside.unsqueeze(1)], dim=1)
-        cols = torch.cat([tok[start.unsqueeze(1) + j], ex.clamp(min=0)], dim=1)
-        vals = logits[idx.unsqueeze(1), cols]
-        alive = (valid & (vals != NEG_INF)).any(dim=1, keepdim=True)
-        vals = torch.where((out_b.unsqueeze(1) & ~alive), torch.full_like(vals, ALL_MASKED_FLOOR), vals)
-        first = valid.to(torch.uint8).argmax(dim=1, keepdim=True)
-        none = ~valid.any(dim=1, keepdim=True)
-        c0 = torch.where(none, self.rules.end_token_id, cols.gather(1, first))
-        v0 = torch.where(none, NEG_INF, vals.gather(1, first))
-        return torch.where(valid, cols, c0), torch.where(valid, vals, v0)
-
-    def _scratch_like(self, logits: torch.Tensor) -> torch.Tensor:
-        """A private (B, V) buffer for the delta side, reused per thread (never returned to the caller)."""
-        buf = getattr(self._scratch, "buf", None)
-        if buf is None or buf.shape != logits.shape or buf.dtype != logits.dtype or buf.device != logits.device:
-            buf = self._scratch.buf = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-        return buf
-
-    def mask_(
-        self,
-        logits: torch.Tensor,
-        state: SnapshotState,
-        rows: Optional[torch.Tensor] = None,
-        *,
-        inplace: bool = True,
-        out: Optional[torch.Tensor] = None,
-        filters: Optional[SnapshotFilters] = None,
-    ) -> torch.Tensor:
-        """Set every disallowed logit of the rows to -inf; return the masked logits. Arguments as
-        :meth:`TrieConstraint.mask_` (Shape of ``logits``: (B, V)); ``filters`` from :meth:`filters`."""
-        state = _as_state(state)
-        if self._plain and (filters is None or isinstance(filters, RowFilters)):
-            return self.base.mask_(logits, RowState(state.base, state.tree), rows, inplace=inplace, out=out,
-                                   filters=filters)
-        InvalidTokenError.check_logits_width(logits.shape[-1], self.needed_width)
-        fb, fd, _, _ = self._side_filters(filters)
-        if rows is not None and rows.device != logits.device:
-            rows = rows.to(logits.device)
-        nb, nd, out_b, out_d, stuck = self._mask_nodes(state, filters)
-        tree = state.tree
-        idx = rows if rows is not None else torch.arange(len(state), device=logits.device)
-        end = self.rules.end_token_id
-        if self.delta is None:
-            res = self._mask_base.mask_(logits, RowState(nb, tree), rows, inplace=inplace, out=out, filters=fb)
-        elif fd is None and (filters is None or filters.delta_off is None):
-            # The delta side is read sparsely: its kept columns and values, gathered before the base side masks the
-            # logits in place, then merged into the base side's result by a max over those columns only.
-            cols, vals = self._delta_columns(logits, idx, nd, out_b)
-            res = self._mask_base.mask_(logits, RowState(nb, tree), rows, inplace=inplace, out=out, filters=fb)
-            res[idx, end] = torch.where(out_b, NEG_INF, res[idx, end])
-            at = idx.unsqueeze(1)
-            res[at, cols] = torch.maximum(res[at, cols], vals)
-        else:
-            # The delta side reads the logits first: the base side may mask them in place.
-            scratch = self._mask_delta.mask_(logits, RowState(nd, tree), rows, out=self._scratch_like(logits),
-                                             filters=fd)
-            res = self._mask_base.mask_(logits, RowState(nb, tree), rows, inplace=inplace, out=out, filters=fb)
-            # A side that is out was masked as DONE: it kept the end token only; it must keep nothing.
-            res[idx, end] = torch.where(out_b, NEG_INF, res[idx, end])
-            scratch[idx, end] = torch.where(out_d, NEG_INF, scratch[idx, end])
-            torch.maximum(res, scratch, out=res)
-        if stuck is not None:
-            res[idx, end] = torch.where(stuck, ALL_MASKED_FLOOR, res[idx, end])
-        return res
-
-    def allowed(self, state: SnapshotState, width: Optional[int] = None, *,
-                filters: Optional[SnapshotFilters] = None) -> torch.Tensor:
-        """Boolean mask of each row's allowed tokens (unconstrained rows allow all). Shape: (R, width), bool."""
-        width = width or self.vocab_size
-        InvalidTokenError.check_logits_width(width, self.needed_width)
-        probe = torch.zeros(len(state), width, device=self.device)
-        return self.mask_(probe, state, filters=filters).isfinite()
-
-    def allowed_tokens(self, state: SnapshotState, width: Optional[int] = None, *,
-                       filters: Optional[SnapshotFilters] = None) -> list[Optional[list[int]]]:
-        """Each row's allowed token ids, sorted, read on the host (None: the row is unconstrained)."""
-        mask = self.allowed(state, width, filters=filters).cpu()
-        return [None if bool(row.all()) else row.nonzero().flatten().tolist() for row in mask]
-
-    def bitmask(self, state: SnapshotState, width: Optional[int] = None) -> torch.Tensor:
-        """The allowed tokens as an int32 bitmask. Shape: (R, ceil(width / 32)), int32 (XGrammar's format)."""
-        return pack_bitmask(self.allowed(state, width))
-
-    # ------------------------------------------------------------------ filters
-    def filters(
-        self,
-        num_rows: int,
-        allow: Optional[Sequence[Any]] = None,
-        deny: Optional[Sequence[Any]] = None,
-        *,
-        distinct: bool = False,
-        max_entries: int = 64,
-    ) -> SnapshotFilters:
-        """Per-row filters over the snapshot, as :meth:`TrieConstraint.filters`: entries named by key (base or
-        added: every entry holding the key) or by snapshot entry index. Removed entries stay removed whatever the
-        filters say.
-
-        Distinct lists need one list state over the whole catalog: on an unchanged snapshot they are the base's
-        (:meth:`TrieConstraint.filters`); once the catalog has changes, compact it first (:meth:`LiveCatalog.rebase`).
-
-        Raises:
-            ConstraintConfigError: an unknown key or index, a row whose allow set holds no live entry,
-                ``"release"`` mode, ``distinct`` outside ``"repeat"`` mode or over a changed catalog.
-        """
-        if self._plain:
-            return self.base.filters(num_rows, allow, deny, distinct=distinct, max_entries=max_entries)
-        if self.rules.on_complete == "release":
-            raise ConstraintConfigError('filters need on_complete="eos" or "repeat" (a released row is unconstrained)')
-        if distinct and self.rules.on_complete != "repeat":
-            raise ConstraintConfigError('distinct=True needs on_complete="repeat" (a list of entries)')
-        if distinct:
-            raise ConstraintConfigError(
-                f"distinct=True needs one trie, and this catalog has changes ({self.snapshot!r}): fold them in with "
-                "LiveCatalog.rebase() (or compact()) first")
-        snap = self.snapshot
-        nb = snap.base.num_entries
-        nd = snap.delta.num_entries if snap.delta is not None else 0
-        empty = np.zeros(0, dtype=np.int64)
-        resolved: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-
-        def resolve(spec: Any, what: str) -> tuple[np.ndarray, np.ndarray]:
-            """A spec as (base entry indices, delta entry indices), sorted and unique (converted once per object)."""
-            if id(spec) in resolved:
-                return resolved[id(spec)]
-            items = spec.ravel().tolist() if isinstance(spec, np.ndarray) else list(spec)
-            if isinstance(spec, (str, bytes)):
-                raise ConstraintConfigError(f"{what} must be a list of keys or indices, got the string {spec!r:.60}")
-            base_idx: list[int] = []
-            delta_idx: list[int] = []
-            missing = []
-            base_keys = delta_keys = None
-            for x in items:
-                if isinstance(x, str):
-                    if base_keys is None:
-                        base_keys = _key_index(snap.base)
-                        delta_keys = snap.delta_keys()
-                    hits_b = base_keys.get(x)
-                    hits_d = delta_keys.get(x) if delta_keys is not None else []
-                    base_idx += hits_b
-                    delta_idx += hits_d
-                    if not hits_b and not hits_d:
-                        missing.append(x)
-                elif isinstance(x, (int, np.integer)) and not isinstance(x, bool):
-                    i = int(x)
-                    if not 0 <= i < nb + nd:
-                        raise ConstraintConfigError(f"{what}: entry index {i} is outside the snapshot's "
-                                                    f"{nb + nd} entry numbers")
-                    (base_idx if i < nb else delta_idx).append(i if i < nb else i - nb)
-                else:
-                    raise ConstraintConfigError(f"{what} must hold entry keys (str) or entry indices (int), got {x!r:.40}")
-            if missing:  # a catalog's item keys (and any other key the filters know) name base entries too
-                try:
-                    base_idx += entry_indices(snap.base, missing, what).tolist()
-                except ConstraintConfigError:
-                    raise ConstraintConfigError(
-                        f"{what}: {len(missing)} keys are not entries of the catalog, e.g. {missing[:3]}") from None
-            out = (np.unique(np.asarray(base_idx, dtype=np.int64)), np.unique(np.asarray(delta_idx, dtype=np.int64)))
-            resolved[id(spec)] = out
-            return out
-
-        def rows_of(spec: Any, what: str) -> list[Any]:
-            if spec is None:
-                return [None] * num_rows
-            if is_per_row(spec):
-                if len(spec) != num_rows:
-                    raise ConstraintConfigError(f"{what} has {len(spec)} row specs for {num_rows} rows")
-                return list(spec)
-            return [spec] * num_rows
-
-        allow_rows, deny_rows = rows_of(allow, "allow"), rows_of(deny, "deny")
-        tomb = snap.tombstones
-        sides: dict[tuple[int, int], tuple] = {}  # rows sharing spec objects share the arrays (RowFilters shares them)
-        per_row = []
-        for i, (a, d) in enumerate(zip(allow_rows, deny_rows)):
-            key = (id(a), id(d))
-            if key not in sides:
-                db, dd = resolve(d, "deny") if d is not None else (empty, empty)
-                db_all = np.union1d(db, tomb) if tomb.size else db
-                if a is None:
-                    sides[key] = (None, db_all, False, None, dd, False)
-                else:
-                    ab, ad = resolve(a, "allow")
-                    ab = np.setdiff1d(ab, db_all, assume_unique=True)
-                    ad = np.setdiff1d(ad, dd, assume_unique=True)
-                    if not ab.size and not ad.size:
-                        raise ConstraintConfigError(f"row {i}: the allow filter holds no live entry: nothing could "
-                                                    "be generated")
-                    sides[key] = (ab if ab.size else None, db_all, not ab.size, ad if ad.size else None, dd, not ad.size)
-            per_row.append(sides[key])
-        need_base = any(r[0] is not None or r[1].size for r in per_row)
-        need_delta = snap.delta is not None and any(r[3] is not None or r[4].size for r in per_row)
-        base = (RowFilters(EntryOrder.of(snap.base), [r[0] for r in per_row], [r[1] for r in per_row], self.device)
-                if need_base else None)
-        delta = (RowFilters(EntryOrder.of(snap.delta), [r[3] for r in per_row], [r[4] for r in per_row], self.device)
-                 if need_delta else None)
-        off = lambda k: (torch.tensor([r[k] for r in per_row], dtype=torch.bool, device=self.device)  # noqa: E731
-                         if any(r[k] for r in per_row) else None)
-        return SnapshotFilters(base, delta, off(2), off(5) if snap.delta is not None else None)
-
-    # ------------------------------------------------------------------ host-side answers
-    def replay(
-        self,
-        generated: Union[torch.Tensor, Sequence[Sequence[int]]],
-        tree: Optional[Sequence[int]] = None,
-        prompt_tails: Optional[Sequence[Sequence[int]]] = None,
-    ) -> list[list[Entry]]:
-        """The entries each row completed, in order (snapshot entries: see :class:`CatalogSnapshot`), by running
-        the rows through this constraint's own steps; as :meth:`TrieConstraint.replay`."""
-        rows = generated.tolist() if isinstance(generated, torch.Tensor) else [list(r) for r in generated]
-        if tree is not None and any(int(t) != 0 for t in tree):
-            raise ConstraintConfigError("a catalog snapshot is one trie: every row's trie index must be 0")
-        r = len(rows)
-        found: list[list[Entry]] = [[] for _ in range(r)]
-        if r == 0:
-            return found
-        host = self if self.device.type == "cpu" else SnapshotConstraint(self.snapshot, self.rules, "cpu")
-        snap = self.snapshot
-        nb = snap.base.num_entries
-        base_entry, delta_entry = snap.base.node_entry, snap.delta.node_entry if snap.delta is not None else None
-        width = max((len(x) for x in rows), default=0)
-        t = len(self.rules.trigger)
-        tails = np.full((r, t), -1, dtype=np.int64)
-        if t and prompt_tails is not None:
-            for i, tail in enumerate(prompt_tails):
-                tail = list(tail)[-t:]
-                if tail:
-                    tails[i, t - len(tail) :] = tail
-        pad = np.full((r, width), -1, dtype=np.int64)
-        lengths = np.array([len(x) for x in rows], dtype=np.int64)
-        for i, x in enumerate(rows):
-            pad[i, : len(x)] = x
-        full = np.concatenate([tails, pad], axis=1)
-        state = host.start(r, None, torch.from_numpy(tails) if t else None)
-
-        def record(positions: np.ndarray, done_b: torch.Tensor, done_d: Optional[torch.Tensor], sub: SnapshotState) -> None:
-            b, d = sub.base.numpy(), sub.delta.numpy()
-            for k in np.flatnonzero(done_b.numpy()).tolist():
-                found[int(positions[k])].append(snap.base.entry(int(base_entry[b[k]])))
-            if done_d is not None:
-                for k in np.flatnonzero(done_d.numpy()).tolist():
-                    found[int(positions[k])].append(snap.entry(nb + int(delta_entry[d[k]])))
-
-        for j in range(width):
-            live = np.flatnonzero(lengths > j)
-            sub = state.select(torch.from_numpy(live)) if len(live) < r else state
-            tok = torch.from_numpy(pad[live, j])
-            tail = torch.from_numpy(full[live, j + 1 : j + 1 + t]) if t else None
-            new, done_b, done_d = host._step(sub, tok, tail, None)
-            record(live, done_b, done_d, sub)
-            if len(live) < r:
-                state.assign(torch.from_numpy(live), new)
-            else:
-                state = new
-        # Rows that stop at an entry end completed it too.
-        _, own_b = host._info(host.base, state.base, host._tomb, None)
-        own_d = host._info(host.delta, state.delta, None, None)[1] if host.delta is not None else None
-        record(np.arange(r), own_b, own_d, state)
-        return found
-
-    def __repr__(self) -> str:
-        return f"SnapshotConstraint({self.snapshot!r}, {self.rules!r}, device={self.device})"
-
-
