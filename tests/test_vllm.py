@@ -210,30 +210,80 @@ def test_options_trigger_and_repeat(llm, tokenizer):
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from trie_decode import TokenTrie
+    from trie_decode.constraint import SpanRules
     from trie_decode.integrations.vllm import trie_args
 
+    from reference import first_refused
+
     ids = _chat(tokenizer, "List three colors, separated by commas.")
-    rep = llm.generate(
+    got = llm.generate(
         [TokensPrompt(prompt_token_ids=ids)],
         SamplingParams(max_tokens=24, temperature=0, extra_args=trie_args(COLORS, on_complete="repeat", separator=", ")),
         use_tqdm=False,
-    )[0].outputs[0].text
+    )[0].outputs[0]
+    rep = got.text
+    colors = TokenTrie.from_strings(COLORS, tokenizer).sequences()
+    eos, word = tokenizer.eos_token_id, lambda w: tuple(tokenizer(w, add_special_tokens=False)["input_ids"])  # noqa: E731
+    assert first_refused(colors, SpanRules(eos, on_complete="repeat", separator=word(", ")), got.token_ids) is None
     parts = rep.split(", ")  # max_tokens may cut the list: the last part is then a prefix of an entry
     assert len(parts) >= 2 and all(p in COLORS for p in parts[:-1]), rep
     assert any(c.startswith(parts[-1]) for c in COLORS), rep
     # A trigger that the prompt ends with: the constraint starts at once.
     prompt = ids + tokenizer("Answer:", add_special_tokens=False)["input_ids"]
-    trig = llm.generate(
+    got = llm.generate(
         [TokensPrompt(prompt_token_ids=prompt)],
         SamplingParams(max_tokens=12, temperature=0, extra_args=trie_args(COLORS, trigger="Answer:", leading_space=False)),
         use_tqdm=False,
-    )[0].outputs[0].text
-    assert trig in COLORS, trig
+    )[0].outputs[0]
+    assert got.text in COLORS, got.text
+    rules = SpanRules(eos, trigger=word("Answer:"))
+    assert first_refused(colors, rules, got.token_ids, prompt_tail=prompt) is None
+
+
+def test_repeat_list_with_a_denied_entry_behind_the_separator_matches_transformers(llm, model, tokenizer):
+    """Issue 22: entries " Paris" and " Paris, France", the second denied, a "repeat" list separated by ",". The
+    separator is also the denied entry's next token: an excluded child is no child, so the list goes on (as under
+    transformers) instead of walking into the denied entry and stopping on a dangling separator."""
+    import torch
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from trie_decode import TokenTrie
+    from trie_decode.constraint import SpanRules
+    from trie_decode.integrations.transformers import TrieLogitsProcessor
+
+    from reference import first_refused
+
+    word = lambda w: tokenizer(w, add_special_tokens=False)["input_ids"]  # noqa: E731
+    paris, comma = word(" Paris"), word(",")
+    entries = [paris, word(" Paris, France")]
+    assert len(paris) == 1 and len(comma) == 1 and entries[1][:2] == paris + comma
+    ids = word("Cities: Paris, Paris, Paris, Paris. Again:")
+    eos = tokenizer.eos_token_id
+    out = list(llm.generate(
+        [TokensPrompt(prompt_token_ids=ids)],
+        SamplingParams(max_tokens=10, temperature=0.0,
+                       extra_args={"trie": entries, "deny": [1], "on_complete": "repeat", "separator": ","}),
+        use_tqdm=False,
+    )[0].outputs[0].token_ids)
+    proc = TrieLogitsProcessor(TokenTrie.from_sequences(entries, len(tokenizer)), tokenizer, on_complete="repeat",
+                               separator=",", deny=[1])
+    input_ids = torch.tensor([ids])
+    gen = model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), logits_processor=[proc],
+                         max_new_tokens=10, do_sample=False, pad_token_id=eos)
+    ref = gen[0, len(ids):].tolist()
+    assert out == ref, (tokenizer.decode(out), tokenizer.decode(ref))
+    assert first_refused([paris], SpanRules(end_token_id=eos, on_complete="repeat", separator=tuple(comma)), out) is None
+    assert out[:4] == paris + comma + paris + comma, tokenizer.decode(out)  # the list goes on past the separator
 
 
 def test_fast_forward_driver_matches_plain_decoding(llm, tokenizer, country_file, country_names):
     from trie_decode import TokenTrie
+    from trie_decode.constraint import SpanRules
     from trie_decode.integrations.vllm_fastforward import generate
+
+    from reference import first_refused
 
     questions = ["Which country is Sarajevo in?", "Which country is London in?", "Name a country in Africa.",
                  "Which country has Pyongyang as its capital?"]
@@ -242,9 +292,11 @@ def test_fast_forward_driver_matches_plain_decoding(llm, tokenizer, country_file
     plain = generate(llm, prompts, tries, max_tokens=32, fast_forward=False)
     fast = generate(llm, prompts, tries, max_tokens=32, fast_forward=True, min_run=2)
     trie = TokenTrie.load(country_file)
+    rules = SpanRules(end_token_id=tokenizer.eos_token_id)
     for p, f in zip(plain, fast):
         assert f.token_ids == p.token_ids, (p.text, f.text)
         assert _member(trie, f.token_ids, tokenizer.eos_token_id)
+        assert first_refused(trie.sequences(), rules, f.token_ids) is None, f.text
     assert all(p.rounds == 1 for p in plain)
     # Forced runs in the middle of entries: the driver stops, appends the run, and resubmits with a prefix.
     codes = [f"ref-{a}-catalogue-section-{b}" for a in ("alpha", "beta", "gamma") for b in ("north", "south", "east")]
@@ -253,9 +305,11 @@ def test_fast_forward_driver_matches_plain_decoding(llm, tokenizer, country_file
     plain = generate(llm, prompts, mid, max_tokens=40, fast_forward=False)
     fast = generate(llm, prompts, mid, max_tokens=40, fast_forward=True, min_run=2, resubmit=True)
     tail = generate(llm, prompts, mid, max_tokens=40, fast_forward=True, min_run=2)
+    code_seqs = TokenTrie.from_strings(codes, tokenizer).sequences()
     for p, f, t in zip(plain, fast, tail):
         assert f.token_ids == p.token_ids == t.token_ids, (p.text, f.text, t.text)
         assert f.text in codes
+        assert first_refused(code_seqs, rules, f.token_ids) is None, f.text
         assert f.forced > 0 and f.rounds >= 2, f
         assert t.rounds == 1, "without resubmission a request is submitted once"
 
@@ -310,7 +364,10 @@ def test_the_same_request_twice_gives_the_same_output(llm, tokenizer, country_fi
     from vllm.inputs import TokensPrompt
 
     from trie_decode import TokenTrie
+    from trie_decode.constraint import SpanRules
     from trie_decode.integrations.vllm import trie_args
+
+    from reference import first_refused
 
     eos = tokenizer.eos_token_id
     europe = [c for c in ("France", "Germany", "Italy", "Spain", "Portugal", "Norway") if c in country_names]
@@ -339,9 +396,17 @@ def test_the_same_request_twice_gives_the_same_output(llm, tokenizer, country_fi
     assert again == first
     country = TokenTrie.load(country_file)
     colors = TokenTrie.from_strings(COLORS, tokenizer, leading_space=True)
+    rules = SpanRules(end_token_id=eos)
+    usable = [  # each spec's entries minus what its filters exclude: the reference decodes over exactly those
+        country.sequences(),
+        colors.sequences(),
+        [country.entry(i).tokens for i in range(country.num_entries) if country.entry(i).name in europe],
+        [colors.entry(i).tokens for i in range(colors.num_entries) if colors.entry(i).name not in ("red", "blue", "green")],
+    ]
     for i, toks in enumerate(first):
         trie = country if i // 2 in (0, 2) else colors
         assert _member(trie, toks, eos), (i, tokenizer.decode(toks))
+        assert first_refused(usable[i // 2], rules, toks) is None, (i, tokenizer.decode(toks))
     names = [tokenizer.decode(t[:-1] if t and t[-1] == eos else t).strip() for t in first]
     assert all(n in europe for n in names[4:6]), names
     assert not any(n in ("red", "blue", "green") for n in names[6:8]), names

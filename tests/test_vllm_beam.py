@@ -92,9 +92,23 @@ def test_top_k_agrees_with_transformers_rank(llm, model, tokenizer, country_file
         ids = torch.tensor([p])
         ref = rank(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, trie, BEAM, tokenizer=tokenizer)[0]
         _assert_matches_rank(mine, ref, BEAM, q)
+        _assert_follows_reference(mine, trie, eos)
         for b in mine:  # summed raw log-probs, end token included
             assert b.score == b.log_prob
             assert abs(b.log_prob - _sequence_log_prob(model, p, list(b.tokens) + [eos])) < 2e-3
+
+
+def _assert_follows_reference(mine, trie, eos: int, usable=None) -> None:
+    """Every entry found, end token included, is a path the shared brute-force reference (tests/reference.py) allows
+    token by token over the request's usable entries (``usable``: their names; default every entry)."""
+    from trie_decode.constraint import SpanRules
+
+    from reference import first_refused
+
+    entries = [trie.entry(i) for i in range(trie.num_entries)]
+    seqs = [e.tokens for e in entries if usable is None or e.name in usable]
+    for b in mine:
+        assert first_refused(seqs, SpanRules(end_token_id=eos), list(b.tokens) + [eos]) is None, (b.name, b.tokens)
 
 
 def _assert_matches_rank(mine, ref, k: int, what) -> None:
@@ -147,6 +161,8 @@ def test_filters_per_request_agree_with_rank(llm, model, tokenizer, country_file
         ref = rank(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, trie, BEAM, tokenizer=tokenizer,
                    **f)[0]
         _assert_matches_rank(mine, ref, BEAM, q)
+        usable = set(f["allow"]) if "allow" in f else set(names) - set(f["deny"])
+        _assert_follows_reference(mine, trie, tokenizer.eos_token_id, usable)
 
 
 def test_no_beam_dies_on_entries_the_model_would_never_pick(llm, model, tokenizer, trie_dir):
@@ -165,6 +181,7 @@ def test_no_beam_dies_on_entries_the_model_would_never_pick(llm, model, tokenize
     out = beam_search(llm, [prompt], str(path), 6, early_stopping="never")[0]
     assert len(out) == 6
     eos = tokenizer.eos_token_id
+    _assert_follows_reference(out, TokenTrie.load(path), eos)
     for b in out:
         assert list(b.tokens) in seqs
         assert b.log_prob < -20  # far below anything the model would pick unconstrained
@@ -291,6 +308,8 @@ def test_async_engine_with_end_token_zero_and_filters(tiny_eos0, trie_dir, count
         ref = rank(tiny, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, trie, 3, tokenizer=tok,
                    end_token_id=0, **f)[0]
         _assert_matches_rank(mine, ref, 3, f)
+        usable = set(f["allow"]) if "allow" in f else set(trie.names()) - set(f["deny"])
+        _assert_follows_reference(mine, trie, 0, usable)
 
 
 def test_engine_checks():
