@@ -23,6 +23,7 @@ else can still see.
 from __future__ import annotations
 
 import inspect
+from dataclasses import replace
 import weakref
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -31,6 +32,7 @@ import torch
 
 from trie_decode.constraint import DONE, RowState, SpanRules, TrieConstraint
 from trie_decode.entries import Entry
+from trie_decode.fields import FieldRules, Span
 from trie_decode.errors import ConstraintConfigError
 from trie_decode.filters import entry_indices
 from trie_decode.forms import entry_identity, warn_prompt
@@ -99,6 +101,29 @@ class _OutputBuffers:
         return buf
 
 
+#: Prompt tokens fed to the span automaton at a generation's start (an ``after`` longer than this many tokens that
+#: starts in the prompt is not seen).
+_SPAN_TAIL = 64
+
+
+def _span_tries(tries: Any, tokenizer: Any, spans: Any, on_complete: str, separator: Any, trigger: Any, allow: Any,
+                deny: Any, distinct: bool, check_prompt: bool) -> tuple[list[TokenTrie], FieldRules]:
+    """The tries and field rules of ``spans=`` (:mod:`trie_decode.fields`), or a named error for options that do
+    not combine with spans."""
+    if tokenizer is None:
+        raise ConstraintConfigError("spans= needs the tokenizer (values and triggers are matched on text)")
+    if tries is not None:
+        raise ConstraintConfigError("give either tries or spans=, not both (each Span holds its own values)")
+    others = {"on_complete": on_complete != "eos", "separator": separator is not None, "trigger": trigger is not None,
+              "allow": allow is not None, "deny": deny is not None, "distinct": bool(distinct),
+              "check_prompt": bool(check_prompt)}
+    given = [k for k, v in others.items() if v]
+    if given:
+        raise ConstraintConfigError(f"spans= does not combine with {given}: each Span says where its value starts "
+                                    "(after) and ends (end)")
+    return FieldRules.build(spans, tokenizer)
+
+
 class TrieLogitsProcessor(LogitsProcessor):
     r"""Constrain generation to the entries of a token trie (one trie for all prompts, or one per prompt).
 
@@ -160,9 +185,10 @@ class TrieLogitsProcessor(LogitsProcessor):
 
     def __init__(
         self,
-        tries: TrieArg,
+        tries: Optional[TrieArg] = None,
         tokenizer: Any = None,
         *,
+        spans: Optional[Sequence[Span]] = None,
         end_token_id: Optional[int] = None,
         on_complete: str = "eos",
         separator: Any = None,
@@ -173,6 +199,12 @@ class TrieLogitsProcessor(LogitsProcessor):
         max_entries: int = 64,
         check_prompt: bool = False,
     ) -> None:
+        if spans is not None:
+            tries, fields = _span_tries(tries, tokenizer, spans, on_complete, separator, trigger, allow, deny,
+                                        distinct, check_prompt)
+            on_complete = "release"
+        elif tries is None:
+            raise ConstraintConfigError("TrieLogitsProcessor needs tries (a TokenTrie, or one per prompt) or spans=")
         # Live catalogs (trie_decode.live): every generation takes the catalog's snapshot when it starts.
         self._live = tries if isinstance(tries, (LiveCatalog, CatalogSnapshot)) else None
         if self._live is not None:
@@ -183,6 +215,8 @@ class TrieLogitsProcessor(LogitsProcessor):
                                         "right after the prompt)")
         self._check_with = tokenizer if check_prompt else None
         self.rules = build_rules(tokenizer, end_token_id, on_complete, separator, trigger)
+        if spans is not None:
+            self.rules = replace(self.rules, fields=fields)
         self._filtered = allow is not None or deny is not None or bool(distinct)
         self._filter_specs: tuple = (None, None, False, 0, max_entries)
         if self._filtered:  # resolved (keys to entry indices) and checked now, once: a bad key fails here
@@ -251,7 +285,7 @@ class TrieLogitsProcessor(LogitsProcessor):
         return self._loop is not None and self._loop.in_place
 
     def _trigger_tails(self, input_ids: torch.Tensor) -> Optional[torch.Tensor]:
-        t = len(self.rules.trigger)
+        t = _SPAN_TAIL if self.rules.fields is not None else len(self.rules.trigger)
         return input_ids[:, -t:] if t else None
 
     def _begin(self, input_ids: torch.Tensor, device: torch.device, loop: "GenerateLoop") -> None:
@@ -261,7 +295,8 @@ class TrieLogitsProcessor(LogitsProcessor):
             self.tries = [self._view.trie]
             self._max_depth = self._view.trie.max_depth
         constraint = self.constraint(device)
-        self._groups = prompt_groups(batch, len(self.tries), device)
+        # With spans every row may enter every span's trie: its tree is the span it is in, not its prompt's.
+        self._groups = prompt_groups(batch, 1 if self.rules.fields is not None else len(self.tries), device)
         self._state = constraint.start(batch, self._groups, self._trigger_tails(input_ids))
         self._hashes = self._hasher.hash(self._groups, input_ids[:, :0]) if loop.reorders and loop.parents is None else None
         self._filters = None
@@ -386,7 +421,8 @@ class TrieLogitsProcessor(LogitsProcessor):
 
     # ------------------------------------------------------------------ results
     def match(self, sequences: torch.Tensor, *, prompt_length: Optional[int] = None) -> list[Optional[Entry]]:
-        """The entry each row generated (the first one, after the trigger if any), or None.
+        """The entry each row generated (the first one, after the trigger if any), or None (not with spans: parse
+        the text, e.g. ``json.loads``).
 
         Args:
             sequences: ``generate``'s output (prompt included). Shape: (B, L).
@@ -396,6 +432,8 @@ class TrieLogitsProcessor(LogitsProcessor):
 
     def match_all(self, sequences: torch.Tensor, *, prompt_length: Optional[int] = None) -> list[list[Entry]]:
         """Every entry each row generated, in order (several in ``"repeat"`` mode or with a trigger)."""
+        if self.rules.fields is not None:
+            raise ConstraintConfigError("match/match_all read trie entries; with spans, parse the generated text")
         start = self._start if prompt_length is None else prompt_length
         rows = sequences.tolist()
         tree = prompt_groups(len(rows), len(self.tries)).tolist()

@@ -156,3 +156,61 @@ class TrieReference:
                 total += 1
                 forced += p not in self.first_index and len(self.next_tokens[p]) == 1
         return round(forced / total, 4)
+
+
+class FieldReference:
+    """Brute-force model of text spans (:mod:`trie_decode.fields`), on bytes and token lists, no automaton.
+
+    Outside a value a row is free (every token allowed) and keeps the text written since its last value closed (the
+    prompt's text at first). A token after which that text first ends with a span's ``after`` (the earliest byte,
+    then the lowest span) enters the span, at its root, or at the root child whose bytes are what the token carries
+    past ``after`` (a token carrying bytes no value starts with is not allowed). Inside a value: the children of its prefix, and where the prefix is an
+    entry the ``end`` tokens (all of them at a leaf, only the bare one beside children). An end token closes the
+    value; the free text restarts with that token's bytes.
+
+    ``values[k]``: span k's entries (token tuples); ``afters[k]``: bytes; ``vocab``: token bytes.
+    """
+
+    def __init__(self, values, afters, end: bytes, vocab):
+        self.values = [{tuple(v) for v in span} for span in values]
+        self.afters, self.end, self.vocab = list(afters), end, list(vocab)
+        self.end_ids = {t for t, b in enumerate(self.vocab) if b.startswith(end)}
+        self.bare = min(self.end_ids, key=lambda t: (len(self.vocab[t]), t))
+
+    def start(self, prompt: bytes):
+        return self._scan(b"", prompt, None)
+
+    def _scan(self, text: bytes, new: bytes, token):
+        for i in range(1, len(new) + 1):
+            for k, after in enumerate(self.afters):
+                if (text + new[:i]).endswith(after):
+                    carried = new[i:]
+                    if not carried:
+                        return ("in", k, ())
+                    first = [t for t in self._children(k, ()) if self.vocab[t] == carried]
+                    return ("in", k, (first[0],)) if first else ("dead",)
+        return ("free", text + new)
+
+    def _children(self, k, prefix):
+        n = len(prefix)
+        return {v[n] for v in self.values[k] if len(v) > n and v[:n] == prefix}
+
+    def allowed(self, state):
+        if state[0] == "free":
+            # Everything but the tokens that complete an ``after`` carrying bytes no value of it starts with.
+            dead = {t for t in range(len(self.vocab)) if self._scan(state[1], self.vocab[t], t) == ("dead",)}
+            return None if not dead else set(range(len(self.vocab))) - dead
+        _, k, prefix = state
+        kids = self._children(k, prefix)
+        if prefix in self.values[k]:
+            return kids | (self.end_ids if not kids else {self.bare})
+        return kids
+
+    def step(self, state, token):
+        if state[0] == "free":
+            return self._scan(state[1], self.vocab[token], token)
+        _, k, prefix = state
+        if token in self._children(k, prefix):
+            return ("in", k, prefix + (token,))
+        assert prefix in self.values[k] and token in self.end_ids, "a token the reference does not allow"
+        return self._scan(b"", self.vocab[token], token)

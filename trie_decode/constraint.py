@@ -40,29 +40,34 @@ __all__ = ["SpanRules", "RowState", "TrieConstraint", "DONE", "FREE", "ON_COMPLE
 
 @dataclass
 class RowState:
-    """The state of R rows: ``node`` (see the module docstring) and ``tree`` (trie index); Shape: (R,), int64."""
+    """The state of R rows: ``node`` (see the module docstring), ``tree`` (trie index) and, with text spans, ``text``
+    (each row's trigger-automaton state, see :mod:`trie_decode.fields`); Shape: (R,), int64."""
 
     node: torch.Tensor
     tree: torch.Tensor
+    text: Optional[torch.Tensor] = None
 
     def __len__(self) -> int:
         return self.node.numel()
 
     def select(self, index: torch.Tensor) -> "RowState":
         """Rows ``index`` of this state (a gather: used when rows are reordered, e.g. by beam search)."""
-        return RowState(self.node[index], self.tree[index])
+        return RowState(self.node[index], self.tree[index], None if self.text is None else self.text[index])
 
     def clone(self) -> "RowState":
-        return RowState(self.node.clone(), self.tree.clone())
+        return RowState(self.node.clone(), self.tree.clone(), None if self.text is None else self.text.clone())
 
     def assign(self, index: Any, other: "RowState") -> None:
         """Write ``other``'s rows into rows ``index`` of this state (in place)."""
         self.node[index] = other.node
         self.tree[index] = other.tree
+        if self.text is not None:
+            self.text[index] = other.text
 
     @staticmethod
     def cat(states: Sequence["RowState"]) -> "RowState":
-        return RowState(torch.cat([s.node for s in states]), torch.cat([s.tree for s in states]))
+        text = None if states[0].text is None else torch.cat([s.text for s in states])
+        return RowState(torch.cat([s.node for s in states]), torch.cat([s.tree for s in states]), text)
 
     @property
     def done(self) -> torch.Tensor:
@@ -160,7 +165,45 @@ class TrieConstraint:
         node = torch.zeros(num_rows, dtype=torch.long, device=dev)
         if self.rules.trigger:
             node = torch.where(self._tail_is_trigger(tails, num_rows), node, torch.full_like(node, FREE))
+        if self.rules.fields is not None:
+            return self._start_fields(num_rows, tails)
         return RowState(node, tree)
+
+    def _start_fields(self, num_rows: int, tails: Optional[torch.Tensor]) -> RowState:
+        """Text spans: every row FREE, its automaton fed the prompt's tail (``tails``: token ids, Shape: (R, T));
+        a prompt that already ends with a span's ``after`` starts in that span."""
+        f = self.rules.fields
+        text = [0] * num_rows
+        if tails is not None:
+            for r, ids in enumerate(tails.tolist()):
+                text[r] = f.triggers.feed_token_ids(0, [t for t in ids if 0 <= t < f.vocab_size])
+        fired = [f.triggers.triggers.completed(s) for s in text]
+        node = torch.tensor([0 if k >= 0 else FREE for k in fired], dtype=torch.long)
+        tree = torch.tensor([max(k, 0) for k in fired], dtype=torch.long)
+        text_t = torch.tensor(text, dtype=torch.long)
+        return RowState(node.to(self.device), tree.to(self.device), text_t.to(self.device))
+
+    def _fields_move(self, state: RowState, tokens: torch.Tensor, new: torch.Tensor) -> RowState:
+        """Text spans after the trie move: FREE rows feed the token to their automaton (a row that just closed a
+        value restarts it from the closing token), and a completed ``after`` enters its span's trie."""
+        f = self.rules.fields
+        before, tree = state.node, state.tree
+        free_now = new == FREE
+        closed = free_now & (before != FREE)
+        src = torch.where(closed, torch.zeros_like(state.text), state.text)
+        text, fired, past = f.triggers.advance(src.cpu(), tokens.cpu())
+        text, fired, past = text.to(self.device), fired.to(self.device), past.to(self.device)
+        text = torch.where(free_now, text, state.text)
+        enter = free_now & (fired >= 0)
+        if not bool(enter.any()):
+            return RowState(new, tree, text)
+        node, tree = new.clone(), tree.clone()
+        for r in torch.nonzero(enter).flatten().tolist():
+            k, carried = int(fired[r]), f.carried(int(tokens[r]), int(past[r]))
+            start = 0 if not carried else f.root_by_bytes[k].get(carried, -1)
+            if start >= 0:  # else the token wrote bytes no value starts with: the row stays in free text
+                node[r], tree[r] = start, k
+        return RowState(node, tree, text)
 
     def _tail_is_trigger(self, tails: Optional[torch.Tensor], num_rows: int) -> torch.Tensor:
         t = len(self.rules.trigger)
@@ -200,6 +243,8 @@ class TrieConstraint:
         if self.rules.trigger:
             fires = (new == FREE) & self._tail_is_trigger(tails, len(tokens))
             new = torch.where(fires, torch.zeros_like(new), new)
+        if self.rules.fields is not None:
+            return self._fields_move(state, tokens, new)
         return RowState(new, state.tree)
 
     def fused_step(self, state: RowState) -> Optional[Any]:
@@ -222,7 +267,7 @@ class TrieConstraint:
         >>> step(torch.tensor([[9, 5]]), torch.zeros(1, 10))[0].isfinite().nonzero().flatten().tolist()
         [6, 7]
         """
-        if not self.kernel.supports_fused_step or len(self.tries) != 1 or self.rules.trigger:
+        if not self.kernel.supports_fused_step or len(self.tries) != 1 or self.rules.starts_late:
             return None
         if state.node.dtype is not torch.long or not state.node.is_contiguous():
             return None
@@ -312,6 +357,8 @@ class TrieConstraint:
         self.kernel.mask_rows(self._prepared, out, src, state.node, state.tree, rows)
         if filters is not None:
             apply_filters_(out, state.node, filters, self.dtries[0], self.rules, rows)
+        if self.rules.fields is not None:
+            self.rules.fields.block_dead_triggers_(out, state.node, state.text, rows)
         return out
 
     def _plans(self, state: RowState, width: int) -> list:

@@ -30,6 +30,8 @@ Dimension letters: R rows, N nodes, V the trie's vocabulary size, H dense nodes.
 
 from __future__ import annotations
 
+import copy
+
 import warnings
 from types import SimpleNamespace
 from typing import Any, Callable, Optional
@@ -143,6 +145,26 @@ class DeviceTrie:
         self.max_fanout = int(fanout.max()) if len(fanout) else 0
         self._parent: Optional[torch.Tensor] = None
 
+    def with_extra_row(self, blocked: np.ndarray) -> "DeviceTrie":
+        """This trie's tensors with one more dense row (``blocked``: True where a column is blocked, Shape: (V',),
+        bool, cut or padded to V), as a new object sharing every other array; the new row's slot is the last."""
+        for name in _DERIVED:  # built now, on this object's namespaces, so that the copies share them
+            getattr(self.tensors, name)
+            if self.arrays is not None:
+                getattr(self.arrays, name)
+        row = np.ones(self.vocab_size, dtype=np.bool_)
+        n = min(len(blocked), self.vocab_size)
+        row[:n] = blocked[:n]
+        other = copy.copy(self)
+        extra = torch.from_numpy(row[None, :]).to(self.device)
+        blocked_rows = torch.cat([self.tensors.dense_blocked, extra])
+        other.tensors = _Arrays(self._build, **{**dict(self.tensors.items()), "dense_blocked": blocked_rows})
+        if self.arrays is not None:
+            other.arrays = _Arrays(self._build, **{**dict(self.arrays.items()), "dense_blocked": blocked_rows.numpy()})
+        other.num_dense = self.num_dense + 1
+        other._tables = {}
+        return other
+
     def dense_slots(self) -> np.ndarray:
         """Each node's dense row, -1 for none (a fresh array). Shape: (N,), int32."""
         slot = np.full(self.num_nodes, -1, dtype=np.int32)
@@ -223,7 +245,12 @@ class StepTable:
     """
 
     def __init__(self, dtrie: DeviceTrie, rules: SpanRules) -> None:
-        host = step_table(dtrie.trie, rules, dtrie.dense_slots())
+        end_slot = -1
+        if rules.fields is not None:
+            # Text spans: the trie's dense rows plus one shared row, a complete leaf entry's end tokens.
+            dtrie = dtrie.with_extra_row(rules.fields.end_blocked)
+            end_slot = dtrie.num_dense - 1
+        host = step_table(dtrie.trie, rules, dtrie.dense_slots(), end_slot)
         self.dtrie, self.rules = dtrie, rules
         self.num_codes = rules.num_codes
         self.tensor = torch.from_numpy(host).to(dtrie.device)

@@ -91,6 +91,7 @@ class SpanRules:
     on_complete: str = "eos"
     separator: tuple[int, ...] = ()
     trigger: tuple[int, ...] = ()
+    fields: Any = None
 
     def __post_init__(self) -> None:
         end = self.end_token_id
@@ -105,6 +106,11 @@ class SpanRules:
             raise ConstraintConfigError('on_complete="repeat" needs a separator (token ids between entries)')
         if self.on_complete != "repeat" and self.separator:
             raise ConstraintConfigError(f'a separator is only used with on_complete="repeat", not {self.on_complete!r}')
+        if self.fields is not None and (self.on_complete != "release" or self.trigger):
+            raise ConstraintConfigError(
+                'spans (fields) end each value with their end text and release the row: on_complete="release" and '
+                "no token trigger (each span has its own after)"
+            )
 
     def check_vocab(self, width: int) -> None:
         """Raise :class:`InvalidTokenError` if a configured token is outside ``[0, width)``."""
@@ -119,18 +125,24 @@ class SpanRules:
         return self.on_complete == "eos" and not self.trigger
 
     @property
+    def starts_late(self) -> bool:
+        """Whether rows may start outside the trie and enter it later (a token trigger, or text spans)."""
+        return bool(self.trigger) or self.fields is not None
+
+    @property
     def num_codes(self) -> int:
         """K: the negative state codes these rules use (DONE, FREE and one per separator token after the first)."""
         return 2 + max(len(self.separator) - 1, 0)
 
 
-def step_table(trie: TokenTrie, rules: SpanRules, dense_slot: np.ndarray) -> np.ndarray:
+def step_table(trie: TokenTrie, rules: SpanRules, dense_slot: np.ndarray, end_slot: int = -1) -> np.ndarray:
     """The span rules as one table: what a row may emit at each node and code, and where it goes on a token that
     is not a child of its node. Every kernel reads this table; none re-derives a rule.
 
     Args:
         dense_slot: each node's row in the dense masks, or -1 (a node with a dense row lists no children here).
             Shape: (N,), int32.
+        end_slot: with text spans (``rules.fields``), the dense row of a complete leaf entry: its ``end`` tokens.
     Returns:
         Shape: (N + K, 9), int32; the K code rows come last, in the order -K .. -1, so that a negative code indexes
         its own row. Columns: START, COUNT, SLOT, ANCHOR, EXTRA0, EXTRA1, ON_TOKEN, ON_MATCH, OTHERWISE.
@@ -139,6 +151,8 @@ def step_table(trie: TokenTrie, rules: SpanRules, dense_slot: np.ndarray) -> np.
         inside an entry         -> DONE; at a terminal node in ``"release"`` mode -> FREE (the span ends); at a
                                    terminal node in ``"repeat"`` mode the separator's first token starts the
                                    separator (its code -3, or the root when it is one token long)
+        at a complete entry of a text span (``rules.fields``): its ``end`` tokens are allowed (a leaf's dense row;
+                                   beside children, the bare ``end`` token) and lead to FREE
         DONE                    -> DONE
         FREE                    -> FREE (the trigger check in ``TrieConstraint.advance`` may start an entry)
         separator code -2 - k   -> on the separator's token k, its next code (the root after the last), else DONE
@@ -157,7 +171,17 @@ def step_table(trie: TokenTrie, rules: SpanRules, dense_slot: np.ndarray) -> np.
     table[:, ANCHOR] = np.where(fanout > 0, first_child, end)
     table[:, ON_MATCH] = DONE
     table[:, OTHERWISE] = DONE
-    if rules.on_complete == "release":
+    if rules.fields is not None:
+        # A complete entry keeps its children and the span's end tokens; an end token closes the value (FREE).
+        leaf = terminal & (fanout == 0)
+        if end_slot < 0:
+            raise ConstraintConfigError("a text span's step table needs the dense row of its end tokens")
+        table[leaf, SLOT] = end_slot
+        table[leaf, COUNT] = 0
+        table[leaf, ANCHOR] = rules.fields.bare_end
+        table[terminal & ~leaf, EXTRA0] = rules.fields.bare_end
+        table[terminal, OTHERWISE] = FREE
+    elif rules.on_complete == "release":
         table[terminal, ANCHOR] = -1  # an entry is complete: the row is unconstrained
         table[terminal, OTHERWISE] = FREE
     else:

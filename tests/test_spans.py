@@ -1,0 +1,182 @@
+"""Text spans (catalog-valued fields inside free text and JSON): the step engine against a brute-force reference,
+and the real model writing JSON whose fields are catalog entries, alone and beside XGrammar's JSON-schema processor.
+
+Spans are data the one step engine reads (``SpanRules(fields=...)``, :mod:`trie_decode.fields`): every kernel is
+checked against ``tests/reference.py``'s ``FieldReference`` on random vocabularies, tries and walks.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trie_decode import TokenTrie
+from trie_decode.constraint import SpanRules, TrieConstraint
+from trie_decode.errors import ConstraintConfigError, InvalidEntryError
+from trie_decode.fields import FieldRules, Span
+
+from reference import FieldReference
+
+KERNELS = ["native", "numpy", "torch"]
+
+
+def _vocab(rng: random.Random) -> list[bytes]:
+    """A byte-level vocabulary with the pieces JSON needs and random short words (duplicates allowed)."""
+    base = [b"<eos>", b'{"', b"city", b"country", b'":', b' "', b'"', b'",', b'"}', b", ", b"\n", b'"\n', b' "\'']
+    letters = [bytes([rng.choice(b"abcPRx'")]) * rng.randint(1, 2) for _ in range(rng.randint(6, 14))]
+    return base + letters
+
+
+@st.composite
+def cases(draw):
+    seed = draw(st.integers(0, 10_000))
+    rng = random.Random(seed)
+    vocab = _vocab(rng)
+    words = list(range(13, len(vocab)))
+    spans = []
+    for _ in range(draw(st.integers(1, 2))):
+        values = {tuple(rng.choice(words) for _ in range(rng.randint(1, 3))) for _ in range(rng.randint(1, 6))}
+        spans.append(sorted(values))
+    afters = [b'"city": "', b'"country": "'][: len(spans)]
+    return seed, vocab, spans, afters
+
+
+def _constraint(vocab, spans, afters, kernel):
+    tries = [TokenTrie.from_sequences([list(v) for v in span], vocab_size=len(vocab)) for span in spans]
+    fields = FieldRules.from_tokens(tries, [a.decode() for a in afters], '"', vocab)
+    return TrieConstraint(tries, SpanRules(end_token_id=0, on_complete="release", fields=fields), "cpu", kernel=kernel)
+
+
+@settings(max_examples=40, deadline=None)
+@given(cases())
+def test_every_kernel_follows_the_reference_on_random_walks(case):
+    seed, vocab, spans, afters = case
+    rng = random.Random(seed + 1)
+    ref = FieldReference(spans, afters, b'"', vocab)
+    # A prompt tail that ends in the middle of a trigger, so some walks complete it with their first tokens.
+    prompt = [1, 2, 4] if rng.random() < 0.5 else [9]
+    script = [5] + [rng.randrange(len(vocab)) for _ in range(30)]
+    constraints = [_constraint(vocab, spans, afters, k) for k in KERNELS]
+    states = [c.start(1, tails=torch.tensor([prompt])) for c in constraints]
+    rstate = ref.start(b"".join(vocab[t] for t in prompt))
+    for want in script:
+        allowed = ref.allowed(rstate)
+        for c, s in zip(constraints, states):
+            got = c.mask_(torch.zeros(1, len(vocab)), s)[0].isfinite().nonzero().flatten().tolist()
+            assert set(got) == (set(range(len(vocab))) if allowed is None else allowed), (c.kernel.name, rstate)
+        options = sorted(range(len(vocab)) if allowed is None else allowed)
+        tok = want if want in options else rng.choice(options)
+        rstate = ref.step(rstate, tok)
+        states = [c.advance(s, torch.tensor([tok])) for c, s in zip(constraints, states)]
+
+
+def test_a_value_can_only_end_where_an_entry_is_complete_and_then_any_end_token_closes_it():
+    vocab = [b"<eos>", b'{"', b"city", b'":', b' "', b"Par", b"is", b"ian", b'",', b'"}', b'"', b"Rome"]
+    trie = TokenTrie.from_sequences([[5, 6], [5, 6, 7], [11]], vocab_size=len(vocab), names=["Paris", "Parisian", "Rome"])
+    fields = FieldRules.from_tokens([trie], ['"city": "'], '"', vocab)
+    c = TrieConstraint([trie], SpanRules(end_token_id=0, on_complete="release", fields=fields), "cpu")
+    s = c.start(1, tails=torch.tensor([[1, 2, 3]]))
+    seen = []
+    for tok in [4, 5, 6, 7, 9]:
+        seen.append(c.mask_(torch.zeros(1, len(vocab)), s)[0].isfinite().nonzero().flatten().tolist())
+        s = c.advance(s, torch.tensor([tok]))
+    assert seen == [list(range(12)), [5, 11], [6], [7, 10], [3, 8, 9, 10]]  # every token beginning with the quote
+    assert s.node.tolist() == [-2]  # closed: free text again
+
+
+def test_options_that_do_not_combine_with_spans_are_named(tokenizer):
+    from trie_decode.integrations.transformers import TrieLogitsProcessor
+
+    span = Span(["Paris"], after='"city": "')
+    with pytest.raises(ConstraintConfigError, match="trigger"):
+        TrieLogitsProcessor(tokenizer=tokenizer, spans=[span], trigger="x")
+    with pytest.raises(ConstraintConfigError, match="tokenizer"):
+        TrieLogitsProcessor(spans=[span])
+    with pytest.raises(ConstraintConfigError, match="not both"):
+        TrieLogitsProcessor(TokenTrie.from_sequences([[1]], vocab_size=10), tokenizer, spans=[span])
+    with pytest.raises(ConstraintConfigError, match="share one end"):
+        TrieLogitsProcessor(tokenizer=tokenizer, spans=[span, Span(["a"], after="name=", end=";")])
+    with pytest.raises(InvalidEntryError, match="contains the span's end"):
+        TrieLogitsProcessor(tokenizer=tokenizer, spans=[Span(['say "hi"'], after="q: ", end='"', escape=None)])
+    with pytest.raises(ConstraintConfigError, match="after"):
+        Span(["Paris"], after="")
+    with pytest.raises(ConstraintConfigError, match="needs tries"):
+        TrieLogitsProcessor()
+
+
+# ------------------------------------------------------------------------------------------------ the real model
+CITIES = ["Paris", "Rome", "Berlin", "Madrid", "Tokyo", "Lima", "Cairo", "Ottawa", "Canberra", "Lisbon", "Vienna",
+          "Athens", "Dublin", "Oslo", "Nairobi", "Seoul", "Hanoi", "Bogotá", "Quito", "Kyiv", "São Paulo", "Zürich"]
+LANDMARKS = ["the Eiffel Tower", "the Colosseum", "the Brandenburg Gate", "the Prado", "Shibuya Crossing",
+             "the Plaza Mayor of Lima", "the Egyptian Museum", "Parliament Hill", "the Parliament House of Australia",
+             "the Belém Tower", "Schönbrunn Palace", "the Acropolis", "Trinity College", "the Opera House of Norway",
+             "the Kenyatta Centre", "Gyeongbokgung", "Hoan Kiem Lake", "the Gold Museum"]
+
+
+def _prompts(tokenizer, n):
+    out = []
+    for i in range(n):
+        place = LANDMARKS[i % len(LANDMARKS)]
+        q = f'Where is {place}? Answer in JSON with the keys "city" and "country".' + (" Be brief." if i >= len(LANDMARKS) else "")
+        out.append(tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True))
+    return out
+
+
+@pytest.fixture(scope="module")
+def spans(country_names):
+    return [Span(CITIES, after='"city": "'), Span(country_names, after='"country": "')]
+
+
+def _check_outputs(texts, country_names):
+    assert texts
+    for text in texts:
+        obj = json.loads(text)
+        assert obj["city"] in CITIES and obj["country"] in country_names, text
+
+
+@pytest.mark.model
+@pytest.mark.slow
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_json_fields_beside_xgrammar_are_valid_json_and_catalog_entries(model, tokenizer, spans, country_names, do_sample):
+    """64 prompts, XGrammar's JSON-schema processor (the shape) and the spans (the catalog-valued fields): every
+    output parses and both fields are entries of their catalogs."""
+    import xgrammar as xgr  # installed with vLLM (the pinned environment runs this file)
+    from xgrammar.contrib.hf import LogitsProcessor as XGrammarProcessor
+
+    from trie_decode.integrations.transformers import TrieLogitsProcessor
+
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"}},
+              "required": ["city", "country"], "additionalProperties": False}
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=model.config.vocab_size)
+    grammar = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(schema), any_whitespace=False)
+    tokenizer.padding_side = "left"
+    prompts = _prompts(tokenizer, 64)
+    texts = []
+    torch.manual_seed(0)
+    for lo in range(0, len(prompts), 16):
+        enc = tokenizer(prompts[lo:lo + 16], return_tensors="pt", padding=True)
+        procs = [XGrammarProcessor(grammar), TrieLogitsProcessor(tokenizer=tokenizer, spans=spans)]
+        out = model.generate(**enc, logits_processor=procs, max_new_tokens=40, do_sample=do_sample,
+                             pad_token_id=tokenizer.pad_token_id)
+        texts += tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    _check_outputs(texts, country_names)
+
+
+@pytest.mark.model
+def test_json_fields_alone_after_a_json_prompt(model, tokenizer, spans, country_names):
+    """Without a grammar: the prompt opens the object, the spans keep both values in their catalogs."""
+    from trie_decode.integrations.transformers import TrieLogitsProcessor
+
+    proc = TrieLogitsProcessor(tokenizer=tokenizer, spans=spans)
+    tokenizer.padding_side = "left"
+    prompts = [p + '{"city": "' for p in _prompts(tokenizer, 8)]
+    enc = tokenizer(prompts, return_tensors="pt", padding=True)
+    out = model.generate(**enc, logits_processor=[proc], max_new_tokens=24, do_sample=False,
+                         pad_token_id=tokenizer.pad_token_id)
+    texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    _check_outputs(['{"city": "' + t.split("}")[0] + "}" for t in texts], country_names)
