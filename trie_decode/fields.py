@@ -30,8 +30,8 @@ Example:
     >>> vocab = [b"<eos>", b'{"', b"city", b'":', b' "', b"Paris", b"Rome", b'",', b'"}', b'"', b"x"]
     >>> trie = TokenTrie.from_sequences([[5], [6]], vocab_size=len(vocab), names=["Paris", "Rome"])
     >>> rules = FieldRules.from_tokens([trie], ['"city": "'], '"', vocab)
-    >>> rules.end.ids.tolist(), rules.bare_end
-    ([7, 8, 9], 9)
+    >>> rules.end.ids.tolist(), rules.bare_end       # every token whose text begins with '"' (b'":' too)
+    ([3, 7, 8, 9], 9)
 """
 
 from __future__ import annotations
