@@ -185,25 +185,46 @@ class TrieConstraint:
 
     def _fields_move(self, state: RowState, tokens: torch.Tensor, new: torch.Tensor) -> RowState:
         """Text spans after the trie move: FREE rows feed the token to their automaton (a row that just closed a
-        value restarts it from the closing token), and a completed ``after`` enters its span's trie."""
+        value restarts it from the closing token), and a completed ``after`` enters its span's trie (at the root
+        child the token's bytes past ``after`` spell, when it carries some). Rows inside a value keep their text
+        state. On the host (numpy views, a scalar path at one row); other devices round-trip through it."""
         f = self.rules.fields
-        before, tree = state.node, state.tree
-        free_now = new == FREE
-        closed = free_now & (before != FREE)
-        src = torch.where(closed, torch.zeros_like(state.text), state.text)
-        text, fired, past = f.triggers.advance(src.cpu(), tokens.cpu())
-        text, fired, past = text.to(self.device), fired.to(self.device), past.to(self.device)
-        text = torch.where(free_now, text, state.text)
-        enter = free_now & (fired >= 0)
-        if not bool(enter.any()):
-            return RowState(new, tree, text)
-        node, tree = new.clone(), tree.clone()
-        for r in torch.nonzero(enter).flatten().tolist():
-            k, carried = int(fired[r]), f.carried(int(tokens[r]), int(past[r]))
+        if len(new) == 1 and new.is_cpu:  # the batch-1 decode loop: Python ints
+            if int(new) != FREE:
+                return RowState(new, state.tree, state.text)
+            token = int(tokens)
+            nxt, k, past = f.triggers.step(int(state.text) if int(state.node) == FREE else 0, token)
+            text = torch.tensor([nxt])
+            if k < 0:
+                return RowState(new, state.tree, text)
+            carried = f.carried(token, past)
             start = 0 if not carried else f.root_by_bytes[k].get(carried, -1)
-            if start >= 0:  # else the token wrote bytes no value starts with: the row stays in free text
-                node[r], tree[r] = start, k
-        return RowState(node, tree, text)
+            if start < 0:  # a dead trigger token (masked: see FieldRules.dead_tokens)
+                return RowState(new, state.tree, text)
+            return RowState(torch.tensor([start]), torch.tensor([k]), text)
+        node_np, before = new.cpu().numpy(), state.node.cpu().numpy()
+        idx = np.flatnonzero(node_np == FREE)
+        if not len(idx):
+            return RowState(new, state.tree, state.text)
+        text = state.text.cpu().numpy().copy()
+        src = np.where(before[idx] == FREE, text[idx], 0)
+        toks = tokens.cpu().numpy()[idx]
+        if len(idx) == 1:
+            nxt, fired, past = (np.array([v]) for v in f.triggers.step(int(src[0]), int(toks[0])))
+        else:
+            nxt, fired, past = (t.numpy() for t in f.triggers.advance(torch.from_numpy(src), torch.from_numpy(toks)))
+        text[idx] = nxt
+        tree = state.tree
+        if (fired >= 0).any():
+            node_np, tree_np = node_np.copy(), tree.cpu().numpy().copy()
+            for j in np.flatnonzero(fired >= 0).tolist():
+                r, k = int(idx[j]), int(fired[j])
+                carried = f.carried(int(toks[j]), int(past[j]))
+                start = 0 if not carried else f.root_by_bytes[k].get(carried, -1)
+                if start >= 0:  # else a dead trigger token (masked: see FieldRules.dead_tokens)
+                    node_np[r], tree_np[r] = start, k
+            new, tree = torch.from_numpy(node_np).to(self.device), torch.from_numpy(tree_np).to(self.device)
+        return RowState(new, tree, torch.from_numpy(text).to(self.device))
 
     def _tail_is_trigger(self, tails: Optional[torch.Tensor], num_rows: int) -> torch.Tensor:
         t = len(self.rules.trigger)

@@ -154,6 +154,7 @@ class FieldRules:
             self.root_by_bytes.append({bytes(vocab[int(t)]): int(n) for t, n in zip(tokens, nodes) if int(t) < len(vocab)})
         self._vocab = vocab
         self._dead: dict[int, np.ndarray] = {}
+        self._dead_flag = np.full(triggers.num_states, -1, dtype=np.int8)  # per state: has dead tokens (-1: unknown)
 
     def dead_tokens(self, state: int) -> np.ndarray:
         """The tokens that, written in automaton state ``state``, would complete a span's ``after`` and carry bytes
@@ -169,19 +170,36 @@ class FieldRules:
         return found
 
     def block_dead_triggers_(self, logits: Any, node: Any, text: Any, rows: Any = None) -> None:
-        """The span rule for rows in free text: -inf at their state's :meth:`dead_tokens` (in place).
+        """The span rule for rows in free text: -inf at their state's :meth:`dead_tokens` (in place). Most states
+        have none (a per-state flag, one gather); only rows about to complete an ``after`` are written.
 
         Args:
             logits: Shape: (B, V'). node, text: the rows' state (``RowState.node``, ``.text``), Shape: (R,).
             rows: the logits row of each state row (default: row i).
         """
-        free = torch.nonzero(node == FREE).flatten().tolist()
+        if len(node) == 1 and node.is_cpu:  # the batch-1 decode loop: Python ints
+            if int(node) != FREE:
+                return
+            state = int(text)
+            if self._dead_flag[state] < 0:
+                self._dead_flag[state] = len(self.dead_tokens(state)) > 0
+            if self._dead_flag[state] == 1:
+                dead = self.dead_tokens(state)
+                logits[0 if rows is None else int(rows[0]), torch.from_numpy(dead[dead < logits.shape[-1]])] = float("-inf")
+            return
+        free = np.flatnonzero(node.cpu().numpy() == FREE)
+        if not len(free):
+            return
+        states = text.cpu().numpy()[free]
+        flags = self._dead_flag[states]
+        for s in np.unique(states[flags < 0]).tolist():
+            self._dead_flag[s] = len(self.dead_tokens(s)) > 0
+        hit = free[self._dead_flag[states] == 1]
         width = logits.shape[-1]
-        for i in free:
+        for i in hit.tolist():
             dead = self.dead_tokens(int(text[i]))
-            if len(dead):
-                r = i if rows is None else int(rows[i])
-                logits[r, torch.from_numpy(dead[dead < width]).to(logits.device)] = float("-inf")
+            r = i if rows is None else int(rows[i])
+            logits[r, torch.from_numpy(dead[dead < width]).to(logits.device)] = float("-inf")
 
     def carried(self, token: int, past: int) -> bytes:
         """The last ``past`` bytes of ``token``: what it carries past a completed ``after``."""
