@@ -135,7 +135,8 @@ class FastForwardOutput(GenerateDecoderOnlyOutput):
 # ---------------------------------------------------------------------------------------------------- helpers
 def _where_state(keep_new: torch.Tensor, new: RowState, old: RowState) -> RowState:
     """Row-wise choice between two states. keep_new: Shape: (R,), bool."""
-    return RowState(*(torch.where(keep_new, getattr(new, f.name), getattr(old, f.name)) for f in fields(RowState)))
+    return RowState(*(None if getattr(new, f.name) is None else torch.where(keep_new, getattr(new, f.name), getattr(old, f.name))
+                      for f in fields(RowState)))
 
 
 def _token_set(value: Any) -> list[int]:

@@ -26,6 +26,14 @@ Per request (``SamplingParams(extra_args=...)``, over HTTP ``"vllm_xargs"``; bui
      "on_complete": "eos" | "release" | "repeat", "trigger": "Answer:" | [ids], "separator": ", " | [ids],
      "leading_space": False}
 
+or, for catalog-valued fields inside free text (JSON under vLLM's structured outputs; :mod:`trie_decode.fields`)::
+
+    {"spans": [{"after": '"city": "', "values": ["Paris", "Rome"], "end": '"'},
+               {"after": '"country": "', "trie": "countries", "whitespace": "exact" | "any"}]}
+
+(a spans request's rows start in free text, the prompt's last ``_SPAN_TAIL`` tokens fed to the span automaton; its
+group constraint has one trie per span, and the slot table keeps each row's ``RowState`` node, tree and text).
+
 Requests without ``"trie"`` are untouched and cost one dict lookup at admission. Everything else is checked in
 ``validate_params`` before the request reaches the batch (offline: an exception from ``LLM.generate``; over HTTP:
 a 400 with the reason): missing/unreadable/corrupt file, a tokenizer fingerprint that differs from the engine's,
@@ -75,6 +83,7 @@ from .vllm_requests import (
     TrieRequestError,
     TrieResolver,
     _trie_nbytes,
+    is_trie_request,
     parse_trie_request,
     trie_args,
 )
@@ -153,7 +162,7 @@ def validate_trie_params(sampling_params: Any) -> None:
     client sent there), which lets the engine diagnose a refusal (:meth:`TrieResolver.refused_in_engine`).
     """
     extra = getattr(sampling_params, "extra_args", None)
-    if not extra or "trie" not in extra:
+    if not is_trie_request(extra):
         return
     try:
         limits = current_limits()
@@ -164,6 +173,9 @@ def validate_trie_params(sampling_params: Any) -> None:
         else:
             if req.source == "file":
                 load_allowed_file(req.payload)  # no tokenizer at hand: check the file at least (same access policy)
+            for span in req.spans:
+                if span.source == "file":
+                    load_allowed_file(span.payload)
             stamp = make_stamp()
         sampling_params.extra_args = {**extra, STAMP_KEY: stamp}  # a new dict: the caller's stays as it was
     except TrieRequestError:
@@ -180,6 +192,9 @@ def validate_trie_params(sampling_params: Any) -> None:
 
 # ---------------------------------------------------------------------------------------------- per-slot state
 _ROW_SERIAL = itertools.count()
+#: Prompt tokens fed to a spans request's text automaton when it starts (as the transformers processor's
+#: ``_SPAN_TAIL``): an ``after`` longer than this many tokens that starts in the prompt is not seen.
+_SPAN_TAIL = 64
 
 
 @dataclass
@@ -210,19 +225,22 @@ class _Row:
 class _Group:
     """The constraints of one distinct (trie, rules): ``host`` advances rows on the CPU, ``device`` masks them on the
     logits' device (the same object when that is the CPU). ``nbytes``: what the group keeps alive, counted
-    generously (the trie, and on each device its arrays built so far and its step tables)."""
+    generously (the trie, and on each device its arrays built so far and its step tables). A spans request's group
+    has one trie per span (a row's tree is the span it is in) and reads ``_SPAN_TAIL`` prompt tokens at start."""
 
-    def __init__(self, trie: TokenTrie, rules: Any, device: torch.device) -> None:
+    def __init__(self, trie: Any, rules: Any, device: torch.device) -> None:
+        tries = [trie] if isinstance(trie, TokenTrie) else list(trie)
         # Device arrays of the group's own (not DeviceTrie.get's shared cache, which keeps every trie and step
         # table it has seen): dropping the group frees them, so the groups' byte bound holds.
-        fanout = default_dense_min_fanout(trie.vocab_size)
-        self.host = TrieConstraint(trie, rules, "cpu", dense_min_fanout=fanout)
+        fanout = default_dense_min_fanout(max(t.vocab_size for t in tries))
+        self.host = TrieConstraint(tries, rules, "cpu", dense_min_fanout=fanout)
         self.device = (
-            self.host if device.type == "cpu" else TrieConstraint(trie, rules, device, dense_min_fanout=fanout)
+            self.host if device.type == "cpu" else TrieConstraint(tries, rules, device, dense_min_fanout=fanout)
         )
-        self.trigger_len = len(rules.trigger)
+        self.fields = rules.fields is not None
+        self.trigger_len = _SPAN_TAIL if self.fields else len(rules.trigger)
         self._filters: tuple[tuple, Any] = ((), None)
-        self._trie_bytes = _trie_nbytes(trie)
+        self._trie_bytes = sum(_trie_nbytes(t) for t in tries)
 
     @property
     def nbytes(self) -> int:
@@ -266,6 +284,10 @@ class _SlotTable:
         self.device = torch.device(device)
         self.rows: dict[int, _Row] = {}
         self.node = torch.full((64,), DONE, dtype=torch.long, device=self.device)  # state code per row index
+        # The rest of each row's RowState, kept per row index like ``node``: ``tree`` (the span a spans row is in;
+        # 0 otherwise) and ``text`` (a spans row's text-automaton state; 0 otherwise).
+        self.tree = torch.zeros(64, dtype=torch.long, device=self.device)
+        self.text = torch.zeros(64, dtype=torch.long, device=self.device)
         self._layout = _Staging(self.device)
         self.groups = _LRU(GROUP_CACHE_SIZE, current_limits().group_cache_bytes, lambda g: g.nbytes,
                            in_use=lambda: {r.group for r in self.rows.values()}, live_sizes=True)
@@ -273,12 +295,16 @@ class _SlotTable:
     def new_row(self, params: Any, prompt: Optional[Sequence[int]], output: Optional[list]) -> Optional[_Row]:
         """The row of a newly added request, or None when it has no trie (vLLM's ``new_state`` callback)."""
         extra = getattr(params, "extra_args", None)
-        if not extra or "trie" not in extra:
+        if not is_trie_request(extra):
             return None
         try:
             req: TrieRequest = parse_trie_request(extra)  # type: ignore[assignment]
-            trie, rules = self.resolver.resolve(req)
-            allow, deny = self.resolver.filters(req, trie)
+            if req.source == "spans":  # all rows of the request may enter any of its spans: its tries are theirs
+                tries, rules = self.resolver.spans(req)
+                trie, allow, deny = tries, None, None
+            else:
+                trie, rules = self.resolver.resolve(req)
+                allow, deny = self.resolver.filters(req, trie)
         except Exception as exc:  # noqa: BLE001 - never let a request crash the engine core
             # The front-end admitted it, the engine cannot use it (vLLM lets no processor fail one request): end it
             # at once, and tell the operator why (settings that differ between the processes, a changed file).
@@ -295,9 +321,12 @@ class _SlotTable:
         used = {r.index for r in self.rows.values()}
         index = next(i for i in itertools.count() if i not in used)  # rows are few: the smallest free place
         if index >= self.node.numel():  # grow (a device-side copy; rare)
-            grown = torch.full((2 * self.node.numel(),), DONE, dtype=torch.long, device=self.device)
-            grown[: self.node.numel()] = self.node
+            n = self.node.numel()
+            grown = torch.full((2 * n,), DONE, dtype=torch.long, device=self.device)
+            grown[:n] = self.node
             self.node = grown
+            self.tree = torch.cat([self.tree, torch.zeros_like(self.tree)])
+            self.text = torch.cat([self.text, torch.zeros_like(self.text)])
         return _Row(
             group=key, index=index, output=output, head=head, begin=len(head) - len(req.prefix),
             prefix=len(req.prefix), stop_at=req.stop_at_forced, tail_only=req.forced_tail_only, allow=allow, deny=deny,
@@ -340,22 +369,31 @@ class _SlotTable:
             if not new.any() and not fresh.any():
                 continue
             t, width = g.trigger_len, int(new.max(initial=0))
+            if g.fields and not fresh.any():
+                t = 0  # a spans row reads its prompt tail once, at start; then only its new tokens
             block = history([slots[i] for i in pos], nxt - t, t + width, end)
             idx = torch.as_tensor([r.index for r in rows], dtype=torch.long).to(self.device, non_blocking=True)
-            node = self.node[idx]
-            zeros = torch.zeros_like(node)
+            state = RowState(self.node[idx], self.tree[idx], self.text[idx] if g.fields else None)
             if fresh.any():
-                first = g.device.start(len(rows), None, block[:, :t] if t else None).node
-                node = torch.where(torch.from_numpy(fresh).to(self.device, non_blocking=True), first, node)
+                # Spans rows: the prompt's tail seeds the text automaton (a prompt ending in an ``after`` starts
+                # inside that span); trigger rows: the tail says whether the trigger is already written.
+                first = g.device.start(len(rows), None, block[:, :t] if t else None)
+                state = _where(torch.from_numpy(fresh).to(self.device, non_blocking=True), first, state)
             live = torch.from_numpy(new).to(self.device, non_blocking=True)
             # The filters the rows are masked with (mask_ takes the same rows in the same order: one cached object):
             # the core advances over the trie they leave each row, as the transformers processor does.
             filters = g.filters_for(rows)
             for k in range(width):
-                tails = block[:, k + 1 : k + 1 + t] if t else None
-                moved = g.device.advance(RowState(node, zeros), block[:, t + k], tails, filters=filters).node
-                node = torch.where(k < live, moved, node)
-            self.node.index_copy_(0, idx, node)
+                tails = block[:, k + 1 : k + 1 + t] if t and not g.fields else None
+                # A row with no token at k (-1) is kept as it was (below); with spans token 0 stands in, so the
+                # text automaton never reads a negative id.
+                tokens = block[:, t + k].clamp(min=0) if g.fields else block[:, t + k]
+                moved = g.device.advance(state, tokens, tails, filters=filters)
+                state = _where(k < live, moved, state)
+            self.node.index_copy_(0, idx, state.node)
+            self.tree.index_copy_(0, idx, state.tree)
+            if state.text is not None:
+                self.text.index_copy_(0, idx, state.text)
             for r, n in zip(rows, new.tolist()):
                 r.done += n
                 r.started = True
@@ -378,12 +416,18 @@ class _SlotTable:
                 continue
             g = self.groups[key]
             c = g.device
-            node = self.node[part[:, 0]]
-            state = RowState(node, torch.zeros_like(node))
+            at_rows = part[:, 0]
+            state = RowState(self.node[at_rows], self.tree[at_rows], self.text[at_rows] if g.fields else None)
             if any(self.rows[slots[i]].stop_at for i in pos):  # fast-forward: end where a long forced run begins
                 state = c.stop_at_forced(state, part[:, 2], part[:, 3].bool())
             c.mask_(logits, state, part[:, 1], filters=g.filters_for([self.rows[slots[i]] for i in pos]))
         return logits
+
+
+def _where(cond: torch.Tensor, new: RowState, old: RowState) -> RowState:
+    """Per row: ``new``'s state where ``cond`` (Shape: (R,), bool), else ``old``'s."""
+    text = None if new.text is None else torch.where(cond, new.text, old.text)
+    return RowState(torch.where(cond, new.node, old.node), torch.where(cond, new.tree, old.tree), text)
 
 
 class _Staging:

@@ -26,6 +26,11 @@ Request keys (in ``extra_args``; see :func:`trie_args` for a typed builder):
     forced_tail_only  with stop_at_forced: stop only where the forced run completes the entry (default False)
     allow, deny     entry keys or indices the request may / may not use, or {"file": PATH}: a file on the server
                     (inside an allowed directory) of entry indices (.npy) or keys (text, one per line)
+    spans           catalog-valued fields inside free text (:mod:`trie_decode.fields`), instead of ``trie``: a list
+                    of ``{"after": TEXT, "values": [str, ...] | "trie": NAME_OR_PATH, "end": TEXT, "escape": ...,
+                    "whitespace": "exact" | "any"}``
+                    (or, over HTTP, its JSON string); each maps to a :class:`trie_decode.fields.Span`. Combines with
+                    no other option: every span says where its value starts and ends
 
 Keys that start with ``trie`` or look like a misspelling of one of these are rejected; other keys are left to other
 processors. ``trie_checked`` is not a client's option: the front-end sets it on every request it admits (replacing
@@ -47,10 +52,12 @@ from typing import Any, Callable, Collection, Hashable, Optional, Sequence, Unio
 
 from trie_decode.constraint import ON_COMPLETE_MODES, SpanRules
 from trie_decode.errors import ConstraintConfigError, TrieDecodeError
+from trie_decode.fields import ESCAPES, FieldRules, Span
 from trie_decode.filters import entry_indices
 from trie_decode.live import apply_delta_file
 from trie_decode.options import build_rules, first_eos
 from trie_decode.spans import token_tuple
+from trie_decode.text_spans import WHITESPACE_MODES, Trigger
 from trie_decode.tokenizers import fingerprint_matches, tokenizer_fingerprint, tokenizer_vocab_size
 from trie_decode.trie import TokenTrie
 
@@ -78,6 +85,9 @@ __all__ = [
     "parse_trie_request",
     "trie_args",
     "OPTION_KEYS",
+    "SPAN_KEYS",
+    "SpanRequest",
+    "is_trie_request",
     "MAX_INLINE_ENTRIES",
     "MAX_INLINE_BYTES",
 ]
@@ -86,8 +96,10 @@ TRIE_KEY = "trie"
 OPTION_KEYS = (
     "trie", "on_complete", "trigger", "separator", "leading_space", "context", "normalize", "prefix", "stop_at_forced",
     "forced_tail_only",
-    "allow", "deny",
+    "allow", "deny", "spans",
 )
+#: The keys of one span dict in ``extra_args["spans"]`` (a :class:`trie_decode.fields.Span`).
+SPAN_KEYS = ("after", "values", "trie", "end", "escape", "whitespace")
 logger = logging.getLogger("trie_decode.vllm")
 
 #: Default of the most entries one request's ``allow`` or ``deny`` filter may name (the limit in force comes from
@@ -134,9 +146,14 @@ class TrieRequest:
     forced_tail_only: bool = False
     allow: Optional[Union[tuple, "FilterFile"]] = None
     deny: Optional[Union[tuple, "FilterFile"]] = None
+    spans: tuple = ()  # of SpanRequest (source "spans"; payload is then None)
 
     def trie_key(self) -> Hashable:
-        """A key that identifies the trie (content hash for inline payloads)."""
+        """A key that identifies the trie (content hash for inline payloads; for spans, of the whole span list)."""
+        if self.source == "spans":
+            blob = json.dumps([[s.after, s.end, s.escape, s.whitespace, s.source, s.payload] for s in self.spans],
+                              ensure_ascii=False)
+            return ("spans", hashlib.sha256(blob.encode("utf-8", "surrogatepass")).hexdigest())
         if self.source == "file":
             return ("file", self.payload)
         forms = [self.leading_space, self.context, self.normalize]
@@ -146,6 +163,101 @@ class TrieRequest:
 
 def _fail(msg: str) -> None:
     raise TrieRequestError(msg)
+
+
+def is_trie_request(extra_args: Optional[dict]) -> bool:
+    """Whether a request's ``extra_args`` asks for a constraint (``"trie"`` or ``"spans"``): one or two lookups."""
+    return bool(extra_args) and (TRIE_KEY in extra_args or "spans" in extra_args)  # type: ignore[operator]
+
+
+@dataclass(frozen=True)
+class SpanRequest:
+    """One parsed span of ``extra_args["spans"]``: ``after``, ``end`` and ``escape`` as :class:`Span` takes them;
+    ``source`` ``"strings"`` (``payload``: the values, a tuple of str) or ``"file"`` (a registered trie name or a
+    path, resolved against the access policy like ``extra_args["trie"]``); ``whitespace`` ``"any"`` makes
+    ``after`` a :class:`~trie_decode.text_spans.Trigger` whose whitespace runs match any whitespace (JSON whose
+    spacing the model or grammar chooses)."""
+
+    after: str
+    source: str
+    payload: Any
+    end: str = '"'
+    escape: Optional[str] = "auto"
+    whitespace: str = "exact"
+
+    def after_pattern(self) -> Any:
+        """``after`` as :class:`~trie_decode.fields.Span` takes it."""
+        return self.after if self.whitespace == "exact" else Trigger(self.after, whitespace=self.whitespace)
+
+
+def _spans_option(value: Any, max_entries: int, max_bytes: int) -> tuple:
+    """``extra_args["spans"]`` checked: a non-empty list (or its JSON text) of span dicts, inline values within the
+    request's inline limits (counted over all spans)."""
+    if isinstance(value, str):
+        if len(value) > 8 * max_bytes + 4096:
+            _fail(f"extra_args['spans'] holds {len(value)} characters of JSON, over the limit of {max_bytes} bytes")
+        try:
+            value = json.loads(value)
+        except (json.JSONDecodeError, RecursionError) as exc:
+            _fail(f"extra_args['spans'] as a string must be JSON, and does not parse: {exc}")
+    if not isinstance(value, (list, tuple)) or not value:
+        _fail(f"extra_args['spans'] must be a non-empty list of span objects, got {value!r:.80}")
+    out, entries, size = [], 0, 0
+    for i, item in enumerate(value):
+        what = f"extra_args['spans'][{i}]"
+        if not isinstance(item, dict):
+            _fail(f"{what} must be an object with the keys {list(SPAN_KEYS)}, got {type(item).__name__}")
+        unknown = [k for k in item if k not in SPAN_KEYS]
+        if unknown:
+            _fail(f"{what} has unknown keys {unknown}; known keys: {list(SPAN_KEYS)}")
+        after = item.get("after")
+        if not isinstance(after, str) or not after:
+            _fail(f"{what}['after'] (the text a value follows) must be a non-empty string, got {after!r:.60}")
+        end = item.get("end", '"')
+        if not isinstance(end, str) or not end:
+            _fail(f"{what}['end'] must be a non-empty string, got {end!r:.60}")
+        escape = item.get("escape", "auto")
+        if escape != "auto" and escape not in ESCAPES:
+            _fail(f"{what}['escape'] must be 'auto', 'json' or null, got {escape!r:.40}")
+        whitespace = item.get("whitespace", "exact")
+        if whitespace not in WHITESPACE_MODES:
+            _fail(f"{what}['whitespace'] must be one of {list(WHITESPACE_MODES)}, got {whitespace!r:.40}")
+        try:
+            if whitespace != "exact":
+                Trigger(after, whitespace=whitespace)
+        except TrieDecodeError as exc:
+            _fail(f"{what}['after']: {exc}")
+        if ("values" in item) == ("trie" in item):
+            _fail(f"{what} needs exactly one of 'values' (a list of strings) and 'trie' (a trie name or file path)")
+        if "trie" in item:
+            path = item["trie"]
+            if not isinstance(path, str) or not path.strip():
+                _fail(f"{what}['trie'] must be a registered trie name or a trie file path, got {path!r:.60}")
+            out.append(SpanRequest(after, "file", path, end, escape, whitespace))
+            continue
+        values = item["values"]
+        if not isinstance(values, (list, tuple)) or not values or not all(isinstance(v, str) and v for v in values):
+            _fail(f"{what}['values'] must be a non-empty list of non-empty strings")
+        entries += len(values)
+        size += sum(len(v.encode("utf-8", "surrogatepass")) for v in values)
+        if entries > max_entries:
+            _fail(f"extra_args['spans'] has {entries} inline values, over the limit of {max_entries}: use trie files")
+        if size > max_bytes:
+            _fail(f"extra_args['spans'] holds {size} bytes of inline values, over the limit of {max_bytes}")
+        out.append(SpanRequest(after, "strings", tuple(values), end, escape, whitespace))
+    if len({s.end for s in out}) > 1:
+        _fail(f"every span of a request must share one end; got {sorted({s.end for s in out})}")
+    return tuple(out)
+
+
+def _spans_request(extra_args: dict, max_entries: int, max_bytes: int) -> TrieRequest:
+    """A request of ``extra_args["spans"]``: checked, and refused with every option it was combined with named."""
+    others = [k for k in OPTION_KEYS if k != "spans" and k in extra_args and extra_args[k] is not None]
+    if others:
+        _fail(f"extra_args['spans'] does not combine with {others}: each span says where its value starts (after) "
+              "and ends (end), and holds its own values")
+    return TrieRequest(source="spans", payload=None, on_complete="release",
+                       spans=_spans_option(extra_args["spans"], max_entries, max_bytes))
 
 
 #: The most tokenizations (forms) one inline request may ask for.
@@ -233,12 +345,13 @@ def _inline_payload(value: list, max_entries: int, max_bytes: int) -> tuple[str,
 def parse_trie_request(
     extra_args: Optional[dict], *, max_entries: Optional[int] = None, max_bytes: Optional[int] = None
 ) -> Optional[TrieRequest]:
-    """Parse a request's ``extra_args``; None when it has no ``"trie"`` key (the request is not constrained).
+    """Parse a request's ``extra_args``; None when it has neither a ``"trie"`` nor a ``"spans"`` key (the request is
+    not constrained).
 
     Raises:
         TrieRequestError: a malformed or oversized value, or an unknown ``trie*`` option.
     """
-    if not extra_args or TRIE_KEY not in extra_args:
+    if not is_trie_request(extra_args):
         return None  # not ours: untouched, and one dict lookup is all it costs
     if max_entries is None or max_bytes is None:
         limits = current_limits()
@@ -251,6 +364,8 @@ def parse_trie_request(
         if key.lower().startswith("trie") or close:
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             _fail(f"unknown trie option extra_args[{key!r}]{hint}; known options: {list(OPTION_KEYS)}")
+    if "spans" in extra_args:
+        return _spans_request(extra_args, max_entries, max_bytes)
     value = extra_args[TRIE_KEY]
     if isinstance(value, str) and value.lstrip().startswith("["):
         if len(value) > 8 * max_bytes + 4096:  # the JSON text of a list at the byte limit is far shorter
@@ -346,8 +461,9 @@ def _filter_option(value: Any, what: str) -> Optional[Union[tuple, FilterFile]]:
 
 
 def trie_args(
-    trie: Union[str, os.PathLike, Sequence[str], Sequence[Sequence[int]]],
+    trie: Union[str, os.PathLike, Sequence[str], Sequence[Sequence[int]], None] = None,
     *,
+    spans: Optional[Sequence[dict]] = None,
     on_complete: str = "eos",
     trigger: TokensArg = None,
     separator: TokensArg = None,
@@ -362,10 +478,34 @@ def trie_args(
     ``allow``/``deny``: entry keys (or names) or entry indices the request may / may not use, or
     ``{"file": PATH}`` for a file of them on the server (see :class:`FilterFile`).
 
+    ``spans``: instead of ``trie``, catalog-valued fields inside free text, one dict per field:
+    ``{"after": '"city": "', "values": [...], "end": '"'}`` or ``{"after": ..., "trie": NAME_OR_PATH}`` (see
+    :class:`SpanRequest`); combines with no other option.
+
     Example:
         >>> from vllm import SamplingParams                                          # doctest: +SKIP
         >>> SamplingParams(max_tokens=16, extra_args=trie_args(["Paris", "Rome"]))  # doctest: +SKIP
+        >>> trie_args(spans=[{"after": '"city": "', "values": ["Paris", "Rome"]}])["spans"][0]["after"]
+        '"city": "'
     """
+    if spans is not None:
+        others = {"trie": trie is not None, "on_complete": on_complete != "eos", "trigger": trigger is not None,
+                  "separator": separator is not None, "leading_space": leading_space is not False,
+                  "context": context is not None, "normalize": normalize is not None, "allow": allow is not None,
+                  "deny": deny is not None}
+        given = [k for k, v in others.items() if v]
+        if given:
+            _fail(f"trie_args(spans=...) does not combine with {given}: each span holds its own values")
+        if isinstance(spans, (str, dict)) or not isinstance(spans, (list, tuple)):
+            _fail(f"trie_args(spans=...) must be a list of span dicts, got {type(spans).__name__}")
+        made = {"spans": [dict(s) if isinstance(s, dict) else s for s in spans]}
+        for s in made["spans"]:
+            if isinstance(s, dict) and isinstance(s.get("values"), tuple):
+                s["values"] = list(s["values"])
+        parse_trie_request(made)
+        return made
+    if trie is None:
+        _fail("trie_args needs a trie (a name, a path or an inline list) or spans=")
     out: dict[str, Any] = {"trie": os.fspath(trie) if isinstance(trie, os.PathLike) else trie}
     if isinstance(out["trie"], tuple):
         out["trie"] = list(out["trie"])
@@ -508,6 +648,9 @@ class TrieResolver:
         self._inline = _LRU(INLINE_CACHE_SIZE, limits.inline_cache_bytes, _trie_nbytes)
         # Filter files' items by the file's identity: a few files (a category, a user's history), bounded in bytes.
         self._filter_files = _LRU(FILE_CACHE_SIZE, limits.file_cache_bytes, lambda items: 64 * len(items) + 64)
+        # Spans' tries and field rules by the span list's content hash and its files' identities (FieldRules keys
+        # the groups' step tables by identity: one object per distinct span list keeps them shared).
+        self._spans = _LRU(INLINE_CACHE_SIZE, limits.inline_cache_bytes, lambda v: sum(_trie_nbytes(t) for t in v[0]))
         self.engine_refusals: Counter = Counter()
         self._logged_causes: set = set()
         self._refusal_lock = threading.Lock()
@@ -621,6 +764,43 @@ class TrieResolver:
             )
         return trie, origin
 
+    def spans(self, req: TrieRequest, *, admit: bool = False) -> tuple[list[TokenTrie], SpanRules]:
+        """A ``spans`` request's tries (one per span, the tree index is the span's) and its rules
+        ``SpanRules(end_token_id=eos, on_complete="release", fields=FieldRules)``, cached per span list (and, for
+        spans naming trie files, per file identity). ``admit``: as in :meth:`trie` (cost-bounded, front-end).
+
+        Raises:
+            TrieRequestError: a file outside the access policy, a value that contains the end, a tokenizer mismatch.
+        """
+        file_tries: dict[int, TokenTrie] = {}
+        origins = []
+        for i, s in enumerate(req.spans):
+            if s.source == "file":
+                trie, origin = self._trie(TrieRequest(source="file", payload=s.payload), admit)
+                file_tries[i] = trie
+                origins.append(origin)
+        key = (req.trie_key(), tuple(origins))
+        found = self._spans.get(key)
+        if found is not None:
+            return found
+        budget = build_budget() if admit else None
+        if budget is not None:
+            budget.check(f"the tries of {len(req.spans)} spans")
+        start = time.perf_counter()
+        try:
+            spans = [Span(file_tries[i] if s.source == "file" else list(s.payload), after=s.after_pattern(), end=s.end,
+                          escape=s.escape) for i, s in enumerate(req.spans)]
+            tries, fields = FieldRules.build(spans, self.tokenizer)
+            rules = SpanRules(end_token_id=self.end_token_id, on_complete="release", fields=fields)
+            rules.check_vocab(max(self.vocab_size, self.end_token_id + 1))
+        except TrieDecodeError as exc:
+            raise TrieRequestError(f"extra_args['spans']: {exc}") from exc
+        finally:
+            if budget is not None:
+                budget.spend(time.perf_counter() - start)
+        self._spans.put(key, (tries, rules))
+        return tries, rules
+
     def _legacy_match(self, fingerprint: str) -> bool:
         """Whether a trie saved with the previous fingerprint computation matches the engine's tokenizer."""
         return fingerprint_matches(fingerprint, self.tokenizer)
@@ -656,6 +836,9 @@ class TrieResolver:
             >>> resolver = TrieResolver(tokenizer)                                          # doctest: +SKIP
             >>> stamp = resolver.admit(parse_trie_request({"trie": ["red", "green"]}))      # doctest: +SKIP
         """
+        if req.source == "spans":
+            self.spans(req, admit=True)
+            return make_stamp(None)
         trie, origin = self._trie(req, admit=True)
         self.rules(req)
         self._check_prefix(req, trie)

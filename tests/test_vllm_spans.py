@@ -1,0 +1,260 @@
+"""Spans through vLLM (issue 23): ``extra_args=trie_args(spans=[...])`` keeps catalog-valued fields inside free text
+(here: JSON written under vLLM's own JSON-schema structured outputs) to their catalogs.
+
+The request side (parsing, errors, the resolver's cache) runs without an engine; the engine tests share one
+SmolLM2 engine for the module (its start costs about a minute).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+import torch
+
+from trie_decode.constraint import TrieConstraint
+from trie_decode.fields import Span
+from trie_decode.integrations.vllm_requests import (
+    TrieRequestError,
+    TrieResolver,
+    is_trie_request,
+    parse_trie_request,
+    trie_args,
+)
+
+CITIES = ["Paris", "Rome", "Berlin", "Madrid", "Tokyo", "Lima", "Cairo", "Ottawa", "Canberra", "Lisbon", "Vienna",
+          "Athens", "Dublin", "Oslo", "Nairobi", "Seoul", "Hanoi", "Bogotá", "Quito", "Kyiv", "São Paulo", "Zürich"]
+LANDMARKS = ["the Eiffel Tower", "the Colosseum", "the Brandenburg Gate", "the Prado", "Shibuya Crossing",
+             "the Plaza Mayor of Lima", "the Egyptian Museum", "Parliament Hill", "the Parliament House of Australia",
+             "the Belém Tower", "Schönbrunn Palace", "the Acropolis", "Trinity College", "the Opera House of Norway",
+             "the Kenyatta Centre", "Gyeongbokgung", "Hoan Kiem Lake", "the Gold Museum"]
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"}},
+          "required": ["city", "country"], "additionalProperties": False}
+
+
+def _spans(country_names):
+    # whitespace "any": the grammar lets the model space the JSON as it likes ('"city":"', '"city" : "').
+    return [{"after": '"city" : "', "values": CITIES, "end": '"', "whitespace": "any"},
+            {"after": '"country" : "', "values": list(country_names), "end": '"', "whitespace": "any"}]
+
+
+# ------------------------------------------------------------------------------------------------ request side
+def test_trie_args_spans_round_trip_and_http_json_form(country_names):
+    args = trie_args(spans=_spans(country_names))
+    assert set(args) == {"spans"} and is_trie_request(args)
+    req = parse_trie_request(args)
+    assert req.source == "spans" and req.on_complete == "release"
+    assert [s.after for s in req.spans] == ['"city" : "', '"country" : "']
+    assert req.spans[0].whitespace == "any"
+    assert req.spans[0].payload == tuple(CITIES) and req.spans[1].source == "strings"
+    # Over HTTP (vllm_xargs) values cannot nest: the same list as a JSON string parses to the same request.
+    http = parse_trie_request({"spans": json.dumps(args["spans"])})
+    assert http.trie_key() == req.trie_key()
+    assert parse_trie_request({"trie": ["a"]}).trie_key() != req.trie_key()
+    assert not is_trie_request({"other": 1}) and parse_trie_request({"other": 1}) is None
+
+
+@pytest.mark.parametrize("extra, match", [
+    ({"spans": []}, r"non-empty list"),
+    ({"spans": "not json"}, r"extra_args\['spans'\] as a string must be JSON"),
+    ({"spans": [["a"]]}, r"spans'\]\[0\] must be an object"),
+    ({"spans": [{"values": ["a"]}]}, r"\[0\]\['after'\]"),
+    ({"spans": [{"after": "x=", "values": ["a"], "colour": 1}]}, r"unknown keys \['colour'\]"),
+    ({"spans": [{"after": "x="}]}, r"exactly one of 'values'.*'trie'"),
+    ({"spans": [{"after": "x=", "values": ["a"], "trie": "t"}]}, r"exactly one of 'values'.*'trie'"),
+    ({"spans": [{"after": "x=", "values": ["a", ""]}]}, r"\['values'\] must be a non-empty list"),
+    ({"spans": [{"after": "x=", "trie": ""}]}, r"\['trie'\] must be a registered trie name"),
+    ({"spans": [{"after": "x=", "values": ["a"], "end": ""}]}, r"\['end'\] must be a non-empty string"),
+    ({"spans": [{"after": "x=", "values": ["a"], "escape": "xml"}]}, r"\['escape'\] must be"),
+    ({"spans": [{"after": "x=", "values": ["a"], "whitespace": "some"}]}, r"\['whitespace'\] must be one of"),
+    ({"spans": [{"after": "x= ", "values": ["a"], "whitespace": "any"}]}, r"\['after'\].*ends with whitespace"),
+    ({"spans": [{"after": "x=", "values": ["a"]}, {"after": "y=", "values": ["b"], "end": ";"}]}, r"share one end"),
+    ({"spans": [{"after": "x=", "values": ["a"]}], "trie": ["a"]}, r"does not combine with \['trie'\]"),
+    ({"spans": [{"after": "x=", "values": ["a"]}], "on_complete": "eos", "allow": ["a"]},
+     r"does not combine with \['on_complete', 'allow'\]"),
+    ({"spans": [{"after": "x=", "values": ["v"] * 3000}]}, r"over the limit"),
+    ({"spanz": []}, r"did you mean 'spans'"),
+])
+def test_bad_span_requests_name_the_option(extra, match):
+    with pytest.raises(TrieRequestError, match=match):
+        parse_trie_request({"trie": ["a"], **extra} if "spanz" in extra else extra)
+
+
+def test_vllm_params_validator_refuses_bad_span_requests():
+    """The front-end check (vLLM's validator of custom processors' params): a bad span request is a validation
+    error (HTTP 400), a good one passes."""
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+    from vllm.v1.worker.gpu.sample.logits_processor import build_custom_logits_processors_params_validator
+
+    validate = build_custom_logits_processors_params_validator(["trie_decode.integrations.vllm:TrieLogitsProcessor"])
+    validate(SamplingParams(max_tokens=4, extra_args={"spans": [{"after": "x=", "values": ["a", "b"]}]}))
+    for extra in ({"spans": [{"after": "x="}]}, {"spans": [{"after": "x=", "trie": "/nowhere/missing.trie"}]},
+                  {"spans": [{"after": "x=", "values": ["a"]}], "trigger": "Answer:"}):
+        with pytest.raises(VLLMValidationError):
+            validate(SamplingParams(max_tokens=4, extra_args=extra))
+
+
+def test_trie_args_refuses_spans_with_other_options():
+    span = {"after": "x=", "values": ["a"]}
+    with pytest.raises(TrieRequestError, match=r"does not combine with \['trie', 'trigger'\]"):
+        trie_args(["a"], spans=[span], trigger="Answer:")
+    with pytest.raises(TrieRequestError, match="must be a list of span dicts"):
+        trie_args(spans=span)
+    with pytest.raises(TrieRequestError, match="needs a trie"):
+        trie_args()
+
+
+def test_resolver_builds_cached_span_tries_and_rules(tokenizer, country_names, tmp_path, monkeypatch):
+    resolver = TrieResolver(tokenizer)
+    req = parse_trie_request(trie_args(spans=_spans(country_names)))
+    tries, rules = resolver.spans(req)
+    assert len(tries) == 2 and rules.on_complete == "release" and rules.fields is not None
+    assert rules.end_token_id == tokenizer.eos_token_id
+    assert resolver.spans(req)[1] is rules  # cached per span list: groups keyed by it share step tables
+    # The rows start FREE; a prompt that ends with an ``after`` starts inside that span.
+    c = TrieConstraint(tries, rules, "cpu")
+    tail = tokenizer('Answer: {"city":"', add_special_tokens=False)["input_ids"]
+    state = c.start(1, None, torch.tensor([tail]))
+    assert state.node.tolist() == [0] and state.tree.tolist() == [0] and state.text is not None
+    # A span may name a trie file, under the same access policy as extra_args["trie"].
+    path = tmp_path / "countries.trie"
+    Span(list(country_names), after='"country": "').build_trie(tokenizer).save(path)
+    by_file = parse_trie_request(trie_args(spans=[_spans(country_names)[0], {"after": '"country": "', "trie": str(path)}]))
+    with pytest.raises(TrieRequestError):  # closed by default: the folder is not allowed
+        resolver.spans(by_file)
+    monkeypatch.setenv("TRIE_DECODE_ALLOWED_DIRS", str(tmp_path))
+    file_tries, _ = resolver.spans(by_file)
+    assert file_tries[1].num_entries == len(country_names)
+    # A value that contains the end (escape off) is refused with the option named.
+    bad = parse_trie_request({"spans": [{"after": "q: ", "values": ['say "hi"'], "escape": None}]})
+    with pytest.raises(TrieRequestError, match=r"extra_args\['spans'\].*contains the span's end"):
+        resolver.spans(bad)
+
+
+# ------------------------------------------------------------------------------------------------ the real engine
+@pytest.fixture(scope="module")
+def llm(smollm2_dir, tmp_path_factory):
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm import LLM
+
+    from trie_decode.integrations.vllm import TrieLogitsProcessor
+
+    engine = LLM(smollm2_dir, dtype="float32", max_model_len=512, max_num_seqs=32, enforce_eager=True, seed=0,
+                 logits_processors=[TrieLogitsProcessor])
+    yield engine
+    del engine
+
+
+def _prompts(tokenizer, n):
+    out = []
+    for i in range(n):
+        place = LANDMARKS[i % len(LANDMARKS)]
+        q = f"Where is {place}? Answer in JSON with the keys city and country." + (" Be brief." if i >= len(LANDMARKS) else "")
+        out.append(tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True))
+    return out
+
+
+def _in_catalogs(text, country_names):
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return obj.get("city") in CITIES and obj.get("country") in country_names
+
+
+def _params(temperature, seed, spans):
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    so = StructuredOutputsParams(json=SCHEMA)
+    return SamplingParams(max_tokens=48, temperature=temperature, seed=seed, structured_outputs=so,
+                          extra_args=trie_args(spans=spans) if spans else None)
+
+
+@pytest.mark.model
+@pytest.mark.slow
+@pytest.mark.parametrize("temperature, seed", [(0.0, None), (0.8, 1234)])
+def test_json_fields_under_structured_outputs_are_catalog_entries(llm, tokenizer, country_names, temperature, seed):
+    """64 prompts, vLLM's JSON-schema structured outputs (the shape) and the spans (the fields): every output parses
+    and both fields are entries of their catalogs."""
+    prompts = _prompts(tokenizer, 64)
+    spans = _spans(country_names)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, _params(temperature, seed, spans), use_tqdm=False)
+    with_spans = time.perf_counter() - start
+    start = time.perf_counter()
+    plain = llm.generate(prompts, _params(temperature, seed, None), use_tqdm=False)
+    without = time.perf_counter() - start
+    off = sum(not _in_catalogs(o.outputs[0].text, country_names) for o in plain)
+    print(f"\n64 prompts, temperature={temperature}: {with_spans:.1f} s with spans, {without:.1f} s without "
+          f"(without spans {off}/64 outputs have a field outside its catalog)")
+    texts = [o.outputs[0].text for o in outs]
+    assert len(texts) == 64
+    for text in texts:
+        obj = json.loads(text)
+        assert obj["city"] in CITIES and obj["country"] in country_names, text
+
+
+# ------------------------------------------------------------------------------------------------ V2 slots, no engine
+def test_v2_slots_carry_the_text_state_like_the_core(monkeypatch, smollm2_dir, tokenizer, country_names):
+    """Model Runner V2's interface through vLLM's classes (no engine): two spans requests whose rows move between
+    batch positions every step; each step's mask equals the core constraint's on the same tokens (started from the
+    same prompt tail), so the slot table keeps node, tree and text as the core advances them."""
+    import numpy as np
+    import vllm.v1.worker.gpu.buffer_utils as bu
+    from vllm import SamplingParams
+    from vllm.v1.worker.gpu.sample.logits_processor import LogitsContext, build_custom_logits_processors
+    from vllm.v1.worker.gpu.states import RequestState
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(bu, "is_uva_available", lambda: False)
+    req_states = RequestState(max_num_reqs=4, max_model_len=256, max_num_batched_tokens=256, num_speculative_steps=0,
+                              vocab_size=len(tokenizer), device=torch.device("cpu"))
+    config = SimpleNamespace(model_config=SimpleNamespace(tokenizer=smollm2_dir, tokenizer_revision=None,
+                                                          trust_remote_code=False, get_vocab_size=lambda: len(tokenizer)),
+                             speculative_config=None)
+    (proc,) = build_custom_logits_processors(config, req_states, False,
+                                             ["trie_decode.integrations.vllm:TrieLogitsProcessorV2"])
+    args = trie_args(spans=_spans(country_names))
+    tries, rules = TrieResolver(tokenizer).spans(parse_trie_request(args))
+    core = TrieConstraint(tries, rules, "cpu")
+    prompts = {0: tokenizer('Answer in JSON: {"city": "')["input_ids"], 2: tokenizer("Answer in JSON: ")["input_ids"]}
+    script = {0: tokenizer('Paris", "country": "France"}', add_special_tokens=False)["input_ids"],
+              2: tokenizer('{"city":"Rome","country":"Italy"}', add_special_tokens=False)["input_ids"]}
+    ref = {}
+    for slot, ids in prompts.items():
+        assert proc.add_request(slot, SamplingParams(extra_args=args))
+        req_states.all_token_ids.gpu[slot, : len(ids)] = torch.tensor(ids)
+        req_states.prompt_len.np[slot] = req_states.prefill_len.np[slot] = len(ids)
+        req_states.total_len.gpu[slot] = len(ids)
+        ref[slot] = core.start(1, None, torch.tensor([ids[-64:]]))
+    assert ref[0].node.tolist() == [0]  # the prompt ends with the city's ``after``: it starts inside the span
+    gen = torch.Generator().manual_seed(0)
+    written = {0: [], 2: []}
+    entered = set()
+    for step in range(max(len(s) for s in script.values())):
+        order = np.array([0, 2] if step % 2 == 0 else [2, 0], dtype=np.int64)
+        idx = torch.from_numpy(order)
+        logits = torch.randn(2, len(tokenizer), generator=gen)
+        ctx = LogitsContext(idx, idx, order, torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64),
+                            torch.zeros(2, dtype=torch.int64),
+                            np.array([int(req_states.total_len.gpu[s]) for s in order], dtype=np.int64))
+        masked = proc.apply(logits.clone(), ctx)
+        for row, slot in enumerate(order.tolist()):
+            want = core.mask_(logits[row : row + 1].clone(), ref[slot])
+            assert torch.equal(masked[row].isfinite(), want[0].isfinite()), (slot, step)
+            if int(ref[slot].node[0]) >= 0:
+                entered.add(slot)
+            s = script[slot]
+            tok = s[step] if step < len(s) and bool(masked[row, s[step]].isfinite()) else int(masked[row].argmax())
+            written[slot].append(tok)
+            ref[slot] = core.advance(ref[slot], torch.tensor([tok]))
+            pos = int(req_states.total_len.gpu[slot])
+            req_states.all_token_ids.gpu[slot, pos] = tok
+            req_states.total_len.gpu[slot] = pos + 1
+    assert entered == {0, 2}  # both rows were inside a span at some step (the masks above were not all free text)
+    assert json.loads('{"city": "' + tokenizer.decode(written[0])) == {"city": "Paris", "country": "France"}
+    assert json.loads(tokenizer.decode(written[2])) == {"city": "Rome", "country": "Italy"}
