@@ -18,7 +18,8 @@ from pathlib import Path
 import nbformat
 
 HERE = Path(__file__).resolve().parent
-SCRIPTS = ["entity_linking", "generative_retrieval", "fast_forward", "action_spans", "vllm_offline", "vllm_serve"]
+SCRIPTS = ["entity_linking", "generative_retrieval", "fast_forward", "action_spans", "json_fields", "vllm_offline",
+           "vllm_serve"]
 _MARKER = re.compile(r"^# %%(?P<md> \[markdown\])?\s*$")
 
 

@@ -26,7 +26,7 @@ sys.path.remove(str(EXAMPLES))
 # Script-only examples (no notebook: executing one costs minutes of Ray and engine start-up). Each is run, and its
 # EXPECTED lines checked, by its own test module: vllm_batch_pipeline by tests/test_vllm_batch.py.
 SCRIPT_ONLY = ["vllm_batch_pipeline"]
-TRANSFORMERS = ["entity_linking", "generative_retrieval", "fast_forward", "action_spans"]
+TRANSFORMERS = ["entity_linking", "generative_retrieval", "fast_forward", "action_spans", "json_fields"]
 VLLM = ["vllm_offline", "vllm_serve"]
 assert sorted(TRANSFORMERS + VLLM) == sorted(SCRIPTS)
 TIMEOUT = {"vllm_offline": 1200, "vllm_serve": 1200}
@@ -45,6 +45,8 @@ EXPECTED = {
     ],
     "fast_forward": [r"'Latin\.' .*identical: True", r"skip_ratio"],
     "action_spans": [r"Action: convert_currency\n +-> actions: \['convert_currency'\]", r"allowed next tokens: +1 of"],
+    "json_fields": [r"Eiffel Tower.*-> \{'city': 'Paris', 'country': 'France'\}  in catalogs: True",
+                    r"Machu Picchu.*in catalogs: True", r"10000 tool names", r"German.*known tool: True"],
     "vllm_offline": [r"Germany\? +' German' +ends with EOS: True", r"refused: ", r"next request: ' French'"],
     "vllm_serve": [r"200 Which country is Paris the capital of\? +' France'", r"\n400 \{", r"server stopped with 0"],
     "vllm_batch_pipeline": [r"Which country is Rome in\? +' Italy'", r"people in Germany speak\? +' German'",
@@ -59,6 +61,7 @@ def _check_printed(name: str, printed: str) -> None:
     for pattern in EXPECTED[name]:
         assert re.search(pattern, printed), f"examples/{name} did not print /{pattern}/:\n{printed[-3000:]}"
     assert "identical: False" not in printed
+    assert "in catalogs: False" not in printed and "known tool: False" not in printed
 
 
 def _params(names):

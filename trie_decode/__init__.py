@@ -17,6 +17,7 @@ from .catalogs import catalog_from_codes
 from .constraint import RowState, TrieConstraint
 from .descriptors import trie_from_prefix_dict
 from .entries import Entry
+from .fields import Span
 from .errors import (
     CatalogUpdateError,
     ConstraintConfigError,
@@ -37,6 +38,7 @@ from .trie import TokenTrie, TrieStats
 __version__ = "0.1.0"
 
 __all__ = [
+    "Span",
     # the trie and its builders
     "TokenTrie",
     "TrieStats",
