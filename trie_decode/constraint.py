@@ -197,8 +197,7 @@ class TrieConstraint:
             text = torch.tensor([nxt])
             if k < 0:
                 return RowState(new, state.tree, text)
-            carried = f.carried(token, past)
-            start = 0 if not carried else f.root_by_bytes[k].get(carried, -1)
+            start = f.entry_node(k, token, past)
             if start < 0:  # a dead trigger token (masked: see FieldRules.dead_tokens)
                 return RowState(new, state.tree, text)
             return RowState(torch.tensor([start]), torch.tensor([k]), text)
@@ -219,8 +218,7 @@ class TrieConstraint:
             node_np, tree_np = node_np.copy(), tree.cpu().numpy().copy()
             for j in np.flatnonzero(fired >= 0).tolist():
                 r, k = int(idx[j]), int(fired[j])
-                carried = f.carried(int(toks[j]), int(past[j]))
-                start = 0 if not carried else f.root_by_bytes[k].get(carried, -1)
+                start = f.entry_node(k, int(toks[j]), int(past[j]))
                 if start >= 0:  # else a dead trigger token (masked: see FieldRules.dead_tokens)
                     node_np[r], tree_np[r] = start, k
             new, tree = torch.from_numpy(node_np).to(self.device), torch.from_numpy(tree_np).to(self.device)

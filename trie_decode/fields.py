@@ -164,8 +164,7 @@ class FieldRules:
         if found is None:
             _, pattern, past = self.triggers.row(state)
             fired = np.flatnonzero((pattern >= 0) & (past > 0))
-            dead = [t for t in fired.tolist()
-                    if self.carried(t, int(past[t])) not in self.root_by_bytes[int(pattern[t])]]
+            dead = [t for t in fired.tolist() if self.entry_node(int(pattern[t]), t, int(past[t])) < 0]
             found = self._dead[state] = np.array(dead, dtype=np.int64)
         return found
 
@@ -200,6 +199,12 @@ class FieldRules:
             dead = self.dead_tokens(int(text[i]))
             r = i if rows is None else int(rows[i])
             logits[r, torch.from_numpy(dead[dead < width]).to(logits.device)] = float("-inf")
+
+    def entry_node(self, span: int, token: int, past: int) -> int:
+        """Where a row enters ``span``'s trie after ``token`` completed its ``after`` with ``past`` bytes left: the
+        root, the root child those bytes spell, or -1 (a dead trigger token, see :meth:`dead_tokens`)."""
+        carried = self.carried(token, past)
+        return 0 if not carried else self.root_by_bytes[span].get(carried, -1)
 
     def carried(self, token: int, past: int) -> bytes:
         """The last ``past`` bytes of ``token``: what it carries past a completed ``after``."""
