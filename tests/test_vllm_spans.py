@@ -16,6 +16,8 @@ import torch
 
 from trie_decode.constraint import TrieConstraint
 from trie_decode.fields import Span
+
+from test_spans import CITIES, _prompts  # one set of prompts and catalogs for both front doors
 from trie_decode.integrations.vllm_requests import (
     TrieRequestError,
     TrieResolver,
@@ -24,12 +26,6 @@ from trie_decode.integrations.vllm_requests import (
     trie_args,
 )
 
-CITIES = ["Paris", "Rome", "Berlin", "Madrid", "Tokyo", "Lima", "Cairo", "Ottawa", "Canberra", "Lisbon", "Vienna",
-          "Athens", "Dublin", "Oslo", "Nairobi", "Seoul", "Hanoi", "Bogotá", "Quito", "Kyiv", "São Paulo", "Zürich"]
-LANDMARKS = ["the Eiffel Tower", "the Colosseum", "the Brandenburg Gate", "the Prado", "Shibuya Crossing",
-             "the Plaza Mayor of Lima", "the Egyptian Museum", "Parliament Hill", "the Parliament House of Australia",
-             "the Belém Tower", "Schönbrunn Palace", "the Acropolis", "Trinity College", "the Opera House of Norway",
-             "the Kenyatta Centre", "Gyeongbokgung", "Hoan Kiem Lake", "the Gold Museum"]
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"}},
           "required": ["city", "country"], "additionalProperties": False}
 
@@ -146,15 +142,6 @@ def llm(smollm2_dir, tmp_path_factory):
                  logits_processors=[TrieLogitsProcessor])
     yield engine
     del engine
-
-
-def _prompts(tokenizer, n):
-    out = []
-    for i in range(n):
-        place = LANDMARKS[i % len(LANDMARKS)]
-        q = f"Where is {place}? Answer in JSON with the keys city and country." + (" Be brief." if i >= len(LANDMARKS) else "")
-        out.append(tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True))
-    return out
 
 
 def _in_catalogs(text, country_names):
