@@ -168,14 +168,16 @@ class FieldReference:
     entry the ``end`` tokens (all of them at a leaf, only the bare one beside children). An end token closes the
     value; the free text restarts with that token's bytes.
 
-    ``values[k]``: span k's entries (token tuples); ``afters[k]``: bytes; ``vocab``: token bytes.
+    ``values[k]``: span k's entries (token tuples); ``afters[k]``: bytes; ``end``: bytes, or one per span;
+    ``vocab``: token bytes.
     """
 
-    def __init__(self, values, afters, end: bytes, vocab):
+    def __init__(self, values, afters, end, vocab):
         self.values = [{tuple(v) for v in span} for span in values]
-        self.afters, self.end, self.vocab = list(afters), end, list(vocab)
-        self.end_ids = {t for t, b in enumerate(self.vocab) if b.startswith(end)}
-        self.bare = min(self.end_ids, key=lambda t: (len(self.vocab[t]), t))
+        self.afters, self.vocab = list(afters), list(vocab)
+        ends = [end] * len(self.values) if isinstance(end, bytes) else list(end)
+        self.end_ids = [{t for t, b in enumerate(self.vocab) if b.startswith(e)} for e in ends]
+        self.bare = [min(ids, key=lambda t: (len(self.vocab[t]), t)) for ids in self.end_ids]
 
     def start(self, prompt: bytes):
         return self._scan(b"", prompt, None)
@@ -203,7 +205,7 @@ class FieldReference:
         _, k, prefix = state
         kids = self._children(k, prefix)
         if prefix in self.values[k]:
-            return kids | (self.end_ids if not kids else {self.bare})
+            return kids | (self.end_ids[k] if not kids else {self.bare[k]})
         return kids
 
     def step(self, state, token):
@@ -212,5 +214,5 @@ class FieldReference:
         _, k, prefix = state
         if token in self._children(k, prefix):
             return ("in", k, prefix + (token,))
-        assert prefix in self.values[k] and token in self.end_ids, "a token the reference does not allow"
+        assert prefix in self.values[k] and token in self.end_ids[k], "a token the reference does not allow"
         return self._scan(b"", self.vocab[token], token)

@@ -133,3 +133,28 @@ def test_values_ending_in_punctuation_merged_with_the_quote_close_with_the_bare_
     assert allowed == set(fields.end.ids.tolist())  # a complete leaf: only tokens beginning with the quote
     s = c.advance(s, torch.tensor([fields.bare_end]))
     assert int(s.node[0]) == FREE
+
+
+@functools.lru_cache(maxsize=None)
+def _template(family: str):
+    from trie_decode.templates import Template
+
+    tok = load_tokenizer(family)
+    eos = tok.eos_token_id if tok.eos_token_id is not None else 0
+    t = Template('{"city": "{city}", "country": "{country}"}', city=CITIES, country=COUNTRIES)
+    return tok, TrieConstraint(*t.rules(tok, eos), "cpu"), eos
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_template_follows_the_tokenizers_own_ids_for_the_whole_json(family):
+    """Templates on every family: the tokenizer's own encoding of the whole JSON is the template's path (fixed text
+    forced, one token allowed per step; values natural at both ends), then the end token."""
+    tok, c, eos = _template(family)
+    for city, country in PAIRS:
+        ids = tok(json.dumps({"city": city, "country": country}, ensure_ascii=False), add_special_tokens=False)["input_ids"]
+        s = c.start(1)
+        for i, t in enumerate(ids + [eos]):
+            allowed = c.mask_(torch.zeros(1, c.needed_width), s)[0].isfinite().nonzero().flatten().tolist()
+            assert t in allowed, (family, city, i, tok.convert_ids_to_tokens(ids[: i + 1]))
+            assert int(s.node) != FREE or allowed == [t], (family, city, i)
+            s = c.advance(s, torch.tensor([t]))

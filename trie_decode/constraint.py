@@ -131,7 +131,7 @@ class TrieConstraint:
             self.dtries = [DeviceTrie.get(t, self.device) for t in tries]
         else:
             self.dtries = [DeviceTrie(t, self.device, dense_min_fanout=dense_min_fanout) for t in tries]
-        self.tables = [d.table(rules) for d in self.dtries]
+        self.tables = [d.table(rules, i) for i, d in enumerate(self.dtries)]
         self.kernel = kernels.select(self.device, kernel)
         self._prepared = self.kernel.prepare(self.tables)
         # Plans (allowed sets, bitmasks) come from the vectorized kernel of the device's array backend.
@@ -171,21 +171,18 @@ class TrieConstraint:
 
     def _start_fields(self, num_rows: int, tails: Optional[torch.Tensor]) -> RowState:
         """Text spans: every row FREE, its automaton fed the prompt's tail (``tails``: token ids, Shape: (R, T));
-        a prompt that already ends with a span's ``after`` starts in that span."""
+        a prompt that already ends with a span's ``after`` starts in that span (:meth:`FieldRules.start_state`)."""
         f = self.rules.fields
-        text = [0] * num_rows
-        if tails is not None:
-            for r, ids in enumerate(tails.tolist()):
-                text[r] = f.triggers.feed_token_ids(0, [t for t in ids if 0 <= t < f.vocab_size])
-        fired = [f.triggers.triggers.completed(s) for s in text]
-        node = torch.tensor([0 if k >= 0 else FREE for k in fired], dtype=torch.long)
-        tree = torch.tensor([max(k, 0) for k in fired], dtype=torch.long)
+        starts = [f.start_state(ids) for ids in (tails.tolist() if tails is not None else [[]] * num_rows)]
+        text = [s for s, _ in starts]
+        node = torch.tensor([0 if k >= 0 else FREE for _, k in starts], dtype=torch.long)
+        tree = torch.tensor([max(k, 0) for _, k in starts], dtype=torch.long)
         text_t = torch.tensor(text, dtype=torch.long)
         return RowState(node.to(self.device), tree.to(self.device), text_t.to(self.device))
 
     def _fields_move(self, state: RowState, tokens: torch.Tensor, new: torch.Tensor) -> RowState:
         """Text spans after the trie move: FREE rows feed the token to their automaton (a row that just closed a
-        value restarts it from the closing token), and a completed ``after`` enters its span's trie (at the root
+        value restarts it from the closing token, from that span's ``FieldRules.resume`` state), and a completed ``after`` enters its span's trie (at the root
         child the token's bytes past ``after`` spell, when it carries some). Rows inside a value keep their text
         state. On the host (numpy views, a scalar path at one row); other devices round-trip through it."""
         f = self.rules.fields
@@ -193,7 +190,8 @@ class TrieConstraint:
             if int(new) != FREE:
                 return RowState(new, state.tree, state.text)
             token = int(tokens)
-            nxt, k, past = f.triggers.step(int(state.text) if int(state.node) == FREE else 0, token)
+            before = int(state.node)
+            nxt, k, past = f.triggers.step(int(state.text) if before == FREE else int(f.resume[int(state.tree)]), token)
             text = torch.tensor([nxt])
             if k < 0:
                 return RowState(new, state.tree, text)
@@ -206,7 +204,7 @@ class TrieConstraint:
         if not len(idx):
             return RowState(new, state.tree, state.text)
         text = state.text.cpu().numpy().copy()
-        src = np.where(before[idx] == FREE, text[idx], 0)
+        src = np.where(before[idx] == FREE, text[idx], f.resume[state.tree.cpu().numpy()[idx]])
         toks = tokens.cpu().numpy()[idx]
         if len(idx) == 1:
             nxt, fired, past = (np.array([v]) for v in f.triggers.step(int(src[0]), int(toks[0])))
@@ -377,7 +375,7 @@ class TrieConstraint:
         if filters is not None:
             apply_filters_(out, state.node, filters, self.dtries[0], self.rules, rows)
         if self.rules.fields is not None:
-            self.rules.fields.block_dead_triggers_(out, state.node, state.text, rows)
+            self.rules.fields.free_rows_(out, state.node, state.text, rows)
         return out
 
     def _plans(self, state: RowState, width: int) -> list:
@@ -503,7 +501,8 @@ class TrieConstraint:
     def forced_tokens(self, state: RowState, max_tokens: int = 1 << 30) -> list[list[int]]:
         """Per row, the tokens forced from its state, host-side (used by fast-forward): the trie's forced run, plus
         the end token where an entry ends with no way on in ``"eos"`` mode, or the rest of the separator (see
-        :func:`trie_decode.spans.forced_tokens`)."""
+        :func:`trie_decode.spans.forced_tokens`); with text spans, a FREE row's forced text
+        (:meth:`FieldRules.forced_text`: a template's fixed text)."""
         nodes = state.node.cpu().numpy()
         tree = state.tree.cpu().numpy()
         out: list[list[int]] = [[] for _ in range(len(nodes))]
@@ -511,6 +510,10 @@ class TrieConstraint:
             pos = np.flatnonzero(tree == i)
             for p, run in zip(pos.tolist(), forced_tokens(self.tries[i], self.rules, nodes[pos], max_tokens)):
                 out[p] = run
+        if self.rules.fields is not None:
+            text = state.text.cpu().numpy()
+            for p in np.flatnonzero(nodes == FREE).tolist():
+                out[p] = self.rules.fields.forced_text(int(text[p]))[:max_tokens]
         return out
 
     def replay(

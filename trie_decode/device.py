@@ -137,7 +137,7 @@ class DeviceTrie:
                     views[name] = array
             self.arrays = _Arrays(self._build, **views)
         self.num_dense = len(wide)
-        self._tables: dict[SpanRules, StepTable] = {}
+        self._tables: dict[Any, StepTable] = {}  # rules, or (rules, span) with text spans
         self._forced: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         sparse = np.ones(len(fanout), dtype=np.bool_)
         sparse[wide] = False
@@ -201,11 +201,13 @@ class DeviceTrie:
         """Bytes of the tensors built so far, those shared with the trie's own arrays included."""
         return sum(t.numel() * t.element_size() for _, t in self.tensors.items())
 
-    def table(self, rules: SpanRules) -> "StepTable":
-        """The step table of ``rules`` over this trie on this device (built once per rules, kept with the trie)."""
-        found = self._tables.get(rules)
+    def table(self, rules: SpanRules, span: int = 0) -> "StepTable":
+        """The step table of ``rules`` over this trie on this device (built once per rules, kept with the trie);
+        with text spans, as the trie of span number ``span`` (its end tokens)."""
+        key = (rules, span) if rules.fields is not None else rules
+        found = self._tables.get(key)
         if found is None:
-            found = self._tables[rules] = StepTable(self, rules)
+            found = self._tables[key] = StepTable(self, rules, span)
         return found
 
     @property
@@ -244,13 +246,13 @@ class StepTable:
         kernel_cache: per-kernel data derived from the table (e.g. the C kernel's packed trie fields).
     """
 
-    def __init__(self, dtrie: DeviceTrie, rules: SpanRules) -> None:
+    def __init__(self, dtrie: DeviceTrie, rules: SpanRules, span: int = 0) -> None:
         end_slot = -1
         if rules.fields is not None:
-            # Text spans: the trie's dense rows plus one shared row, a complete leaf entry's end tokens.
-            dtrie = dtrie.with_extra_row(rules.fields.end_blocked)
+            # Text spans: the trie's dense rows plus one, a complete leaf entry's end tokens (this span's).
+            dtrie = dtrie.with_extra_row(rules.fields.end_rows[span])
             end_slot = dtrie.num_dense - 1
-        host = step_table(dtrie.trie, rules, dtrie.dense_slots(), end_slot)
+        host = step_table(dtrie.trie, rules, dtrie.dense_slots(), end_slot, span)
         self.dtrie, self.rules = dtrie, rules
         self.num_codes = rules.num_codes
         self.tensor = torch.from_numpy(host).to(dtrie.device)

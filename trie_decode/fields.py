@@ -20,10 +20,13 @@ step engine reads for a set of spans (``SpanRules(..., fields=...)``), all of it
 Values are tokenized in the context of their ``after`` text (:func:`~trie_decode.tokenizers.tokenize_in_context`),
 so the first token is the one the model writes there; with ``escape="json"`` they are written JSON-escaped.
 
-Limits of this version (documented, checked where they can be): every span of a request shares one ``end``; a
-complete entry that is also a prefix of a longer one allows only the bare ``end`` token (not ``",``) beside its
-children; an entry ending in punctuation that the tokenizer merges with the closing quote (``)",``) is closed with
-the bare quote, not the merged token.
+Each span has its own ``end`` (its own dense row of end tokens; spans with one ``end`` share it). A template
+(:mod:`trie_decode.templates`) is spans whose free text is forced: it replaces the trigger automaton and resumes
+after each value at the text that follows its slot (:attr:`FieldRules.resume`).
+
+Limits of this version (documented): a complete entry that is also a prefix of a longer one allows only the bare
+``end`` token (not ``",``) beside its children; an entry ending in punctuation that the tokenizer merges with the
+closing quote (``)",``) is closed with the bare quote, not the merged token.
 
 Example:
     >>> from trie_decode import TokenTrie
@@ -37,6 +40,7 @@ Example:
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
@@ -97,7 +101,7 @@ class Span:
 
     def written(self, value: str) -> str:
         """``value`` as the model writes it between ``after`` and ``end``."""
-        return json.dumps(value, ensure_ascii=False)[1:-1] if self.escape == "json" else value
+        return _written(value, self.escape)
 
     def build_trie(self, tokenizer: Any) -> TokenTrie:
         """This span's trie: ``values`` itself, or the strings tokenized in the context of ``after``.
@@ -105,20 +109,49 @@ class Span:
         Raises:
             InvalidEntryError: a value whose written text contains ``end`` (it would end the value early).
         """
-        if isinstance(self.values, TokenTrie):
-            return self.values
-        names = list(self.values)
-        texts = [self.written(v) if isinstance(v, str) else v for v in names]
-        for i, text in enumerate(texts):
-            if not isinstance(text, str) or not text:
-                raise InvalidEntryError(f"Span value {i} must be a non-empty string, got {names[i]!r:.60}")
-            if self.end in text:
-                raise InvalidEntryError(
-                    f"Span value {i} ({text!r:.60}) contains the span's end {self.end!r}: it would end the value "
-                    "early; give escape='json' (for a JSON string) or another end"
-                )
-        seqs = tokenize_in_context(texts, tokenizer, self.after_text, separator="", on_unstable="raw")
-        return TokenTrie.from_sequences(seqs, vocab_size=tokenizer_vocab_size(tokenizer), names=names)
+        return value_trie(self.values, tokenizer, self.after_text, self.end, self.escape, "Span")
+
+
+def value_trie(values: Union[TokenTrie, Sequence[str]], tokenizer: Any, context: str, end: Optional[str],
+               escape: Optional[str], what: str) -> TokenTrie:
+    """The trie of a field's values: ``values`` itself, or the strings as written (escaped per ``escape``) and
+    tokenized right after ``context``, so that the first token is the one the model writes there.
+
+    Args:
+        end: the text that ends a value (None: the end token); a value whose written text contains it is refused.
+        what: how the caller names the field in errors (``"Span"``, ``"slot 'city'"``).
+
+    Raises:
+        InvalidEntryError: an empty or non-string value, or one whose written text contains ``end``.
+    """
+    if isinstance(values, TokenTrie):
+        return values
+    names = list(values)
+    texts = [_written(v, escape) if isinstance(v, str) else v for v in names]
+    for i, text in enumerate(texts):
+        if not isinstance(text, str) or not text:
+            raise InvalidEntryError(f"{what} value {i} must be a non-empty string, got {names[i]!r:.60}")
+        if end and end in (re.sub(r"\\.", "", text) if escape == "json" else text):  # escaped quotes do not end it
+            raise InvalidEntryError(
+                f"{what} value {i} ({text!r:.60}) contains the span's end {end!r}: it would end the value "
+                "early; give escape='json' (for a JSON string) or another end"
+            )
+    seqs = tokenize_in_context(texts, tokenizer, context, separator="", on_unstable="raw")
+    return TokenTrie.from_sequences(seqs, vocab_size=tokenizer_vocab_size(tokenizer), names=names)
+
+
+def _written(value: str, escape: Optional[str]) -> str:
+    """``value`` as the model writes it (JSON-escaped inside a JSON string)."""
+    return json.dumps(value, ensure_ascii=False)[1:-1] if escape == "json" else value
+
+
+def _end_tables(ends: Sequence[str], vocab: list[bytes]) -> list[EndTokens]:
+    """Each span's end-token table; spans with one ``end`` share its table (and its dense row)."""
+    tables: dict[str, EndTokens] = {}
+    for end in ends:
+        if end not in tables:
+            tables[end] = end_token_table(end, vocab)
+    return [tables[end] for end in ends]
 
 
 class FieldRules:
@@ -130,23 +163,38 @@ class FieldRules:
 
     Attributes:
         triggers: the automaton over every span's ``after`` (pattern ``k`` is span ``k``).
-        end: the tokens beginning with ``end`` (:class:`~trie_decode.text_spans.EndTokens`).
-        bare_end: the token whose text is exactly ``end`` (or the shortest end token): what a complete entry that
-            prefixes a longer one allows beside its children.
-        end_blocked: the shared dense row of a complete leaf entry: True where a column is blocked.
-            Shape: (V,), bool.
+        ends: per span, the tokens beginning with its ``end`` (:class:`~trie_decode.text_spans.EndTokens`).
+        bare_ends, end_rows: per span, the shortest end token (what a complete entry that prefixes a longer one
+            allows beside its children) and the dense row of a complete leaf entry.
+        resume: per span, the automaton state a closed value restarts from.
     """
 
-    def __init__(self, triggers: TokenTriggers, end: EndTokens, vocab: Sequence[bytes], tries: Sequence[TokenTrie]):
-        if len(end.ids) == 0:
-            raise ConstraintConfigError(f"no token of this vocabulary begins with the span end {end.end!r}")
-        self.triggers, self.end = triggers, end
+    def __init__(self, triggers: TokenTriggers, end: Union[EndTokens, Sequence[EndTokens]], vocab: Sequence[bytes],
+                 tries: Sequence[TokenTrie], *, resume: Optional[Sequence[int]] = None):
+        ends = [end] * len(tries) if isinstance(end, EndTokens) else list(end)
+        if len(ends) != len(tries):
+            raise ConstraintConfigError(f"{len(ends)} end-token tables for {len(tries)} spans")
+        for e in ends:
+            if len(e.ids) == 0:
+                raise ConstraintConfigError(f"no token of this vocabulary begins with the span end {e.end!r}")
+        self.triggers, self.ends = triggers, ends
         self.vocab_size = len(vocab)
-        lengths = [len(vocab[int(t)]) for t in end.ids]
-        self.bare_end = int(end.ids[int(np.argmin(lengths))])
-        blocked = np.ones(self.vocab_size, dtype=np.bool_)
-        blocked[end.ids] = False
-        self.end_blocked = blocked
+        #: Per span: the token a complete entry that prefixes a longer one allows beside its children (the shortest
+        #: end token) and the dense row of a complete leaf entry (True where a column is blocked, Shape: (V,)).
+        self.bare_ends: list[int] = []
+        self.end_rows: list[np.ndarray] = []
+        rows: dict[int, tuple[int, np.ndarray]] = {}  # spans sharing one table share its row
+        for e in ends:
+            if id(e) not in rows:
+                lengths = [len(vocab[int(t)]) if int(t) < len(vocab) else 0 for t in e.ids]
+                blocked = np.ones(self.vocab_size, dtype=np.bool_)
+                blocked[e.ids[e.ids < self.vocab_size]] = False
+                rows[id(e)] = (int(e.ids[int(np.argmin(lengths))]), blocked)
+            self.bare_ends.append(rows[id(e)][0])
+            self.end_rows.append(rows[id(e)][1])
+        #: Per span: the automaton state a row restarts from when it closes that span's value (fed the closing
+        #: token): the start state for free-text spans; in a template, the fixed text after the slot.
+        self.resume = np.zeros(len(tries), dtype=np.int64) if resume is None else np.asarray(resume, dtype=np.int64)
         # Per span: bytes of each root child's token -> that child (a trigger token may carry the first bytes).
         self.root_by_bytes: list[dict[bytes, int]] = []
         for trie in tries:
@@ -155,6 +203,30 @@ class FieldRules:
         self._vocab = vocab
         self._dead: dict[int, np.ndarray] = {}
         self._dead_flag = np.full(triggers.num_states, -1, dtype=np.int8)  # per state: has dead tokens (-1: unknown)
+
+    @property
+    def end(self) -> EndTokens:
+        """The end tokens of span 0 (every span's, for free-text spans, which share one ``end``)."""
+        return self.ends[0]
+
+    @property
+    def bare_end(self) -> int:
+        """Span 0's bare end token (see :attr:`bare_ends`)."""
+        return self.bare_ends[0]
+
+    def start_state(self, ids: Sequence[int]) -> tuple[int, int]:
+        """A row's automaton state after its prompt's tail ``ids``, and the span a completed ``after`` enters
+        (-1: none): a prompt that already ends with a span's ``after`` starts in that span."""
+        state = self.triggers.feed_token_ids(0, [t for t in ids if 0 <= t < self.vocab_size])
+        return state, self.triggers.triggers.completed(state)
+
+    def free_rows_(self, logits: Any, node: Any, text: Any, rows: Any = None) -> None:
+        """The span rule for rows outside every value (in place): see :meth:`block_dead_triggers_`."""
+        self.block_dead_triggers_(logits, node, text, rows)
+
+    def forced_text(self, state: int) -> list[int]:
+        """The tokens a FREE row in automaton ``state`` is forced to write: none in free text."""
+        return []
 
     def dead_tokens(self, state: int) -> np.ndarray:
         """The tokens that, written in automaton state ``state``, would complete a span's ``after`` and carry bytes
@@ -212,11 +284,13 @@ class FieldRules:
         return bytes(data[len(data) - past:]) if past else b""
 
     @classmethod
-    def from_tokens(cls, tries: Sequence[TokenTrie], afters: Sequence[Union[str, Trigger]], end: str,
-                    vocab: Sequence[bytes]) -> "FieldRules":
-        """From the spans' tries, their ``after`` patterns, the shared ``end`` and a token byte table."""
-        triggers = TextTriggers(list(afters)).for_tokens(list(vocab))
-        return cls(triggers, end_token_table(end, list(vocab)), list(vocab), tries)
+    def from_tokens(cls, tries: Sequence[TokenTrie], afters: Sequence[Union[str, Trigger]],
+                    end: Union[str, Sequence[str]], vocab: Sequence[bytes]) -> "FieldRules":
+        """From the spans' tries, their ``after`` patterns, their ``end`` (one for all, or one per span) and a token
+        byte table."""
+        vocab = list(vocab)
+        triggers = TextTriggers(list(afters)).for_tokens(vocab)
+        return cls(triggers, _end_tables([end] * len(tries) if isinstance(end, str) else list(end), vocab), vocab, tries)
 
     @classmethod
     def build(cls, spans: Sequence[Span], tokenizer: Any) -> tuple[list[TokenTrie], "FieldRules"]:
@@ -231,15 +305,12 @@ class FieldRules:
         for i, s in enumerate(spans):
             if not isinstance(s, Span):
                 raise ConstraintConfigError(f"spans[{i}] is {type(s).__name__}, not a Span")
-        ends = {s.end for s in spans}
-        if len(ends) > 1:
-            raise ConstraintConfigError(f"every span of a request must share one end; got {sorted(ends)}")
         tries = [s.build_trie(tokenizer) for s in spans]
         vocab = vocabulary_bytes(tokenizer)
         vocab += [b""] * max(0, max(t.vocab_size for t in tries) - len(vocab))
         triggers = TextTriggers([s.after for s in spans]).for_tokens(vocab)
-        return tries, cls(triggers, end_token_table(spans[0].end, vocab), vocab, tries)
+        return tries, cls(triggers, _end_tables([s.end for s in spans], vocab), vocab, tries)
 
     def __repr__(self) -> str:
-        return (f"FieldRules(spans={len(self.root_by_bytes)}, end={self.end.end!r}, end_tokens={len(self.end.ids)}, "
+        return (f"FieldRules(spans={len(self.root_by_bytes)}, ends={sorted({e.end for e in self.ends})!r}, "
                 f"automaton_states={self.triggers.num_states})")

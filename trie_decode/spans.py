@@ -135,7 +135,7 @@ class SpanRules:
         return 2 + max(len(self.separator) - 1, 0)
 
 
-def step_table(trie: TokenTrie, rules: SpanRules, dense_slot: np.ndarray, end_slot: int = -1) -> np.ndarray:
+def step_table(trie: TokenTrie, rules: SpanRules, dense_slot: np.ndarray, end_slot: int = -1, span: int = 0) -> np.ndarray:
     """The span rules as one table: what a row may emit at each node and code, and where it goes on a token that
     is not a child of its node. Every kernel reads this table; none re-derives a rule.
 
@@ -143,6 +143,7 @@ def step_table(trie: TokenTrie, rules: SpanRules, dense_slot: np.ndarray, end_sl
         dense_slot: each node's row in the dense masks, or -1 (a node with a dense row lists no children here).
             Shape: (N,), int32.
         end_slot: with text spans (``rules.fields``), the dense row of a complete leaf entry: its ``end`` tokens.
+        span: with text spans, which span ``trie`` is (its end tokens).
     Returns:
         Shape: (N + K, 9), int32; the K code rows come last, in the order -K .. -1, so that a negative code indexes
         its own row. Columns: START, COUNT, SLOT, ANCHOR, EXTRA0, EXTRA1, ON_TOKEN, ON_MATCH, OTHERWISE.
@@ -178,8 +179,8 @@ def step_table(trie: TokenTrie, rules: SpanRules, dense_slot: np.ndarray, end_sl
             raise ConstraintConfigError("a text span's step table needs the dense row of its end tokens")
         table[leaf, SLOT] = end_slot
         table[leaf, COUNT] = 0
-        table[leaf, ANCHOR] = rules.fields.bare_end
-        table[terminal & ~leaf, EXTRA0] = rules.fields.bare_end
+        table[leaf, ANCHOR] = rules.fields.bare_ends[span]
+        table[terminal & ~leaf, EXTRA0] = rules.fields.bare_ends[span]
         table[terminal, OTHERWISE] = FREE
     elif rules.on_complete == "release":
         table[terminal, ANCHOR] = -1  # an entry is complete: the row is unconstrained

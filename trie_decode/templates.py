@@ -1,0 +1,310 @@
+"""Templates: an output that is fixed text with catalog-valued slots, built in one call, its fixed text forced.
+
+Why this exists: often the whole answer has a known shape, ``'{"city": "{city}", "country": "{country}"}'``, and
+only the slots are the model's choice. Writing that as free text plus spans (:mod:`trie_decode.fields`) leaves the
+fixed text to the model; a template forces it: between slots exactly one token is allowed per step (the fixed text's
+own tokens), so fast-forward decoding (``fast_forward_generate``, the vLLM driver) feeds it without a decision.
+
+A template is text spans read by the same step engine, with two tables in place of the free-text ones:
+
+- :class:`TemplateText`, an automaton over positions in the fixed texts, replaces the trigger automaton: a row
+  outside every value is FREE and its text state is its position; the position's next token is the only one allowed
+  (:meth:`TemplateRules.free_rows_`), and reaching the end of the text before slot ``k`` enters slot ``k``'s trie;
+- each slot's values end with the tokens that begin the text after it (its own end row: ``",`` after ``city``,
+  ``"}`` after ``country``), and a closed value resumes the automaton at the text after its slot
+  (``FieldRules.resume``). A slot at the very end of the template ends with the end token (EOS).
+
+Fixed text is written in its canonical tokens (tokenized in context); values are tokenized right after the text
+before their slot, as spans are. The end of the template allows only the end token.
+
+Example:
+    >>> from trie_decode.templates import Template
+    >>> t = Template('{"city": "{city}", "country": "{country}"}', city=["Paris", "Rome"], country=["France", "Italy"])
+    >>> t.segments, t.slot_names
+    (['{"city": "', '", "country": "', '"}'], ['city', 'country'])
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Mapping, Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+from .errors import ConstraintConfigError
+from .fields import FieldRules, value_trie
+from .spans import FREE, SpanRules
+from .text_spans import EndTokens, vocabulary_bytes
+from .tokenizers import tokenize_in_context
+from .trie import TokenTrie
+
+__all__ = ["Template", "TemplateText", "TemplateRules"]
+
+#: ``{name}`` (a Python identifier) is a slot; every other brace is text; ``{{name}}`` writes ``{name}`` literally.
+SLOT = re.compile(r"\{\{([A-Za-z_][A-Za-z0-9_]*)\}\}|\{([A-Za-z_][A-Za-z0-9_]*)\}")
+#: What a template's slot holds: a trie built for its position, or the value strings.
+SlotValues = Union[TokenTrie, Sequence[str]]
+
+
+class Template:
+    """Fixed text with slots, each filled from its own catalog.
+
+    Args:
+        text: the output's shape; ``{name}`` marks a slot (``{{name}}`` is the literal text ``{name}``; other
+            braces, as in JSON, are text).
+        escape: how values are written: ``"json"`` (JSON-escaped), None (as given), or ``"auto"`` (default:
+            ``"json"`` for a slot right after a ``"``).
+        slots: each slot's values, by name (a list of strings, or a :class:`TokenTrie` built for the position).
+
+    Raises:
+        ConstraintConfigError: no slot, a slot without values (or values for no slot), two slots with no text
+            between them (nothing would end the first).
+
+    Example:
+        >>> Template("Capital: {city}.", city=["Paris"]).segments
+        ['Capital: ', '.']
+    """
+
+    def __init__(self, text: str, *, escape: Optional[str] = "auto", **slots: SlotValues):
+        if not isinstance(text, str) or not text:
+            raise ConstraintConfigError(f"a template must be a non-empty str, got {text!r:.60}")
+        segments, names, pos = [], [], 0
+        piece = ""
+        for m in SLOT.finditer(text):
+            if m.group(1) is not None:  # {{name}}: literal braces
+                piece += text[pos:m.start()] + "{" + m.group(1) + "}"
+            else:
+                segments.append(piece + text[pos:m.start()])
+                names.append(m.group(2))
+                piece = ""
+            pos = m.end()
+        segments.append(piece + text[pos:])
+        if not names:
+            raise ConstraintConfigError(f"the template {text!r:.80} has no slot: mark one with {{name}}")
+        missing = [n for n in dict.fromkeys(names) if n not in slots]
+        if missing:
+            raise ConstraintConfigError(f"template slots without values: {missing}; give them as keywords, "
+                                        f"e.g. Template(text, {missing[0]}=[...])")
+        unused = sorted(set(slots) - set(names))
+        if unused:
+            raise ConstraintConfigError(f"values given for slots the template does not have: {unused} "
+                                        f"(its slots: {list(dict.fromkeys(names))})")
+        for k in range(1, len(names)):
+            if not segments[k]:
+                raise ConstraintConfigError(f"slots {{{names[k - 1]}}} and {{{names[k]}}} are adjacent: put text "
+                                            "between them (the text after a slot is what ends its value)")
+        if escape not in ("auto", "json", None):
+            raise ConstraintConfigError(f"escape must be 'auto', 'json' or None, got {escape!r}")
+        self.text, self.segments, self.slot_names, self.slots = text, segments, names, dict(slots)
+        self.escape = escape
+
+    def slot_escape(self, k: int) -> Optional[str]:
+        """How slot ``k``'s values are written (see ``escape``)."""
+        if self.escape != "auto":
+            return self.escape
+        return "json" if self.segments[k].endswith('"') else None
+
+    def build(self, tokenizer: Any, end_token_id: int) -> tuple[list[TokenTrie], "TemplateRules"]:
+        """The slots' tries and the rules the step engine reads (``SpanRules(..., fields=rules)``).
+
+        Raises:
+            InvalidEntryError: a value whose written text contains the text that ends its slot.
+            ConstraintConfigError: a text after a slot that no token begins (nothing could end the value).
+        """
+        vocab = vocabulary_bytes(tokenizer)
+        tries = []
+        for k, name in enumerate(self.slot_names):
+            # A value may not contain the text after its slot (a reader could not tell where it ends).
+            after, end = self.segments[k], self.segments[k + 1] or None
+            tries.append(value_trie(self.slots[name], tokenizer, after, end, self.slot_escape(k), f"slot {name!r}"))
+        width = max([len(vocab), end_token_id + 1] + [t.vocab_size for t in tries])
+        vocab += [b""] * (width - len(vocab))
+        segments = [s.encode("utf-8") for s in self.segments]
+        # The output's first tokens: SentencePiece tokenizers open a text with a space ("▁{"), which is written too.
+        first = tokenize_in_context([self.segments[0]], tokenizer, "", separator="")[0] if self.segments[0] else []
+        spelled = b"".join(vocab[i] for i in first)
+        if spelled != segments[0] and spelled == b" " + segments[0]:
+            segments[0] = spelled
+        text = TemplateText(segments, vocab)
+        text.learn_tokens(tokenizer, end_token_id, first)
+        return tries, TemplateRules(text, vocab, tries, end_token_id, self.slot_names)
+
+    def rules(self, tokenizer: Any, end_token_id: int) -> tuple[list[TokenTrie], SpanRules]:
+        """The slots' tries and the :class:`SpanRules` of a :class:`~trie_decode.constraint.TrieConstraint`.
+
+        Example:
+            >>> from trie_decode.constraint import TrieConstraint                       # doctest: +SKIP
+            >>> TrieConstraint(*Template("A: {x}.", x=["b"]).rules(tok, tok.eos_token_id), "cpu")  # doctest: +SKIP
+        """
+        tries, fields = self.build(tokenizer, end_token_id)
+        return tries, SpanRules(end_token_id=end_token_id, on_complete="release", fields=fields)
+
+    def __repr__(self) -> str:
+        return f"Template({self.text!r:.80}, slots={self.slot_names})"
+
+
+class TemplateText:
+    """Positions in a template's fixed texts, as an automaton over tokens (the interface of
+    :class:`~trie_decode.text_spans.TokenTriggers` that the step engine uses: :meth:`step`, :meth:`advance`).
+
+    State ``base[k] + j``: ``j`` bytes of segment ``k`` (the text before slot ``k``; the last segment follows the
+    last slot) are written. A token that writes the rest of segment ``k`` fires slot ``k`` (past 0; one that runs
+    on into the value fires it with the bytes past the segment); one that writes part of it moves on; any other
+    token leads to :attr:`dead` (which the mask never allows). :attr:`keep` holds each state's next canonical
+    token (:meth:`learn_tokens`).
+
+    Args:
+        segments: the fixed texts as UTF-8 bytes, one more than the slots.
+        vocab: each token's bytes.
+    """
+
+    def __init__(self, segments: Sequence[bytes], vocab: Sequence[bytes]):
+        self.segments = list(segments)
+        self.vocab = list(vocab)
+        self.num_slots = len(segments) - 1
+        self.base = np.concatenate([[0], np.cumsum([len(s) + 1 for s in segments])]).astype(np.int64)
+        #: A state no allowed token leads to (only the end token is allowed there).
+        self.dead = int(self.base[-1])
+        self.num_states = self.dead + 1
+        #: Per state: the one token a FREE row may write (-1 until learned), and where it leads.
+        self.keep = np.full(self.num_states, -1, dtype=np.int64)
+
+    def position(self, state: int) -> tuple[int, int]:
+        """(segment, bytes written of it) of ``state``; (-1, 0) for :attr:`dead`."""
+        if state == self.dead:
+            return -1, 0
+        k = int(np.searchsorted(self.base, state, side="right")) - 1
+        return k, state - int(self.base[k])
+
+    def final(self, state: int) -> bool:
+        """Whether ``state`` is the end of the template (every segment written)."""
+        return state == self.dead - 1
+
+    def step(self, state: int, token: int) -> tuple[int, int, int]:
+        """(next state, slot fired or -1, bytes of ``token`` past the segment) for one row."""
+        k, j = self.position(state)
+        if k < 0 or self.final(state):
+            return state, -1, 0
+        rest, data = self.segments[k][j:], self.vocab[token] if 0 <= token < len(self.vocab) else b""
+        if data and rest.startswith(data):
+            nxt = state + len(data)
+            fired = k if len(data) == len(rest) and k < self.num_slots else -1
+            return nxt, fired, 0
+        if data and k < self.num_slots and data.startswith(rest):
+            return state + len(rest), k, len(data) - len(rest)
+        return self.dead, -1, 0
+
+    def advance(self, states: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`step` for R rows. Shape: (R,), int64 each."""
+        out = [self.step(int(s), int(t)) for s, t in zip(states.tolist(), tokens.tolist())]
+        return tuple(torch.tensor([o[i] for o in out], dtype=torch.long) for i in range(3))  # type: ignore[return-value]
+
+    def learn_tokens(self, tokenizer: Any, end_token_id: int, first: Sequence[int] = ()) -> None:
+        """Fill :attr:`keep`: from every position a row can reach (a segment's start, or where a slot's end token
+        leaves it), the fixed text's canonical tokens, tokenized in the context of the segment's written part
+        (``first``: the tokens of the output's start, segment 0, when known)."""
+        keep = self.keep
+        keep[self.dead] = keep[self.dead - 1] = end_token_id
+        entries = [(0, 0)] + [(k, len(self.vocab[int(t)])) for k in range(1, len(self.segments))
+                              for t in self.end_tokens(k - 1).ids if self.vocab[int(t)]]
+        for k, j in dict.fromkeys(entries):
+            state = int(self.base[k]) + j
+            for tok in (list(first) if (k, j) == (0, 0) and first else self._canonical(tokenizer, k, j)):
+                if keep[state] >= 0:
+                    break  # the rest from here is already learned
+                keep[state] = tok
+                state = self.step(state, tok)[0]
+
+    def _canonical(self, tokenizer: Any, k: int, j: int) -> list[int]:
+        """Token ids writing segment ``k`` from byte ``j``: the tokenizer's, in the context of the part written, when
+        they spell the bytes exactly; else the longest matching token at each position."""
+        data = self.segments[k]
+        rest = data[j:]
+        if not rest:
+            return []
+        try:
+            context, text = data[:j].decode("utf-8"), rest.decode("utf-8")
+            ids = tokenize_in_context([text], tokenizer, context, separator="", on_unstable="raw")[0]
+            if b"".join(self.vocab[i] if i < len(self.vocab) else b"\0" for i in ids) == rest:
+                return ids
+        except UnicodeDecodeError:
+            pass
+        out, pos = [], 0
+        by_len = sorted((i for i, b in enumerate(self.vocab) if b), key=lambda i: -len(self.vocab[i]))
+        while pos < len(rest):
+            tok = next((i for i in by_len if rest.startswith(self.vocab[i], pos)), None)
+            if tok is None:
+                raise ConstraintConfigError(f"no token writes the template text {rest[pos:]!r}")
+            out.append(tok)
+            pos += len(self.vocab[tok])
+        return out
+
+    def end_tokens(self, slot: int) -> EndTokens:
+        """The tokens that close slot ``slot``'s value: those whose bytes are a non-empty prefix of the text after it
+        (the end token when nothing follows the slot)."""
+        after = self.segments[slot + 1]
+        ids = [i for i, b in enumerate(self.vocab) if b and after.startswith(b)] if after else []
+        text = after[:1].decode("utf-8", errors="replace")
+        return EndTokens(text, np.asarray(ids, dtype=np.int32), tuple(self.vocab[i][1:] for i in ids),
+                         np.zeros(0, dtype=np.int32))
+
+
+class TemplateRules(FieldRules):
+    """:class:`~trie_decode.fields.FieldRules` for a template: the :class:`TemplateText` automaton, each slot's own
+    end tokens, and FREE rows held to their fixed text's next token.
+
+    Args:
+        text: the template's automaton (its :attr:`~TemplateText.keep` learned).
+        vocab, tries: the token bytes and the slots' tries. end_token_id: ends the template (and a final slot).
+        names: the slots' names (for messages).
+    """
+
+    def __init__(self, text: TemplateText, vocab: Sequence[bytes], tries: Sequence[TokenTrie], end_token_id: int,
+                 names: Sequence[str]):
+        ends = []
+        for k, name in enumerate(names):
+            e = text.end_tokens(k)
+            if not text.segments[k + 1]:
+                e = EndTokens("", np.asarray([end_token_id], dtype=np.int32), (b"",), np.zeros(0, dtype=np.int32))
+            elif len(e.ids) == 0:
+                raise ConstraintConfigError(f"no token begins the text after slot {name!r}: "
+                                            f"{text.segments[k + 1]!r:.40}")
+            ends.append(e)
+        resume = [int(text.base[k + 1]) for k in range(len(names))]
+        super().__init__(text, ends, vocab, tries, resume=resume)  # type: ignore[arg-type]
+        self.text, self.end_token_id = text, end_token_id
+        self._keep = torch.from_numpy(text.keep)
+
+    def start_state(self, ids: Sequence[int]) -> tuple[int, int]:
+        """Every row starts at the template's start, whatever its prompt (in slot 0 when the template opens with
+        it)."""
+        return 0, (0 if not self.text.segments[0] else -1)
+
+    def free_rows_(self, logits: Any, node: Any, text: Any, rows: Any = None) -> None:
+        """FREE rows keep only their position's next fixed token (the end token at the template's end)."""
+        free = (node == FREE).nonzero().flatten()
+        if not len(free):
+            return
+        keep = self._keep.to(logits.device)[text[free]]
+        r = free if rows is None else rows[free]
+        kept = logits[r, keep]
+        logits[r] = float("-inf")
+        logits[r, keep] = kept
+
+    def forced_text(self, state: int) -> list[int]:
+        """The fixed tokens from ``state`` up to the next slot (or to the end token, which ends the template)."""
+        out = []
+        while True:
+            tok = int(self.text.keep[state])
+            if tok < 0:
+                return out
+            out.append(tok)
+            if self.text.final(state) or state == self.text.dead:
+                return out
+            state, fired, _ = self.text.step(state, tok)
+            if fired >= 0:
+                return out
+
+    def __repr__(self) -> str:
+        return f"TemplateRules(slots={len(self.ends)}, states={self.text.num_states})"
