@@ -395,3 +395,25 @@ def test_floor_rule_is_one_definition():
         floor = torch.tensor(rules.ALL_MASKED_FLOOR, dtype=dtype).item()  # the floor as the dtype holds it
         assert got.double().tolist() == [[floor] * 2, [1.0, float("-inf")], [float("-inf"), 2.0]]
     assert _native._FLOOR_BITS[torch.float32] == _native._bits(rules.ALL_MASKED_FLOOR, torch.float32)
+
+
+@pytest.mark.parametrize("with_rows", [False, True])
+def test_rows_spread_over_many_tries_mask_as_the_numpy_kernel(with_rows):
+    """Many tries in one batch (per-prompt tries, 100 spans): the C kernel's one sort and one call per trie present
+    masks every row as the numpy kernel does, with and without a logits-row map, in place and out of place."""
+    rng = np.random.default_rng(5)
+    tries = [TokenTrie.from_sequences([rng.integers(0, 40, rng.integers(1, 4)).tolist() for _ in range(6)],
+                                      vocab_size=40) for _ in range(7)]
+    rules = SpanRules(end_token_id=0)
+    c = TrieConstraint(tries, rules, "cpu", kernel="native")
+    ref = c.with_kernel("numpy")
+    tree = torch.from_numpy(rng.integers(0, 7, 20))
+    node = torch.tensor([int(rng.integers(0, tries[int(k)].num_nodes)) for k in tree])
+    state = c.start(20, tree)
+    state.node.copy_(node)
+    logits = torch.randn(25, 40)
+    rows = torch.from_numpy(rng.permutation(25)[:20]) if with_rows else None
+    for inplace in (True, False):
+        got = c.mask_(logits.clone(), state, rows=rows, inplace=inplace)
+        want = ref.mask_(logits.clone(), state, rows=rows, inplace=inplace)
+        assert torch.equal(got, want)

@@ -32,7 +32,7 @@ from .filters import (CHILD_EXCLUDED, END_EXCLUDED, EntryOrder, RowFilters, appl
 from .kernels.grouped import row_groups
 from .kernels.vectorized import plans_to_bool, plans_to_lists
 from .bitmask import pack_bitmask
-from .spans import DONE, FREE, ON_COMPLETE_MODES, SpanRules, completes_entry, forced_tokens, span_moves
+from .spans import ANCHOR, DONE, FREE, ON_COMPLETE_MODES, ON_TOKEN, OTHERWISE, SpanRules, completes_entry, forced_tokens, span_moves
 from .trie import TokenTrie
 
 __all__ = ["SpanRules", "RowState", "TrieConstraint", "DONE", "FREE", "ON_COMPLETE_MODES"]
@@ -137,6 +137,11 @@ class TrieConstraint:
         # Plans (allowed sets, bitmasks) come from the vectorized kernel of the device's array backend.
         self._planner = kernels.planner(self.device)
         self._trigger = torch.tensor(rules.trigger, dtype=torch.long, device=self.device)
+        # Read from the step tables: a FREE row (text spans: outside every value) is unconstrained by the trie and
+        # stays FREE on any token, so the batch-1 loop of text spans skips the kernel for it.
+        free_rows = [t.tensor[FREE].tolist() for t in self.tables]
+        self._free_row_is_free = rules.fields is not None and all(
+            r[ANCHOR] < 0 and r[ON_TOKEN] < 0 and r[OTHERWISE] == FREE for r in free_rows)
 
     def with_kernel(self, kernel: str) -> "TrieConstraint":
         """The same constraint (same tries, rules and dense rows) stepping with another kernel (to compare them)."""
@@ -247,6 +252,8 @@ class TrieConstraint:
         """
         if tokens.dtype is not torch.long or tokens.device != self.device:
             tokens = tokens.to(self.device, torch.long)
+        if self._free_row_is_free and filters is None and len(tokens) == 1 and state.node.is_cpu and int(state.node) == FREE:
+            return self._fields_move(state, tokens, state.node)  # only its text moves
         flags = None
         if filters is not None and not filters.distinct and self.kernel.supports_filters:
             flags = filters.built_node_flags(len(tokens))
@@ -347,6 +354,10 @@ class TrieConstraint:
                 blocked too.
         """
         InvalidTokenError.check_logits_width(logits.shape[-1], self.needed_width)
+        if (self._free_row_is_free and filters is None and out is None and inplace and len(state) == 1
+                and state.node.is_cpu and int(state.node) == FREE):
+            self.rules.fields.free_rows_(logits, state.node, state.text, rows)  # the kernel would leave it as it is
+            return logits
         src = logits
         covers_all = self.kernel.writes_every_row and rows is None and len(state) == logits.shape[0]
         if out is not None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
+import numpy as np
 import torch
 
 from ..spans import DONE
@@ -21,13 +22,21 @@ __all__ = ["GroupedKernel", "row_groups"]
 
 
 def row_groups(tree: torch.Tensor, num_tries: int) -> list[tuple[int, Optional[torch.Tensor]]]:
-    """(trie index, row positions, or None for "all rows") for every trie that has rows.
+    """(trie index, row positions, or None when every row uses that trie) for every trie that has rows.
 
     Args:
         tree: each row's trie index. Shape: (R,), int64.
     """
     if num_tries == 1:
         return [(0, None)]
+    if tree.is_cpu:  # one sort on the host (many tries present, e.g. 100 spans, cost one pass, not one each)
+        t = tree.numpy()
+        if not len(t) or (t == t[0]).all():
+            return [(int(t[0]) if len(t) else 0, None)]
+        order = np.argsort(t, kind="stable")
+        ts = t[order]
+        cuts = (np.flatnonzero(ts[1:] != ts[:-1]) + 1).tolist()
+        return [(int(ts[a]), torch.from_numpy(order[a:b])) for a, b in zip([0] + cuts, cuts + [len(t)])]
     present = torch.unique(tree).tolist()
     return [(i, (tree == i).nonzero().squeeze(1)) for i in present]
 
@@ -77,8 +86,8 @@ class GroupedKernel:
             self._check_filters(tables)
             return self.advance(tables[0], node, tokens, filter_bits)
         groups = row_groups(tree, len(tables))
-        if groups[0][1] is None:
-            return self.advance(tables[0], node, tokens)
+        if groups[0][1] is None:  # every row in one trie
+            return self.advance(tables[groups[0][0]], node, tokens)
         new = torch.full_like(node, DONE)
         for i, rows in groups:
             new[rows] = self.advance(tables[i], node[rows], tokens[rows])

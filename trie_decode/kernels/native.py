@@ -18,8 +18,9 @@ from __future__ import annotations
 import os
 import struct
 import warnings
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
+import numpy as np
 import torch
 
 from ..errors import InvalidTokenError
@@ -327,6 +328,35 @@ class NativeKernel(GroupedKernel):
 
     def fused_step(self, table: Any, nodes: torch.Tensor, needed_width: int) -> FusedStep:
         return FusedStep(table, nodes, needed_width)
+
+    def mask_rows(self, tables: Sequence[Any], out: torch.Tensor, src: torch.Tensor, node: torch.Tensor,
+                  tree: torch.Tensor, rows: Optional[torch.Tensor],
+                  filter_bits: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> None:
+        """As :meth:`GroupedKernel.mask_rows`; rows of several tries (per-prompt tries, many spans) are checked once
+        and passed to C one trie at a time as host arrays, so a batch spread over many tries costs one C call per
+        trie present and no per-trie tensor work."""
+        n = node.numel()
+        if n == 0:
+            return
+        if filter_bits is not None or len(tables) == 1 or not (usable_logits(src) and (out is src or usable_logits(out))):
+            super().mask_rows(tables, out, src, node, tree, rows, filter_bits)
+            return
+        nodes = _index(node, n, "nodes").numpy()
+        lrows = np.arange(n, dtype=np.int64) if rows is None else _index(rows, n, "rows").numpy()
+        if rows is None and n > src.shape[0]:
+            raise ValueError(f"{n} state rows for {src.shape[0]} logits rows")
+        if len(lrows) and (lrows.min() < 0 or lrows.max() >= src.shape[0]):
+            raise ValueError(f"rows must be logits rows in [0, {src.shape[0]})")
+        batch, width = src.shape
+        head = (out.data_ptr(), src.data_ptr(), batch, out.stride(0), src.stride(0), width, *_DTYPE_ARGS[src.dtype])
+        t = tree.numpy()
+        order = np.argsort(t, kind="stable")
+        t, at, rw = t[order], np.ascontiguousarray(nodes[order]), np.ascontiguousarray(lrows[order])
+        cuts = [0] + (np.flatnonzero(t[1:] != t[:-1]) + 1).tolist() + [n]
+        at_ptr, rw_ptr = at.ctypes.data, rw.ctypes.data  # each trie's rows: one slice of the sorted arrays
+        for a, b in zip(cuts[:-1], cuts[1:]):
+            job = _PACK["mask"].pack(*head, b - a, rw_ptr + 8 * a, at_ptr + 8 * a, 0, 0, 0)
+            _kernel.mask(trie_fields(tables[int(t[a])]), job)
 
     def advance(self, table: Any, node: torch.Tensor, tokens: torch.Tensor,
                 node_flags: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
