@@ -51,6 +51,7 @@ import torch
 from trie_decode.constraint import RowState, SpanRules, TrieConstraint
 from trie_decode.errors import ConstraintConfigError
 from trie_decode.options import TrieArg, as_tries, build_rules, prompt_groups
+from trie_decode.templates import Template
 
 try:
     from transformers import DynamicCache, GenerationConfig, LogitsProcessorList
@@ -316,7 +317,7 @@ class _Run:
             self.state.assign(idx, state)
             for r, run in zip(rows, runs):
                 blocks[r].extend(run)
-            if not (self.constraint.rules.on_complete == "repeat" or self.trig):
+            if not (self.constraint.rules.on_complete == "repeat" or self.trig or self.constraint.rules.fields):
                 break
             rows = [r for r, run in zip(rows, runs) if run and not self._stops(blocks[r])]
         return columns
@@ -532,6 +533,20 @@ def _general_path(
 
 
 @torch.no_grad()
+def _template_parts(template: Any, tokenizer: Any, end: Optional[int], on_complete: str, separator: Any,
+                    trigger: Any) -> tuple[list, Any]:
+    """A template's tries and rules for fast-forward, or a named error for options that do not combine with it."""
+    if not isinstance(template, Template):
+        raise ConstraintConfigError(f"template= must be a trie_decode.Template, got {type(template).__name__}")
+    given = [k for k, v in {"on_complete": on_complete != "eos", "separator": separator is not None,
+                            "trigger": trigger is not None}.items() if v]
+    if given:
+        raise ConstraintConfigError(f"template= does not combine with {given}: the template is the whole output")
+    if end is None:
+        raise ConstraintConfigError("no end token: pass end_token_id=, or a model whose generation config has an EOS")
+    return template.build(tokenizer, end) if tokenizer is not None else template.prebuilt(end)
+
+
 def fast_forward_generate(
     model: Any,
     input_ids: torch.Tensor,
@@ -540,6 +555,7 @@ def fast_forward_generate(
     generation_config: Optional[GenerationConfig] = None,
     *,
     trie: Optional[TrieArg] = None,
+    template: Optional[Template] = None,
     tokenizer: Any = None,
     end_token_id: Optional[int] = None,
     on_complete: str = "eos",
@@ -571,6 +587,9 @@ def fast_forward_generate(
         logits_processor, stopping_criteria, generation_config: supplied by ``generate`` when used as the hook.
             Supported stopping criteria: max length / ``max_new_tokens``, EOS and ``max_time``.
         trie (`TokenTrie` or list): one trie for every row, or one per prompt.
+        template (:class:`~trie_decode.Template`, optional): instead of ``trie``, the whole output as fixed text with
+            catalog-valued slots; its fixed text is forced, so it is fed without decisions. It needs ``tokenizer``,
+            or (through the hook, where ``generate`` keeps ``tokenizer=``) a ``template.build(tok, eos)`` beforehand.
         tokenizer (optional): checks the tries' fingerprints and tokenizes ``separator``/``trigger`` given as text.
             ``generate`` consumes its own ``tokenizer=`` argument before calling the hook, so through the hook
             pass token ids for ``separator``/``trigger``.
@@ -612,6 +631,8 @@ def fast_forward_generate(
     True
     ```
     """
+    if template is not None and trie is not None:
+        raise ConstraintConfigError("give either trie= or template=, not both")
     hooked = logits_processor is not None and stopping_criteria is not None and generation_config is not None
     attention_mask = kwargs.pop("attention_mask", None)
     if hooked:
@@ -636,13 +657,16 @@ def fast_forward_generate(
             "model.generate(..., num_beams=..., logits_processor=[TrieLogitsProcessor(trie)]) instead"
         )
     if not verified():
-        if trie is None:
-            raise ConstraintConfigError("fast_forward_generate needs trie=: a TokenTrie, or one per prompt")
+        if trie is None and template is None:
+            raise ConstraintConfigError("fast_forward_generate needs trie= (a TokenTrie, or one per prompt) or template=")
         ids = eos_token_ids(config)
-        processor = TrieLogitsProcessor(
-            trie, tokenizer, end_token_id=end_token_id if end_token_id is not None else (ids[0] if ids else None),
-            on_complete=on_complete, separator=separator, trigger=trigger,
-        )
+        end = end_token_id if end_token_id is not None else (ids[0] if ids else None)
+        if template is not None:
+            _template_parts(template, tokenizer, end, on_complete, separator, trigger)  # checked, built once
+            processor = TrieLogitsProcessor(tokenizer=tokenizer, template=template, end_token_id=end)
+        else:
+            processor = TrieLogitsProcessor(trie, tokenizer, end_token_id=end, on_complete=on_complete,
+                                            separator=separator, trigger=trigger)
         return _general_path(model, input_ids, attention_mask, processor, processors if hooked else None,
                              stopping_criteria if hooked else None, config, model_kwargs)
     unknown = set(model_kwargs) - _KNOWN_MODEL_KWARGS
@@ -671,18 +695,25 @@ def fast_forward_generate(
         raise ConstraintConfigError("fast_forward_generate starts from an empty cache; do not pass a filled one")
 
     eos_ids = eos_token_ids(config)
-    if trie is None:
-        raise ConstraintConfigError("fast_forward_generate needs trie=: a TokenTrie, or one per prompt")
-    tries = as_tries(trie, tokenizer)
-
-    rules: SpanRules = build_rules(
-        tokenizer, end_token_id, on_complete, separator, trigger, default_end=eos_ids[0] if eos_ids else None
-    )
+    if trie is None and template is None:
+        raise ConstraintConfigError("fast_forward_generate needs trie= (a TokenTrie, or one per prompt) or template=")
+    if template is not None:
+        end = build_rules(tokenizer, end_token_id, "release", None, None,
+                          default_end=eos_ids[0] if eos_ids else None).end_token_id
+        tries, slot_rules = _template_parts(template, tokenizer, end, on_complete, separator, trigger)
+        rules: SpanRules = SpanRules(end_token_id=end, on_complete="release", fields=slot_rules)
+        on_complete = "release"
+    else:
+        tries = as_tries(trie, tokenizer)
+        rules = build_rules(
+            tokenizer, end_token_id, on_complete, separator, trigger, default_end=eos_ids[0] if eos_ids else None
+        )
     stop_ids = sorted(set(eos_ids) | ({rules.end_token_id} if on_complete in ("eos", "repeat") else set()))
     pad = config.pad_token_id
     pad_id = int(_token_set(pad)[0]) if pad is not None else (eos_ids[0] if eos_ids else rules.end_token_id)
 
-    groups = prompt_groups(input_ids.shape[0], len(tries), input_ids.device)
+    # With a template every row starts at the template's start (its tree is the slot it is in, not its prompt's).
+    groups = prompt_groups(input_ids.shape[0], 1 if template is not None else len(tries), input_ids.device)
     constraint = TrieConstraint(tries, rules, input_ids.device)
     run = _Run(
         model,

@@ -33,6 +33,7 @@ import torch
 from trie_decode.constraint import DONE, RowState, SpanRules, TrieConstraint
 from trie_decode.entries import Entry
 from trie_decode.fields import FieldRules, Span
+from trie_decode.templates import Template
 from trie_decode.errors import ConstraintConfigError
 from trie_decode.filters import entry_indices
 from trie_decode.forms import entry_identity, warn_prompt
@@ -107,20 +108,26 @@ _SPAN_TAIL = 64
 
 
 def _span_tries(tries: Any, tokenizer: Any, spans: Any, on_complete: str, separator: Any, trigger: Any, allow: Any,
-                deny: Any, distinct: bool, check_prompt: bool) -> tuple[list[TokenTrie], FieldRules]:
-    """The tries and field rules of ``spans=`` (:mod:`trie_decode.fields`), or a named error for options that do
-    not combine with spans."""
-    if tokenizer is None:
-        raise ConstraintConfigError("spans= needs the tokenizer (values and triggers are matched on text)")
+                deny: Any, distinct: bool, check_prompt: bool, end_token_id: Optional[int] = None,
+                ) -> tuple[list[TokenTrie], FieldRules]:
+    """The tries and field rules of ``spans=`` or ``template=`` (:mod:`trie_decode.fields`,
+    :mod:`trie_decode.templates`), or a named error for options that do not combine with them."""
+    what = "template=" if isinstance(spans, Template) else "spans="
+    prebuilt = isinstance(spans, Template) and end_token_id is not None  # template.build(...) done beforehand
+    if tokenizer is None and not prebuilt:
+        raise ConstraintConfigError(f"{what} needs the tokenizer (values and triggers are matched on text)")
     if tries is not None:
-        raise ConstraintConfigError("give either tries or spans=, not both (each Span holds its own values)")
+        raise ConstraintConfigError(f"give either tries or {what}, not both (it holds its own values)")
     others = {"on_complete": on_complete != "eos", "separator": separator is not None, "trigger": trigger is not None,
               "allow": allow is not None, "deny": deny is not None, "distinct": bool(distinct),
               "check_prompt": bool(check_prompt)}
     given = [k for k, v in others.items() if v]
     if given:
-        raise ConstraintConfigError(f"spans= does not combine with {given}: each Span says where its value starts "
+        raise ConstraintConfigError(f"{what} does not combine with {given}: each span says where its value starts "
                                     "(after) and ends (end)")
+    if isinstance(spans, Template):
+        end = build_rules(tokenizer, end_token_id, "release", None, None).end_token_id
+        return spans.build(tokenizer, end) if tokenizer is not None else spans.prebuilt(end)
     return FieldRules.build(spans, tokenizer)
 
 
@@ -141,6 +148,12 @@ class TrieLogitsProcessor(LogitsProcessor):
         tokenizer (optional):
             The model's tokenizer: checks every trie's vocabulary fingerprint, supplies the default end token
             (``eos_token_id``) and tokenizes ``trigger``/``separator`` given as text.
+        spans (list of :class:`~trie_decode.Span`, *optional*): instead of ``tries``, catalog-valued fields inside
+            free text (JSON): each value starts after its span's ``after`` text and ends with its ``end``; outside
+            the values the logits are untouched (see docs/spans.md). Needs ``tokenizer``.
+        template (:class:`~trie_decode.Template`, *optional*): instead of ``tries``, the whole output as fixed text
+            with catalog-valued slots; the fixed text is forced (one token per step) and the template ends with the
+            end token. Needs ``tokenizer``.
         end_token_id (`int`, *optional*):
             The token that ends an entry, and the fallback allowed token of any row with nothing else. Defaults to
             the tokenizer's EOS.
@@ -189,6 +202,7 @@ class TrieLogitsProcessor(LogitsProcessor):
         tokenizer: Any = None,
         *,
         spans: Optional[Sequence[Span]] = None,
+        template: Optional[Template] = None,
         end_token_id: Optional[int] = None,
         on_complete: str = "eos",
         separator: Any = None,
@@ -199,12 +213,19 @@ class TrieLogitsProcessor(LogitsProcessor):
         max_entries: int = 64,
         check_prompt: bool = False,
     ) -> None:
+        if template is not None:
+            if spans is not None:
+                raise ConstraintConfigError("give either spans= or template=, not both")
+            if not isinstance(template, Template):
+                raise ConstraintConfigError(f"template= must be a trie_decode.Template, got {type(template).__name__}")
+            spans = template
         if spans is not None:
             tries, fields = _span_tries(tries, tokenizer, spans, on_complete, separator, trigger, allow, deny,
-                                        distinct, check_prompt)
+                                        distinct, check_prompt, end_token_id)
             on_complete = "release"
         elif tries is None:
-            raise ConstraintConfigError("TrieLogitsProcessor needs tries (a TokenTrie, or one per prompt) or spans=")
+            raise ConstraintConfigError("TrieLogitsProcessor needs tries (a TokenTrie, or one per prompt), spans= "
+                                        "or template=")
         # Live catalogs (trie_decode.live): every generation takes the catalog's snapshot when it starts.
         self._live = tries if isinstance(tries, (LiveCatalog, CatalogSnapshot)) else None
         if self._live is not None:

@@ -106,3 +106,84 @@ def test_fixed_text_is_the_tokenizers_own_and_forced(tokenizer):
     s = c.advance(s, torch.tensor(tokenizer.convert_tokens_to_ids(['",'])))
     rest = tokenizer.decode(c.forced_tokens(s)[0])
     assert rest == ' "country": "'
+
+
+# ------------------------------------------------------------------------------------------------ the real model
+@pytest.fixture(scope="module")
+def json_template(country_names):
+    from test_spans import CITIES as REAL_CITIES
+
+    return Template('{"city": "{city}", "country": "{country}"}', city=REAL_CITIES, country=list(country_names))
+
+
+@pytest.mark.model
+@pytest.mark.slow
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_the_processor_writes_the_template_for_64_prompts(model, tokenizer, json_template, country_names, do_sample):
+    """64 prompts through ``generate``: every output is the template (valid JSON) with both slots in their catalogs,
+    and it ends with EOS."""
+    from test_spans import CITIES as REAL_CITIES, _prompts
+
+    from trie_decode.integrations.transformers import TrieLogitsProcessor
+
+    tokenizer.padding_side = "left"
+    prompts = _prompts(tokenizer, 64)
+    torch.manual_seed(1)
+    for lo in range(0, len(prompts), 16):
+        enc = tokenizer(prompts[lo:lo + 16], return_tensors="pt", padding=True)
+        proc = TrieLogitsProcessor(tokenizer=tokenizer, template=json_template)
+        out = model.generate(**enc, logits_processor=[proc], max_new_tokens=40, do_sample=do_sample,
+                             pad_token_id=tokenizer.pad_token_id)
+        for row in out[:, enc["input_ids"].shape[1]:].tolist():
+            assert tokenizer.eos_token_id in row, tokenizer.decode(row)
+            obj = json.loads(tokenizer.decode(row, skip_special_tokens=True))
+            assert obj["city"] in REAL_CITIES and obj["country"] in country_names, obj
+
+
+@pytest.mark.model
+def test_fast_forward_feeds_the_fixed_text_without_decisions(model, tokenizer, json_template):
+    """Fast-forward gives the processor's tokens; the template's fixed text (and EOS) costs no decision of its own,
+    through the hook (a template built beforehand) and as a plain call."""
+    from test_spans import _prompts
+
+    from trie_decode.integrations.fast_forward import fast_forward_generate
+    from trie_decode.integrations.transformers import TrieLogitsProcessor
+
+    tokenizer.padding_side = "left"
+    enc = tokenizer(_prompts(tokenizer, 4), return_tensors="pt", padding=True)
+    p = enc["input_ids"].shape[1]
+    proc = TrieLogitsProcessor(tokenizer=tokenizer, template=json_template)
+    want = model.generate(**enc, logits_processor=[proc], max_new_tokens=40, do_sample=False,
+                          pad_token_id=tokenizer.pad_token_id)[:, p:]
+    ff = fast_forward_generate(model, enc["input_ids"], attention_mask=enc["attention_mask"], template=json_template,
+                               tokenizer=tokenizer, max_new_tokens=40, do_sample=False,
+                               pad_token_id=tokenizer.pad_token_id, return_dict_in_generate=True)
+    hooked = model.generate(**enc, custom_generate=fast_forward_generate, template=json_template, max_new_tokens=40,
+                            do_sample=False, pad_token_id=tokenizer.pad_token_id, return_dict_in_generate=True)
+    for out in (ff, hooked):
+        got = out.sequences[:, p:]
+        for a, b in zip(want.tolist(), got.tolist()):
+            strip = lambda r: r[: r.index(tokenizer.eos_token_id) + 1]
+            assert strip(a) == strip(b)
+        fixed = len(tokenizer('{"city": "", "country": ""}', add_special_tokens=False)["input_ids"])
+        assert out.stats.forced_tokens >= 4 * (fixed - 2), out.stats  # the fixed text and EOS of every row
+        assert out.stats.forward_passes < max(out.stats.row_tokens)
+
+
+def test_template_options_that_do_not_combine_are_named(tokenizer):
+    from trie_decode.integrations.fast_forward import fast_forward_generate
+    from trie_decode.integrations.transformers import TrieLogitsProcessor
+
+    t = Template("A: {x}.", x=["b"])
+    with pytest.raises(ConstraintConfigError, match=r"template= does not combine with \['trigger'\]"):
+        TrieLogitsProcessor(tokenizer=tokenizer, template=t, trigger="x")
+    with pytest.raises(ConstraintConfigError, match="either spans= or template="):
+        TrieLogitsProcessor(tokenizer=tokenizer, template=t, spans=[])
+    with pytest.raises(ConstraintConfigError, match="template= needs the tokenizer"):
+        TrieLogitsProcessor(template=t)
+    with pytest.raises(ConstraintConfigError, match="must be a trie_decode.Template"):
+        TrieLogitsProcessor(tokenizer=tokenizer, template="A: {x}.")
+    with pytest.raises(ConstraintConfigError, match=r"template\.build\(tokenizer, end_token_id\) once"):
+        Template("B: {y}.", y=["c"]).prebuilt(tokenizer.eos_token_id)
+    with pytest.raises(ConstraintConfigError, match="either trie= or template="):
+        fast_forward_generate(None, None, trie=TokenTrie.from_sequences([[1]], vocab_size=10), template=t)

@@ -18,6 +18,7 @@ from .constraint import RowState, TrieConstraint
 from .descriptors import trie_from_prefix_dict
 from .entries import Entry
 from .fields import Span
+from .templates import Template
 from .errors import (
     CatalogUpdateError,
     ConstraintConfigError,
@@ -38,7 +39,9 @@ from .trie import TokenTrie, TrieStats
 __version__ = "0.1.0"
 
 __all__ = [
+    # catalog-valued fields inside free text, and whole outputs with catalog-valued slots
     "Span",
+    "Template",
     # the trie and its builders
     "TokenTrie",
     "TrieStats",

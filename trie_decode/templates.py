@@ -98,6 +98,7 @@ class Template:
             raise ConstraintConfigError(f"escape must be 'auto', 'json' or None, got {escape!r}")
         self.text, self.segments, self.slot_names, self.slots = text, segments, names, dict(slots)
         self.escape = escape
+        self._built: dict[tuple[int, int], tuple[Any, list[TokenTrie], TemplateRules]] = {}
 
     def slot_escape(self, k: int) -> Optional[str]:
         """How slot ``k``'s values are written (see ``escape``)."""
@@ -106,12 +107,34 @@ class Template:
         return "json" if self.segments[k].endswith('"') else None
 
     def build(self, tokenizer: Any, end_token_id: int) -> tuple[list[TokenTrie], "TemplateRules"]:
-        """The slots' tries and the rules the step engine reads (``SpanRules(..., fields=rules)``).
+        """The slots' tries and the rules the step engine reads (``SpanRules(..., fields=rules)``), built once per
+        tokenizer and end token (kept with the template).
 
         Raises:
             InvalidEntryError: a value whose written text contains the text that ends its slot.
             ConstraintConfigError: a text after a slot that no token begins (nothing could end the value).
         """
+        key = (id(tokenizer), int(end_token_id))
+        found = self._built.get(key)
+        if found is None or found[0] is not tokenizer:
+            found = self._built[key] = (tokenizer, *self._build(tokenizer, int(end_token_id)))
+        return found[1], found[2]
+
+    def prebuilt(self, end_token_id: int) -> tuple[list[TokenTrie], "TemplateRules"]:
+        """What :meth:`build` made for ``end_token_id`` (for a caller without the tokenizer, such as
+        ``generate(custom_generate=...)``, which keeps its ``tokenizer=`` argument).
+
+        Raises:
+            ConstraintConfigError: the template was not built for that end token, or for several tokenizers.
+        """
+        found = [v for (_, end), v in self._built.items() if end == int(end_token_id)]
+        if len(found) != 1:
+            raise ConstraintConfigError(
+                f"this template was built for {len(found)} tokenizers with end token {end_token_id}: pass "
+                "tokenizer=, or call template.build(tokenizer, end_token_id) once before generate")
+        return found[0][1], found[0][2]
+
+    def _build(self, tokenizer: Any, end_token_id: int) -> tuple[list[TokenTrie], "TemplateRules"]:
         vocab = vocabulary_bytes(tokenizer)
         tries = []
         for k, name in enumerate(self.slot_names):
