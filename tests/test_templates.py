@@ -187,3 +187,13 @@ def test_template_options_that_do_not_combine_are_named(tokenizer):
         Template("B: {y}.", y=["c"]).prebuilt(tokenizer.eos_token_id)
     with pytest.raises(ConstraintConfigError, match="either trie= or template="):
         fast_forward_generate(None, None, trie=TokenTrie.from_sequences([[1]], vocab_size=10), template=t)
+
+
+def test_fixed_text_banned_by_another_processor_keeps_its_token_at_the_floor(tokenizer):
+    from trie_decode.kernels.rules import ALL_MASKED_FLOOR
+
+    c = TrieConstraint(*Template("A: {x}.", x=["b"]).rules(tokenizer, tokenizer.eos_token_id), "cpu")
+    logits = torch.full((1, c.vocab_size), float("-inf"))
+    out = c.mask_(logits, c.start(1))
+    kept = out[0].isfinite().nonzero().flatten().tolist()
+    assert len(kept) == 1 and out[0, kept[0]] == ALL_MASKED_FLOOR

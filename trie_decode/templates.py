@@ -34,6 +34,7 @@ import torch
 
 from .errors import ConstraintConfigError
 from .fields import FieldRules, value_trie
+from .kernels.rules import floor_rule, kept_alive
 from .spans import FREE, SpanRules
 from .text_spans import EndTokens, vocabulary_bytes
 from .tokenizers import tokenize_in_context
@@ -313,7 +314,7 @@ class TemplateRules(FieldRules):
         r = free if rows is None else rows[free]
         kept = logits[r, keep]
         logits[r] = float("-inf")
-        logits[r, keep] = kept
+        logits[r, keep] = floor_rule(kept, kept_alive(kept))  # a token another processor banned gets the floor
 
     def forced_text(self, state: int) -> list[int]:
         """The fixed tokens from ``state`` up to the next slot (or to the end token, which ends the template)."""
