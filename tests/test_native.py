@@ -336,7 +336,7 @@ def test_c_boundary_takes_packed_fields():
     assert len(packed) == 8 * len(_native.TRIE_FIELDS)
     for fn, job_fields in ((_kernel.mask, _native.MASK_FIELDS), (_kernel.child, _native.CHILD_FIELDS),
                            (_kernel.step, _native.STEP_FIELDS)):
-        with pytest.raises(TypeError, match="takes 2 arguments"):
+        with pytest.raises(TypeError, match=r"takes 2( or 3)? arguments"):
             fn(packed)
         with pytest.raises(TypeError, match=f"job must be bytes of {len(job_fields)} packed int64 fields"):
             fn(packed, bytes(8 * (len(job_fields) - 1)))
@@ -417,3 +417,23 @@ def test_rows_spread_over_many_tries_mask_as_the_numpy_kernel(with_rows):
         got = c.mask_(logits.clone(), state, rows=rows, inplace=inplace)
         want = ref.mask_(logits.clone(), state, rows=rows, inplace=inplace)
         assert torch.equal(got, want)
+
+
+def test_grouped_masking_refuses_groups_that_do_not_fit():
+    from trie_decode import _kernel
+
+    trie = TokenTrie.from_sequences([[5, 6], [9]], vocab_size=20)
+    c = TrieConstraint([trie, trie], SpanRules(end_token_id=2), "cpu")
+    packed = b"".join(_native.trie_fields(t) for t in c.tables)
+    logits = torch.zeros(2, 20)
+    rows, nodes = np.array([0, 1], dtype=np.int64), np.array([0, 0], dtype=np.int64)
+    job = _native._PACK["mask"].pack(logits.data_ptr(), logits.data_ptr(), 2, 20, 20, 20,
+                                     *_native._DTYPE_ARGS[torch.float32], 2, rows.ctypes.data, nodes.ctypes.data, 0, 0, 0)
+    for groups, match in ((np.array([[2, 2]]), "outside the 2 tries"), (np.array([[0, 3]]), "outside"),
+                          (np.array([[0, 1]]), "the groups hold 1 rows, the job 2")):
+        with pytest.raises((IndexError, ValueError), match=match):
+            _kernel.mask(packed, job, groups.astype(np.int64).tobytes())
+    with pytest.raises(TypeError, match="k \\* .* packed int64 fields"):
+        _kernel.mask(packed[:-8], job, np.array([[0, 2]], dtype=np.int64).tobytes())
+    _kernel.mask(packed, job, np.array([[1, 1], [0, 1]], dtype=np.int64).tobytes())
+    assert logits[0].isfinite().nonzero().flatten().tolist() == [5, 9]

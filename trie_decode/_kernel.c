@@ -371,6 +371,65 @@ static Py_ssize_t mask_job_run(const MaskJob *j) {
     return oom ? -1 : masked;
 }
 
+/* mask(tries, job, groups): rows of several tries in one call (a batch spread over per-prompt tries or many spans).
+ * tries: the packed TRIE_FIELDS of k tries, one after another; groups: 2g packed int64, (trie index, row count) per
+ * group; the job's rows and nodes (rows required, no filters) hold the groups' rows one group after another. Each
+ * group is masked as mask(tries[trie], job restricted to its rows) would mask it. */
+static PyObject *mask_groups(PyObject *const *args) {
+    int64_t f[MF_COUNT];
+    if (!PyBytes_Check(args[0]) || PyBytes_GET_SIZE(args[0]) == 0
+        || PyBytes_GET_SIZE(args[0]) % (Py_ssize_t)(TF_COUNT * sizeof(int64_t)) != 0) {
+        PyErr_Format(PyExc_TypeError, "tries must be bytes of k * %d packed int64 fields", (int)TF_COUNT);
+        return NULL;
+    }
+    if (!PyBytes_Check(args[2]) || PyBytes_GET_SIZE(args[2]) % (Py_ssize_t)(2 * sizeof(int64_t)) != 0) {
+        PyErr_SetString(PyExc_TypeError, "groups must be bytes of (trie, count) packed int64 pairs");
+        return NULL;
+    }
+    if (!read_fields(args[1], f, MF_COUNT, "job")) return NULL;
+    const Py_ssize_t k = PyBytes_GET_SIZE(args[0]) / (Py_ssize_t)(TF_COUNT * sizeof(int64_t));
+    const Py_ssize_t g = PyBytes_GET_SIZE(args[2]) / (Py_ssize_t)(2 * sizeof(int64_t));
+    const Py_ssize_t n = (Py_ssize_t)f[MF_N];
+    const int64_t *rows = (const int64_t *)(intptr_t)f[MF_ROWS], *nodes = (const int64_t *)(intptr_t)f[MF_NODES];
+    if (!rows || f[MF_FLAGS]) {
+        PyErr_SetString(PyExc_ValueError, "grouped masking needs each row's logits row and takes no filter flags");
+        return NULL;
+    }
+    MaskJob *jobs = (MaskJob *)malloc((size_t)(g > 0 ? g : 1) * sizeof(MaskJob));
+    if (!jobs) return PyErr_NoMemory();
+    Py_ssize_t at = 0;
+    for (Py_ssize_t q = 0; q < g; q++) {
+        int64_t pair[2], tf[TF_COUNT];
+        memcpy(pair, PyBytes_AS_STRING(args[2]) + q * 2 * sizeof(int64_t), sizeof(pair));
+        if (pair[0] < 0 || pair[0] >= k || pair[1] < 0 || pair[1] > n - at) {
+            PyErr_Format(PyExc_IndexError, "group %zd (trie %lld, %lld rows) is outside the %zd tries or the %zd rows", q,
+                         (long long)pair[0], (long long)pair[1], k, n);
+            free(jobs);
+            return NULL;
+        }
+        memcpy(tf, PyBytes_AS_STRING(args[0]) + pair[0] * TF_COUNT * sizeof(int64_t), sizeof(tf));
+        mask_job_init(&jobs[q], tf, f);
+        jobs[q].n = (Py_ssize_t)pair[1], jobs[q].rows = rows + at, jobs[q].nodes = nodes + at;
+        if (!mask_job_check(&jobs[q])) { free(jobs); return NULL; }
+        at += (Py_ssize_t)pair[1];
+    }
+    if (at != n) {
+        PyErr_Format(PyExc_ValueError, "the groups hold %zd rows, the job %zd", at, n);
+        free(jobs);
+        return NULL;
+    }
+    Py_ssize_t masked = 0, r = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t q = 0; q < g && r >= 0; q++) {
+        r = mask_job_run(&jobs[q]);
+        masked += r;
+    }
+    Py_END_ALLOW_THREADS
+    free(jobs);
+    if (r < 0) return PyErr_NoMemory();
+    return PyLong_FromSsize_t(masked);
+}
+
 /* mask(trie, job) -> number of rows masked; job: MASK_FIELDS (the logits, then n, rows, nodes, flags, filter,
  * num_filters).
  *
@@ -389,8 +448,9 @@ static Py_ssize_t mask_job_run(const MaskJob *j) {
 static PyObject *py_mask(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     int64_t tf[TF_COUNT], f[MF_COUNT];
     MaskJob j;
+    if (nargs == 3) return mask_groups(args);
     if (nargs != 2) {
-        PyErr_Format(PyExc_TypeError, "mask(trie, job) takes 2 arguments, got %zd", nargs);
+        PyErr_Format(PyExc_TypeError, "mask(trie, job[, groups]) takes 2 or 3 arguments, got %zd", nargs);
         return NULL;
     }
     if (!read_fields(args[0], tf, TF_COUNT, "trie") || !read_fields(args[1], f, MF_COUNT, "job")) return NULL;
@@ -582,7 +642,7 @@ static PyObject *py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs
 
 static PyMethodDef methods[] = {
     {"mask", (PyCFunction)(void (*)(void))py_mask, METH_FASTCALL,
-     "mask(trie, job): mask logits rows by their trie states (see _kernel.c)."},
+     "mask(trie, job[, groups]): mask logits rows by their trie states (see _kernel.c)."},
     {"child", (PyCFunction)(void (*)(void))py_child, METH_FASTCALL,
      "child(trie, job): the child of each node by each token, or the rules' move (see _kernel.c)."},
     {"step", (PyCFunction)(void (*)(void))py_step, METH_FASTCALL,

@@ -303,6 +303,12 @@ class FusedStep:
         return logits if out is None else out
 
 
+class _Tables(list):
+    """A constraint's step tables (a list), with their packed fields together once built (``packed``)."""
+
+    packed: Optional[bytes] = None
+
+
 class NativeKernel(GroupedKernel):
     """The kernel interface of :mod:`trie_decode.kernels` on top of the C functions (CPU only).
 
@@ -352,11 +358,26 @@ class NativeKernel(GroupedKernel):
         t = tree.numpy()
         order = np.argsort(t, kind="stable")
         t, at, rw = t[order], np.ascontiguousarray(nodes[order]), np.ascontiguousarray(lrows[order])
-        cuts = [0] + (np.flatnonzero(t[1:] != t[:-1]) + 1).tolist() + [n]
-        at_ptr, rw_ptr = at.ctypes.data, rw.ctypes.data  # each trie's rows: one slice of the sorted arrays
-        for a, b in zip(cuts[:-1], cuts[1:]):
-            job = _PACK["mask"].pack(*head, b - a, rw_ptr + 8 * a, at_ptr + 8 * a, 0, 0, 0)
-            _kernel.mask(trie_fields(tables[int(t[a])]), job)
+        starts = np.concatenate([[0], np.flatnonzero(t[1:] != t[:-1]) + 1])
+        groups = np.stack([t[starts], np.diff(np.append(starts, n))], axis=1).astype(np.int64)  # (trie, rows)
+        # One C call: each trie's rows are one slice of the sorted arrays (_kernel.c, mask_groups).
+        job = _PACK["mask"].pack(*head, n, rw.ctypes.data, at.ctypes.data, 0, 0, 0)
+        _kernel.mask(self._all_fields(tables), job, groups.tobytes())
+
+    @staticmethod
+    def _all_fields(tables: Sequence[Any]) -> bytes:
+        """Every table's packed fields, one after another (kept with the constraint's prepared tables, which keep
+        the tables and so their arrays alive)."""
+        found = getattr(tables, "packed", None)
+        if found is None:
+            found = b"".join(trie_fields(t) for t in tables)
+            if isinstance(tables, _Tables):
+                tables.packed = found
+        return found
+
+    def prepare(self, tables: Sequence[Any]) -> Sequence[Any]:
+        """Per-constraint data: the step tables, and (once, on first use) their packed fields together."""
+        return _Tables(tables)
 
     def advance(self, table: Any, node: torch.Tensor, tokens: torch.Tensor,
                 node_flags: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
