@@ -50,8 +50,10 @@ import torch
 
 from trie_decode.constraint import RowState, SpanRules, TrieConstraint
 from trie_decode.errors import ConstraintConfigError
-from trie_decode.options import TrieArg, as_tries, build_rules, prompt_groups
+from trie_decode.options import (TrieArg, as_tries, check_alone, check_instance, check_one_source, end_token,
+                                  prompt_groups, rule_args)
 from trie_decode.templates import Template
+from trie_decode.trie import TokenTrie
 
 try:
     from transformers import DynamicCache, GenerationConfig, LogitsProcessorList
@@ -532,21 +534,17 @@ def _general_path(
                              logits=getattr(out, "logits", None), stats=stats)
 
 
-@torch.no_grad()
 def _template_parts(template: Any, tokenizer: Any, end: Optional[int], on_complete: str, separator: Any,
                     trigger: Any) -> tuple[list, Any]:
     """A template's tries and rules for fast-forward, or a named error for options that do not combine with it."""
-    if not isinstance(template, Template):
-        raise ConstraintConfigError(f"template= must be a trie_decode.Template, got {type(template).__name__}")
-    given = [k for k, v in {"on_complete": on_complete != "eos", "separator": separator is not None,
-                            "trigger": trigger is not None}.items() if v]
-    if given:
-        raise ConstraintConfigError(f"template= does not combine with {given}: the template is the whole output")
-    if end is None:
-        raise ConstraintConfigError("no end token: pass end_token_id=, or a model whose generation config has an EOS")
+    check_instance(template, Template, "template")
+    check_alone("template", [k for k, v in {"on_complete": on_complete != "eos", "separator": separator is not None,
+                                            "trigger": trigger is not None}.items() if v])
+    end = end_token(end, tokenizer)
     return template.build(tokenizer, end) if tokenizer is not None else template.prebuilt(end)
 
 
+@torch.no_grad()
 def fast_forward_generate(
     model: Any,
     input_ids: torch.Tensor,
@@ -631,8 +629,8 @@ def fast_forward_generate(
     True
     ```
     """
-    if template is not None and trie is not None:
-        raise ConstraintConfigError("give either trie= or template=, not both")
+    check_one_source("fast_forward_generate", {"trie": trie, "template": template},
+                     hints={"trie": "a TokenTrie, or one per prompt"})
     hooked = logits_processor is not None and stopping_criteria is not None and generation_config is not None
     attention_mask = kwargs.pop("attention_mask", None)
     if hooked:
@@ -657,8 +655,6 @@ def fast_forward_generate(
             "model.generate(..., num_beams=..., logits_processor=[TrieLogitsProcessor(trie)]) instead"
         )
     if not verified():
-        if trie is None and template is None:
-            raise ConstraintConfigError("fast_forward_generate needs trie= (a TokenTrie, or one per prompt) or template=")
         ids = eos_token_ids(config)
         end = end_token_id if end_token_id is not None else (ids[0] if ids else None)
         if template is not None:
@@ -695,19 +691,15 @@ def fast_forward_generate(
         raise ConstraintConfigError("fast_forward_generate starts from an empty cache; do not pass a filled one")
 
     eos_ids = eos_token_ids(config)
-    if trie is None and template is None:
-        raise ConstraintConfigError("fast_forward_generate needs trie= (a TokenTrie, or one per prompt) or template=")
     if template is not None:
-        end = build_rules(tokenizer, end_token_id, "release", None, None,
-                          default_end=eos_ids[0] if eos_ids else None).end_token_id
+        end = end_token(end_token_id, tokenizer, eos_ids[0] if eos_ids else None)
         tries, slot_rules = _template_parts(template, tokenizer, end, on_complete, separator, trigger)
         rules: SpanRules = SpanRules(end_token_id=end, on_complete="release", fields=slot_rules)
         on_complete = "release"
     else:
-        tries = as_tries(trie, tokenizer)
-        rules = build_rules(
-            tokenizer, end_token_id, on_complete, separator, trigger, default_end=eos_ids[0] if eos_ids else None
-        )
+        tries = as_tries(trie, TokenTrie, tokenizer, "trie")
+        rules = SpanRules(**rule_args(tokenizer, end_token_id, on_complete, separator, trigger,
+                                      default_end=eos_ids[0] if eos_ids else None))
     stop_ids = sorted(set(eos_ids) | ({rules.end_token_id} if on_complete in ("eos", "repeat") else set()))
     pad = config.pad_token_id
     pad_id = int(_token_set(pad)[0]) if pad is not None else (eos_ids[0] if eos_ids else rules.end_token_id)

@@ -38,7 +38,8 @@ from trie_decode.errors import ConstraintConfigError
 from trie_decode.filters import entry_indices
 from trie_decode.forms import entry_identity, warn_prompt
 from trie_decode.live import CatalogSnapshot, LiveCatalog, constraint_for
-from trie_decode.options import TrieArg, as_tries, build_rules, filter_rows, first_eos, prompt_filters, prompt_groups
+from trie_decode.options import (TrieArg, as_tries, check_alone, check_instance, check_one_source, end_token, filter_rows,
+                                  first_eos, prompt_filters, prompt_groups, rule_args)
 from trie_decode.trie import TokenTrie
 
 from .transformers_internals import GenerateLoop, beam_parents, prefix_processor_start, reusable_buffer
@@ -107,26 +108,21 @@ class _OutputBuffers:
 _SPAN_TAIL = 64
 
 
-def _span_tries(tries: Any, tokenizer: Any, spans: Any, on_complete: str, separator: Any, trigger: Any, allow: Any,
-                deny: Any, distinct: bool, check_prompt: bool, end_token_id: Optional[int] = None,
+def _span_tries(tokenizer: Any, spans: Any, on_complete: str, separator: Any, trigger: Any, allow: Any, deny: Any,
+                distinct: bool, check_prompt: bool, end_token_id: Optional[int] = None,
                 ) -> tuple[list[TokenTrie], FieldRules]:
     """The tries and field rules of ``spans=`` or ``template=`` (:mod:`trie_decode.fields`,
     :mod:`trie_decode.templates`), or a named error for options that do not combine with them."""
-    what = "template=" if isinstance(spans, Template) else "spans="
+    key = "template" if isinstance(spans, Template) else "spans"
     prebuilt = isinstance(spans, Template) and end_token_id is not None  # template.build(...) done beforehand
     if tokenizer is None and not prebuilt:
-        raise ConstraintConfigError(f"{what} needs the tokenizer (values and triggers are matched on text)")
-    if tries is not None:
-        raise ConstraintConfigError(f"give either tries or {what}, not both (it holds its own values)")
+        raise ConstraintConfigError(f"{key}= needs the tokenizer (values and triggers are matched on text)")
     others = {"on_complete": on_complete != "eos", "separator": separator is not None, "trigger": trigger is not None,
               "allow": allow is not None, "deny": deny is not None, "distinct": bool(distinct),
               "check_prompt": bool(check_prompt)}
-    given = [k for k, v in others.items() if v]
-    if given:
-        raise ConstraintConfigError(f"{what} does not combine with {given}: each span says where its value starts "
-                                    "(after) and ends (end)")
+    check_alone(key, [k for k, v in others.items() if v])
     if isinstance(spans, Template):
-        end = build_rules(tokenizer, end_token_id, "release", None, None).end_token_id
+        end = end_token(end_token_id, tokenizer)
         return spans.build(tokenizer, end) if tokenizer is not None else spans.prebuilt(end)
     return FieldRules.build(spans, tokenizer)
 
@@ -213,29 +209,24 @@ class TrieLogitsProcessor(LogitsProcessor):
         max_entries: int = 64,
         check_prompt: bool = False,
     ) -> None:
+        check_one_source("TrieLogitsProcessor", {"tries": tries, "spans": spans, "template": template},
+                         hints={"tries": "a TokenTrie, or one per prompt"})
         if template is not None:
-            if spans is not None:
-                raise ConstraintConfigError("give either spans= or template=, not both")
-            if not isinstance(template, Template):
-                raise ConstraintConfigError(f"template= must be a trie_decode.Template, got {type(template).__name__}")
-            spans = template
+            spans = check_instance(template, Template, "template")
         if spans is not None:
-            tries, fields = _span_tries(tries, tokenizer, spans, on_complete, separator, trigger, allow, deny,
-                                        distinct, check_prompt, end_token_id)
+            tries, fields = _span_tries(tokenizer, spans, on_complete, separator, trigger, allow, deny, distinct,
+                                        check_prompt, end_token_id)
             on_complete = "release"
-        elif tries is None:
-            raise ConstraintConfigError("TrieLogitsProcessor needs tries (a TokenTrie, or one per prompt), spans= "
-                                        "or template=")
         # Live catalogs (trie_decode.live): every generation takes the catalog's snapshot when it starts.
         self._live = tries if isinstance(tries, (LiveCatalog, CatalogSnapshot)) else None
         if self._live is not None:
             tries = self._live.snapshot().base
-        self.tries = as_tries(tries, tokenizer)
+        self.tries = as_tries(tries, TokenTrie, tokenizer)
         if check_prompt and (tokenizer is None or trigger is not None):
             raise ConstraintConfigError("check_prompt=True needs the tokenizer and no trigger (the span must start "
                                         "right after the prompt)")
         self._check_with = tokenizer if check_prompt else None
-        self.rules = build_rules(tokenizer, end_token_id, on_complete, separator, trigger)
+        self.rules = SpanRules(**rule_args(tokenizer, end_token_id, on_complete, separator, trigger))
         if spans is not None:
             self.rules = replace(self.rules, fields=fields)
         self._filtered = allow is not None or deny is not None or bool(distinct)

@@ -50,13 +50,13 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Collection, Hashable, Optional, Sequence, Union
 
-from trie_decode.constraint import ON_COMPLETE_MODES, SpanRules
-from trie_decode.errors import ConstraintConfigError, TrieDecodeError
+from trie_decode.constraint import SpanRules
+from trie_decode.errors import TrieDecodeError
 from trie_decode.fields import ESCAPES, FieldRules, Span
 from trie_decode.filters import entry_indices
 from trie_decode.live import apply_delta_file
-from trie_decode.options import build_rules, first_eos
-from trie_decode.spans import token_tuple
+from trie_decode.options import (OptionNames, check_alone, check_filter_mode, check_normalize, check_on_complete,
+                                  check_separator, first_eos, rule_args, text_or_ids, token_tuple)
 from trie_decode.text_spans import WHITESPACE_MODES, Trigger
 from trie_decode.tokenizers import fingerprint_matches, tokenizer_fingerprint, tokenizer_vocab_size
 from trie_decode.trie import TokenTrie
@@ -115,6 +115,12 @@ MAX_INLINE_BYTES = DEFAULT_MAX_INLINE_BYTES
 
 class TrieRequestError(TrieDecodeError, ValueError):
     """A request's trie arguments are invalid (vLLM turns it into an HTTP 400 / a validation error offline)."""
+
+
+#: A request's options as the client wrote them, for the shared rules of :mod:`trie_decode.options`.
+EXTRA_ARGS = OptionNames("extra_args[{!r}]", TrieRequestError)
+#: :func:`trie_args`' keywords, for the rules it checks before building the request.
+TRIE_ARGS = OptionNames("trie_args({}=...)", TrieRequestError)
 
 
 TokensArg = Union[str, int, Sequence[int], None]
@@ -252,10 +258,7 @@ def _spans_option(value: Any, max_entries: int, max_bytes: int) -> tuple:
 
 def _spans_request(extra_args: dict, max_entries: int, max_bytes: int) -> TrieRequest:
     """A request of ``extra_args["spans"]``: checked, and refused with every option it was combined with named."""
-    others = [k for k in OPTION_KEYS if k != "spans" and k in extra_args and extra_args[k] is not None]
-    if others:
-        _fail(f"extra_args['spans'] does not combine with {others}: each span says where its value starts (after) "
-              "and ends (end), and holds its own values")
+    check_alone("spans", [k for k in OPTION_KEYS if k != "spans" and extra_args.get(k) is not None], EXTRA_ARGS)
     return TrieRequest(source="spans", payload=None, on_complete="release",
                        spans=_spans_option(extra_args["spans"], max_entries, max_bytes))
 
@@ -287,27 +290,7 @@ def _string_forms(extra_args: dict) -> tuple[Any, Any, Optional[str]]:
         _fail("extra_args['leading_space'] is an empty list")
     if n > MAX_FORMS:
         _fail(f"extra_args asks for {n} forms of every string, over the limit of {MAX_FORMS}")
-    normalize = extra_args.get("normalize")
-    if normalize is not None and normalize not in ("NFC", "NFKC", "NFD", "NFKD"):
-        _fail(f"extra_args['normalize'] must be 'NFC', 'NFKC', 'NFD' or 'NFKD', got {normalize!r:.20}")
-    return leading_space, context, normalize
-
-
-def _tokens_option(value: Any, what: str) -> Any:
-    """A request's separator, trigger or prefix: text (tokenized later, with the engine's tokenizer) or token ids,
-    checked as :func:`trie_decode.spans.token_tuple` checks them."""
-    if value is None:
-        return None
-    if isinstance(value, str):
-        if not value:
-            _fail(f"extra_args[{what!r}] is the empty string")
-        return value
-    if isinstance(value, (list, tuple)) and not value:
-        _fail(f"extra_args[{what!r}] must be text or a non-empty list of token ids, got {value!r:.80}")
-    try:
-        return token_tuple(value, f"extra_args[{what!r}]")
-    except ConstraintConfigError as exc:
-        raise TrieRequestError(str(exc)) from None
+    return leading_space, context, check_normalize(extra_args.get("normalize"), EXTRA_ARGS)
 
 
 def _inline_payload(value: list, max_entries: int, max_bytes: int) -> tuple[str, tuple]:
@@ -388,33 +371,34 @@ def parse_trie_request(
         source, payload = _inline_payload(list(value), max_entries, max_bytes)
     else:
         _fail(f"extra_args['trie'] must be a file path or a list of entries, got {type(value).__name__}")
-    on_complete = extra_args.get("on_complete", "eos")
-    if on_complete not in ON_COMPLETE_MODES:
-        _fail(f"extra_args['on_complete'] must be one of {list(ON_COMPLETE_MODES)}, got {on_complete!r:.60}")
+    on_complete = check_on_complete(extra_args.get("on_complete", "eos"), EXTRA_ARGS)
+    # Text stays text: the engine's tokenizer tokenizes it when the request is resolved (TrieResolver.rules).
+    trigger = text_or_ids(extra_args.get("trigger"), "trigger", EXTRA_ARGS)
+    separator = text_or_ids(extra_args.get("separator"), "separator", EXTRA_ARGS)
+    check_separator(on_complete, separator is not None, EXTRA_ARGS)
     leading_space, context, normalize = _string_forms(extra_args)
     if (leading_space or context is not None or normalize is not None) and source != "strings":
         _fail("extra_args['leading_space'], ['context'] and ['normalize'] apply only to an inline list of strings")
     prefix = extra_args.get("prefix")
-    prefix = () if prefix is None or prefix == [] else _tokens_option(prefix, "prefix")
     if isinstance(prefix, str):
         _fail("extra_args['prefix'] must be token ids")
+    prefix = token_tuple(prefix, "prefix", EXTRA_ARGS)
     stop_at = extra_args.get("stop_at_forced", 0)
     if isinstance(stop_at, bool) or not isinstance(stop_at, int) or stop_at < 0:
         _fail(f"extra_args['stop_at_forced'] must be a non-negative integer, got {stop_at!r:.40}")
     tail_only = extra_args.get("forced_tail_only", False)
     if not isinstance(tail_only, bool):
         _fail(f"extra_args['forced_tail_only'] must be a boolean, got {tail_only!r:.40}")
-    if (prefix or stop_at) and (extra_args.get("trigger") is not None or on_complete != "eos"):
+    if (prefix or stop_at) and (trigger is not None or on_complete != "eos"):
         _fail("extra_args['prefix'] and ['stop_at_forced'] need on_complete='eos' and no trigger")
     allow, deny = _filter_option(extra_args.get("allow"), "allow"), _filter_option(extra_args.get("deny"), "deny")
-    if (allow is not None or deny is not None) and on_complete == "release":
-        _fail("extra_args['allow'] and ['deny'] need on_complete 'eos' or 'repeat'")
+    check_filter_mode(on_complete, [k for k, v in (("allow", allow), ("deny", deny)) if v is not None], EXTRA_ARGS)
     return TrieRequest(
         source=source,
         payload=payload,
         on_complete=on_complete,
-        trigger=_tokens_option(extra_args.get("trigger"), "trigger"),
-        separator=_tokens_option(extra_args.get("separator"), "separator"),
+        trigger=trigger,
+        separator=separator,
         leading_space=leading_space,
         context=context,
         normalize=normalize,
@@ -493,9 +477,7 @@ def trie_args(
                   "separator": separator is not None, "leading_space": leading_space is not False,
                   "context": context is not None, "normalize": normalize is not None, "allow": allow is not None,
                   "deny": deny is not None}
-        given = [k for k, v in others.items() if v]
-        if given:
-            _fail(f"trie_args(spans=...) does not combine with {given}: each span holds its own values")
+        check_alone("spans", [k for k, v in others.items() if v], TRIE_ARGS)
         if isinstance(spans, (str, dict)) or not isinstance(spans, (list, tuple)):
             _fail(f"trie_args(spans=...) must be a list of span dicts, got {type(spans).__name__}")
         made = {"spans": [dict(s) if isinstance(s, dict) else s for s in spans]}
@@ -808,8 +790,11 @@ class TrieResolver:
     def rules(self, req: TrieRequest) -> SpanRules:
         """The request's span rules (text options tokenized with the engine's tokenizer)."""
         try:
-            rules = build_rules(self.tokenizer, self.end_token_id, req.on_complete, req.separator, req.trigger)
+            rules = SpanRules(**rule_args(self.tokenizer, self.end_token_id, req.on_complete, req.separator,
+                                          req.trigger, names=EXTRA_ARGS))
             rules.check_vocab(max(self.vocab_size, self.end_token_id + 1))
+        except TrieRequestError:
+            raise
         except TrieDecodeError as exc:
             raise TrieRequestError(f"extra_args: {exc}") from exc
         return rules

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from .errors import DescriptorError, TrieDecodeError
+from .options import NORMAL_FORMS
 
 __all__ = ["main", "read_entries", "checkout_root"]
 
@@ -259,7 +260,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     build.add_argument("--context", action="append", metavar="TEXT",
                        help="the text the entries follow (the end of the prompt): store the ids the model writes there "
                             "(repeatable: one form per context)")
-    build.add_argument("--normalize", choices=["NFC", "NFKC", "NFD", "NFKD"],
+    build.add_argument("--normalize", choices=NORMAL_FORMS,
                        help="Unicode-normalize entries before tokenizing (NFC for Qwen); recorded in the file")
     build.add_argument(
         "--prefix-dict", metavar="FILE", help="build from an RTP-LLM prefix dict (tree_decode_config JSON)"

@@ -28,10 +28,11 @@ from .device import DeviceTrie
 from .entries import Entry
 from .errors import ConstraintConfigError, InvalidTokenError
 from .filters import (CHILD_EXCLUDED, END_EXCLUDED, EntryOrder, RowFilters, apply_filters_, completed_ranks,
-                      entry_indices, is_per_row)
+                      entry_indices)
 from .kernels.grouped import row_groups
 from .kernels.vectorized import plans_to_bool, plans_to_lists
 from .bitmask import pack_bitmask
+from .options import check_distinct, row_specs
 from .spans import ANCHOR, DONE, FREE, ON_COMPLETE_MODES, ON_TOKEN, OTHERWISE, SpanRules, completes_entry, forced_tokens, span_moves
 from .trie import TokenTrie
 
@@ -459,27 +460,17 @@ class TrieConstraint:
             raise ConstraintConfigError("filters restrict one shared trie: this constraint has several tries")
         if self.rules.on_complete == "release":
             raise ConstraintConfigError('filters need on_complete="eos" or "repeat" (a released row is unconstrained)')
-        if distinct and self.rules.on_complete != "repeat":
-            raise ConstraintConfigError('distinct=True needs on_complete="repeat" (a list of entries)')
-        if distinct and (isinstance(max_entries, bool) or not isinstance(max_entries, (int, np.integer)) or max_entries < 1):
-            raise ConstraintConfigError(f"max_entries must be a positive integer, got {max_entries!r}")
+        check_distinct(self.rules.on_complete, distinct, max_entries)
         trie = self.tries[0]
 
         def per_row(spec: Any, what: str) -> list[Optional[np.ndarray]]:
-            if spec is None:
-                return [None] * num_rows
-            if is_per_row(spec):
-                if len(spec) != num_rows:
-                    raise ConstraintConfigError(f"{what} has {len(spec)} row specs for {num_rows} rows")
-                seen: dict[int, np.ndarray] = {}  # rows repeating one spec object (a prompt's beams): convert once
-                out = []
-                for s in spec:
-                    if s is not None and id(s) not in seen:
-                        seen[id(s)] = entry_indices(trie, s, what)
-                    out.append(None if s is None else seen[id(s)])
-                return out
-            idx = entry_indices(trie, spec, what)
-            return [idx] * num_rows
+            seen: dict[int, np.ndarray] = {}  # rows repeating one spec object (a shared spec, a prompt's beams): once
+            out = []
+            for s in row_specs(spec, num_rows, what):
+                if s is not None and id(s) not in seen:
+                    seen[id(s)] = entry_indices(trie, s, what)
+                out.append(None if s is None else seen[id(s)])
+            return out
 
         out = RowFilters(EntryOrder.of(trie), per_row(allow, "allow"), per_row(deny, "deny"), self.device,
                          distinct_capacity=max_entries if distinct else 0)

@@ -36,6 +36,7 @@ import torch
 from .catalogs import item_entries, item_key_table
 from .errors import ConstraintConfigError
 from .kernels.rules import NEG_INF, floor_rule, kept_alive
+from .options import is_per_row  # the per-row rule (trie_decode.options), part of this module's API
 from .spans import completes_entry
 from .trie import TokenTrie
 
@@ -188,16 +189,6 @@ def entry_indices(trie: TokenTrie, spec: Any, what: str) -> np.ndarray:
         bad = int(idx[(idx < 0) | (idx >= trie.num_entries)][0])
         raise ConstraintConfigError(f"{what}: entry index {bad} is outside the trie's {trie.num_entries} entries")
     return idx
-
-
-def is_per_row(spec: Any) -> bool:
-    """True when a filter spec is one spec per row or prompt (a list of lists, arrays or None), not one for all."""
-    if spec is None or isinstance(spec, (str, bytes, np.ndarray)):
-        return False
-    items = list(spec)
-    return bool(items) and all(x is None or isinstance(x, (list, tuple, np.ndarray)) for x in items)
-
-
 
 
 class KeyIndex:

@@ -1,71 +1,235 @@
-"""User-facing options, parsed once for every front door (transformers processor, fast-forward, vLLM requests).
+"""User-facing options: every check of an option's value, written once for every front door.
 
-Why this exists: every integration takes the same options (one trie or one per prompt, an end token that defaults
-to the tokenizer's or model's EOS, a separator and a trigger given as text or token ids) and must reject the same
-mistakes with the same messages. They are parsed here, framework-free: a tokenizer is anything callable like a
-Hugging Face tokenizer (``tokenizer(text, add_special_tokens=False)["input_ids"]``).
+Why this exists: the same options reach the core through several front doors (``TrieLogitsProcessor`` and
+``fast_forward_generate`` keywords, a vLLM request's ``extra_args``, the ``trie-decode`` command line, and the core's
+own constructors such as :class:`~trie_decode.spans.SpanRules`), and each must reject the same mistakes with the
+same message. Each rule is one function or constant here; a front door calls it with its :class:`OptionNames`, so
+that the message names the option as that caller wrote it (``on_complete`` or ``template=`` for a keyword,
+``extra_args['on_complete']`` in a vLLM request) and raises that front door's error class.
+
+The rules, and who calls them:
+
+    modes            :data:`ON_COMPLETE_MODES`, :func:`check_on_complete`, :func:`check_separator` (a separator
+                     exactly when ``on_complete="repeat"``): ``SpanRules``, :func:`rule_args` (transformers,
+                     fast-forward, the vLLM resolver), vLLM request parsing.
+    normalize forms  :data:`NORMAL_FORMS`, :func:`check_normalize`: ``TokenTrie.from_strings`` (through
+                     ``tokenizers.normalize_strings``), vLLM request parsing, the CLI's ``--normalize`` choices.
+    token arguments  :func:`token_tuple` (token ids), :func:`token_id` (one id), :func:`text_or_ids` (a trigger or
+                     separator as text or ids), :func:`tokens_arg` (text tokenized now), :func:`end_token` and
+                     :func:`first_eos` (the end token and its defaults), gathered by :func:`rule_args`:
+                     ``SpanRules``, transformers, fast-forward, vLLM request parsing (``trigger``, ``separator``,
+                     ``prefix``) and resolving.
+    filter modes     :func:`check_filter_mode` (filters need ``on_complete`` "eos" or "repeat"): vLLM request
+                     parsing; :func:`check_distinct` (``distinct`` needs "repeat", ``max_entries``):
+                     ``TrieConstraint.filters``, so every front door that filters.
+    sources          :func:`check_one_source` (exactly one of ``tries``/``trie``, ``spans``, ``template``),
+                     :func:`check_alone` (``spans`` and ``template`` combine with no other option),
+                     :func:`check_instance`: transformers, fast-forward, vLLM requests and ``trie_args``.
+    per-row          :func:`is_per_row` (one spec per row or prompt, or one for all), :func:`as_tries` (one trie or
+    expansion        one per prompt), :func:`prompt_groups`, :func:`prompt_filters`, :func:`filter_rows` (per-prompt
+                     specs over a prompt's rows: beams, return sequences), :func:`row_specs` (one spec per row):
+                     transformers, fast-forward, ``TrieConstraint.filters``, live catalogs.
+
+Options only one front door has stay with it: a vLLM request's payload, limits and ``spans`` dicts
+(:mod:`trie_decode.integrations.vllm_requests`), the CLI's flag combinations (:mod:`trie_decode.cli`).
+
+This module sits at the bottom of the package (it imports only :mod:`~trie_decode.errors`, numpy and torch), so that
+the core's own constructors can use its rules: the rules about a core class take that class as an argument
+(:func:`as_tries`, :func:`check_instance`), and :func:`rule_args` returns ``SpanRules``' arguments. It is
+framework-free: a tokenizer is anything callable like a Hugging Face tokenizer
+(``tokenizer(text, add_special_tokens=False)["input_ids"]``).
 
 Example:
-    >>> from trie_decode import TokenTrie
-    >>> from trie_decode.options import build_rules, prompt_groups
-    >>> build_rules(None, end_token_id=2, on_complete="repeat", separator=[5], trigger=None).separator
+    >>> from trie_decode import SpanRules
+    >>> from trie_decode.options import KEYWORDS, OptionNames, check_on_complete, prompt_groups, rule_args
+    >>> SpanRules(**rule_args(None, end_token_id=2, on_complete="repeat", separator=[5], trigger=None)).separator
     (5,)
     >>> prompt_groups(6, 2).tolist()   # 2 prompts x 3 beams: rows 0-2 use trie 0, rows 3-5 trie 1
     [0, 0, 0, 1, 1, 1]
+    >>> check_on_complete("stop", KEYWORDS)
+    Traceback (most recent call last):
+    ...
+    trie_decode.errors.ConstraintConfigError: on_complete must be one of ('eos', 'release', 'repeat'), got 'stop'
+    >>> check_on_complete("stop", OptionNames("extra_args[{!r}]"))
+    Traceback (most recent call last):
+    ...
+    trie_decode.errors.ConstraintConfigError: extra_args['on_complete'] must be one of ('eos', 'release', 'repeat'), got 'stop'
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, Union
+from dataclasses import dataclass
+from typing import Any, NoReturn, Optional, Sequence, Union
 
+import numpy as np
 import torch
 
 from .errors import ConstraintConfigError
-from .filters import is_per_row
-from .spans import SpanRules, token_tuple
-from .trie import TokenTrie
 
-__all__ = ["TrieArg", "as_tries", "tokens_arg", "build_rules", "first_eos", "prompt_groups", "prompt_filters", "filter_rows"]
+__all__ = [
+    "OptionNames",
+    "KEYWORDS",
+    "KEYWORD_ARGS",
+    "ON_COMPLETE_MODES",
+    "check_on_complete",
+    "check_separator",
+    "NORMAL_FORMS",
+    "check_normalize",
+    "token_tuple",
+    "token_id",
+    "text_or_ids",
+    "tokens_arg",
+    "first_eos",
+    "end_token",
+    "rule_args",
+    "check_filter_mode",
+    "check_distinct",
+    "check_one_source",
+    "check_alone",
+    "check_instance",
+    "TrieArg",
+    "is_per_row",
+    "as_tries",
+    "prompt_groups",
+    "prompt_filters",
+    "filter_rows",
+    "row_specs",
+]
 
-TrieArg = Union[TokenTrie, Sequence[TokenTrie]]
+#: The tries argument of the transformers front doors: one :class:`~trie_decode.TokenTrie`, or one per prompt.
+TrieArg = Union["TokenTrie", Sequence["TokenTrie"]]
+
+#: How a constrained span ends (see :mod:`trie_decode.spans`).
+ON_COMPLETE_MODES = ("eos", "release", "repeat")
+#: Unicode normal forms accepted by ``normalize=`` (recorded in the trie's options).
+NORMAL_FORMS = ("NFC", "NFKC", "NFD", "NFKD")
 
 
-def as_tries(tries: TrieArg, tokenizer: Any = None) -> list[TokenTrie]:
-    """``tries`` as a non-empty list of tries, each checked against ``tokenizer`` (when given).
+@dataclass(frozen=True)
+class OptionNames:
+    """How one front door spells its options in error messages, and the error it raises.
 
-    Raises:
-        ConstraintConfigError: no trie. TypeError: an item that is not a TokenTrie.
-        TokenizerMismatchError: a trie built for another tokenizer.
+    Args:
+        template: the spelling of an option ``key``, with ``{}`` (or ``{!r}``) where the key goes.
+        error: the exception class of this front door's refusals.
+
+    Example:
+        >>> OptionNames("extra_args[{!r}]")("separator")
+        "extra_args['separator']"
     """
-    if isinstance(tries, TokenTrie):
-        tries = [tries]
-    if tries is None or isinstance(tries, (str, bytes)):
-        raise ConstraintConfigError(f"tries must be a TokenTrie or a list of them (one per prompt), got {tries!r:.60}")
-    tries = list(tries)
-    if not tries:
-        raise ConstraintConfigError("tries is empty: pass one TokenTrie, or one per prompt")
-    for i, t in enumerate(tries):
-        if not isinstance(t, TokenTrie):
-            raise TypeError(f"tries[{i}] is {type(t).__name__}, not a TokenTrie")
-        if tokenizer is not None:
-            t.check_tokenizer(tokenizer)
-    return tries
+
+    template: str = "{}"
+    error: type = ConstraintConfigError
+
+    def __call__(self, key: str) -> str:
+        return self.template.format(key)
+
+    def fail(self, message: str) -> NoReturn:
+        raise self.error(message)
 
 
-def tokens_arg(value: Any, tokenizer: Any, what: str) -> tuple[int, ...]:
-    """A separator or trigger given as text (tokenized without special tokens) or token ids, as a tuple of ids."""
+#: Python keyword arguments (``TrieLogitsProcessor``, ``fast_forward_generate``, ``SpanRules``, ...) inside a phrase:
+#: ``on_complete must be one of ...``, ``on_complete="repeat" needs ...``.
+KEYWORDS = OptionNames()
+#: The same keyword arguments named on their own: ``template= does not combine with ...``, ``needs trie=``.
+KEYWORD_ARGS = OptionNames("{}=")
+
+
+# ------------------------------------------------------------------------------------------------- modes
+def check_on_complete(value: Any, names: OptionNames = KEYWORDS) -> str:
+    """``value`` if it is one of :data:`ON_COMPLETE_MODES`, else ``names``' error."""
+    if not isinstance(value, str) or value not in ON_COMPLETE_MODES:
+        names.fail(f"{names('on_complete')} must be one of {ON_COMPLETE_MODES}, got {value!r:.60}")
+    return value
+
+
+def check_separator(on_complete: str, has_separator: bool, names: OptionNames = KEYWORDS) -> None:
+    """A separator is given exactly when ``on_complete`` is ``"repeat"`` (it goes between the entries of a list)."""
+    if on_complete == "repeat" and not has_separator:
+        names.fail(f'{names("on_complete")}="repeat" needs a separator: set {names("separator")} to the tokens '
+                   "between entries")
+    if on_complete != "repeat" and has_separator:
+        names.fail(f'{names("separator")} is only used with {names("on_complete")}="repeat", not {on_complete!r}')
+
+
+# ------------------------------------------------------------------------------------------------- normalize forms
+def check_normalize(value: Any, names: OptionNames = KEYWORDS) -> Optional[str]:
+    """``value`` if it is None or one of :data:`NORMAL_FORMS`, else ``names``' error."""
+    if value is not None and (not isinstance(value, str) or value not in NORMAL_FORMS):
+        names.fail(f"{names('normalize')} must be one of {NORMAL_FORMS} (or unset), got {value!r:.20}")
+    return value
+
+
+# ------------------------------------------------------------------------------------------------- token arguments
+def token_tuple(value: Any, key: str, names: OptionNames = KEYWORDS) -> tuple[int, ...]:
+    """``value`` (None, one token id, or a sequence of them) as a tuple of non-negative ints, or ``names``' error.
+
+    Example:
+        >>> token_tuple(7, "trigger"), token_tuple(None, "trigger"), token_tuple(np.array([1, 2]), "separator")
+        ((7,), (), (1, 2))
+    """
+    what = names(key)
     if value is None:
         return ()
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        value = (value,)
+    try:
+        out = tuple(value)
+    except TypeError:
+        names.fail(f"{what} must be a token id or a sequence of token ids, got {value!r:.80}")
+    for tok in out:
+        if isinstance(tok, bool) or not isinstance(tok, (int, np.integer)):
+            names.fail(f"{what} must hold integer token ids, got {tok!r:.40}")
+        if tok < 0:
+            names.fail(f"{what} holds a negative token id {tok}")
+    return tuple(int(t) for t in out)
+
+
+def token_id(value: Any, key: str, names: OptionNames = KEYWORDS) -> int:
+    """``value`` as one non-negative token id (an int or numpy integer, not a bool), or ``names``' error."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        names.fail(f"{names(key)} must be a non-negative token id, got {value!r:.40}")
+    return int(value)
+
+
+def text_or_ids(value: Any, key: str, names: OptionNames = KEYWORDS) -> Union[None, str, tuple[int, ...]]:
+    """A trigger or separator as given: None, non-empty text (tokenized by the caller, with its tokenizer), or a
+    non-empty sequence of token ids (a tuple; one int is a sequence of one).
+
+    Example:
+        >>> text_or_ids(", ", "separator"), text_or_ids([5, 6], "separator")
+        (', ', (5, 6))
+        >>> text_or_ids([], "trigger")
+        Traceback (most recent call last):
+        ...
+        trie_decode.errors.ConstraintConfigError: trigger must be text or a non-empty list of token ids, got []
+    """
+    if value is None:
+        return None
     if isinstance(value, str):
         if not value:
-            raise ConstraintConfigError(f"{what} is the empty string")
-        if tokenizer is None:
-            raise ConstraintConfigError(f"{what} given as text needs a tokenizer; pass tokenizer= or token ids")
-        ids = tokenizer(value, add_special_tokens=False)["input_ids"]
-        if not ids:
-            raise ConstraintConfigError(f"{what} {value!r} tokenizes to nothing")
-        return tuple(int(i) for i in ids)
-    return token_tuple(value, what)
+            names.fail(f"{names(key)} is the empty string")
+        return value
+    ids = token_tuple(value, key, names)
+    if not ids:
+        names.fail(f"{names(key)} must be text or a non-empty list of token ids, got {value!r:.80}")
+    return ids
+
+
+def tokens_arg(value: Any, tokenizer: Any, key: str, names: OptionNames = KEYWORDS) -> tuple[int, ...]:
+    """A trigger or separator (:func:`text_or_ids`) as token ids, text tokenized now without special tokens;
+    ``()`` when not given."""
+    value = text_or_ids(value, key, names)
+    if value is None:
+        return ()
+    if not isinstance(value, str):
+        return value
+    if tokenizer is None:
+        names.fail(f"{names(key)} given as text needs a tokenizer; pass tokenizer= or token ids")
+    ids = tokenizer(value, add_special_tokens=False)["input_ids"]
+    if not ids:
+        names.fail(f"{names(key)} {value!r} tokenizes to nothing")
+    return tuple(int(i) for i in ids)
 
 
 def first_eos(value: Any) -> Optional[int]:
@@ -77,7 +241,28 @@ def first_eos(value: Any) -> Optional[int]:
     return None if value is None else int(value)
 
 
-def build_rules(
+def end_token(end_token_id: Any, tokenizer: Any = None, default_end: Optional[int] = None) -> int:
+    """The end token: the keyword ``end_token_id``, else the tokenizer's EOS, else ``default_end`` (e.g. the model's
+    generation config's).
+
+    Raises:
+        ConstraintConfigError: none of them, or not a non-negative token id.
+
+    Example:
+        >>> end_token(None, default_end=2), end_token(7, default_end=2)
+        (2, 7)
+    """
+    if end_token_id is None and tokenizer is not None:
+        end_token_id = first_eos(getattr(tokenizer, "eos_token_id", None))
+    if end_token_id is None:
+        end_token_id = default_end
+    if end_token_id is None:
+        raise ConstraintConfigError("no end token: pass end_token_id=, or a tokenizer (or a model) that has an "
+                                    "eos_token_id")
+    return token_id(end_token_id, "end_token_id")
+
+
+def rule_args(
     tokenizer: Any,
     end_token_id: Optional[int],
     on_complete: str,
@@ -85,29 +270,135 @@ def build_rules(
     trigger: Any,
     *,
     default_end: Optional[int] = None,
-) -> SpanRules:
-    """Span rules from user-facing options.
+    names: OptionNames = KEYWORDS,
+) -> dict[str, Any]:
+    """The arguments of :class:`~trie_decode.spans.SpanRules` from user-facing options, each checked by its rule
+    above with the caller's ``names``: ``SpanRules(**rule_args(...))``.
 
     Args:
         tokenizer: tokenizes text options; its ``eos_token_id`` is the end token when ``end_token_id`` is None.
-        end_token_id: the end token; None takes the tokenizer's EOS, else ``default_end`` (e.g. the model's).
+        end_token_id, default_end: the end token, as :func:`end_token` finds it.
         on_complete, separator, trigger: see :class:`~trie_decode.spans.SpanRules` (text or token ids).
+        names: how the caller spells these options (its error class too).
 
     Raises:
-        ConstraintConfigError: no end token can be found, or an option is malformed.
+        ConstraintConfigError (or ``names.error``): no end token can be found, or an option is malformed.
     """
-    if end_token_id is None and tokenizer is not None:
-        end_token_id = first_eos(getattr(tokenizer, "eos_token_id", None))
-    if end_token_id is None:
-        end_token_id = default_end
-    if end_token_id is None:
-        raise ConstraintConfigError("no end token: pass end_token_id=, or a tokenizer that has an eos_token_id")
-    return SpanRules(
-        end_token_id=end_token_id,
-        on_complete=on_complete,
-        separator=tokens_arg(separator, tokenizer, "separator"),
-        trigger=tokens_arg(trigger, tokenizer, "trigger"),
-    )
+    mode = check_on_complete(on_complete, names)
+    separator = tokens_arg(separator, tokenizer, "separator", names)
+    trigger = tokens_arg(trigger, tokenizer, "trigger", names)
+    check_separator(mode, bool(separator), names)
+    return dict(end_token_id=end_token(end_token_id, tokenizer, default_end), on_complete=mode, separator=separator,
+                trigger=trigger)
+
+
+# ------------------------------------------------------------------------------------------------- filter modes
+def check_filter_mode(on_complete: str, given: Sequence[str], names: OptionNames = KEYWORDS) -> None:
+    """Filters (the options named in ``given``, e.g. ``["allow"]``) need ``on_complete`` "eos" or "repeat": a
+    released row is unconstrained."""
+    if given and on_complete == "release":
+        filters = ", ".join(names(k) for k in given)
+        names.fail(f'filters ({filters}) need on_complete="eos" or "repeat", not {names("on_complete")}='
+                   f"{on_complete!r} (a released row is unconstrained)")
+
+
+def check_distinct(on_complete: str, distinct: bool, max_entries: Any, names: OptionNames = KEYWORDS) -> None:
+    """``distinct`` lists need ``on_complete="repeat"`` and room for a positive number of entries (``max_entries``)."""
+    if not distinct:
+        return
+    if on_complete != "repeat":
+        names.fail(f'{names("distinct")}=True needs {names("on_complete")}="repeat" (a list of entries)')
+    if isinstance(max_entries, bool) or not isinstance(max_entries, (int, np.integer)) or max_entries < 1:
+        names.fail(f"{names('max_entries')} must be a positive integer, got {max_entries!r:.40}")
+
+
+# ------------------------------------------------------------------------------------------------- sources
+#: Why ``spans`` and ``template`` combine with no other option.
+_ALONE = {
+    "spans": "each span says where its value starts (after) and ends (end), and holds its own values",
+    "template": "the template is the whole output, and its slots hold their own values",
+}
+
+
+def _either(spelled: Sequence[str]) -> str:
+    return spelled[0] if len(spelled) == 1 else f"{', '.join(spelled[:-1])} or {spelled[-1]}"
+
+
+def check_one_source(caller: str, sources: dict, names: OptionNames = KEYWORD_ARGS,
+                     hints: Optional[dict] = None) -> str:
+    """The one option of ``sources`` (its keys: the options that say what to decode, e.g. ``tries``, ``spans``,
+    ``template``; its values: as given, None when not) that ``caller`` was given; none or several is ``names``'
+    error (``hints``: what some of them are, for the message when none is given).
+
+    Example:
+        >>> check_one_source("f", {"trie": None, "template": "T"})
+        'template'
+        >>> check_one_source("f", {"trie": None, "template": None}, hints={"trie": "a TokenTrie, or one per prompt"})
+        Traceback (most recent call last):
+        ...
+        trie_decode.errors.ConstraintConfigError: f needs trie= (a TokenTrie, or one per prompt) or template=
+    """
+    given = [k for k, v in sources.items() if v is not None]
+    if not given:
+        hints = hints or {}
+        names.fail(f"{caller} needs {_either([names(k) + (f' ({hints[k]})' if k in hints else '') for k in sources])}")
+    if len(given) > 1:
+        spelled = _either([names(k) for k in given])
+        names.fail(f"give either {spelled}, not both" if len(given) == 2 else f"give only one of {spelled}")
+    return given[0]
+
+
+def check_alone(key: str, given: Sequence[str], names: OptionNames = KEYWORD_ARGS) -> None:
+    """``spans`` and ``template`` (``key``) combine with no other option (``given``: the other options the caller
+    set, by their keys)."""
+    if given:
+        names.fail(f"{names(key)} does not combine with {list(given)}: {_ALONE[key]}")
+
+
+def check_instance(value: Any, kind: type, key: str, names: OptionNames = KEYWORD_ARGS) -> Any:
+    """``value`` if it is a ``kind`` (a class of the package, e.g. :class:`~trie_decode.Template`), else ``names``'
+    error."""
+    if not isinstance(value, kind):
+        names.fail(f"{names(key)} must be a trie_decode.{kind.__name__}, got {type(value).__name__}")
+    return value
+
+
+# ------------------------------------------------------------------------------------------------- per-row expansion
+def is_per_row(spec: Any) -> bool:
+    """True when a filter spec is one spec per row or prompt (a list of lists, arrays or None), not one for all.
+
+    Example:
+        >>> is_per_row(["a", "b"]), is_per_row([["a"], None]), is_per_row(None)
+        (False, True, False)
+    """
+    if spec is None or isinstance(spec, (str, bytes, np.ndarray)):
+        return False
+    items = list(spec)
+    return bool(items) and all(x is None or isinstance(x, (list, tuple, np.ndarray)) for x in items)
+
+
+def as_tries(tries: Any, kind: type, tokenizer: Any = None, key: str = "tries") -> list:
+    """``tries`` (one ``kind``, i.e. :class:`~trie_decode.TokenTrie`, or one per prompt) as a non-empty list, each
+    checked against ``tokenizer`` (when given); ``key`` is the caller's keyword (``trie`` for
+    ``fast_forward_generate``).
+
+    Raises:
+        ConstraintConfigError: no trie. TypeError: an item that is not a ``kind``.
+        TokenizerMismatchError: a trie built for another tokenizer.
+    """
+    if isinstance(tries, kind):
+        tries = [tries]
+    if tries is None or isinstance(tries, (str, bytes)):
+        raise ConstraintConfigError(f"{key} must be a TokenTrie or a list of them (one per prompt), got {tries!r:.60}")
+    tries = list(tries)
+    if not tries:
+        raise ConstraintConfigError(f"{key} is empty: pass one TokenTrie, or one per prompt")
+    for i, t in enumerate(tries):
+        if not isinstance(t, kind):
+            raise TypeError(f"{key}[{i}] is {type(t).__name__}, not a {kind.__name__}")
+        if tokenizer is not None:
+            t.check_tokenizer(tokenizer)
+    return tries
 
 
 def prompt_groups(batch: int, num_tries: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -126,20 +417,21 @@ def prompt_groups(batch: int, num_tries: int, device: torch.device | str = "cpu"
     return torch.arange(batch, device=device) // (batch // num_tries)
 
 
-def prompt_filters(allow: Any, deny: Any) -> int:
+def prompt_filters(allow: Any, deny: Any, names: OptionNames = KEYWORDS) -> int:
     """How many per-prompt filter specs ``allow``/``deny`` give: 0 when each is one spec shared by every row (see
-    :func:`trie_decode.filters.is_per_row`).
+    :func:`is_per_row`).
 
     Raises:
         ConstraintConfigError: ``allow`` and ``deny`` give different numbers of per-prompt specs.
     """
     counts = {len(spec) for spec in (allow, deny) if is_per_row(spec)}
     if len(counts) > 1:
-        raise ConstraintConfigError(f"allow and deny give different numbers of per-prompt filters: {sorted(counts)}")
+        names.fail(f"{names('allow')} and {names('deny')} give different numbers of per-prompt filters: "
+                   f"{sorted(counts)}")
     return counts.pop() if counts else 0
 
 
-def filter_rows(spec: Any, prompts: int, batch: int) -> Any:
+def filter_rows(spec: Any, prompts: int, batch: int, names: OptionNames = KEYWORDS) -> Any:
     """A filter spec for every row of a batch: a shared spec as it is; ``prompts`` per-prompt specs (``prompts`` > 0)
     each repeated over its prompt's contiguous rows (beams, return sequences), laid out as :func:`prompt_groups`.
 
@@ -153,7 +445,27 @@ def filter_rows(spec: Any, prompts: int, batch: int) -> Any:
     if spec is None or not prompts:
         return spec
     if batch % prompts:
-        raise ConstraintConfigError(f"allow/deny give {prompts} per-prompt filters but the batch has {batch} rows")
+        names.fail(f"{names('allow')}/{names('deny')} give {prompts} per-prompt filters but the batch has {batch} rows")
     per = batch // prompts
     specs = list(spec) if is_per_row(spec) else [spec] * prompts
     return [s for s in specs for _ in range(per)]
+
+
+def row_specs(spec: Any, num_rows: int, key: str, names: OptionNames = KEYWORDS) -> list:
+    """One filter spec per row: ``[None] * num_rows`` for None, a per-row spec (one item per row) as a list, a
+    shared spec repeated (the same object, so a caller converts it once).
+
+    Example:
+        >>> row_specs(["a", "b"], 2, "allow"), row_specs([["a"], None], 2, "allow")
+        ([['a', 'b'], ['a', 'b']], [['a'], None])
+
+    Raises:
+        ConstraintConfigError: a per-row spec whose length is not ``num_rows``.
+    """
+    if spec is None:
+        return [None] * num_rows
+    if not is_per_row(spec):
+        return [spec] * num_rows
+    if len(spec) != num_rows:
+        names.fail(f"{names(key)} has {len(spec)} row specs for {num_rows} rows")
+    return list(spec)

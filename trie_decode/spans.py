@@ -35,35 +35,17 @@ import numpy as np
 import torch
 
 from .errors import ConstraintConfigError, InvalidTokenError
+from .options import ON_COMPLETE_MODES, check_on_complete, check_separator, token_id, token_tuple
 from .trie import TokenTrie
 
 __all__ = ["SpanRules", "DONE", "FREE", "ON_COMPLETE_MODES", "TABLE_COLUMNS", "step_table", "span_moves", "completes_entry", "forced_tokens"]
 
 DONE, FREE = -1, -2
-ON_COMPLETE_MODES = ("eos", "release", "repeat")
 # Step table columns. What a row may emit: child range start and count, dense slot, a token the row surely keeps
 # (the anchor; -1 for an unconstrained row), and up to two extra tokens (end, separator). Where a row goes on a token
 # that is not a child: to ON_MATCH on the token ON_TOKEN (-1: none), to OTHERWISE on any other.
 START, COUNT, SLOT, ANCHOR, EXTRA0, EXTRA1, ON_TOKEN, ON_MATCH, OTHERWISE = range(9)
 TABLE_COLUMNS = 9
-
-
-def token_tuple(value: Any, what: str) -> tuple[int, ...]:
-    """``value`` (None, one token id, or a sequence of them) as a tuple of non-negative ints, or a named error."""
-    if value is None:
-        return ()
-    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
-        value = (value,)
-    try:
-        out = tuple(value)
-    except TypeError as exc:
-        raise ConstraintConfigError(f"{what} must be a token id or a sequence of token ids, got {value!r}") from exc
-    for tok in out:
-        if isinstance(tok, bool) or not isinstance(tok, (int, np.integer)):
-            raise ConstraintConfigError(f"{what} must hold integer token ids, got {tok!r}")
-        if tok < 0:
-            raise ConstraintConfigError(f"{what} holds a negative token id {tok}")
-    return tuple(int(t) for t in out)
 
 
 @dataclass(frozen=True)
@@ -94,18 +76,11 @@ class SpanRules:
     fields: Any = None
 
     def __post_init__(self) -> None:
-        end = self.end_token_id
-        if isinstance(end, bool) or not isinstance(end, (int, np.integer)) or end < 0:
-            raise ConstraintConfigError(f"end_token_id must be a non-negative token id, got {end!r}")
-        object.__setattr__(self, "end_token_id", int(end))
-        if self.on_complete not in ON_COMPLETE_MODES:
-            raise ConstraintConfigError(f"on_complete must be one of {ON_COMPLETE_MODES}, got {self.on_complete!r}")
+        object.__setattr__(self, "end_token_id", token_id(self.end_token_id, "end_token_id"))
+        check_on_complete(self.on_complete)
         object.__setattr__(self, "separator", token_tuple(self.separator, "separator"))
         object.__setattr__(self, "trigger", token_tuple(self.trigger, "trigger"))
-        if self.on_complete == "repeat" and not self.separator:
-            raise ConstraintConfigError('on_complete="repeat" needs a separator (token ids between entries)')
-        if self.on_complete != "repeat" and self.separator:
-            raise ConstraintConfigError(f'a separator is only used with on_complete="repeat", not {self.on_complete!r}')
+        check_separator(self.on_complete, bool(self.separator))
         if self.fields is not None and (self.on_complete != "release" or self.trigger):
             raise ConstraintConfigError(
                 'spans (fields) end each value with their end text and release the row: on_complete="release" and '

@@ -37,6 +37,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from .errors import InvalidEntryError, TrieDecodeError
+from .options import NORMAL_FORMS, OptionNames, check_normalize
 
 __all__ = [
     "tokenizer_fingerprint",
@@ -58,8 +59,6 @@ __all__ = [
     "LINE_ANCHOR",
 ]
 
-#: Unicode normal forms accepted by ``normalize=`` (recorded in the trie's options).
-NORMAL_FORMS = ("NFC", "NFKC", "NFD", "NFKD")
 #: The text an entry is tokenized after for ``leading_space=True`` (as ``" " + entry``): a word.
 SPACE_ANCHOR = "x"
 #: The text an entry is tokenized after for ``leading_space=False``: a newline (the entry starts a line).
@@ -353,6 +352,10 @@ def tokenizer_vocab_size(tokenizer: Any) -> int:
 # Tokenization
 
 
+#: ``TokenTrie.from_strings``'s keywords; a bad one is an :class:`InvalidEntryError` (how the entries are read).
+_ENTRY_OPTIONS = OptionNames(error=InvalidEntryError)
+
+
 def normalize_strings(strings: Sequence[str], normalize: Optional[str]) -> list[str]:
     """``strings`` in Unicode normal form ``normalize`` (None: unchanged).
 
@@ -363,10 +366,8 @@ def normalize_strings(strings: Sequence[str], normalize: Optional[str]) -> list[
         >>> normalize_strings(["Co\\u0302te"], "NFC") == ["C\\u00f4te"]
         True
     """
-    if normalize is None:
+    if check_normalize(normalize, _ENTRY_OPTIONS) is None:
         return list(strings)
-    if normalize not in NORMAL_FORMS:
-        raise InvalidEntryError(f"normalize must be one of {NORMAL_FORMS} or None, got {normalize!r}")
     return [unicodedata.normalize(normalize, s) for s in strings]
 
 
