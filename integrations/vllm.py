@@ -299,7 +299,7 @@ class _SlotTable:
             return None
         try:
             req: TrieRequest = parse_trie_request(extra)  # type: ignore[assignment]
-            if req.source == "spans":  # all rows of the request may enter any of its spans: its tries are theirs
+            if req.source in ("spans", "template"):  # every row may enter any of the request's spans: their tries
                 tries, rules = self.resolver.spans(req)
                 trie, allow, deny = tries, None, None
             else:

@@ -31,6 +31,9 @@ Request keys (in ``extra_args``; see :func:`trie_args` for a typed builder):
                     "whitespace": "exact" | "any"}``
                     (or, over HTTP, its JSON string); each maps to a :class:`trie_decode.fields.Span`. Combines with
                     no other option: every span says where its value starts and ends
+    template, slots instead of ``trie``: the whole output as fixed text with slots (:class:`trie_decode.Template`):
+                    ``template`` the text (``'{"city": "{city}"}'``), ``slots`` an object of each slot's values, a
+                    list of strings or a trie name or path (over HTTP, its JSON string); combines with no other option
 
 Keys that start with ``trie`` or look like a misspelling of one of these are rejected; other keys are left to other
 processors. ``trie_checked`` is not a client's option: the front-end sets it on every request it admits (replacing
@@ -53,6 +56,7 @@ from typing import Any, Callable, Collection, Hashable, Optional, Sequence, Unio
 from trie_decode.constraint import SpanRules
 from trie_decode.errors import TrieDecodeError
 from trie_decode.fields import ESCAPES, FieldRules, Span
+from trie_decode.templates import Template
 from trie_decode.filters import entry_indices
 from trie_decode.live import apply_delta_file
 from trie_decode.options import (OptionNames, check_alone, check_filter_mode, check_normalize, check_on_complete,
@@ -96,7 +100,7 @@ TRIE_KEY = "trie"
 OPTION_KEYS = (
     "trie", "on_complete", "trigger", "separator", "leading_space", "context", "normalize", "prefix", "stop_at_forced",
     "forced_tail_only",
-    "allow", "deny", "spans",
+    "allow", "deny", "spans", "template", "slots",
 )
 #: The keys of one span dict in ``extra_args["spans"]`` (a :class:`trie_decode.fields.Span`).
 SPAN_KEYS = ("after", "values", "trie", "end", "escape", "whitespace")
@@ -152,14 +156,15 @@ class TrieRequest:
     forced_tail_only: bool = False
     allow: Optional[Union[tuple, "FilterFile"]] = None
     deny: Optional[Union[tuple, "FilterFile"]] = None
-    spans: tuple = ()  # of SpanRequest (source "spans"; payload is then None)
+    spans: tuple = ()  # of SpanRequest (source "spans", payload None; source "template", payload the text and
+    #                    each span a slot: its ``after`` is the slot's name)
 
     def trie_key(self) -> Hashable:
         """A key that identifies the trie (content hash for inline payloads; for spans, of the whole span list)."""
-        if self.source == "spans":
-            blob = json.dumps([[s.after, s.end, s.escape, s.whitespace, s.source, s.payload] for s in self.spans],
-                              ensure_ascii=False)
-            return ("spans", hashlib.sha256(blob.encode("utf-8", "surrogatepass")).hexdigest())
+        if self.source in ("spans", "template"):
+            blob = json.dumps([self.payload] + [[s.after, s.end, s.escape, s.whitespace, s.source, s.payload]
+                                                for s in self.spans], ensure_ascii=False)
+            return (self.source, hashlib.sha256(blob.encode("utf-8", "surrogatepass")).hexdigest())
         if self.source == "file":
             return ("file", self.payload)
         forms = [self.leading_space, self.context, self.normalize]
@@ -172,8 +177,9 @@ def _fail(msg: str) -> None:
 
 
 def is_trie_request(extra_args: Optional[dict]) -> bool:
-    """Whether a request's ``extra_args`` asks for a constraint (``"trie"`` or ``"spans"``): one or two lookups."""
-    return bool(extra_args) and (TRIE_KEY in extra_args or "spans" in extra_args)  # type: ignore[operator]
+    """Whether a request's ``extra_args`` asks for a constraint (``"trie"``, ``"spans"`` or ``"template"``)."""
+    return bool(extra_args) and (TRIE_KEY in extra_args or "spans" in extra_args  # type: ignore[operator]
+                                 or "template" in extra_args)
 
 
 @dataclass(frozen=True)
@@ -251,8 +257,6 @@ def _spans_option(value: Any, max_entries: int, max_bytes: int) -> tuple:
         if size > max_bytes:
             _fail(f"extra_args['spans'] holds {size} bytes of inline values, over the limit of {max_bytes}")
         out.append(SpanRequest(after, "strings", tuple(values), end, escape, whitespace))
-    if len({s.end for s in out}) > 1:
-        _fail(f"every span of a request must share one end; got {sorted({s.end for s in out})}")
     return tuple(out)
 
 
@@ -261,6 +265,35 @@ def _spans_request(extra_args: dict, max_entries: int, max_bytes: int) -> TrieRe
     check_alone("spans", [k for k in OPTION_KEYS if k != "spans" and extra_args.get(k) is not None], EXTRA_ARGS)
     return TrieRequest(source="spans", payload=None, on_complete="release",
                        spans=_spans_option(extra_args["spans"], max_entries, max_bytes))
+
+
+def _template_request(extra_args: dict, max_entries: int, max_bytes: int) -> TrieRequest:
+    """A request of ``extra_args["template"]`` and ``["slots"]`` (:class:`trie_decode.Template`): the text's slots
+    checked against the slot names, each slot's values (a list of strings, or a trie name or path) checked as a
+    span's are (inline limits counted over all slots)."""
+    check_alone("template", [k for k in OPTION_KEYS if k not in ("template", "slots") and extra_args.get(k) is not None],
+                EXTRA_ARGS)
+    text, slots = extra_args["template"], extra_args.get("slots")
+    if not isinstance(text, str) or not text:
+        _fail(f"extra_args['template'] must be a non-empty string, got {text!r:.60}")
+    if isinstance(slots, str):
+        try:
+            slots = json.loads(slots)
+        except (json.JSONDecodeError, RecursionError) as exc:
+            _fail(f"extra_args['slots'] as a string must be JSON, and does not parse: {exc}")
+    if not isinstance(slots, dict) or not slots:
+        _fail("extra_args['template'] needs extra_args['slots']: an object of each slot's values (a list of strings) "
+              f"or trie (a name or path), got {slots!r:.60}")
+    try:
+        Template(text, **{str(name): ["x"] for name in slots})
+    except TrieDecodeError as exc:
+        _fail(f"extra_args['template']: {exc}")
+    as_spans = [{"after": name, "trie" if isinstance(v, str) else "values": v} for name, v in slots.items()]
+    try:
+        parsed = _spans_option(as_spans, max_entries, max_bytes)
+    except TrieRequestError as exc:
+        raise TrieRequestError(str(exc).replace("extra_args['spans']", "extra_args['slots']")) from None
+    return TrieRequest(source="template", payload=text, on_complete="release", spans=parsed)
 
 
 #: The most tokenizations (forms) one inline request may ask for.
@@ -328,8 +361,8 @@ def _inline_payload(value: list, max_entries: int, max_bytes: int) -> tuple[str,
 def parse_trie_request(
     extra_args: Optional[dict], *, max_entries: Optional[int] = None, max_bytes: Optional[int] = None
 ) -> Optional[TrieRequest]:
-    """Parse a request's ``extra_args``; None when it has neither a ``"trie"`` nor a ``"spans"`` key (the request is
-    not constrained).
+    """Parse a request's ``extra_args``; None when it has none of the keys ``"trie"``, ``"spans"`` and
+    ``"template"`` (the request is not constrained).
 
     Raises:
         TrieRequestError: a malformed or oversized value, or an unknown ``trie*`` option.
@@ -347,8 +380,12 @@ def parse_trie_request(
         if key.lower().startswith("trie") or close:
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             _fail(f"unknown trie option extra_args[{key!r}]{hint}; known options: {list(OPTION_KEYS)}")
+    if "slots" in extra_args and "template" not in extra_args:
+        _fail("extra_args['slots'] holds a template's slot values: it needs extra_args['template']")
     if "spans" in extra_args:
         return _spans_request(extra_args, max_entries, max_bytes)
+    if "template" in extra_args:
+        return _template_request(extra_args, max_entries, max_bytes)
     value = extra_args[TRIE_KEY]
     if isinstance(value, str) and value.lstrip().startswith("["):
         if len(value) > 8 * max_bytes + 4096:  # the JSON text of a list at the byte limit is far shorter
@@ -448,6 +485,8 @@ def trie_args(
     trie: Union[str, os.PathLike, Sequence[str], Sequence[Sequence[int]], None] = None,
     *,
     spans: Optional[Sequence[dict]] = None,
+    template: Optional[str] = None,
+    slots: Optional[dict] = None,
     on_complete: str = "eos",
     trigger: TokensArg = None,
     separator: TokensArg = None,
@@ -466,12 +505,28 @@ def trie_args(
     ``{"after": '"city": "', "values": [...], "end": '"'}`` or ``{"after": ..., "trie": NAME_OR_PATH}`` (see
     :class:`SpanRequest`); combines with no other option.
 
+    ``template`` and ``slots``: instead of ``trie``, the whole output as fixed text with slots
+    (:class:`trie_decode.Template`): ``trie_args(template='{"city": "{city}"}', slots={"city": ["Paris", "Rome"]})``;
+    a slot's values are a list of strings or a trie name or path.
+
     Example:
         >>> from vllm import SamplingParams                                          # doctest: +SKIP
         >>> SamplingParams(max_tokens=16, extra_args=trie_args(["Paris", "Rome"]))  # doctest: +SKIP
         >>> trie_args(spans=[{"after": '"city": "', "values": ["Paris", "Rome"]}])["spans"][0]["after"]
         '"city": "'
     """
+    if template is not None or slots is not None:
+        others = {"trie": trie is not None, "spans": spans is not None, "on_complete": on_complete != "eos",
+                  "trigger": trigger is not None, "separator": separator is not None,
+                  "leading_space": leading_space is not False, "context": context is not None,
+                  "normalize": normalize is not None, "allow": allow is not None, "deny": deny is not None}
+        check_alone("template", [k for k, v in others.items() if v], TRIE_ARGS)
+        made = {"template": template, "slots": {k: list(v) if isinstance(v, tuple) else v
+                                                for k, v in (slots or {}).items()} if isinstance(slots, dict) else slots}
+        if template is None:
+            _fail("trie_args(slots=...) holds a template's slot values: it needs template=")
+        parse_trie_request(made)
+        return made
     if spans is not None:
         others = {"trie": trie is not None, "on_complete": on_complete != "eos", "trigger": trigger is not None,
                   "separator": separator is not None, "leading_space": leading_space is not False,
@@ -747,9 +802,9 @@ class TrieResolver:
         return trie, origin
 
     def spans(self, req: TrieRequest, *, admit: bool = False) -> tuple[list[TokenTrie], SpanRules]:
-        """A ``spans`` request's tries (one per span, the tree index is the span's) and its rules
-        ``SpanRules(end_token_id=eos, on_complete="release", fields=FieldRules)``, cached per span list (and, for
-        spans naming trie files, per file identity). ``admit``: as in :meth:`trie` (cost-bounded, front-end).
+        """A ``spans`` (or ``template``) request's tries (one per span or slot, the tree index is the span's) and its
+        rules ``SpanRules(end_token_id=eos, on_complete="release", fields=FieldRules)`` (a template's
+        ``TemplateRules``), cached per span list (and, for spans naming trie files, per file identity). ``admit``: as in :meth:`trie` (cost-bounded, front-end).
 
         Raises:
             TrieRequestError: a file outside the access policy, a value that contains the end, a tokenizer mismatch.
@@ -770,13 +825,17 @@ class TrieResolver:
             budget.check(f"the tries of {len(req.spans)} spans")
         start = time.perf_counter()
         try:
-            spans = [Span(file_tries[i] if s.source == "file" else list(s.payload), after=s.after_pattern(), end=s.end,
-                          escape=s.escape) for i, s in enumerate(req.spans)]
-            tries, fields = FieldRules.build(spans, self.tokenizer)
+            values = [file_tries[i] if s.source == "file" else list(s.payload) for i, s in enumerate(req.spans)]
+            if req.source == "template":  # each span is a slot, named by its ``after``
+                template = Template(req.payload, **{s.after: v for s, v in zip(req.spans, values)})
+                tries, fields = template.build(self.tokenizer, self.end_token_id)
+            else:
+                spans = [Span(v, after=s.after_pattern(), end=s.end, escape=s.escape) for s, v in zip(req.spans, values)]
+                tries, fields = FieldRules.build(spans, self.tokenizer)
             rules = SpanRules(end_token_id=self.end_token_id, on_complete="release", fields=fields)
             rules.check_vocab(max(self.vocab_size, self.end_token_id + 1))
         except TrieDecodeError as exc:
-            raise TrieRequestError(f"extra_args['spans']: {exc}") from exc
+            raise TrieRequestError(f"extra_args[{'slots' if req.source == 'template' else 'spans'!r}]: {exc}") from exc
         finally:
             if budget is not None:
                 budget.spend(time.perf_counter() - start)
@@ -821,7 +880,7 @@ class TrieResolver:
             >>> resolver = TrieResolver(tokenizer)                                          # doctest: +SKIP
             >>> stamp = resolver.admit(parse_trie_request({"trie": ["red", "green"]}))      # doctest: +SKIP
         """
-        if req.source == "spans":
+        if req.source in ("spans", "template"):
             self.spans(req, admit=True)
             return make_stamp(None)
         trie, origin = self._trie(req, admit=True)

@@ -66,7 +66,13 @@ def test_trie_args_spans_round_trip_and_http_json_form(country_names):
     ({"spans": [{"after": "x=", "values": ["a"], "escape": "xml"}]}, r"\['escape'\] must be"),
     ({"spans": [{"after": "x=", "values": ["a"], "whitespace": "some"}]}, r"\['whitespace'\] must be one of"),
     ({"spans": [{"after": "x= ", "values": ["a"], "whitespace": "any"}]}, r"\['after'\].*ends with whitespace"),
-    ({"spans": [{"after": "x=", "values": ["a"]}, {"after": "y=", "values": ["b"], "end": ";"}]}, r"share one end"),
+    ({"template": "A: {x}."}, r"needs extra_args\['slots'\]"),
+    ({"template": "A: {x}.", "slots": {"y": ["a"]}}, r"extra_args\['template'\]: template slots without values: \['x'\]"),
+    ({"template": "A: {x}{y}.", "slots": {"x": ["a"], "y": ["b"]}}, r"are adjacent"),
+    ({"template": "A: {x}.", "slots": {"x": []}}, r"extra_args\['slots'\]\[0\]\['values'\] must be a non-empty"),
+    ({"template": "A: {x}.", "slots": "not json"}, r"extra_args\['slots'\] as a string must be JSON"),
+    ({"template": "A: {x}.", "slots": {"x": ["a"]}, "trigger": "B"}, r"does not combine with \['trigger'\]"),
+    ({"slots": {"x": ["a"]}, "trie": ["a"]}, r"needs extra_args\['template'\]"),
     ({"spans": [{"after": "x=", "values": ["a"]}], "trie": ["a"]}, r"does not combine with \['trie'\]"),
     ({"spans": [{"after": "x=", "values": ["a"]}], "on_complete": "eos", "allow": ["a"]},
      r"does not combine with \['on_complete', 'allow'\]"),
@@ -91,6 +97,24 @@ def test_vllm_params_validator_refuses_bad_span_requests():
                   {"spans": [{"after": "x=", "values": ["a"]}], "trigger": "Answer:"}):
         with pytest.raises(VLLMValidationError):
             validate(SamplingParams(max_tokens=4, extra_args=extra))
+
+
+def test_spans_may_end_differently_and_templates_round_trip(tokenizer):
+    req = parse_trie_request({"spans": [{"after": "x=", "values": ["a"]}, {"after": "y=", "values": ["b"], "end": ";"}]})
+    assert [s.end for s in req.spans] == ['"', ";"]
+    args = trie_args(template='{"city": "{city}"}', slots={"city": ("Paris", "Rome")})
+    assert args == {"template": '{"city": "{city}"}', "slots": {"city": ["Paris", "Rome"]}}
+    req = parse_trie_request(args)
+    http = parse_trie_request({"template": args["template"], "slots": json.dumps(args["slots"])})
+    assert req.source == "template" and http.trie_key() == req.trie_key() != parse_trie_request(
+        trie_args(template='{"town": "{city}"}', slots={"city": ["Paris", "Rome"]})).trie_key()
+    tries, rules = TrieResolver(tokenizer).spans(req)
+    c = TrieConstraint(tries, rules, "cpu")
+    assert tokenizer.decode(c.forced_tokens(c.start(1))[0]) == '{"city": "'
+    with pytest.raises(TrieRequestError, match=r"does not combine with \['trigger'\]"):
+        trie_args(template="A: {x}.", slots={"x": ["a"]}, trigger="B")
+    with pytest.raises(TrieRequestError, match="needs template="):
+        trie_args(slots={"x": ["a"]})
 
 
 def test_trie_args_refuses_spans_with_other_options():
@@ -183,6 +207,25 @@ def test_json_fields_under_structured_outputs_are_catalog_entries(llm, tokenizer
     for text in texts:
         obj = json.loads(text)
         assert obj["city"] in CITIES and obj["country"] in country_names, text
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_templates_on_the_engine_write_the_template_for_64_prompts(llm, tokenizer, country_names):
+    """A template per request (``trie_args(template=, slots=)``), greedy and sampled: every output is the template
+    with both slots in their catalogs, ended by EOS; no structured outputs needed."""
+    from vllm import SamplingParams
+
+    extra = trie_args(template='{"city": "{city}", "country": "{country}"}',
+                      slots={"city": CITIES, "country": list(country_names)})
+    prompts = _prompts(tokenizer, 64)
+    params = [SamplingParams(max_tokens=48, temperature=0.0 if i % 2 else 0.8, seed=i, extra_args=extra)
+              for i in range(64)]
+    for out in llm.generate(prompts, params, use_tqdm=False):
+        o = out.outputs[0]
+        assert o.finish_reason == "stop", o.text
+        obj = json.loads(o.text)
+        assert obj["city"] in CITIES and obj["country"] in country_names, o.text
 
 
 # ------------------------------------------------------------------------------------------------ V2 slots, no engine
