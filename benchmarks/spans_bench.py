@@ -92,6 +92,26 @@ def _mask_cost(c: Any, state: Any, batch: int, steps: int, V: int) -> tuple[floa
     return _median_ratio(lambda: c.mask_(buf, state), buf, src, steps)
 
 
+def _template_cost(c: Any, path: list[int], batch: int, steps: int, V: int) -> tuple[float, float]:
+    """advance + mask_ of rows writing a template's whole output ``path`` (fixed text forced, the slots' values),
+    from its start again after the end token; every row the same."""
+    import torch
+
+    box = {"s": c.start(batch), "i": 0}
+    src, buf = torch.randn(batch, V), torch.empty(batch, V)
+
+    def step() -> None:
+        i = box["i"] % len(path)
+        box["i"] += 1
+        if i == 0:
+            box["s"] = c.start(batch)
+        c.mask_(buf, box["s"])
+        assert bool(torch.isfinite(buf[:, path[i]]).all()), "the template blocked its own path"
+        box["s"] = c.advance(box["s"], torch.full((batch,), path[i], dtype=torch.long))
+
+    return _median_ratio(step, buf, src, steps)
+
+
 def _processor_cost(tok: Any, spans: list, text: str, V: int) -> tuple[float, float, int]:
     """Per call of the processor over ``text``'s tokens after a prompt, ids growing by one per call (batch 1)."""
     import torch
@@ -155,6 +175,20 @@ def run_spans_suite(quick: bool = False, out_dir: Path | None = None) -> dict:
         records.append(_record(f"{name}: free rows (advance + mask_)", b, *_free_cost(c, tok, b, steps, V)))
         _, depth1 = _span_states(c, tok, b, f'"key{k}": "', k, seed=1)
         records.append(_record(f"{name}: in span, depth 1 (mask_)", b, *_mask_cost(c, depth1, b, steps, V)))
+
+    from trie_decode.constraint import TrieConstraint
+    from trie_decode.templates import Template
+
+    t = time.perf_counter()
+    template = Template('{"city": "{city}", "country": "{country}"}', city=titles, country=countries)
+    c_tpl = TrieConstraint(*template.rules(tok, tok.eos_token_id), "cpu")
+    print(f"template with {len(titles):,} cities and {len(countries)} countries built in {time.perf_counter() - t:.1f} s")
+    out = json.dumps({"city": titles[7], "country": countries[3]}, ensure_ascii=False)
+    path = tok(out, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    forced = len(c_tpl.forced_tokens(c_tpl.start(1))[0])
+    for b in (1, 64):
+        records.append(_record(f"template, whole output ({len(path)} tokens, {forced}+ forced; advance + mask_)", b,
+                               *_template_cost(c_tpl, path, b, steps, V)))
 
     answer = json.dumps({"city": titles[7], "population": 120000, "note": "founded in the twelfth century"})
     ours, fill, n = _processor_cost(tok, big, answer, V)

@@ -193,13 +193,14 @@ class TemplateText:
         self.num_states = self.dead + 1
         #: Per state: the one token a FREE row may write (-1 until learned), and where it leads.
         self.keep = np.full(self.num_states, -1, dtype=np.int64)
+        # Per state: its segment and the bytes of it written (host lists: the step is a Python-int path).
+        self._keep_next = np.full(self.num_states, self.dead, dtype=np.int64)
+        self._keep_fired = np.full(self.num_states, -1, dtype=np.int64)
+        self._where = [(k, j) for k, seg in enumerate(self.segments) for j in range(len(seg) + 1)] + [(-1, 0)]
 
     def position(self, state: int) -> tuple[int, int]:
         """(segment, bytes written of it) of ``state``; (-1, 0) for :attr:`dead`."""
-        if state == self.dead:
-            return -1, 0
-        k = int(np.searchsorted(self.base, state, side="right")) - 1
-        return k, state - int(self.base[k])
+        return self._where[state]
 
     def final(self, state: int) -> bool:
         """Whether ``state`` is the end of the template (every segment written)."""
@@ -220,9 +221,14 @@ class TemplateText:
         return self.dead, -1, 0
 
     def advance(self, states: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """:meth:`step` for R rows. Shape: (R,), int64 each."""
-        out = [self.step(int(s), int(t)) for s, t in zip(states.tolist(), tokens.tolist())]
-        return tuple(torch.tensor([o[i] for o in out], dtype=torch.long) for i in range(3))  # type: ignore[return-value]
+        """:meth:`step` for R rows, vectorized over the rows that write their state's next fixed token (a table
+        lookup); the others (a value's closing token, which may write more of the text) step one by one.
+        Shape: (R,), int64 each."""
+        st, tk = states.numpy(), tokens.numpy()
+        nxt, fired, past = self._keep_next[st], self._keep_fired[st], np.zeros(len(st), dtype=np.int64)
+        for i in np.flatnonzero(self.keep[st] != tk).tolist():
+            nxt[i], fired[i], past[i] = self.step(int(st[i]), int(tk[i]))
+        return torch.from_numpy(nxt), torch.from_numpy(fired), torch.from_numpy(past)
 
     def learn_tokens(self, tokenizer: Any, end_token_id: int, first: Sequence[int] = ()) -> None:
         """Fill :attr:`keep`: from every position a row can reach (a segment's start, or where a slot's end token
@@ -239,6 +245,9 @@ class TemplateText:
                     break  # the rest from here is already learned
                 keep[state] = tok
                 state = self.step(state, tok)[0]
+        moves = [self.step(s, int(t)) if t >= 0 else (self.dead, -1, 0) for s, t in enumerate(keep.tolist())]
+        self._keep_next = np.array([m[0] for m in moves], dtype=np.int64)
+        self._keep_fired = np.array([m[1] for m in moves], dtype=np.int64)
 
     def _canonical(self, tokenizer: Any, k: int, j: int) -> list[int]:
         """Token ids writing segment ``k`` from byte ``j``: the tokenizer's, in the context of the part written, when
@@ -313,7 +322,11 @@ class TemplateRules(FieldRules):
         keep = self._keep.to(logits.device)[text[free]]
         r = free if rows is None else rows[free]
         kept = logits[r, keep]
-        logits[r] = float("-inf")
+        if len(r) == logits.shape[0] and rows is None:
+            logits.fill_(float("-inf"))  # every row is FREE (rows in step): one fill
+        else:
+            for i in r.tolist():  # a fill per row (torch's indexed fills are far slower on CPU)
+                logits[i].fill_(float("-inf"))
         logits[r, keep] = floor_rule(kept, kept_alive(kept))  # a token another processor banned gets the floor
 
     def forced_text(self, state: int) -> list[int]:
