@@ -79,7 +79,7 @@ def run_retrieval_suite(quick: bool, out_dir: Any, *, progress: Optional[Callabl
     import torch
     from transformers import AutoTokenizer, LogitsProcessorList, PrefixConstrainedLogitsProcessor
 
-    from ..integrations.smollm2 import smollm2_path
+    from trie_decode.integrations.smollm2 import smollm2_path
     from trie_decode.integrations.transformers import TrieLogitsProcessor
     from .ours import _beam_search
 
@@ -118,15 +118,19 @@ def run_retrieval_suite(quick: bool, out_dir: Any, *, progress: Optional[Callabl
                 base = torch.randn(beams, vocab)
                 buf = torch.empty_like(base)
                 ids = torch.zeros((beams, steps + 1), dtype=torch.long)
-                # generate's beam search names each beam's parent row (running_beam_indices); here each continues itself
-                parents = torch.arange(beams, dtype=torch.int32).view(1, beams, 1).expand(1, beams, steps + 1).contiguous()
+                # generate's beam search names each beam's parent row (running_beam_indices), column by column, the
+                # columns not written yet -1 (the layout the processor checks); here each beam continues itself
+                parents = torch.full((1, beams, steps + 1), -1, dtype=torch.int32)
                 reps = 3 if quick else 5
                 proc_t, floor_t = [], []
                 for _ in range(reps):
                     proc.reset()
+                    parents.fill_(-1)
                     for s in range(steps):
                         ids[:, s + 1] = torch.tensor(walk[s])
                     for s in range(steps):
+                        if s:
+                            parents[0, :, s - 1] = torch.arange(beams, dtype=torch.int32)
                         buf.copy_(base)
                         t0 = time.perf_counter()
                         _beam_search(procs, ids[:, : s + 1], buf, parents)

@@ -81,6 +81,16 @@ def test_generate_and_fastforward_suites_quick(tmp_path):
 
 
 @pytest.mark.slow
+def test_retrieval_suite_quick_takes_the_processors_beam_fast_path(tmp_path):
+    """The retrieval suite runs from the command line, and its stand-in for beam search hands the processor
+    ``running_beam_indices`` in generate's layout, so the fast path is what it measures (no fallback warning)."""
+    proc = _run_bench(tmp_path, "--suite", "retrieval", "--quick", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "UnverifiedTransformersWarning" not in proc.stderr + proc.stdout
+    assert json.loads((tmp_path / "retrieval.json").read_text())
+
+
+@pytest.mark.slow
 @pytest.mark.vllm
 def test_vllm_suite_quick(tmp_path):
     data = _bench("vllm", tmp_path)
