@@ -316,6 +316,14 @@ class TemplateRules(FieldRules):
 
     def free_rows_(self, logits: Any, node: Any, text: Any, rows: Any = None) -> None:
         """FREE rows keep only their position's next fixed token (the end token at the template's end)."""
+        if len(node) == 1 and node.is_cpu:  # the batch-1 decode loop: Python ints
+            if int(node) != FREE:
+                return
+            r, keep = 0 if rows is None else int(rows[0]), int(self.text.keep[int(text)])
+            kept = logits[r, keep].clone()
+            logits[r].fill_(float("-inf"))
+            logits[r, keep] = floor_rule(kept, kept_alive(kept))
+            return
         free = (node == FREE).nonzero().flatten()
         if not len(free):
             return

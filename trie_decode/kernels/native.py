@@ -344,7 +344,7 @@ class NativeKernel(GroupedKernel):
         n = node.numel()
         if n == 0:
             return
-        if filter_bits is not None or len(tables) == 1 or not (usable_logits(src) and (out is src or usable_logits(out))):
+        if filter_bits is not None or len(tables) == 1 or n == 1 or not (usable_logits(src) and (out is src or usable_logits(out))):
             super().mask_rows(tables, out, src, node, tree, rows, filter_bits)
             return
         nodes = _index(node, n, "nodes").numpy()
