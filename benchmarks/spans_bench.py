@@ -118,6 +118,8 @@ def _processor_cost(tok: Any, spans: list, text: str, V: int) -> tuple[float, fl
 
     from trie_decode.integrations.transformers import TrieLogitsProcessor
 
+    from .ours import _sample  # generate's greedy/sampling loop, as the processor recognizes it
+
     processor = TrieLogitsProcessor(tokenizer=tok, spans=spans)
     prompt = tok("Answer in JSON.\n", add_special_tokens=False)["input_ids"]
     ids = torch.tensor([prompt + tok(text, add_special_tokens=False)["input_ids"]])
@@ -127,7 +129,7 @@ def _processor_cost(tok: Any, spans: list, text: str, V: int) -> tuple[float, fl
         processor = TrieLogitsProcessor(tokenizer=tok, spans=spans) if rep else processor
         for n in range(len(prompt), ids.shape[1] + 1):
             buf.copy_(src); t = time.perf_counter(); buf.fill_(float("-inf")); fill.append(time.perf_counter() - t)
-            buf.copy_(src); t = time.perf_counter(); processor(ids[:, :n], buf); ours.append(time.perf_counter() - t)
+            buf.copy_(src); t = time.perf_counter(); _sample(processor, ids[:, :n], buf); ours.append(time.perf_counter() - t)
             chosen = int(ids[0, n]) if n < ids.shape[1] else None
             assert chosen is None or bool(torch.isfinite(buf[0, chosen])), "the processor blocked the text's token"
     return statistics.median(ours[3:]), statistics.median(fill[3:]), ids.shape[1] - len(prompt)
