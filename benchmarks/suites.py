@@ -10,8 +10,9 @@ Suites:
 - ``build``: build time and memory (RSS growth) of each build peer from token sequences, one process per
   (peer, size) so that memory readings start clean.
 - ``step``: per-step masking cost against the ``fill_(-inf)`` floor (protocol in :mod:`.worker`).
-- ``generate``, ``fastforward``, ``vllm``, ``spans``: hooks. Each is a function named in :data:`SUITE_HOOKS`, called as
-  ``fn(quick, out_dir)``; it writes its own JSON. Until its module exists the suite is reported as unavailable.
+- ``generate``, ``fastforward``, ``vllm``, ``spans``, ``json-peers``: hooks. Each is a function named in
+  :data:`SUITE_HOOKS`, called as ``fn(quick, out_dir)``; it writes its own JSON. Until its module exists the
+  suite is reported as unavailable.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from .data import format_size
 
 __all__ = ["BenchConfig", "SUITES", "SUITE_HOOKS", "run", "run_step", "run_build", "supervise"]
 
-SUITES = ("build", "step", "generate", "fastforward", "vllm", "retrieval", "beam", "spans")
+SUITES = ("build", "step", "generate", "fastforward", "vllm", "retrieval", "beam", "spans", "json-peers")
 
 SUITE_HOOKS: dict[str, str] = {
     "generate": "benchmarks.generate_suite:run_generate_suite",
@@ -43,6 +44,7 @@ SUITE_HOOKS: dict[str, str] = {
     "retrieval": "benchmarks.retrieval_suite:run_retrieval_suite",
     "beam": "benchmarks.beam_suite:run_beam_suite",
     "spans": "benchmarks.spans_bench:run_spans_suite",
+    "json-peers": "benchmarks.json_peers:run_json_peers_suite",
 }
 """Suites implemented in their own modules: name -> ``"module:function"``. The function takes
 ``(quick: bool, out_dir: Path)``, writes its own JSON into ``out_dir`` and returns a dict, ideally with a
