@@ -192,7 +192,9 @@ def run_spans_suite(quick: bool = False, out_dir: Path | None = None) -> dict:
         records.append(_record(f"template, whole output ({len(path)} tokens, {forced}+ forced; advance + mask_)", b,
                                *_template_cost(c_tpl, path, b, steps, V)))
 
-    answer = json.dumps({"city": titles[7], "population": 120000, "note": "founded in the twelfth century"})
+    # Written as the span writes its values (escape="json": JSON-escaped, non-ASCII kept), as is the template's.
+    answer = json.dumps({"city": titles[7], "population": 120000, "note": "founded in the twelfth century"},
+                        ensure_ascii=False)
     ours, fill, n = _processor_cost(tok, big, answer, V)
     records.append(_record(f"processor, JSON answer ({n} tokens, mixed free/in span)", 1, ours, fill))
     ours, fill, n = _processor_cost(tok, big, PROSE[:300], V)

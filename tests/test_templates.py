@@ -108,6 +108,34 @@ def test_fixed_text_is_the_tokenizers_own_and_forced(tokenizer):
     assert rest == ' "country": "'
 
 
+def test_host_answers_and_the_fast_forward_stop_read_the_fixed_text(tokenizer):
+    """``allowed``/``allowed_tokens``/``bitmask`` give a FREE template row its one fixed token (not "unconstrained"),
+    and ``stop_at_forced`` ends a FREE row where at least ``min_run`` fixed tokens follow (with ``tail_only``, only
+    where they end the output), as :meth:`TemplateRules.forced_text` counts them."""
+    eos = tokenizer.eos_token_id
+    t = Template('{"city": "{city}", "country": "{country}"}', city=CITIES, country=COUNTRIES)
+    c = TrieConstraint(*t.rules(tokenizer, eos), "cpu")
+    out = tokenizer('{"city": "São Paulo", "country": "Italy"}', add_special_tokens=False)["input_ids"] + [eos]
+    s = c.start(1)
+    runs = 0
+    for i, tok in enumerate(out):
+        free = int(s.node[0]) == FREE
+        forced = c.forced_tokens(s)[0]
+        (allowed,) = c.allowed_tokens(s)
+        assert tok in allowed and c.allowed(s)[0].nonzero().flatten().tolist() == allowed
+        if free:
+            assert allowed == [tok] == forced[:1]
+        ends = bool(forced) and forced[-1] == eos
+        runs += bool(forced) and not free
+        for min_run, tail_only in [(1, False), (2, False), (2, True), (len(forced) + 1, False)]:
+            stopped = c.stop_at_forced(s, torch.tensor([min_run]), torch.tensor([tail_only]))
+            # a run inside a value never ends the output: it stops only where tail_only is off
+            want = len(forced) >= min_run and (not tail_only or (free and ends))
+            assert c.allowed_tokens(stopped)[0] == ([eos] if want else allowed), (i, min_run, tail_only)
+        s = c.advance(s, torch.tensor([tok]))
+    assert runs  # the walk met a forced run inside a value too
+
+
 # ------------------------------------------------------------------------------------------------ the real model
 @pytest.fixture(scope="module")
 def json_template(country_names):

@@ -228,6 +228,79 @@ def test_templates_on_the_engine_write_the_template_for_64_prompts(llm, tokenize
         assert obj["city"] in CITIES and obj["country"] in country_names, o.text
 
 
+@pytest.mark.model
+def test_fast_forward_driver_skips_a_templates_fixed_text(llm, tokenizer, country_names):
+    """``vllm_fastforward.generate(template=, slots=)`` gives plain decoding's tokens while appending the fixed text
+    instead of decoding it: the text before the first slot without another engine round, the text between slots
+    too with ``resubmit=True`` (one round each)."""
+    from trie_decode.integrations.vllm_fastforward import generate
+
+    kw = dict(template='{"city": "{city}", "country": "{country}"}', slots={"city": CITIES, "country": list(country_names)},
+              max_tokens=48)
+    prompts = _prompts(tokenizer, 8)
+    plain = generate(llm, prompts, fast_forward=False, **kw)
+    tail = generate(llm, prompts, resubmit=False, **kw)
+    mid = generate(llm, prompts, resubmit=True, **kw)
+    assert [r.token_ids for r in tail] == [r.token_ids for r in mid] == [r.token_ids for r in plain]
+    for r in plain:
+        assert r.token_ids[-1] == tokenizer.eos_token_id and _in_catalogs(r.text, country_names), r.text
+    first = len(tokenizer('{"city": "', add_special_tokens=False)["input_ids"])
+    assert all(r.rounds == 1 and r.forced == 0 for r in plain)
+    assert all(r.rounds == 1 and r.forced >= first for r in tail)
+    assert all(r.rounds >= 2 and r.forced > t.forced for r, t in zip(mid, tail))
+
+
+def test_fast_forward_driver_takes_tries_or_a_template():
+    from trie_decode.integrations.vllm_fastforward import generate
+
+    with pytest.raises(ValueError, match="either tries= .* or template="):
+        generate(None, ["a"])
+    with pytest.raises(ValueError, match="either tries= .* or template="):
+        generate(None, ["a"], [["x"]], template="A: {x}", slots={"x": ["b"]})
+    with pytest.raises(ValueError, match="slots= holds a template's slot values"):
+        generate(None, ["a"], [["x"]], slots={"x": ["b"]})
+
+
+def test_span_filters_parse_and_key_the_request(country_names):
+    spans = _spans(country_names)
+    spans[0]["deny"] = ["Paris"]
+    req = parse_trie_request(trie_args(spans=spans))
+    assert req.spans[0].deny == ("Paris",) and req.spans[0].allow is None and req.spans[1].deny is None
+    assert req.trie_key() != parse_trie_request(trie_args(spans=_spans(country_names))).trie_key()
+    spans[0]["deny"] = {"file": "x.npy"}
+    with pytest.raises(TrieRequestError, match=r"spans'\]\[0\]\['deny'\] must be a list of entry keys or indices"):
+        parse_trie_request({"spans": spans})
+    spans[0]["deny"] = ["Paris", 3]
+    with pytest.raises(TrieRequestError, match=r"spans'\]\[0\]\['deny'\] must hold only entry keys"):
+        parse_trie_request({"spans": spans})
+
+
+@pytest.mark.model
+def test_a_denied_span_value_is_never_written_on_the_engine(llm, tokenizer, country_names):
+    """The model's own city for these landmarks includes Paris; with Paris denied in the city span no output has it,
+    and every output stays valid JSON with both fields in their catalogs."""
+    spans = _spans(country_names)
+    spans[0]["deny"] = ["Paris"]
+    prompts = _prompts(tokenizer, 8)
+    plain = llm.generate(prompts, _params(0.0, 0, _spans(country_names)), use_tqdm=False)
+    assert any(json.loads(o.outputs[0].text)["city"] == "Paris" for o in plain)  # the filter has work to do
+    for o in llm.generate(prompts, _params(0.0, 0, spans), use_tqdm=False):
+        obj = json.loads(o.outputs[0].text)
+        assert obj["city"] in CITIES and obj["city"] != "Paris" and obj["country"] in country_names, o.outputs[0].text
+
+
+@pytest.mark.model
+def test_a_final_answer_span_ends_the_request(llm, tokenizer):
+    """``{"after": "Final answer: ", "end": null}``: the value is closed by EOS, which ends the request."""
+    from vllm import SamplingParams
+
+    extra = trie_args(spans=[{"after": "Final answer: ", "values": CITIES, "end": None}])
+    assert parse_trie_request(extra).spans[0].end is None
+    prompts = [p + "Final answer: " for p in _prompts(tokenizer, 4)]
+    for out in llm.generate(prompts, SamplingParams(max_tokens=16, extra_args=extra), use_tqdm=False):
+        assert out.outputs[0].finish_reason == "stop" and out.outputs[0].text in CITIES, out.outputs[0].text
+
+
 # ------------------------------------------------------------------------------------------------ V2 slots, no engine
 def test_v2_slots_carry_the_text_state_like_the_core(monkeypatch, smollm2_dir, tokenizer, country_names):
     """Model Runner V2's interface through vLLM's classes (no engine): two spans requests whose rows move between

@@ -230,3 +230,39 @@ def test_v1_idle_constraints_are_bounded_in_bytes(smollm2_dir, tokenizer, monkey
     assert sum(r() is None for r in refs) >= 12 - len(table.groups)  # dropped constraints are freed
     # The pinned request still masks by its own trie.
     assert _allowed(proc, 1, len(tokenizer))[0] == {1}
+
+
+def test_v1_template_resumes_after_a_prefix_and_stops_at_its_fixed_text(smollm2_dir, tokenizer):
+    """A template request resubmitted by the fast-forward driver (the output so far appended to the prompt and sent
+    as ``prefix``) starts where the core's replay of those tokens stands, and ``stop_at_forced`` ends it (EOS only)
+    where the fixed text between slots begins; with ``forced_tail_only`` it stops only before the output's end."""
+    import torch
+    from vllm import SamplingParams
+    from vllm.v1.sample.logits_processor import BatchUpdate
+
+    from trie_decode.constraint import TrieConstraint
+    from trie_decode.integrations.vllm_requests import TrieResolver, parse_trie_request, trie_args
+
+    eos = tokenizer.eos_token_id
+    extra = trie_args(template='{"city": "{city}", "country": "{country}"}',
+                      slots={"city": ["Paris", "Rome"], "country": ["France", "Italy"]})
+    core = TrieConstraint(*TrieResolver(tokenizer).spans(parse_trie_request(extra)), "cpu")
+    out = tokenizer('{"city": "Paris", "country": "France"}', add_special_tokens=False)["input_ids"] + [eos]
+    states = [core.start(1)]
+    for t in out:
+        allowed = core.allowed_tokens(states[-1])[0]
+        assert t in allowed and (len(allowed) == 1 or int(states[-1].node[0]) >= 0)  # fixed text: one token
+        states.append(core.advance(states[-1], torch.tensor([t])))
+    closed = out.index(tokenizer('",', add_special_tokens=False)["input_ids"][0]) + 1  # after the city's closing token
+    last = len(out) - 2  # before the country's closing token '"}' (or '"', which the template's text follows)
+    for cut, options, want in [
+        (closed, {}, {out[closed]}),
+        (closed, {"stop_at_forced": 2}, {eos}),  # the fixed text ' "country": "' is forced
+        (closed, {"stop_at_forced": 2, "forced_tail_only": True}, {out[closed]}),  # it does not end the output
+        (closed - 3, {"stop_at_forced": 2}, set(core.allowed_tokens(states[closed - 3])[0])),  # inside the value
+        (last, {"stop_at_forced": 2}, set(core.allowed_tokens(states[last])[0])),  # the value's end tokens
+    ]:
+        proc = _proc(smollm2_dir, tokenizer)
+        sp = SamplingParams(extra_args={**extra, "prefix": out[:cut], **options})
+        proc.update_state(BatchUpdate(batch_size=1, removed=[], moved=[], added=[(0, sp, [1, 2] + out[:cut], [])]))
+        assert _allowed(proc, 1, len(tokenizer))[0] == want, (cut, options)

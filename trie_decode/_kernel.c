@@ -4,7 +4,8 @@
  * gather of the kept (row, token) pairs, a take, a fill, a put); at batch 64 that fixed cost is several times the
  * physical floor, the fill(-inf) of the logits. This kernel does, per row, what the reference loop of
  * trie_decode/kernels/__init__.py says, in one pass: -inf over the gaps between the row's kept columns (or a copy through
- * the dense row's blocked columns). In place it only writes, like the floor itself.
+ * the dense row's blocked columns). In place it only writes, like the floor itself. On CPUs with AVX-512, rows that
+ * keep many columns (wide nodes, dense rows) take the bitmap pass instead (bits_row): one masked copy per 64 columns.
  *
  * It is optional: trie_decode/kernels/native.py loads it when it was compiled and falls back to the numpy/torch path
  * otherwise (and always on CUDA and MPS). Both paths read the same step table and are tested against each other.
@@ -92,20 +93,30 @@ TD_CLONES static void sparse_row(char *drow, const char *srow, const int64_t *co
  * every kernel applies it, and this function is the C kernel's one application of it:
  *   a row that keeps nothing (a filter left it no usable column) keeps the end token, at the floor;
  *   a row whose kept values are all -inf (another processor banned them) gets the floor in every kept column.
- * The kept columns are cols[0..k) plus, for a dense row (brow not NULL), every column j < vm with brow[j] == 0. */
-static void floor_rule(char *drow, const int64_t *cols, Py_ssize_t k, const uint8_t *brow, Py_ssize_t vm,
-                       int64_t end_token, Py_ssize_t width, int es, uint64_t neg_bits, uint64_t floor_bits) {
+ * The kept columns are cols[0..k), the children's tokens ctok[0..nc) below vm, and, for a dense row (brow not NULL),
+ * every column j < vm with brow[j] == 0. done_row is the step table's row of DONE, whose anchor is the end token
+ * (read only when needed: it is often out of cache). */
+static void floor_rule(char *drow, const int64_t *cols, Py_ssize_t k, const int32_t *ctok, Py_ssize_t nc,
+                       const uint8_t *brow, Py_ssize_t vm, const int32_t *done_row, Py_ssize_t width, int es,
+                       uint64_t neg_bits, uint64_t floor_bits) {
     Py_ssize_t j;
-    if (k == 0 && !brow) {
+    int none = k == 0 && !brow;
+    for (j = 0; none && j < nc; j++) none = !(ctok[j] >= 0 && ctok[j] < vm);
+    if (none) {
+        const int64_t end_token = done_row[T_ANCHOR];
         if (end_token >= 0 && end_token < width) store_bits(drow + (Py_ssize_t)end_token * es, es, floor_bits);
         return;
     }
     for (j = 0; j < k; j++)
         if (load_bits(drow + cols[j] * es, es) != neg_bits) return;
+    for (j = 0; j < nc; j++)
+        if (ctok[j] >= 0 && ctok[j] < vm && load_bits(drow + (Py_ssize_t)ctok[j] * es, es) != neg_bits) return;
     if (brow)
         for (j = 0; j < vm; j++)
             if (!brow[j] && load_bits(drow + j * es, es) != neg_bits) return;
     for (j = 0; j < k; j++) store_bits(drow + cols[j] * es, es, floor_bits);
+    for (j = 0; j < nc; j++)
+        if (ctok[j] >= 0 && ctok[j] < vm) store_bits(drow + (Py_ssize_t)ctok[j] * es, es, floor_bits);
     if (brow)
         for (j = 0; j < vm; j++)
             if (!brow[j]) store_bits(drow + j * es, es, floor_bits);
@@ -172,7 +183,8 @@ static int filters_in_range(const int64_t *filt, Py_ssize_t n, Py_ssize_t num_fi
  *   job:  what changes per call: the logits, the rows' states, the filters (MASK_FIELDS, CHILD_FIELDS,
  *         STEP_FIELDS; MASK_FIELDS and STEP_FIELDS start with the LOGITS_FIELDS).
  * Pointers are data addresses of arrays whose dtype, contiguity and shape the Python side has checked. */
-enum { TF_TABLE, TF_NUM_NODES, TF_NUM_CODES, TF_CHILD_TOKEN, TF_CHILD_PTR, TF_BLOCKED, TF_VOCAB, TF_NUM_DENSE, TF_COUNT };
+enum { TF_TABLE, TF_NUM_NODES, TF_NUM_CODES, TF_CHILD_TOKEN, TF_CHILD_PTR, TF_BLOCKED, TF_VOCAB, TF_NUM_DENSE, TF_BITS,
+       TF_NUM_BITS, TF_WIDE_NODES, TF_NUM_WIDE, TF_COUNT };
 enum { LF_OUT, LF_SRC, LF_BATCH, LF_OUT_STRIDE, LF_SRC_STRIDE, LF_WIDTH, LF_ELSIZE, LF_NEG_BITS, LF_FLOOR_BITS,
        LF_COUNT };
 enum { MF_N = LF_COUNT, MF_ROWS, MF_NODES, MF_FLAGS, MF_FILTER, MF_NUM_FILTERS, MF_COUNT };
@@ -197,13 +209,18 @@ typedef struct {
     Py_ssize_t batch, out_stride, src_stride, width;
     int es;
     uint64_t neg_bits, floor_bits;
-    Py_ssize_t n;
+    Py_ssize_t n, row_base;  /* without a row map (rows NULL), state row i masks logits row row_base + i */
     const int64_t *rows, *nodes;
     const int32_t *table;
     Py_ssize_t num_nodes, num_codes;
     const int32_t *child_token;
     Py_ssize_t num_children;
     const uint8_t *blocked;
+    /* The bitmap pass's rows ((vt + 63) / 64 words each, bit 1: kept), or NULL: the num_dense dense rows, then one
+     * per wide node, the nodes wide_nodes[0..num_wide) (ascending); num_bits rows in all. */
+    const uint64_t *bits;
+    Py_ssize_t num_bits, num_wide;
+    const int64_t *wide_nodes;
     Py_ssize_t vt, num_dense;
     const int32_t *child_ptr;
     const uint8_t *flags;
@@ -218,12 +235,14 @@ static void mask_job_init(MaskJob *j, const int64_t *tf, const int64_t *lf) {
     j->batch = (Py_ssize_t)lf[LF_BATCH], j->out_stride = (Py_ssize_t)lf[LF_OUT_STRIDE];
     j->src_stride = (Py_ssize_t)lf[LF_SRC_STRIDE], j->width = (Py_ssize_t)lf[LF_WIDTH], j->es = (int)lf[LF_ELSIZE];
     j->neg_bits = (uint64_t)lf[LF_NEG_BITS], j->floor_bits = (uint64_t)lf[LF_FLOOR_BITS];
-    j->n = 0, j->rows = NULL, j->nodes = NULL;
+    j->n = 0, j->row_base = 0, j->rows = NULL, j->nodes = NULL;
     j->table = (const int32_t *)(intptr_t)tf[TF_TABLE];
     j->num_nodes = (Py_ssize_t)tf[TF_NUM_NODES], j->num_codes = (Py_ssize_t)tf[TF_NUM_CODES];
     j->child_token = (const int32_t *)(intptr_t)tf[TF_CHILD_TOKEN], j->num_children = j->num_nodes;
     j->blocked = (const uint8_t *)(intptr_t)tf[TF_BLOCKED];
     j->vt = (Py_ssize_t)tf[TF_VOCAB], j->num_dense = (Py_ssize_t)tf[TF_NUM_DENSE];
+    j->bits = (const uint64_t *)(intptr_t)tf[TF_BITS], j->num_bits = (Py_ssize_t)tf[TF_NUM_BITS];
+    j->wide_nodes = (const int64_t *)(intptr_t)tf[TF_WIDE_NODES], j->num_wide = (Py_ssize_t)tf[TF_NUM_WIDE];
     j->child_ptr = (const int32_t *)(intptr_t)tf[TF_CHILD_PTR];
     j->flags = NULL, j->filt = NULL, j->num_filters = 0;
 }
@@ -254,21 +273,114 @@ static int mask_job_check(const MaskJob *j) {
                              j->batch);
                 return 0;
             }
-    } else if (j->n > j->batch) {
-        PyErr_Format(PyExc_IndexError, "%zd states for a batch of %zd logits rows", j->n, j->batch);
+    } else if (j->row_base < 0 || j->n > j->batch - j->row_base) {
+        PyErr_Format(PyExc_IndexError, "%zd states for a batch of %zd logits rows", j->row_base + j->n, j->batch);
         return 0;
     }
     return 1;
 }
 
+/* The bitmap pass (x86-64 with AVX-512, picked at run time): a row's kept columns as one bit each, and one pass that
+ * writes the whole row, each 64-column word a masked load of the kept values over -inf. Its cost does not depend on
+ * how many columns the row keeps or where they lie, and it stays within a few percent of the fill: the gap loop
+ * (sparse_row) pays per gap (a node with hundreds of children has hundreds of short gaps) and the dense row's select
+ * (dense_row) reads a byte per column besides the row. The bitmaps of dense rows and of wide nodes (many children)
+ * are built once per trie (the trie fields bits and wide_nodes, native.py, kernel_bits); other rows with many kept
+ * columns get theirs built here, shared by consecutive rows in one state. */
+#if defined(__GNUC__) && defined(__x86_64__)
+#include <immintrin.h>
+#define TD_BITS 1
+#define TD_AVX512 __attribute__((target("avx512f,avx512bw")))
+
+/* Whether this CPU (and its OS) runs AVX-512F/BW; asked once. */
+static int bits_supported(void) {
+    static int known = -1;
+    if (known < 0) {
+        __builtin_cpu_init();
+        known = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+    }
+    return known;
+}
+
+/* drow[c] = bit c of bits ? srow[c] : -inf for c < cols, -inf from cols to width (drow may equal srow; bits has
+ * (cols + 63) / 64 words). */
+TD_AVX512 static void bits_row(char *drow, const char *srow, const uint64_t *bits, Py_ssize_t cols, Py_ssize_t width,
+                               int es, uint64_t neg, const char *pat) {
+    const Py_ssize_t full = cols / 64;
+    Py_ssize_t w, c;
+    if (es == 4) {
+        const __m512i v = _mm512_set1_epi32((int)(uint32_t)neg);
+        for (w = 0; w < full; w++) {
+            uint64_t k = bits[w];
+            char *d = drow + w * 256;
+            const char *s = srow + w * 256;
+            if (!k) {
+                for (int q = 0; q < 4; q++) _mm512_storeu_si512(d + 64 * q, v);
+            } else {
+                for (int q = 0; q < 4; q++)
+                    _mm512_storeu_si512(d + 64 * q, _mm512_mask_loadu_epi32(v, (__mmask16)(k >> (16 * q)), s + 64 * q));
+            }
+        }
+    } else if (es == 2) {
+        const __m512i v = _mm512_set1_epi16((short)(uint16_t)neg);
+        for (w = 0; w < full; w++) {
+            uint64_t k = bits[w];
+            char *d = drow + w * 128;
+            const char *s = srow + w * 128;
+            _mm512_storeu_si512(d, _mm512_mask_loadu_epi16(v, (__mmask32)k, s));
+            _mm512_storeu_si512(d + 64, _mm512_mask_loadu_epi16(v, (__mmask32)(k >> 32), s + 64));
+        }
+    } else {
+        const __m512i v = _mm512_set1_epi64((long long)neg);
+        for (w = 0; w < full; w++) {
+            uint64_t k = bits[w];
+            char *d = drow + w * 512;
+            const char *s = srow + w * 512;
+            for (int q = 0; q < 8; q++)
+                _mm512_storeu_si512(d + 64 * q, _mm512_mask_loadu_epi64(v, (__mmask8)(k >> (8 * q)), s + 64 * q));
+        }
+    }
+    for (c = full * 64; c < cols; c++)
+        store_bits(drow + c * es, es, (bits[c >> 6] >> (c & 63)) & 1 ? load_bits(srow + c * es, es) : neg);
+    if (cols < width) fill_gap(drow + cols * es, (size_t)(width - cols) * es, pat, es, neg);
+}
+#endif
+
+/* A sparse row keeps its columns' bits in a bitmap from this many kept columns on (below, the gap loop is as fast
+ * and needs no bitmap). */
+#define BITS_MIN_KEPT 64
+
+/* The scratch memory of masking, shared by the jobs of one call: the kept columns of a state (cap of them) and its
+ * bitmap (words words, the logits' width). */
+typedef struct {
+    int64_t *keep_col;
+    Py_ssize_t cap;
+    uint64_t *bits;
+    Py_ssize_t words;
+} Workspace;
+
+/* 0 when out of memory (free it with workspace_free either way). */
+static int workspace_init(Workspace *ws, Py_ssize_t width) {
+    ws->cap = 256, ws->words = (width + 63) / 64;
+    ws->keep_col = (int64_t *)malloc((size_t)ws->cap * sizeof(int64_t));
+    ws->bits = (uint64_t *)malloc((size_t)(ws->words > 0 ? ws->words : 1) * sizeof(uint64_t));
+    return ws->keep_col && ws->bits;
+}
+
+static void workspace_free(Workspace *ws) {
+    free(ws->keep_col), free(ws->bits);
+    ws->keep_col = NULL, ws->bits = NULL;
+}
+
 /* The masking itself (no GIL needed; run after mask_job_check): the number of rows masked, or -1 when out of
- * memory.
+ * memory. ws: scratch for logits of the job's width (workspace_init).
  *
  * Per row: its kept columns (the children of its node that its filter leaves, then its extras: anchor, end token,
  * separator), -inf everywhere else, then the floor rule (floor_rule) over what it keeps. A dense node without a
  * filter keeps the unblocked columns of its dense row instead of a list of children; under a filter its children
- * are listed from the CSR range like any node's (the filter drops some of them). */
-static Py_ssize_t mask_job_run(const MaskJob *j) {
+ * are listed from the CSR range like any node's (the filter drops some of them). Consecutive rows in the same
+ * state (node and filter) share what is derived from it: the kept columns, and the bitmap. */
+static Py_ssize_t mask_job_work(const MaskJob *j, Workspace *ws) {
     char *out = j->out;
     const char *src = j->src;
     const Py_ssize_t out_stride = j->out_stride, src_stride = j->src_stride, width = j->width, n = j->n;
@@ -280,27 +392,49 @@ static Py_ssize_t mask_job_run(const MaskJob *j) {
     const int32_t *table = j->table, *child_token = j->child_token, *child_ptr = j->child_ptr;
     const uint8_t *blocked = j->blocked, *flags = j->flags;
     Py_ssize_t vm = vt < width ? vt : width;  /* the columns of the vocabulary these logits have */
-    const int64_t end_token = table_row(table, -1, num_nodes, num_codes)[T_ANCHOR];  /* DONE keeps the end token */
-    Py_ssize_t masked = 0, cap = 64;
-    int64_t *keep_col = NULL;
+    const int32_t *done_row = table_row(table, -1, num_nodes, num_codes);  /* DONE keeps the end token */
+    Py_ssize_t masked = 0, cap = ws->cap;
+    int64_t *keep_col = ws->keep_col;
     int oom = 0;
     char pat[64];
     for (int b = 0; b < 64; b += es) store_bits(pat + b, es, (uint64_t)neg_bits);
+    /* The bitmaps: the trie's (dense rows, then wide nodes; vwords words each) and scratch for the current state's. */
+    const Py_ssize_t words = ws->words, vwords = (vt + 63) / 64;
+    /* the bitmaps built with the trie, when they are all there */
+    const uint64_t *trie_bits = j->bits && j->num_bits >= num_dense + (j->wide_nodes ? j->num_wide : 0) ? j->bits : NULL;
+    const uint64_t *dense_bits = trie_bits, *row_bits = NULL;
+    const int64_t *wide_nodes = trie_bits ? j->wide_nodes : NULL;
+    const Py_ssize_t num_wide = wide_nodes ? j->num_wide : 0;
+    uint64_t *scratch = ws->bits;
+    Py_ssize_t row_cols = 0;  /* the columns row_bits covers (-inf beyond) */
+#ifdef TD_BITS
+    const int use_bits = bits_supported() && n > 0;
+#else
+    const int use_bits = 0;
+    (void)row_cols;
+#endif
+    /* The state whose plan (below) is current: node plan_node under filter plan_filt (-1: none); none yet. */
+    int have_plan = 0;
+    int64_t plan_node = 0, plan_filt = -1;
+    /* The plan: the kept columns keep_col[0..k) (ascending), the extras extra[0..nx), the dense row (slot, or -1)
+     * and the children range start..start+count. */
+    Py_ssize_t k = 0, nx = 0;
+    int64_t extra[T_EXTRA1 - T_ANCHOR + 1], start = 0, count = 0;
+    int dense = 0, wide = 0, bitmap = 0;
+    const uint8_t *brow = NULL;
 
-    keep_col = (int64_t *)malloc(cap * sizeof(int64_t));
-    if (!keep_col) oom = 1;
     /* Prefetch every row's table row, and in the loop the next row's child tokens: after a logits fill a big
      * trie is out of cache, and these loads would otherwise stall one after the other. */
     for (Py_ssize_t i = 0; i < n; i++) __builtin_prefetch(table_row(table, nodes[i], num_nodes, num_codes));
     for (Py_ssize_t i = 0; i < n && !oom; i++) {
-        if (i + 1 < n) {
+        if (i + 1 < n && nodes[i + 1] != nodes[i]) {
             const int32_t *nt = table_row(table, nodes[i + 1], num_nodes, num_codes);
             if (nt[T_START] >= 0 && nt[T_START] < num_children) {
                 int64_t span = nt[T_COUNT] < 256 ? nt[T_COUNT] : 256;
                 for (int64_t c = 0; c < span; c += 16) __builtin_prefetch(child_token + nt[T_START] + c);
             }
         }
-        int64_t r = rows ? rows[i] : (int64_t)i;  /* checked above */
+        int64_t r = rows ? rows[i] : (int64_t)(j->row_base + i);  /* checked above */
         const int32_t *t = table_row(table, nodes[i], num_nodes, num_codes);
         char *drow = out + (Py_ssize_t)r * out_stride * es;
         const char *srow = src + (Py_ssize_t)r * src_stride * es;
@@ -311,64 +445,154 @@ static Py_ssize_t mask_job_run(const MaskJob *j) {
         masked++;
         int64_t slot = t[T_SLOT], m = nodes[i];
         const uint8_t *fl = (flags && m >= 0 && m < num_nodes) ? flags + filt[i] * num_nodes : NULL;
-        /* the entry ending here is not usable: no end token, no separator */
-        int own_out = fl && (fl[m] & END_EXCLUDED);
-        int64_t start = t[T_START], count = t[T_COUNT];
-        const int dense = slot >= 0 && slot < num_dense;
-        if (dense) {  /* the dense row holds the children; under a filter they are listed too (some are dropped) */
-            if (fl) start = child_ptr[m], count = (int64_t)child_ptr[m + 1] - child_ptr[m];
-            else count = 0;
+        const int64_t f_i = fl ? filt[i] : -1;
+        if (!have_plan || m != plan_node || f_i != plan_filt) {
+            /* the entry ending here is not usable: no end token, no separator */
+            int own_out = fl && (fl[m] & END_EXCLUDED);
+            start = t[T_START], count = t[T_COUNT];
+            dense = slot >= 0 && slot < num_dense;
+            if (dense) {  /* the dense row holds the children; under a filter they are listed too (some are dropped) */
+                if (fl) start = child_ptr[m], count = (int64_t)child_ptr[m + 1] - child_ptr[m];
+                else count = 0;
+            }
+            if (start < 0 || count < 0 || start + count > num_children) count = 0;
+            /* A wide node (its bitmap built with the trie): no list of its children, they are in the bitmap. */
+            wide = 0;
+            if (use_bits && !dense && !fl && count >= BITS_MIN_KEPT && num_wide > 0) {
+                Py_ssize_t lo = 0, hi = num_wide;
+                while (lo < hi) {
+                    Py_ssize_t mid = lo + ((hi - lo) >> 1);
+                    if (wide_nodes[mid] < m) lo = mid + 1;
+                    else hi = mid;
+                }
+                if (lo < num_wide && wide_nodes[lo] == m) wide = 1, row_bits = trie_bits + (num_dense + lo) * vwords;
+            }
+            if (count + 4 > cap) {
+                cap = count + 4;
+                int64_t *c2 = (int64_t *)realloc(keep_col, cap * sizeof(int64_t));
+                if (!c2) { oom = 1; break; }
+                ws->keep_col = keep_col = c2, ws->cap = cap;
+            }
+            /* The kept children in ascending order (the children's tokens are sorted), and the kept extras. */
+            k = 0, nx = 0;
+            int64_t last = -1;
+            for (int64_t c = 0; c < count && !wide; c++) {
+                int64_t col = child_token[start + c];
+                if (fl && (fl[start + c] & CHILD_EXCLUDED)) continue;  /* no usable entry below this child */
+                if (col > last && col < vm) keep_col[k++] = last = col;
+            }
+            for (int e = T_ANCHOR; e <= T_EXTRA1; e++) {
+                /* With a filter the anchor counts only as what it is: the first child (decided above), or, at a node
+                 * without children, the end token (kept like the other extras only while the row's entry is
+                 * usable). */
+                if (fl && (e == T_ANCHOR ? (count > 0 || own_out) : own_out)) continue;
+                if (t[e] >= 0 && t[e] < width) extra[nx++] = t[e];
+            }
+            /* Sparse rows, and dense rows under a filter, list every kept column: the extras join the children. */
+            if ((!dense && !wide) || fl)
+                for (Py_ssize_t e = 0; e < nx; e++) insert_sorted(keep_col, &k, extra[e]);
+            brow = dense ? blocked + slot * vt : NULL;
+            bitmap = use_bits && (dense ? dense_bits != NULL : (wide || k >= BITS_MIN_KEPT));
+            if (wide) {
+                row_cols = vm;
+            } else if (bitmap && dense) {
+                row_bits = dense_bits + slot * vwords, row_cols = vm;
+                if (fl) {  /* the dense row's columns, less the excluded children, with the extras */
+                    Py_ssize_t nw = vwords < words ? vwords : words;
+                    memcpy(scratch, row_bits, (size_t)nw * sizeof(uint64_t));
+                    memset(scratch + nw, 0, (size_t)(words - nw) * sizeof(uint64_t));
+                    for (int64_t c = 0; c < count; c++) {
+                        int64_t col = child_token[start + c];
+                        if ((fl[start + c] & CHILD_EXCLUDED) && col >= 0 && col < vm)
+                            scratch[col >> 6] &= ~((uint64_t)1 << (col & 63));
+                    }
+                    for (Py_ssize_t e = 0; e < nx; e++) scratch[extra[e] >> 6] |= (uint64_t)1 << (extra[e] & 63);
+                    row_bits = scratch, row_cols = width;
+                }
+            } else if (bitmap) {
+                /* keep_col ascends: each word is gathered in a register and stored once */
+                memset(scratch, 0, (size_t)words * sizeof(uint64_t));
+                uint64_t word = 0;
+                int64_t at = k ? keep_col[0] >> 6 : 0;
+                for (Py_ssize_t c = 0; c < k; c++) {
+                    if (keep_col[c] >> 6 != at) scratch[at] = word, word = 0, at = keep_col[c] >> 6;
+                    word |= (uint64_t)1 << (keep_col[c] & 63);
+                }
+                if (k) scratch[at] = word;
+                row_bits = scratch, row_cols = width;
+            }
+            have_plan = 1, plan_node = m, plan_filt = f_i;
         }
-        if (start < 0 || count < 0 || start + count > num_children) count = 0;
-        if (count + 4 > cap) {
-            cap = count + 4;
-            int64_t *c2 = (int64_t *)realloc(keep_col, cap * sizeof(int64_t));
-            if (!c2) { oom = 1; break; }
-            keep_col = c2;
-        }
-        /* The kept children in ascending order (the children's tokens are sorted), and the kept extras. */
-        Py_ssize_t k = 0, nx = 0;
-        int64_t extra[T_EXTRA1 - T_ANCHOR + 1];
-        for (int64_t c = 0; c < count; c++) {
-            int64_t col = child_token[start + c];
-            if (fl && (fl[start + c] & CHILD_EXCLUDED)) continue;  /* no usable entry below this child */
-            if (col >= 0 && col < vm && (k == 0 || col > keep_col[k - 1])) keep_col[k++] = col;
-        }
-        for (int e = T_ANCHOR; e <= T_EXTRA1; e++) {
-            /* With a filter the anchor counts only as what it is: the first child (decided above), or, at a node
-             * without children, the end token (kept like the other extras only while the row's entry is usable). */
-            if (fl && (e == T_ANCHOR ? (count > 0 || own_out) : own_out)) continue;
-            if (t[e] >= 0 && t[e] < width) extra[nx++] = t[e];
-        }
-        if (!dense) {
-            /* A sparse row: -inf over the gaps between the kept columns. In place, the kept values are never
-             * touched, so the row is only written, like the floor's fill; out of place they are copied across. */
-            for (Py_ssize_t e = 0; e < nx; e++) insert_sorted(keep_col, &k, extra[e]);
+        if (!dense && !wide) {
+            /* A sparse row: -inf over the gaps between the kept columns (in place, the kept values are never
+             * touched, so the row is only written, like the floor's fill; out of place they are copied across), or
+             * one pass through its bitmap. */
+#ifdef TD_BITS
+            if (bitmap) bits_row(drow, srow, row_bits, row_cols, width, es, neg_bits, pat);
+            else
+#endif
             sparse_row(drow, srow, keep_col, k, width, es, neg_bits, pat);
-            floor_rule(drow, keep_col, k, NULL, vm, end_token, width, es, neg_bits, floor_bits);
+            floor_rule(drow, keep_col, k, NULL, 0, NULL, vm, done_row, width, es, neg_bits, floor_bits);
             continue;
         }
         /* A dense row: a copy through its blocked columns, then -inf over the children the filter excludes; the
-         * extras (which the dense row or the filter may block) are saved first and put back. */
-        const uint8_t *brow = blocked + slot * vt;
+         * extras (which the dense row or the filter may block) are saved first and put back. With a bitmap, the
+         * filter and the extras are in it already, but for the extras of a dense row without a filter, and of a
+         * wide node (its bitmap holds its children). */
         uint64_t extra_val[T_EXTRA1 - T_ANCHOR + 1];
-        for (Py_ssize_t e = 0; e < nx; e++) extra_val[e] = load_bits(srow + extra[e] * es, es);
-        dense_row(drow, srow, brow, vm, width, es, neg_bits, pat);
-        if (fl)
-            for (int64_t c = 0; c < count; c++) {
-                int64_t col = child_token[start + c];
-                if ((fl[start + c] & CHILD_EXCLUDED) && col >= 0 && col < vm) store_bits(drow + col * es, es, neg_bits);
-            }
-        for (Py_ssize_t e = 0; e < nx; e++) store_bits(drow + extra[e] * es, es, extra_val[e]);
-        if (fl) {  /* the kept columns are listed: the kept children and the extras */
-            for (Py_ssize_t e = 0; e < nx; e++) insert_sorted(keep_col, &k, extra[e]);
-            floor_rule(drow, keep_col, k, NULL, vm, end_token, width, es, neg_bits, floor_bits);
-        } else {
-            floor_rule(drow, extra, nx, brow, vm, end_token, width, es, neg_bits, floor_bits);
+        if (!fl || !bitmap)
+            for (Py_ssize_t e = 0; e < nx; e++) extra_val[e] = load_bits(srow + extra[e] * es, es);
+#ifdef TD_BITS
+        if (bitmap) bits_row(drow, srow, row_bits, row_cols, width, es, neg_bits, pat);
+        else
+#endif
+        {
+            dense_row(drow, srow, brow, vm, width, es, neg_bits, pat);
+            if (fl)
+                for (int64_t c = 0; c < count; c++) {
+                    int64_t col = child_token[start + c];
+                    if ((fl[start + c] & CHILD_EXCLUDED) && col >= 0 && col < vm) store_bits(drow + col * es, es, neg_bits);
+                }
         }
+        if (!fl || !bitmap)
+            for (Py_ssize_t e = 0; e < nx; e++) store_bits(drow + extra[e] * es, es, extra_val[e]);
+        if (fl)  /* the kept columns are listed: the kept children and the extras */
+            floor_rule(drow, keep_col, k, NULL, 0, NULL, vm, done_row, width, es, neg_bits, floor_bits);
+        else
+            floor_rule(drow, extra, nx, wide ? child_token + start : NULL, wide ? count : 0, brow, vm, done_row, width, es,
+                       neg_bits, floor_bits);
     }
-    free(keep_col);
     return oom ? -1 : masked;
+}
+
+/* One job with its own scratch memory. */
+static Py_ssize_t mask_job_run(const MaskJob *j) {
+    Workspace ws;
+    Py_ssize_t masked = workspace_init(&ws, j->width) ? mask_job_work(j, &ws) : -1;
+    workspace_free(&ws);
+    return masked;
+}
+
+/* Running the jobs of one call (the rows of several tries), with one scratch memory for them all: the rows masked,
+ * or -1 when out of memory. */
+static Py_ssize_t run_jobs(const MaskJob *jobs, Py_ssize_t g) {
+    Py_ssize_t masked = 0;
+    Workspace ws;
+    if (g == 0) return 0;
+    if (!workspace_init(&ws, jobs[0].width)) {  /* the jobs of one call share the logits */
+        workspace_free(&ws);
+        return -1;
+    }
+    for (Py_ssize_t q = 0; q < g; q++) {
+        Py_ssize_t r = mask_job_work(&jobs[q], &ws);
+        if (r < 0) {
+            masked = -1;
+            break;
+        }
+        masked += r;
+    }
+    workspace_free(&ws);
+    return masked;
 }
 
 /* mask(tries, job, groups): rows of several tries in one call (a batch spread over per-prompt tries or many spans).
@@ -418,15 +642,72 @@ static PyObject *mask_groups(PyObject *const *args) {
         free(jobs);
         return NULL;
     }
-    Py_ssize_t masked = 0, r = 0;
+    Py_ssize_t masked;
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t q = 0; q < g && r >= 0; q++) {
-        r = mask_job_run(&jobs[q]);
-        masked += r;
-    }
+    masked = run_jobs(jobs, g);
     Py_END_ALLOW_THREADS
     free(jobs);
-    if (r < 0) return PyErr_NoMemory();
+    if (masked < 0) return PyErr_NoMemory();
+    return PyLong_FromSsize_t(masked);
+}
+
+/* mask_tries(tries, job, tree) -> number of rows masked: rows of several tries in one call, each row naming its trie.
+ * tries: the packed TRIE_FIELDS of k tries, one after another; job: MASK_FIELDS (rows optional, no filters); tree:
+ * the address of the n rows' trie indices (int64, each in [0, k), checked). The rows are masked in their order,
+ * each run of consecutive rows of one trie as mask(tries[t], job restricted to them) would mask it: one call,
+ * whatever the number of tries, no sorting, and the logits rows written in the order a single trie's would be. */
+static PyObject *py_mask_tries(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    int64_t f[MF_COUNT];
+    if (nargs != 3) {
+        PyErr_Format(PyExc_TypeError, "mask_tries(tries, job, tree) takes 3 arguments, got %zd", nargs);
+        return NULL;
+    }
+    if (!PyBytes_Check(args[0]) || PyBytes_GET_SIZE(args[0]) == 0
+        || PyBytes_GET_SIZE(args[0]) % (Py_ssize_t)(TF_COUNT * sizeof(int64_t)) != 0) {
+        PyErr_Format(PyExc_TypeError, "tries must be bytes of k * %d packed int64 fields", (int)TF_COUNT);
+        return NULL;
+    }
+    if (!read_fields(args[1], f, MF_COUNT, "job")) return NULL;
+    const int64_t *tree = (const int64_t *)PyLong_AsVoidPtr(args[2]);
+    if (PyErr_Occurred()) return NULL;
+    const Py_ssize_t k = PyBytes_GET_SIZE(args[0]) / (Py_ssize_t)(TF_COUNT * sizeof(int64_t));
+    const Py_ssize_t n = (Py_ssize_t)f[MF_N];
+    const int64_t *rows = (const int64_t *)(intptr_t)f[MF_ROWS], *nodes = (const int64_t *)(intptr_t)f[MF_NODES];
+    if (f[MF_FLAGS] || n < 0 || (n > 0 && (!tree || !nodes))) {
+        PyErr_SetString(PyExc_ValueError, "mask_tries needs the rows' nodes and tries and takes no filter flags");
+        return NULL;
+    }
+    Py_ssize_t g = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (tree[i] < 0 || tree[i] >= k) {
+            PyErr_Format(PyExc_IndexError, "row %zd names trie %lld of %zd", i, (long long)tree[i], k);
+            return NULL;
+        }
+        g += i == 0 || tree[i] != tree[i - 1];
+    }
+    MaskJob *jobs = (MaskJob *)malloc((size_t)(g > 0 ? g : 1) * sizeof(MaskJob));
+    if (!jobs) return PyErr_NoMemory();
+    for (Py_ssize_t i = 0, q = 0; i < n; q++) {  /* job q: the run of rows i..e-1 of trie tree[i] */
+        Py_ssize_t e = i + 1;
+        while (e < n && tree[e] == tree[i]) e++;
+        int64_t tf[TF_COUNT];
+        memcpy(tf, PyBytes_AS_STRING(args[0]) + tree[i] * TF_COUNT * sizeof(int64_t), sizeof(tf));
+        mask_job_init(&jobs[q], tf, f);
+        jobs[q].n = e - i, jobs[q].nodes = nodes + i;
+        if (rows) jobs[q].rows = rows + i;
+        else jobs[q].row_base = i;
+        if (!mask_job_check(&jobs[q])) {
+            free(jobs);
+            return NULL;
+        }
+        i = e;
+    }
+    Py_ssize_t masked;
+    Py_BEGIN_ALLOW_THREADS
+    masked = run_jobs(jobs, g);
+    Py_END_ALLOW_THREADS
+    free(jobs);
+    if (masked < 0) return PyErr_NoMemory();
     return PyLong_FromSsize_t(masked);
 }
 
@@ -643,6 +924,8 @@ static PyObject *py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs
 static PyMethodDef methods[] = {
     {"mask", (PyCFunction)(void (*)(void))py_mask, METH_FASTCALL,
      "mask(trie, job[, groups]): mask logits rows by their trie states (see _kernel.c)."},
+    {"mask_tries", (PyCFunction)(void (*)(void))py_mask_tries, METH_FASTCALL,
+     "mask_tries(tries, job, tree): mask logits rows of several tries, each row naming its trie (see _kernel.c)."},
     {"child", (PyCFunction)(void (*)(void))py_child, METH_FASTCALL,
      "child(trie, job): the child of each node by each token, or the rules' move (see _kernel.c)."},
     {"step", (PyCFunction)(void (*)(void))py_step, METH_FASTCALL,
@@ -654,7 +937,10 @@ static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, .m_name = "_kernel", .m_doc = "trie_decode's fused CPU step.", .m_size = -1, .m_methods = methods,
 };
 
-/* The module exports the number of packed fields of each kind, checked against the field names on the Python side. */
+/* The module exports the number of packed fields of each kind, checked against the field names on the Python side,
+ * whether this CPU takes the bitmap pass (BITMAP_PASS: then the Python side builds the trie's bitmaps) and from how
+ * many kept columns a row takes it (BITS_MIN_KEPT: the Python side builds the bitmaps of nodes with that many
+ * children). */
 PyMODINIT_FUNC PyInit__kernel(void) {
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
@@ -664,7 +950,13 @@ PyMODINIT_FUNC PyInit__kernel(void) {
         || PyModule_AddIntConstant(m, "STEP_FIELDS", SF_COUNT) < 0
         || PyModule_AddIntConstant(m, "CHILD_FIELDS", CF_COUNT) < 0
         || PyModule_AddIntConstant(m, "CHILD_EXCLUDED", CHILD_EXCLUDED) < 0
-        || PyModule_AddIntConstant(m, "END_EXCLUDED", END_EXCLUDED) < 0) {
+        || PyModule_AddIntConstant(m, "END_EXCLUDED", END_EXCLUDED) < 0
+#ifdef TD_BITS
+        || PyModule_AddIntConstant(m, "BITMAP_PASS", bits_supported()) < 0
+#else
+        || PyModule_AddIntConstant(m, "BITMAP_PASS", 0) < 0
+#endif
+        || PyModule_AddIntConstant(m, "BITS_MIN_KEPT", BITS_MIN_KEPT) < 0) {
         Py_DECREF(m);
         return NULL;
     }

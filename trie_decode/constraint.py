@@ -143,6 +143,7 @@ class TrieConstraint:
         free_rows = [t.tensor[FREE].tolist() for t in self.tables]
         self._free_row_is_free = rules.fields is not None and all(
             r[ANCHOR] < 0 and r[ON_TOKEN] < 0 and r[OTHERWISE] == FREE for r in free_rows)
+        self._text_runs_on_device: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # see _text_runs
 
     def with_kernel(self, kernel: str) -> "TrieConstraint":
         """The same constraint (same tries, rules and dense rows) stepping with another kernel (to compare them)."""
@@ -192,19 +193,21 @@ class TrieConstraint:
         child the token's bytes past ``after`` spell, when it carries some). Rows inside a value keep their text
         state. On the host (numpy views, a scalar path at one row); other devices round-trip through it."""
         f = self.rules.fields
-        if len(new) == 1 and new.is_cpu:  # the batch-1 decode loop: Python ints
+        if new.numel() == 1 and new.is_cpu:  # the batch-1 decode loop: Python ints
             if int(new) != FREE:
                 return RowState(new, state.tree, state.text)
             token = int(tokens)
-            before = int(state.node)
-            nxt, k, past = f.triggers.step(int(state.text) if before == FREE else int(f.resume[int(state.tree)]), token)
-            text = torch.tensor([nxt])
+            was_free = new is state.node or int(state.node) == FREE  # (advance passes a FREE row's node itself)
+            src = int(state.text) if was_free else int(f.resume[int(state.tree)])
+            nxt, k, past = f.triggers.step(src, token)
+            # An automaton that stays put keeps its tensor (states share unchanged tensors, as they share ``tree``).
+            text = state.text if was_free and nxt == src else torch.full((1,), nxt, dtype=torch.long)
             if k < 0:
                 return RowState(new, state.tree, text)
             start = f.entry_node(k, token, past)
             if start < 0:  # a dead trigger token (masked: see FieldRules.dead_tokens)
                 return RowState(new, state.tree, text)
-            return RowState(torch.tensor([start]), torch.tensor([k]), text)
+            return RowState(torch.full((1,), start, dtype=torch.long), torch.full((1,), k, dtype=torch.long), text)
         node_np, before = new.cpu().numpy(), state.node.cpu().numpy()
         idx = np.flatnonzero(node_np == FREE)
         if not len(idx):
@@ -253,7 +256,8 @@ class TrieConstraint:
         """
         if tokens.dtype is not torch.long or tokens.device != self.device:
             tokens = tokens.to(self.device, torch.long)
-        if self._free_row_is_free and filters is None and len(tokens) == 1 and state.node.is_cpu and int(state.node) == FREE:
+        if (self._free_row_is_free and filters is None and tokens.numel() == 1 and state.node.is_cpu
+                and int(state.node) == FREE):
             return self._fields_move(state, tokens, state.node)  # only its text moves
         flags = None
         if filters is not None and not filters.distinct and self.kernel.supports_filters:
@@ -355,7 +359,7 @@ class TrieConstraint:
                 blocked too.
         """
         InvalidTokenError.check_logits_width(logits.shape[-1], self.needed_width)
-        if (self._free_row_is_free and filters is None and out is None and inplace and len(state) == 1
+        if (self._free_row_is_free and filters is None and out is None and inplace and state.node.numel() == 1
                 and state.node.is_cpu and int(state.node) == FREE):
             self.rules.fields.free_rows_(logits, state.node, state.text, rows)  # the kernel would leave it as it is
             return logits
@@ -408,7 +412,11 @@ class TrieConstraint:
     def allowed(self, state: RowState, width: Optional[int] = None) -> torch.Tensor:
         """Boolean mask of each row's allowed tokens (unconstrained rows allow all). Shape: (R, width), bool."""
         width = width or self.vocab_size
-        return plans_to_bool(self._plans(state, width), len(state), width)
+        out = plans_to_bool(self._plans(state, width), len(state), width)
+        free = self._free_rows_allowed(state, width)
+        if free is not None:
+            out[free[0]] = free[1].to(out.device)
+        return out
 
     def allowed_tokens(self, state: RowState, width: Optional[int] = None) -> list[Optional[list[int]]]:
         """Each row's allowed token ids, sorted, read on the host (None: the row is unconstrained): the sparse
@@ -422,7 +430,25 @@ class TrieConstraint:
             [[4, 5], [0]]
         """
         width = width or self.vocab_size
-        return plans_to_lists(self._plans(state, width), len(state), width)
+        out = plans_to_lists(self._plans(state, width), len(state), width)
+        free = self._free_rows_allowed(state, width)
+        if free is not None:
+            for r, row in zip(free[0].tolist(), free[1]):
+                out[r] = None if bool(row.all()) else row.nonzero().flatten().tolist()
+        return out
+
+    def _free_rows_allowed(self, state: RowState, width: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """Text spans' FREE rows (which the step tables leave unconstrained): their rows and allowed tokens under
+        the fields' own rule (:meth:`FieldRules.free_rows_`: a template's fixed token, dead triggers blocked), read
+        by masking zeros with it. None when no row is FREE. Shapes: (F,) and (F, width), bool."""
+        if self.rules.fields is None:
+            return None
+        free = (state.node == FREE).nonzero().flatten()
+        if not len(free):
+            return None
+        zeros = torch.zeros(len(free), width, device=self.device)
+        self.rules.fields.free_rows_(zeros, state.node[free], state.text[free])
+        return free, zeros.isfinite()
 
     def bitmask(self, state: RowState, width: Optional[int] = None) -> torch.Tensor:
         """The allowed tokens as an int32 bitmask. Shape: (R, ceil(width / 32)), int32 (XGrammar's format)."""
@@ -484,7 +510,9 @@ class TrieConstraint:
 
         A row inside an entry, at a node from which at least ``min_run`` tokens are forced (and, where
         ``tail_only``, where that run completes the entry) is shown as DONE: only the end token is allowed, which
-        at a non-terminal node unambiguously means "stopped here". Rows with ``min_run`` 0 are unchanged.
+        at a non-terminal node unambiguously means "stopped here". So is a FREE row of a template whose fixed text
+        from here (:meth:`FieldRules.forced_text_runs`) is at least ``min_run`` tokens (where ``tail_only``, only
+        when it ends the output); the end token is not allowed there either. Rows with ``min_run`` 0 are unchanged.
 
         Args:
             min_run: Shape: (R,), int64. tail_only: Shape: (R,), bool.
@@ -496,8 +524,24 @@ class TrieConstraint:
             length, ends_entry = d.forced_runs()
             mine = state.tree == i if len(self.dtries) > 1 else torch.ones_like(stop)
             a = torch.where(mine, at, 0).clamp(max=d.num_nodes - 1)
-            stop = stop | (mine & (node >= 0) & (min_run > 0) & (length[a] >= min_run) & (ends_entry[a] | ~tail_only))
-        return RowState(torch.where(stop, torch.full_like(node, DONE), node), state.tree)
+            # With text spans an entry's end is not the output's: where tail_only, no run inside a value stops.
+            tail = ends_entry[a] & (self.rules.fields is None)
+            stop = stop | (mine & (node >= 0) & (min_run > 0) & (length[a] >= min_run) & (tail | ~tail_only))
+        runs = self._text_runs()
+        if runs is not None:
+            length, ends_output = runs
+            t = state.text.clamp(0, len(length) - 1)
+            stop = stop | ((node == FREE) & (min_run > 0) & (length[t] >= min_run) & (ends_output[t] | ~tail_only))
+        return RowState(torch.where(stop, torch.full_like(node, DONE), node), state.tree, state.text)
+
+    def _text_runs(self) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """The rules' forced fixed text per automaton state on this device (None: no text is forced)."""
+        runs = None if self.rules.fields is None else self.rules.fields.forced_text_runs()
+        if runs is None:
+            return None
+        if self._text_runs_on_device is None:
+            self._text_runs_on_device = tuple(torch.from_numpy(a).to(self.device) for a in runs)
+        return self._text_runs_on_device
 
     # ------------------------------------------------------------------ host-side answers
     def forced_tokens(self, state: RowState, max_tokens: int = 1 << 30) -> list[list[int]]:

@@ -48,6 +48,7 @@ import numpy as np
 import torch
 
 from .errors import ConstraintConfigError, InvalidEntryError
+from .filters import restricted_trie
 from .spans import FREE
 from .text_spans import EndTokens, TextTriggers, TokenTriggers, Trigger, end_token_table, vocabulary_bytes
 from .tokenizers import tokenize_in_context, tokenizer_vocab_size
@@ -68,9 +69,14 @@ class Span:
             (built with the tokenizer: in context, escaped per ``escape``).
         after: the text a value follows (a ``str``, exact), or a :class:`~trie_decode.text_spans.Trigger`
             (``Trigger('"city": "', whitespace="any")`` for JSON whose whitespace varies).
-        end: the text that ends a value (default ``'"'``, the closing quote of a JSON string).
+        end: the text that ends a value (default ``'"'``, the closing quote of a JSON string); None: the value ends
+            the output, closed by the end token (EOS), as ``on_complete="eos"`` does for a trie (a reasoning trace,
+            then ``"Final answer: "`` and one entry).
         escape: ``"json"`` writes the values JSON-escaped (a ``"`` in a value becomes ``\\"``); default ``"json"``
             when ``end`` is ``'"'``, else None.
+        allow, deny: the values this span may use (default all) and those it may not: entry keys (the value
+            strings, or the keys of a ``values`` trie) or entry indices; a static filter, built into the span's
+            trie (:func:`~trie_decode.filters.restricted_trie`: the same allowed tokens at every step).
 
     Example:
         >>> Span(["Paris", "Rome"], after='"city": "').escape
@@ -79,20 +85,25 @@ class Span:
 
     values: Union[TokenTrie, Sequence[str]]
     after: Union[str, Trigger]
-    end: str = '"'
+    end: Optional[str] = '"'
     escape: Optional[str] = "auto"
+    allow: Optional[Sequence[Union[str, int]]] = None
+    deny: Optional[Sequence[Union[str, int]]] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.after, (str, Trigger)) or (isinstance(self.after, str) and not self.after):
             raise ConstraintConfigError(f"Span.after must be a non-empty str or a Trigger, got {self.after!r}")
-        if not isinstance(self.end, str) or not self.end:
-            raise ConstraintConfigError(f"Span.end must be a non-empty str, got {self.end!r}")
+        if self.end is not None and (not isinstance(self.end, str) or not self.end):
+            raise ConstraintConfigError(f"Span.end must be a non-empty str or None (the end token), got {self.end!r}")
         escape = ("json" if self.end == '"' else None) if self.escape == "auto" else self.escape
         if escape not in ESCAPES:
             raise ConstraintConfigError(f"Span.escape must be one of {ESCAPES}, got {self.escape!r}")
         object.__setattr__(self, "escape", escape)
         if isinstance(self.values, (str, bytes)):
             raise ConstraintConfigError("Span.values must be a TokenTrie or a list of strings, not a single string")
+        for name in ("allow", "deny"):
+            if isinstance(getattr(self, name), (str, bytes)):
+                raise ConstraintConfigError(f"Span.{name} must be a list of entry keys or indices, not a single string")
 
     @property
     def after_text(self) -> str:
@@ -104,12 +115,15 @@ class Span:
         return _written(value, self.escape)
 
     def build_trie(self, tokenizer: Any) -> TokenTrie:
-        """This span's trie: ``values`` itself, or the strings tokenized in the context of ``after``.
+        """This span's trie: ``values`` itself, or the strings tokenized in the context of ``after``; restricted
+        to ``allow`` minus ``deny``.
 
         Raises:
             InvalidEntryError: a value whose written text contains ``end`` (it would end the value early).
+            ConstraintConfigError: an unknown key in ``allow``/``deny``, or no value left.
         """
-        return value_trie(self.values, tokenizer, self.after_text, self.end, self.escape, "Span")
+        trie = value_trie(self.values, tokenizer, self.after_text, self.end, self.escape, "Span")
+        return restricted_trie(trie, self.allow, self.deny, f"Span after {self.after_text!r}")
 
 
 def value_trie(values: Union[TokenTrie, Sequence[str]], tokenizer: Any, context: str, end: Optional[str],
@@ -145,12 +159,20 @@ def _written(value: str, escape: Optional[str]) -> str:
     return json.dumps(value, ensure_ascii=False)[1:-1] if escape == "json" else value
 
 
-def _end_tables(ends: Sequence[str], vocab: list[bytes]) -> list[EndTokens]:
-    """Each span's end-token table; spans with one ``end`` share its table (and its dense row)."""
-    tables: dict[str, EndTokens] = {}
+def _end_tables(ends: Sequence[Optional[str]], vocab: list[bytes], end_token_id: Optional[int] = None
+                ) -> list[EndTokens]:
+    """Each span's end-token table; spans with one ``end`` share its table (and its dense row). ``end`` None: the end
+    token alone (it carries no text)."""
+    tables: dict[Optional[str], EndTokens] = {}
     for end in ends:
         if end not in tables:
-            tables[end] = end_token_table(end, vocab)
+            if end is not None:
+                tables[end] = end_token_table(end, vocab)
+            elif end_token_id is None:
+                raise ConstraintConfigError("a Span with end=None is closed by the end token: give end_token_id")
+            else:
+                tables[end] = EndTokens("", np.asarray([end_token_id], dtype=np.int32), (b"",),
+                                        np.zeros(0, dtype=np.int32))
     return [tables[end] for end in ends]
 
 
@@ -228,6 +250,11 @@ class FieldRules:
         """The tokens a FREE row in automaton ``state`` is forced to write: none in free text."""
         return []
 
+    def forced_text_runs(self) -> Optional[tuple[np.ndarray, np.ndarray]]:
+        """Per automaton state, the length of :meth:`forced_text` and whether it ends the output (ends with the end
+        token), for the fast-forward stop (``TrieConstraint.stop_at_forced``); None when no state forces text."""
+        return None
+
     def dead_tokens(self, state: int) -> np.ndarray:
         """The tokens that, written in automaton state ``state``, would complete a span's ``after`` and carry bytes
         that no value of that span starts with (``' "['`` before a catalog of names): blocked, so that no row ever
@@ -248,14 +275,14 @@ class FieldRules:
             logits: Shape: (B, V'). node, text: the rows' state (``RowState.node``, ``.text``), Shape: (R,).
             rows: the logits row of each state row (default: row i).
         """
-        if len(node) == 1 and node.is_cpu:  # the batch-1 decode loop: Python ints
+        if node.numel() == 1 and node.is_cpu:  # the batch-1 decode loop: Python ints
             if int(node) != FREE:
                 return
             state = int(text)
-            if self._dead_flag[state] < 0:
-                self._dead_flag[state] = len(self.dead_tokens(state)) > 0
-            if self._dead_flag[state] == 1:
+            dead = self._dead.get(state)  # the per-state cache itself (a dict read: no numpy scalar per step)
+            if dead is None:
                 dead = self.dead_tokens(state)
+            if len(dead):
                 logits[0 if rows is None else int(rows[0]), torch.from_numpy(dead[dead < logits.shape[-1]])] = float("-inf")
             return
         free = np.flatnonzero(node.cpu().numpy() == FREE)
@@ -293,11 +320,16 @@ class FieldRules:
         return cls(triggers, _end_tables([end] * len(tries) if isinstance(end, str) else list(end), vocab), vocab, tries)
 
     @classmethod
-    def build(cls, spans: Sequence[Span], tokenizer: Any) -> tuple[list[TokenTrie], "FieldRules"]:
+    def build(cls, spans: Sequence[Span], tokenizer: Any, end_token_id: Optional[int] = None,
+              ) -> tuple[list[TokenTrie], "FieldRules"]:
         """The spans' tries and their field rules for ``tokenizer``.
 
+        Args:
+            end_token_id: the token that closes a span with ``end=None`` (default: the tokenizer's EOS).
+
         Raises:
-            ConstraintConfigError: no spans, an item that is not a :class:`Span`, or spans with different ends.
+            ConstraintConfigError: no spans, an item that is not a :class:`Span`, or no end token for a span with
+                ``end=None``.
         """
         spans = list(spans) if not isinstance(spans, Span) else [spans]
         if not spans:
@@ -309,7 +341,9 @@ class FieldRules:
         vocab = vocabulary_bytes(tokenizer)
         vocab += [b""] * max(0, max(t.vocab_size for t in tries) - len(vocab))
         triggers = TextTriggers([s.after for s in spans]).for_tokens(vocab)
-        return tries, cls(triggers, _end_tables([s.end for s in spans], vocab), vocab, tries)
+        if end_token_id is None and any(s.end is None for s in spans):
+            end_token_id = getattr(tokenizer, "eos_token_id", None)
+        return tries, cls(triggers, _end_tables([s.end for s in spans], vocab, end_token_id), vocab, tries)
 
     def __repr__(self) -> str:
         return (f"FieldRules(spans={len(self.root_by_bytes)}, ends={sorted({e.end for e in self.ends})!r}, "

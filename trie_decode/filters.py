@@ -40,7 +40,7 @@ from .options import is_per_row  # the per-row rule (trie_decode.options), part 
 from .spans import completes_entry
 from .trie import TokenTrie
 
-__all__ = ["EntryOrder", "KeyIndex", "RowFilters", "entry_indices", "is_per_row", "apply_filters_", "distinct_capacity",
+__all__ = ["EntryOrder", "KeyIndex", "RowFilters", "entry_indices", "restricted_trie", "is_per_row", "apply_filters_", "distinct_capacity",
            "CHILD_EXCLUDED", "END_EXCLUDED", "usable_count", "filter_bits"]
 
 
@@ -165,6 +165,40 @@ class EntryOrder:
         if key not in self._device:
             self._device[key] = tuple(torch.from_numpy(a).to(device) for a in (self.lo, self.hi, self.node_rank))
         return self._device[key]
+
+
+def restricted_trie(trie: TokenTrie, allow: Any = None, deny: Any = None, what: str = "filter") -> TokenTrie:
+    """A static filter as a trie: the entries of ``trie`` that ``allow`` names (every entry when None) and ``deny``
+    does not, as their own trie (:meth:`TokenTrie.subset`). Decoding it is decoding ``trie`` with that filter on
+    every row (an allow filter of k entries behaves exactly like a trie of those k entries), so each trie of a
+    constraint with several (text spans) takes its own filter as data. ``trie`` itself when nothing is filtered out.
+
+    Args:
+        allow, deny: entry keys (str) or indices (int), as for :func:`entry_indices`.
+        what: how the caller names the filter's owner in errors.
+
+    Raises:
+        ConstraintConfigError: an unknown key or index, or no entry left.
+
+    Example:
+        >>> trie = TokenTrie.from_sequences([[5, 6], [5, 7], [8]], vocab_size=9, keys=["a", "b", "c"])
+        >>> restricted_trie(trie, deny=["b"]).sequences()
+        [(5, 6), (8,)]
+    """
+    if allow is None and deny is None:
+        return trie
+    keep = np.zeros(trie.num_entries, dtype=np.bool_)
+    if allow is None:
+        keep[:] = True
+    else:
+        keep[entry_indices(trie, allow, f"{what} allow")] = True
+    if deny is not None:
+        keep[entry_indices(trie, deny, f"{what} deny")] = False
+    if keep.all():
+        return trie
+    if not keep.any():
+        raise ConstraintConfigError(f"{what}: allow and deny leave none of the {trie.num_entries} entries")
+    return trie.subset(np.flatnonzero(keep))
 
 
 def entry_indices(trie: TokenTrie, spec: Any, what: str) -> np.ndarray:

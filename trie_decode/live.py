@@ -111,29 +111,6 @@ def _key_index(trie: TokenTrie) -> KeyIndex:
         raise CatalogUpdateError("this catalog has neither keys nor names: name entries by index or by tokens") from None
 
 
-def _entry_tokens(trie: TokenTrie, entries: np.ndarray) -> RaggedTokens:
-    """The token sequences of entries ``entries`` of ``trie``, vectorized over entries (a loop over depth only).
-
-    Args:
-        entries: Shape: (K,), int64.
-    """
-    nodes = trie.entry_node[entries].astype(np.int64)
-    depth = (np.searchsorted(trie.level_ptr, nodes, side="right") - 1).astype(np.int64)
-    width = int(depth.max(initial=0))
-    matrix = np.zeros((len(nodes), width), dtype=np.int64)
-    parent = trie.parent
-    cur = nodes
-    rows = np.arange(len(nodes))
-    for step in range(width):
-        pos = depth - 1 - step
-        ok = pos >= 0
-        matrix[rows[ok], pos[ok]] = trie.token[cur[ok]]
-        cur = np.where(ok, parent[cur], cur)
-    offsets = np.zeros(len(nodes) + 1, dtype=np.int64)
-    np.cumsum(depth, out=offsets[1:])
-    return RaggedTokens(matrix[np.arange(width) < depth[:, None]], offsets)
-
-
 def _concat_ragged(parts: Sequence[RaggedTokens]) -> RaggedTokens:
     shifts = np.cumsum([0] + [int(p.offsets[-1]) for p in parts[:-1]])
     offsets = np.concatenate([np.zeros(1, dtype=np.int64)] + [p.offsets[1:] + s for p, s in zip(parts, shifts)])
@@ -310,9 +287,9 @@ class CatalogSnapshot:
         return np.flatnonzero(alive)
 
     def _ragged(self) -> RaggedTokens:
-        parts = [_entry_tokens(self.base, self._alive_base())]
+        parts = [self.base.entry_tokens(self._alive_base())]
         if self.delta is not None:
-            parts.append(_entry_tokens(self.delta, np.arange(self.delta.num_entries)))
+            parts.append(self.delta.entry_tokens(np.arange(self.delta.num_entries)))
         return _concat_ragged(parts)
 
     def added(self) -> dict[tuple[int, ...], int]:
@@ -323,7 +300,7 @@ class CatalogSnapshot:
             elif self._added_seqs is not None:
                 self._added = {seq: i for i, seq in enumerate(self._added_seqs)}
             else:
-                ragged = _entry_tokens(self.delta, np.arange(self.delta.num_entries))
+                ragged = self.delta.entry_tokens(np.arange(self.delta.num_entries))
                 v, o = ragged.values.tolist(), ragged.offsets.tolist()
                 self._added = {tuple(v[o[i] : o[i + 1]]): i for i in range(len(o) - 1)}
         return self._added
@@ -1091,7 +1068,7 @@ class LiveCatalog:
             identity = self.identity()
         base, delta = snap.base, snap.delta
         if delta is not None:
-            ragged = _entry_tokens(delta, np.arange(delta.num_entries))
+            ragged = delta.entry_tokens(np.arange(delta.num_entries))
         else:
             ragged = RaggedTokens(np.zeros(0, dtype=np.int64), np.zeros(1, dtype=np.int64))
         arrays: dict[str, np.ndarray] = {

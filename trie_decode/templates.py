@@ -308,6 +308,7 @@ class TemplateRules(FieldRules):
         super().__init__(text, ends, vocab, tries, resume=resume)  # type: ignore[arg-type]
         self.text, self.end_token_id = text, end_token_id
         self._keep = torch.from_numpy(text.keep)
+        self._runs: Optional[tuple[np.ndarray, np.ndarray]] = None
 
     def start_state(self, ids: Sequence[int]) -> tuple[int, int]:
         """Every row starts at the template's start, whatever its prompt (in slot 0 when the template opens with
@@ -350,6 +351,25 @@ class TemplateRules(FieldRules):
             state, fired, _ = self.text.step(state, tok)
             if fired >= 0:
                 return out
+
+    def forced_text_runs(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per automaton state, the length of :meth:`forced_text` and whether it ends the output (built once).
+        Shape: (S,) int64 and (S,) bool."""
+        if self._runs is None:
+            t = self.text
+            length = np.zeros(t.num_states, dtype=np.int64)
+            ends = np.zeros(t.num_states, dtype=np.bool_)
+            for s in range(t.num_states - 1, -1, -1):  # a forced token always moves forward: later states first
+                tok = int(t.keep[s])
+                if tok < 0:
+                    continue
+                nxt = int(t._keep_next[s])
+                if t.final(s) or s == t.dead or t._keep_fired[s] >= 0 or nxt <= s:  # forced_text stops here
+                    length[s], ends[s] = 1, tok == self.end_token_id
+                else:
+                    length[s], ends[s] = 1 + length[nxt], ends[nxt]
+            self._runs = (length, ends)
+        return self._runs
 
     def __repr__(self) -> str:
         return f"TemplateRules(slots={len(self.ends)}, states={self.text.num_states})"

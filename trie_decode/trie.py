@@ -31,7 +31,7 @@ from typing import Any, BinaryIO, Callable, Hashable, Iterable, Mapping, Optiona
 
 import numpy as np
 
-from ._build import BuiltArrays, build_arrays, check_tokens, to_ragged
+from ._build import BuiltArrays, RaggedTokens, build_arrays, check_tokens, to_ragged
 from .entries import Entry, StringTable, catalog_item_keys
 from .errors import EmptyTrieError, InvalidEntryError, InvalidTokenError, TokenizerMismatchError, TrieFileError
 from .fileio import read_arrays, write_arrays
@@ -488,6 +488,57 @@ class TokenTrie:
     def sequences(self) -> list[tuple[int, ...]]:
         """All entries' token sequences, in entry order."""
         return [self.tokens_of(int(n)) for n in self.entry_node]
+
+    def entry_tokens(self, entries: np.ndarray) -> RaggedTokens:
+        """The token sequences of entries ``entries``, packed, vectorized over entries (a loop over depth only).
+
+        Args:
+            entries: entry indices. Shape: (K,), int64.
+        """
+        nodes = self.entry_node[np.asarray(entries, dtype=np.int64)].astype(np.int64)
+        depth = (np.searchsorted(self.level_ptr, nodes, side="right") - 1).astype(np.int64)
+        width = int(depth.max(initial=0))
+        matrix = np.zeros((len(nodes), width), dtype=np.int64)
+        parent, cur, rows = self.parent, nodes, np.arange(len(nodes))
+        for step in range(width):
+            pos = depth - 1 - step
+            ok = pos >= 0
+            matrix[rows[ok], pos[ok]] = self.token[cur[ok]]
+            cur = np.where(ok, parent[cur], cur)
+        offsets = np.zeros(len(nodes) + 1, dtype=np.int64)
+        np.cumsum(depth, out=offsets[1:])
+        return RaggedTokens(matrix[np.arange(width) < depth[:, None]], offsets)
+
+    def subset(self, entries: np.ndarray) -> "TokenTrie":
+        """The trie of entries ``entries`` only, in that order (names, keys, fingerprint and options kept; ``extra``
+        arrays are not): what a static allow filter of those entries decodes as, built vectorized (about 1 s per
+        million entries).
+
+        Args:
+            entries: distinct entry indices. Shape: (K,), int64.
+
+        Raises:
+            EmptyTrieError: ``entries`` is empty.
+
+        Example:
+            >>> trie = TokenTrie.from_sequences([[5, 6], [5, 7], [8]], vocab_size=9, keys=["a", "b", "c"])
+            >>> small = trie.subset(np.array([2, 0]))
+            >>> small.sequences(), [small.entry(i).key for i in range(2)]
+            ([(8,), (5, 6)], ['c', 'a'])
+        """
+        entries = np.asarray(entries, dtype=np.int64)
+        if not len(entries):
+            raise EmptyTrieError("a subset of no entries is an empty trie")
+        built = build_arrays(self.entry_tokens(entries), self.vocab_size)
+        source = entries[built.entry_source]
+
+        def column(table: Optional[StringTable]) -> Optional[StringTable]:
+            return table.take(source) if table is not None else None
+
+        return TokenTrie(child_ptr=built.child_ptr, token=built.token, node_entry=built.node_entry,
+                         entry_node=built.entry_node, level_ptr=built.level_ptr, vocab_size=self.vocab_size,
+                         names=column(self._names), keys=column(self._keys), fingerprint=self.fingerprint,
+                         options=self.options)
 
     # ------------------------------------------------------------------ checks
     def check_tokenizer(self, tokenizer: Any) -> None:

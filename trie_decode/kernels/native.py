@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from ..errors import InvalidTokenError
-from ..spans import TABLE_COLUMNS
+from ..spans import COUNT, START, TABLE_COLUMNS
 from .grouped import GroupedKernel
 from .rules import ALL_MASKED_FLOOR
 from .vectorized import NUMPY_KERNEL
@@ -42,8 +42,10 @@ AVAILABLE = _kernel is not None
 # The packed fields of each C call, in order (``_kernel.c``'s TF_/LF_/MF_/SF_/CF_ enums). Pointers are data
 # addresses; 0 stands for "none".
 #: The step table and the trie, packed once per step table.
+#: With the bitmap pass (``_kernel.BITMAP_PASS``), the trie's bitmaps: ``bits`` (``num_bits`` rows, the dense rows
+#: then one per wide node) and the wide nodes, ascending (``wide_nodes``, ``num_wide``); see :func:`kernel_bits`.
 TRIE_FIELDS = ("table", "num_nodes", "num_codes", "child_token", "child_ptr", "dense_blocked", "vocab_size",
-               "num_dense")
+               "num_dense", "bits", "num_bits", "wide_nodes", "num_wide")
 #: The logits of a mask or step call: out and src (B, W) arrays, their row strides, W, the element size and the bit
 #: patterns of -inf and of the floor in their dtype.
 LOGITS_FIELDS = ("out", "src", "batch", "out_stride", "src_stride", "width", "elsize", "neg_bits", "floor_bits")
@@ -103,13 +105,14 @@ ENABLED = AVAILABLE and os.environ.get("TRIE_DECODE_NATIVE", "1") != "0"
 def usable_logits(logits: torch.Tensor) -> bool:
     """True when ``logits`` suit the kernel: a CPU (B, V) tensor of a handled float dtype with unit column stride
     and rows that do not overlap."""
-    return (
-        logits.dtype in _NEG_INF_BITS
-        and logits.is_cpu
-        and logits.dim() == 2
-        and (logits.stride(1) == 1 or logits.shape[1] <= 1)
-        and (logits.stride(0) >= logits.shape[1] or logits.shape[0] <= 1)
-    )
+    # Each tensor attribute read is a call into torch (at batch 1 they cost as much as the kernel): each read once.
+    if logits.dtype not in _NEG_INF_BITS or not logits.is_cpu:
+        return False
+    shape = logits.shape
+    if len(shape) != 2:
+        return False
+    stride = logits.stride()
+    return (stride[1] == 1 or shape[1] <= 1) and (stride[0] >= shape[1] or shape[0] <= 1)
 
 
 def trie_fields(table: Any) -> bytes:
@@ -128,17 +131,71 @@ def trie_fields(table: Any) -> bytes:
         raise ValueError("step table and trie sizes disagree")
     if t.child_ptr.numel() != d.num_nodes + 1 or tuple(t.dense_blocked.shape) != (d.num_dense, d.vocab_size):
         raise ValueError("trie arrays have inconsistent shapes")
+    found = kernel_bits(table)
+    bits, wide = (None, None) if found is None else found
     packed = _PACK["trie"].pack(
         table.tensor.data_ptr(), d.num_nodes, table.num_codes, t.child_token.data_ptr(), t.child_ptr.data_ptr(),
         t.dense_blocked.data_ptr(), d.vocab_size, d.num_dense,
+        0 if bits is None else bits.ctypes.data, 0 if bits is None else len(bits),
+        0 if wide is None else wide.ctypes.data, 0 if wide is None else len(wide),
     )
+    table.kernel_cache["native_bits"] = found  # kept alive with the packed pointers
     table.kernel_cache["native"] = packed
     return packed
 
 
+#: The most memory the bitmaps of a trie's wide nodes take (the widest nodes first); the dense rows' bitmaps, an
+#: eighth of their bytes, come on top.
+WIDE_BITS_BUDGET_BYTES = 32 << 20
+
+
+def kernel_bits(table: Any) -> Optional[tuple[np.ndarray, np.ndarray]]:
+    """The C kernel's bitmaps of a CPU step table's trie, for its bitmap pass (``_kernel.c``, bits_row): None when
+    the kernel has no bitmap pass (``_kernel.BITMAP_PASS``) or nothing to build, else ``(bits, wide_nodes)``:
+
+    - ``bits``: a row per dense row (its kept columns: those it does not block), then a row per wide node, a node
+      without a dense row that has at least ``_kernel.BITS_MIN_KEPT`` children (its children's tokens). Bit c of a
+      row is bit c % 64 of its word c // 64, 1 where column c is kept; the last word is padded with 0.
+      Shape: (H + W, ceil(V / 64)), uint64.
+    - ``wide_nodes``: the wide nodes, ascending (the widest that fit :data:`WIDE_BITS_BUDGET_BYTES`). Shape: (W,),
+      int64.
+
+    A row at a wide node then costs one pass through its bitmap, whatever its number of children (the kernel
+    would otherwise list them and build the bitmap at every step).
+    """
+    if not AVAILABLE or not _kernel.BITMAP_PASS:
+        return None
+    d = table.dtrie
+    t = d.tensors
+    words = -(-d.vocab_size // 64)
+    step = table.tensor.numpy()[:d.num_nodes]
+    count = step[:, COUNT].astype(np.int64)  # 0 at dense nodes (their children are in the dense row)
+    wide = np.flatnonzero(count >= _kernel.BITS_MIN_KEPT)
+    fit = WIDE_BITS_BUDGET_BYTES // (8 * words)
+    if len(wide) > fit:
+        wide = np.sort(wide[np.argsort(-count[wide], kind="stable")[:fit]])
+    blocked = t.dense_blocked.numpy()
+    if len(blocked) + len(wide) == 0:
+        return None
+    bits = np.zeros((len(blocked) + len(wide), words * 8), dtype=np.uint8)
+    if len(blocked):  # column c: bit c % 8 of byte c // 8; as little-endian words, bit c % 64 of word c // 64
+        packed = np.packbits(~blocked, axis=1, bitorder="little")
+        bits[:len(blocked), :packed.shape[1]] = packed
+    bits = bits.view("<u8")
+    if len(wide):
+        n = count[wide]
+        first = step[wide, START].astype(np.int64)
+        at = np.repeat(first - np.cumsum(n) + n, n) + np.arange(int(n.sum()))  # every wide node's child positions
+        tok = t.child_token.numpy()[at].astype(np.int64)
+        row = np.repeat(np.arange(len(blocked), len(bits)), n)
+        ok = (tok >= 0) & (tok < d.vocab_size)
+        np.bitwise_or.at(bits, (row[ok], tok[ok] >> 6), np.left_shift(np.uint64(1), (tok[ok] & 63).astype(np.uint64)))
+    return bits, wide.astype(np.int64)
+
+
 def _index(t: torch.Tensor, n: int, what: str) -> torch.Tensor:
     """``t`` as a contiguous (n,) int64 CPU tensor (a copy only if it is a strided view), or ValueError."""
-    if t.dtype is not torch.int64 or not t.is_cpu or t.dim() != 1 or t.numel() != n:
+    if t.dtype is not torch.int64 or not t.is_cpu or t.shape != (n,):
         raise ValueError(f"{what} must be a (n={n},) int64 CPU tensor, got {t.dtype} {tuple(t.shape)} on {t.device}")
     return t if t.is_contiguous() else t.contiguous()
 
@@ -156,12 +213,18 @@ def mask_rows(out: torch.Tensor, src: torch.Tensor, nodes: torch.Tensor, rows: O
         node_flags: static allow/deny filters in the same pass (:meth:`RowFilters.node_flags`): the flags,
             Shape: (F, N), uint8, and each state row's filter, Shape: (R,), int64.
     """
+    if not usable_logits(src) or (out is not src and (out.shape != src.shape or out.dtype != src.dtype or not usable_logits(out))):
+        raise ValueError("the kernel takes 2-D CPU float logits with unit column stride, out and src alike")
+    return _mask_rows(out, src, nodes, rows, table, node_flags)
+
+
+def _mask_rows(out: torch.Tensor, src: torch.Tensor, nodes: torch.Tensor, rows: Optional[torch.Tensor], table: Any,
+               node_flags: Optional[tuple[torch.Tensor, torch.Tensor]]) -> int:
+    """:func:`mask_rows` for logits already checked (:func:`usable_logits`, out and src alike)."""
     n = nodes.numel()
     nodes = _index(nodes, n, "nodes")
     if rows is not None:
         rows = _index(rows, n, "rows")
-    if not usable_logits(src) or (out is not src and (out.shape != src.shape or out.dtype != src.dtype or not usable_logits(out))):
-        raise ValueError("the kernel takes 2-D CPU float logits with unit column stride, out and src alike")
     batch, width = src.shape
     filters = (0, 0, 0)
     if node_flags is not None:
@@ -203,7 +266,7 @@ def child(dtrie: Any, nodes: torch.Tensor, tokens: torch.Tensor, table: Any = No
                     or t.child_token.dtype != torch.int32:
                 raise ValueError("the kernel needs a CPU DeviceTrie with int32 child arrays")
             trie = dtrie._kernel_trie_fields = _PACK["trie"].pack(
-                0, dtrie.num_nodes, 0, t.child_token.data_ptr(), t.child_ptr.data_ptr(), 0, dtrie.vocab_size, 0)
+                0, dtrie.num_nodes, 0, t.child_token.data_ptr(), t.child_ptr.data_ptr(), 0, dtrie.vocab_size, 0, 0, 0, 0, 0)
     else:
         if table.dtrie is not dtrie:
             raise ValueError("the step table belongs to another trie")
@@ -338,31 +401,29 @@ class NativeKernel(GroupedKernel):
     def mask_rows(self, tables: Sequence[Any], out: torch.Tensor, src: torch.Tensor, node: torch.Tensor,
                   tree: torch.Tensor, rows: Optional[torch.Tensor],
                   filter_bits: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> None:
-        """As :meth:`GroupedKernel.mask_rows`; rows of several tries (per-prompt tries, many spans) are checked once
-        and passed to C one trie at a time as host arrays, so a batch spread over many tries costs one C call per
-        trie present and no per-trie tensor work."""
+        """As :meth:`GroupedKernel.mask_rows`; rows of several tries (per-prompt tries, many spans) go to C in one
+        call with each row's trie: a batch spread over many tries costs one C call and no per-trie Python, numpy or
+        tensor work."""
         n = node.numel()
         if n == 0:
             return
-        if filter_bits is not None or len(tables) == 1 or n == 1 or not (usable_logits(src) and (out is src or usable_logits(out))):
+        if len(tables) == 1:  # one trie: straight to the C call (no grouping; filters go in the same pass)
+            self.mask(out, src, node, rows, tables[0], filter_bits)
+            return
+        if filter_bits is not None or n == 1 or not (usable_logits(src) and (out is src or usable_logits(out))):
             super().mask_rows(tables, out, src, node, tree, rows, filter_bits)
             return
-        nodes = _index(node, n, "nodes").numpy()
-        lrows = np.arange(n, dtype=np.int64) if rows is None else _index(rows, n, "rows").numpy()
-        if rows is None and n > src.shape[0]:
+        nodes, tree = _index(node, n, "nodes"), _index(tree, n, "tree")
+        if rows is not None:
+            rows = _index(rows, n, "rows")  # each checked against the batch in C
+        elif n > src.shape[0]:
             raise ValueError(f"{n} state rows for {src.shape[0]} logits rows")
-        if len(lrows) and (lrows.min() < 0 or lrows.max() >= src.shape[0]):
-            raise ValueError(f"rows must be logits rows in [0, {src.shape[0]})")
         batch, width = src.shape
-        head = (out.data_ptr(), src.data_ptr(), batch, out.stride(0), src.stride(0), width, *_DTYPE_ARGS[src.dtype])
-        t = tree.numpy()
-        order = np.argsort(t, kind="stable")
-        t, at, rw = t[order], np.ascontiguousarray(nodes[order]), np.ascontiguousarray(lrows[order])
-        starts = np.concatenate([[0], np.flatnonzero(t[1:] != t[:-1]) + 1])
-        groups = np.stack([t[starts], np.diff(np.append(starts, n))], axis=1).astype(np.int64)  # (trie, rows)
-        # One C call: each trie's rows are one slice of the sorted arrays (_kernel.c, mask_groups).
-        job = _PACK["mask"].pack(*head, n, rw.ctypes.data, at.ctypes.data, 0, 0, 0)
-        _kernel.mask(self._all_fields(tables), job, groups.tobytes())
+        # One C call: each run of rows of one trie is masked with that trie's fields (_kernel.c, mask_tries).
+        job = _PACK["mask"].pack(out.data_ptr(), src.data_ptr(), batch, out.stride(0), src.stride(0), width,
+                                 *_DTYPE_ARGS[src.dtype], n, 0 if rows is None else rows.data_ptr(), nodes.data_ptr(),
+                                 0, 0, 0)
+        _kernel.mask_tries(self._all_fields(tables), job, tree.data_ptr())
 
     @staticmethod
     def _all_fields(tables: Sequence[Any]) -> bytes:
@@ -376,7 +437,11 @@ class NativeKernel(GroupedKernel):
         return found
 
     def prepare(self, tables: Sequence[Any]) -> Sequence[Any]:
-        """Per-constraint data: the step tables, and (once, on first use) their packed fields together."""
+        """Per-constraint data: the step tables, and (once, on first use) their packed fields together. Each
+        table's own fields (and its bitmaps, :func:`kernel_bits`) are packed now, when the constraint is made: a step
+        never reads a table on the host."""
+        for t in tables:
+            trie_fields(t)
         return _Tables(tables)
 
     def advance(self, table: Any, node: torch.Tensor, tokens: torch.Tensor,
@@ -390,7 +455,9 @@ class NativeKernel(GroupedKernel):
              node_flags: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> None:
         """Mask the state rows' logits rows of ``src`` into ``out`` (the same tensor, or one of the same shape)."""
         if usable_logits(src) and (out is src or usable_logits(out)):
-            mask_rows(out, src, node, rows, table, node_flags)
+            if out is not src and (out.shape != src.shape or out.dtype != src.dtype):
+                raise ValueError("the kernel takes 2-D CPU float logits with unit column stride, out and src alike")
+            _mask_rows(out, src, node, rows, table, node_flags)
             return
         if node_flags is not None:
             raise ValueError("node flags need logits the C kernel takes (see takes_filters)")
