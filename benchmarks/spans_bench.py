@@ -177,6 +177,13 @@ def run_spans_suite(quick: bool = False, out_dir: Path | None = None) -> dict:
         records.append(_record(f"{name}: free rows (advance + mask_)", b, *_free_cost(c, tok, b, steps, V)))
         _, depth1 = _span_states(c, tok, b, f'"key{k}": "', k, seed=1)
         records.append(_record(f"{name}: in span, depth 1 (mask_)", b, *_mask_cost(c, depth1, b, steps, V)))
+    # The worst layout for 100 spans: every row of the batch in another span (row i in span 37 * i % 100).
+    spread = [_span_states(many, tok, 1, f'"key{37 * i % 100}": "', 37 * i % 100, seed=i)[1] for i in range(64)]
+    from trie_decode.constraint import RowState
+
+    mixed = RowState(*(torch.cat([getattr(s, f) for s in spread]) for f in ("node", "tree", "text")))
+    records.append(_record("100 spans: in span, depth 1, every row in another span (mask_)", 64,
+                           *_mask_cost(many, mixed, 64, steps, V)))
 
     from trie_decode.constraint import TrieConstraint
     from trie_decode.templates import Template

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ from trie_decode.constraint import DONE, FREE, SpanRules, TrieConstraint
 from trie_decode.errors import InvalidTokenError
 from trie_decode.kernels import native as _native
 from trie_decode.kernels.vectorized import NUMPY_KERNEL
+from trie_decode.spans import COUNT
 
 from reference import SPAN_RULE_CASES
 
@@ -437,3 +439,262 @@ def test_grouped_masking_refuses_groups_that_do_not_fit():
         _kernel.mask(packed[:-8], job, np.array([[0, 2]], dtype=np.int64).tobytes())
     _kernel.mask(packed, job, np.array([[1, 1], [0, 1]], dtype=np.int64).tobytes())
     assert logits[0].isfinite().nonzero().flatten().tolist() == [5, 9]
+
+
+# ---------------------------------------------------------------- the bitmap pass (AVX-512) and mask_tries
+
+_FANOUTS = {"f62": 62, "f63": 63, "f64": 64, "f65": 65, "f130": 130, "f700": 700, "f1500": 1500, "f3000": 3000}
+_EDGE_COLS = (2, 63, 64, 127, 128)  # the bitmaps' word boundaries (and limit - 64, limit - 1, added below)
+
+
+def _wide_trie(seed: int, vocab: int, limit: Optional[int] = None) -> tuple[TokenTrie, dict]:
+    """A trie whose root and inner nodes have 62..3000 children over tokens [2, limit) (default: the whole
+    vocabulary): nodes of exactly 62, 63, 64 and 65 children (BITS_MIN_KEPT is 64), wider ones, children on the
+    bitmaps' word boundaries and at the vocabulary's end, entries ending at wide nodes (their extras: the end token,
+    the separator), a wide node two levels down, and ~1000 random entries under the root. Returns the trie and the
+    named nodes."""
+    rng = np.random.default_rng(seed)
+    limit = limit or vocab
+    edge = list(_EDGE_COLS) + [limit - 64, limit - 1]
+    heads = rng.choice(np.arange(5, limit), len(_FANOUTS), replace=False).tolist()
+    seqs: list[list[int]] = []
+    for (name, k), h in zip(_FANOUTS.items(), heads):
+        first = edge if name in ("f64", "f65", "f130") else []
+        kids = list(dict.fromkeys(first + rng.permutation(np.arange(2, limit))[:k].tolist()))[:k]
+        seqs += [[h, int(t)] for t in kids]
+    named = dict(zip(_FANOUTS, heads))
+    seqs += [[named[n]] for n in ("f62", "f63", "f64", "f130")]  # entries that end at (wide) nodes
+    c0 = min(t for s, t in (x for x in seqs if len(x) == 2) if s == named["f130"])
+    seqs += [[named["f130"], c0]] + [[named["f130"], c0, int(t)] for t in
+                                       list(dict.fromkeys(edge + rng.permutation(np.arange(2, limit))[:100].tolist()))[:100]]
+    randoms = (rng.integers(2, limit, size=rng.integers(1, 4)).tolist() for _ in range(1200))
+    seqs += [s for s in randoms if s[0] not in heads]
+    trie = TokenTrie.from_sequences(seqs, vocab_size=vocab)
+    nodes = {name: trie.walk([h]) for name, h in named.items()}
+    nodes["deep"] = trie.walk([named["f130"], c0])
+    nodes["root"] = 0
+    fan = trie.fanout
+    assert {n: int(fan[nodes[n]]) for n in _FANOUTS} == _FANOUTS and fan[nodes["deep"]] == 100
+    return trie, nodes
+
+
+def _run_states(c: TrieConstraint, rng: np.random.Generator, named: dict, tree: int = 0) -> list[int]:
+    """Runs of rows in one state (every named node, some twice, in separate runs) and single rows at other nodes and
+    codes, in a random order."""
+    d = c.dtries[tree]
+    codes = [DONE, FREE] + [-2 - k for k in range(1, len(c.rules.separator))]
+    runs = [[v] * int(rng.integers(1, 4)) for v in list(named.values()) * 2]
+    runs += [[int(v)] for v in rng.integers(0, d.num_nodes, 12)] + [[v] for v in codes]
+    return [v for i in rng.permutation(len(runs)) for v in runs[i]]
+
+
+def _bitmap_reference(table) -> tuple[np.ndarray, np.ndarray]:
+    """What kernel_bits should build, the slow way: each dense row's unblocked columns, each wide node's children."""
+    from trie_decode import _kernel
+
+    d = table.dtrie
+    trie, step = d.trie, table.array[:d.num_nodes]
+    wide = np.flatnonzero(step[:, COUNT] >= _kernel.BITS_MIN_KEPT)
+    rows = [~d.tensors.dense_blocked.numpy()[h] for h in range(d.num_dense)]
+    for m in wide:
+        row = np.zeros(d.vocab_size, dtype=bool)
+        row[trie.children(int(m))[0]] = True
+        rows.append(row)
+    return np.array(rows).reshape(len(rows), d.vocab_size), wide
+
+
+def _unpack(bits: np.ndarray, vocab: int) -> np.ndarray:
+    return np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :vocab].astype(bool)
+
+
+def _check_dtypes(c: TrieConstraint, state, rows: torch.Tensor, batch: int, width: int, floor_rows: list[int],
+                  rng: np.random.Generator) -> None:
+    """Every float dtype: random -inf columns (other processors' bans), three whole rows at -inf, and the rows
+    ``floor_rows`` with every column they keep (per the numpy kernel) at -inf while the others stay finite (the floor
+    rule); then :func:`_compare_all_ways`."""
+    kept = c.with_kernel("numpy").mask_(torch.zeros(len(state), width), state).isfinite()[floor_rows]
+    for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+        logits = torch.randn(batch, width).to(dtype)
+        logits[torch.from_numpy(rng.random((batch, width)) < 0.3)] = float("-inf")
+        logits[rows[torch.from_numpy(rng.choice(len(state), 3, replace=False))]] = float("-inf")
+        for i, k in zip(floor_rows, kept):
+            assert k.sum() >= 1
+            logits[int(rows[i]), k] = float("-inf")
+        _compare_all_ways(c, state, logits, rows, what=str(dtype))
+
+
+def _compare_all_ways(c: TrieConstraint, state, logits: torch.Tensor, rows: torch.Tensor, filters=None,
+                      what: str = "") -> None:
+    """The native kernel against the numpy kernel, values included: with the row map (in place, out of place,
+    ``out=``) and without it, on the mapped rows gathered in state order (in place, and out of place, where the
+    kernel writes every row of a new tensor)."""
+    want = c.with_kernel("numpy").mask_(logits.clone(), state, rows, filters=filters)
+    assert torch.equal(c.mask_(logits.clone(), state, rows, filters=filters), want), what
+    before = logits.clone()
+    assert torch.equal(c.mask_(logits, state, rows, inplace=False, filters=filters), want), what
+    out = torch.full_like(logits, 7.0)
+    assert torch.equal(c.mask_(logits, state, rows, out=out, filters=filters), want) and torch.equal(logits, before), what
+    head, want = logits[rows], want[rows]  # state row i masks row i: the same rows, the same result
+    assert torch.equal(c.mask_(head.clone(), state, filters=filters), want), what
+    assert torch.equal(c.mask_(head, state, inplace=False, filters=filters), want), what
+
+
+@pytest.mark.parametrize("case, on_complete", [("v5000", "eos"), ("v5000", "repeat"), ("v49152", "repeat"),
+                                               ("narrow", "eos")])
+def test_bitmap_pass_equals_the_numpy_kernel(case, on_complete):
+    """Rows keeping >= BITS_MIN_KEPT (64) columns: wide nodes (62..3000 children, the threshold's 63/64/65), dense
+    rows, nodes whose children plus extras reach 64 (a terminal node of 62 or 63 children under "repeat"), per-row
+    filters over wide nodes; in runs of rows in one state and single rows, through a row map into a larger batch,
+    with logits wider than the vocabulary (or, ``narrow``, narrower than a 49152 vocabulary whose tries use tokens
+    below 5000), in every float dtype, with rows whose kept values are all -inf (the floor rule): the native kernel's
+    logits equal the numpy kernel's, values included.
+
+    On AVX-512 machines (``_kernel.BITMAP_PASS``) this covers the bitmap pass: the trie's bitmaps (dense rows, wide
+    nodes) are checked against the trie, and corrupting one bit of a wide node's and of a dense row's bitmap must
+    change the native kernel's output (so the rows at those nodes did take the bitmap pass). Elsewhere the same
+    comparisons run (the gap loop and the dense row's select) and kernel_bits builds nothing."""
+    from trie_decode import _kernel
+
+    vocab, limit, width, fanout = {"v5000": (5000, None, 5037, 1400), "v49152": (49152, None, 49152 + 37, 1000),
+                                   "narrow": (49152, 5000, 5003, 1000)}[case]
+    seed = {"v5000": 11, "v49152": 12, "narrow": 13}[case] + (100 if on_complete == "repeat" else 0)
+    rng = np.random.default_rng(seed)
+    trie, named = _wide_trie(seed, vocab, limit)
+    sep = (3, 4) if on_complete == "repeat" else ()
+    c = TrieConstraint(trie, SpanRules(end_token_id=END, on_complete=on_complete, separator=sep), "cpu",
+                       dense_min_fanout=fanout, kernel="native")
+    table, d = c.tables[0], c.dtries[0]
+    dense_nodes = {n for n in named if trie.fanout[named[n]] >= fanout}
+    assert {"f1500", "f3000"} <= dense_nodes and ("root" in dense_nodes) == (case != "v5000")
+    assert c.needed_width <= width and (width < vocab) == (case == "narrow")
+
+    # Which path each node takes: the trie's bitmaps are exactly its dense rows and its non-dense nodes of >= 64
+    # children (f64, f65, f130, f700, deep; the root too where it is not dense), never f62 or f63.
+    found = table.kernel_cache["native_bits"]
+    if _kernel.BITMAP_PASS:
+        bits, wide = found
+        ref_rows, ref_wide = _bitmap_reference(table)
+        assert np.array_equal(wide, ref_wide) and bits.shape == (d.num_dense + len(wide), -(-vocab // 64))
+        assert np.array_equal(_unpack(bits, vocab), ref_rows)
+        assert not _unpack(bits, -(-vocab // 64) * 64)[:, vocab:].any()  # the last word's padding
+        wide_named = {n for n in named if named[n] in set(wide.tolist())}
+        assert wide_named == {"f64", "f65", "f130", "f700", "deep"} | ({"root"} if case == "v5000" else set())
+    else:
+        assert found is None
+
+    state_nodes = _run_states(c, rng, named)
+    n = len(state_nodes)
+    state = c.start(n)
+    state.node = torch.tensor(state_nodes, dtype=torch.long)
+    batch = n + 9
+    rows = torch.from_numpy(rng.permutation(batch)[:n].astype(np.int64))
+    # The threshold: a row keeps 63 columns at f62 (the gap loop), 64 at f63 (a bitmap per run), 65 at f64 (the
+    # trie's bitmap): the children and the end token (and under "repeat" the separator, unless it is a child).
+    kept = c.with_kernel("numpy").mask_(torch.zeros(n, width), state).isfinite().sum(1)
+    for name in ("f62", "f63", "f64"):
+        sep_extra = on_complete == "repeat" and 3 not in trie.children(named[name])[0]
+        at_node = kept[torch.tensor(state_nodes) == named[name]]
+        assert len(at_node) and (at_node == _FANOUTS[name] + 1 + sep_extra).all(), name
+    # the floor rule: rows keeping only -inf at f65 (the trie's bitmap), at f3000 (a dense row) and inside runs;
+    # and (in _check_dtypes) whole rows at -inf
+    run_rows = [i for i in range(1, n - 1) if state_nodes[i - 1] == state_nodes[i] == state_nodes[i + 1]]
+    floor_rows = [i for i in range(n) if state_nodes[i] == named["f65"]][:1] + \
+                 [i for i in range(n) if state_nodes[i] == named["f3000"]][:1] + run_rows[:2]
+    _check_dtypes(c, state, rows, batch, width, floor_rows, rng)
+
+    # Per-row filters (single trie): a filtered row at a wide or dense node lists its kept children (a run's
+    # bitmap, built from the list or from the dense row's bitmap less the excluded children).
+    e = trie.num_entries
+    deny = [rng.choice(e, e // 3, replace=False) for _ in range(n)]
+    f = c.filters(n, deny=deny)
+    logits = torch.randn(batch, width)
+    logits[torch.from_numpy(rng.random((batch, width)) < 0.3)] = float("-inf")
+    _compare_all_ways(c, state, logits, rows, filters=f, what="filters")
+
+    if _kernel.BITMAP_PASS:
+        # The rows at a wide node and at a dense node read the trie's bitmaps: one bit off, their logits change.
+        bits, wide = found
+        logits = torch.randn(batch, width)
+        want = c.with_kernel("numpy").mask_(logits.clone(), state, rows)
+        for node, slot in ((named["f700"], d.num_dense + int(np.searchsorted(wide, named["f700"]))),
+                           (named["f1500"], int(d.dense_slots()[named["f1500"]]))):
+            col = int(trie.children(node)[0][1])  # a kept column, not the anchor (the first child)
+            word, bit = col >> 6, np.uint64(1) << np.uint64(col & 63)
+            bits[slot, word] ^= bit
+            try:
+                got = c.mask_(logits.clone(), state, rows)
+            finally:
+                bits[slot, word] ^= bit
+            at = rows[torch.tensor(state_nodes) == node]
+            assert not torch.equal(got[at], want[at]) and torch.isinf(got[at, col]).all()
+            assert torch.equal(c.mask_(logits.clone(), state, rows), want)
+
+
+@pytest.mark.parametrize("budget", ["default", "small"])
+def test_rows_of_many_wide_tries_in_one_call(budget, monkeypatch):
+    """A constraint of several tries (text spans, per-prompt tries) masks its rows in one C call (_kernel.mask_tries,
+    each run of rows of one trie a job): tries of wide nodes with other vocabularies (5000; 49152 with tokens below
+    6000, so the logits are narrower than it; a small one of 300 without a bitmap), rows of the tries interleaved,
+    runs of rows in one state (also one node id in two tries, one run after the other), every float dtype, the
+    floor rule, with and without a row map, in place and out of place: the logits equal the numpy kernel's, values
+    included.
+
+    ``small``: WIDE_BITS_BUDGET_BYTES holds the bitmaps of 3 wide nodes of the 5000 trie (the widest: its root, f700
+    and f130) and none of the 49152 one (its rows at wide nodes build a bitmap per run; its dense rows keep theirs).
+    On AVX-512 machines (``_kernel.BITMAP_PASS``) this covers the bitmap pass in mask_tries; elsewhere the same
+    comparisons run and no bitmap is built."""
+    from trie_decode import _kernel
+
+    rng = np.random.default_rng(31 + (budget == "small"))
+    if budget == "small":
+        monkeypatch.setattr(_native, "WIDE_BITS_BUDGET_BYTES", 3 * 8 * -(-5000 // 64))
+    a, a_named = _wide_trie(41, 5000)
+    b, b_named = _wide_trie(42, 49152, limit=6000)
+    tries = [a, b, _random_trie(rng, 30)]
+    named = [a_named, b_named, {"root": 0, "seven": tries[2].walk([7])}]
+    rules = SpanRules(end_token_id=END, on_complete="repeat", separator=(3, 4))
+    c = TrieConstraint(tries, rules, "cpu", dense_min_fanout=1400, kernel="native")
+    width = 6021
+    assert c.needed_width <= width < b.vocab_size
+
+    found = [t.kernel_cache["native_bits"] for t in c.tables]
+    if not _kernel.BITMAP_PASS:
+        assert found == [None] * 3
+    else:
+        assert found[2] is None  # no node of 64 children, no dense row
+        wide = [set(f[1].tolist()) for f in found[:2]]
+        wide_named = [{n for n in nn if nn[n] in w} for nn, w in zip(named, wide)]
+        everything = {"root", "f64", "f65", "f130", "f700", "deep"}
+        if budget == "small":
+            assert wide_named == [{"root", "f700", "f130"}, set()] and len(wide[0]) == 3 and not wide[1]
+        else:
+            assert wide_named == [everything, everything]
+        for t in c.tables[:2]:
+            ref_rows, ref_wide = _bitmap_reference(t)
+            bits, w = t.kernel_cache["native_bits"]
+            keep = np.concatenate([np.arange(t.dtrie.num_dense), t.dtrie.num_dense + np.searchsorted(ref_wide, w)])
+            assert set(w.tolist()) <= set(ref_wide.tolist())
+            assert np.array_equal(_unpack(bits, t.dtrie.vocab_size), ref_rows[keep])
+
+    # rows: runs of every trie's named nodes and random nodes, interleaved; first the root of tries 0, 1, 0
+    runs = [[(0, 0)] * 2, [(1, 0)] * 3, [(0, 0)]]
+    for k in range(3):
+        states = _run_states(c, rng, named[k], tree=k)
+        cuts = [0] + [i for i in range(1, len(states)) if states[i] != states[i - 1]] + [len(states)]
+        runs += [[(k, v) for v in states[x:y]] for x, y in zip(cuts, cuts[1:])]
+    pairs = runs[0] + runs[1] + runs[2] + [p for i in rng.permutation(len(runs) - 3) for p in runs[3 + i]]
+    n = len(pairs)
+    tree = torch.tensor([p[0] for p in pairs])
+    assert (tree[1:] != tree[:-1]).sum() >= 20  # many runs of one trie: many jobs in one call
+    state = c.start(n, tree)
+    state.node = torch.tensor([p[1] for p in pairs])
+    batch = n + 7
+    rows = torch.from_numpy(rng.permutation(batch)[:n].astype(np.int64))
+    by_node = lambda k, name: [i for i, p in enumerate(pairs) if p == (k, named[k][name])]  # noqa: E731
+    floor_rows = by_node(0, "f65")[:1] + by_node(1, "f700")[:1] + by_node(0, "f3000")[:1] + by_node(2, "seven")[:1]
+
+    calls = []
+    real = _kernel.mask_tries
+    monkeypatch.setattr(_kernel, "mask_tries", lambda *a: calls.append(a[1]) or real(*a))
+    _check_dtypes(c, state, rows, batch, width, floor_rows, rng)
+    assert len(calls) == 4 * 5  # every native call of _compare_all_ways, every dtype: one mask_tries call each
