@@ -42,6 +42,7 @@ import warnings
 import weakref
 from typing import Any, Optional
 
+import numpy as np
 import torch
 from packaging.version import Version
 
@@ -209,13 +210,14 @@ def beam_parents(parents: torch.Tensor, rows: int, column: int, check: bool) -> 
     batch, beams, width = parents.shape
     if batch * beams != rows or not 0 <= column < width:
         return None
-    col = parents.reshape(rows, width)[:, column]
-    if check:
-        values = col.tolist()
-        prompt_of = [r // beams for r in range(rows)]
-        good = all(0 <= v < rows and v // beams == p for v, p in zip(values, prompt_of))
-        if column + 1 < width:
-            good = good and bool((parents.reshape(rows, width)[:, column + 1] == -1).all())
+    flat = parents.reshape(rows, width)
+    col = flat[:, column]
+    if check:  # one host read of this column and the next, checked vectorized
+        cols = flat[:, column : column + 2].cpu().numpy().astype(np.int64)
+        values = cols[:, 0]
+        good = bool(((values >= 0) & (values < rows) & (values // beams == np.arange(rows) // beams)).all())
+        if cols.shape[1] > 1:
+            good = good and bool((cols[:, 1] == -1).all())
         if not good:
             _checked_parents(None)  # the one warning
             return None
