@@ -171,8 +171,7 @@ def _end_tables(ends: Sequence[Optional[str]], vocab: list[bytes], end_token_id:
             elif end_token_id is None:
                 raise ConstraintConfigError("a Span with end=None is closed by the end token: give end_token_id")
             else:
-                tables[end] = EndTokens("", np.asarray([end_token_id], dtype=np.int32), (b"",),
-                                        np.zeros(0, dtype=np.int32))
+                tables[end] = EndTokens.end_token(end_token_id)
     return [tables[end] for end in ends]
 
 

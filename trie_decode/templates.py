@@ -299,7 +299,7 @@ class TemplateRules(FieldRules):
         for k, name in enumerate(names):
             e = text.end_tokens(k)
             if not text.segments[k + 1]:
-                e = EndTokens("", np.asarray([end_token_id], dtype=np.int32), (b"",), np.zeros(0, dtype=np.int32))
+                e = EndTokens.end_token(end_token_id)
             elif len(e.ids) == 0:
                 raise ConstraintConfigError(f"no token begins the text after slot {name!r}: "
                                             f"{text.segments[k + 1]!r:.40}")

@@ -768,6 +768,12 @@ class EndTokens:
     tails: tuple[bytes, ...]
     partial_ids: np.ndarray
 
+    @classmethod
+    def end_token(cls, end_token_id: int) -> "EndTokens":
+        """The end token alone (it carries no text): what closes a value that ends the output (``Span(end=None)``,
+        a template's final slot)."""
+        return cls("", np.asarray([end_token_id], dtype=np.int32), (b"",), np.zeros(0, dtype=np.int32))
+
 
 def _vocab_of(tokenizer_or_vocab: Any, special_ids: Optional[Sequence[int]]) -> list[bytes]:
     if hasattr(tokenizer_or_vocab, "get_vocab"):
