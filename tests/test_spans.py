@@ -171,14 +171,19 @@ def test_json_fields_alone_after_a_json_prompt(model, tokenizer, spans, country_
     """Without a grammar: the prompt opens the object, the spans keep both values in their catalogs."""
     from trie_decode.integrations.transformers import TrieLogitsProcessor
 
-    proc = TrieLogitsProcessor(tokenizer=tokenizer, spans=spans)
+    _check_outputs(_json_answers(model, tokenizer, TrieLogitsProcessor(tokenizer=tokenizer, spans=spans), 8),
+                   country_names)
+
+
+def _json_answers(model, tokenizer, proc, n):
+    """Greedy answers to ``n`` prompts that end by opening the JSON object (``{"city": "``), up to its ``}``."""
     tokenizer.padding_side = "left"
-    prompts = [p + '{"city": "' for p in _prompts(tokenizer, 8)]
+    prompts = [p + '{"city": "' for p in _prompts(tokenizer, n)]
     enc = tokenizer(prompts, return_tensors="pt", padding=True)
     out = model.generate(**enc, logits_processor=[proc], max_new_tokens=24, do_sample=False,
                          pad_token_id=tokenizer.pad_token_id)
     texts = tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
-    _check_outputs(['{"city": "' + t.split("}")[0] + "}" for t in texts], country_names)
+    return ['{"city": "' + t.split("}")[0] + "}" for t in texts]
 
 
 def test_a_span_filter_is_its_trie_restricted(tokenizer):
@@ -208,15 +213,11 @@ def test_a_denied_value_is_never_written(model, tokenizer, country_names):
     a city of the catalog that is not Paris."""
     from trie_decode.integrations.transformers import TrieLogitsProcessor
 
-    spans = [Span(CITIES, after='"city": "', deny=["Paris"]), Span(country_names, after='"country": "')]
-    proc = TrieLogitsProcessor(tokenizer=tokenizer, spans=spans)
-    tokenizer.padding_side = "left"
-    prompts = [p + '{"city": "' for p in _prompts(tokenizer, 4)]
-    enc = tokenizer(prompts, return_tensors="pt", padding=True)
-    out = model.generate(**enc, logits_processor=[proc], max_new_tokens=24, do_sample=False,
-                         pad_token_id=tokenizer.pad_token_id)
-    texts = ['{"city": "' + t.split("}")[0] + "}"
-             for t in tokenizer.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)]
+    spans = [Span(CITIES, after='"city": "'), Span(country_names, after='"country": "')]
+    plain = _json_answers(model, tokenizer, TrieLogitsProcessor(tokenizer=tokenizer, spans=spans), 4)
+    assert any(json.loads(t)["city"] == "Paris" for t in plain)  # the filter has work to do
+    spans[0] = Span(CITIES, after='"city": "', deny=["Paris"])
+    texts = _json_answers(model, tokenizer, TrieLogitsProcessor(tokenizer=tokenizer, spans=spans), 4)
     _check_outputs(texts, country_names)
     assert all(json.loads(t)["city"] != "Paris" for t in texts), texts
 
