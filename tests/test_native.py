@@ -421,7 +421,7 @@ def test_rows_spread_over_many_tries_mask_as_the_numpy_kernel(with_rows):
         assert torch.equal(got, want)
 
 
-def test_grouped_masking_refuses_groups_that_do_not_fit():
+def test_many_tries_masking_refuses_rows_that_do_not_fit():
     from trie_decode import _kernel
 
     trie = TokenTrie.from_sequences([[5, 6], [9]], vocab_size=20)
@@ -431,13 +431,13 @@ def test_grouped_masking_refuses_groups_that_do_not_fit():
     rows, nodes = np.array([0, 1], dtype=np.int64), np.array([0, 0], dtype=np.int64)
     job = _native._PACK["mask"].pack(logits.data_ptr(), logits.data_ptr(), 2, 20, 20, 20,
                                      *_native._DTYPE_ARGS[torch.float32], 2, rows.ctypes.data, nodes.ctypes.data, 0, 0, 0)
-    for groups, match in ((np.array([[2, 2]]), "outside the 2 tries"), (np.array([[0, 3]]), "outside"),
-                          (np.array([[0, 1]]), "the groups hold 1 rows, the job 2")):
-        with pytest.raises((IndexError, ValueError), match=match):
-            _kernel.mask(packed, job, groups.astype(np.int64).tobytes())
+    bad = np.array([0, 2], dtype=np.int64)
+    with pytest.raises(IndexError, match="row 1 names trie 2 of 2"):
+        _kernel.mask_tries(packed, job, bad.ctypes.data)
+    tree = np.array([1, 0], dtype=np.int64)
     with pytest.raises(TypeError, match="k \\* .* packed int64 fields"):
-        _kernel.mask(packed[:-8], job, np.array([[0, 2]], dtype=np.int64).tobytes())
-    _kernel.mask(packed, job, np.array([[1, 1], [0, 1]], dtype=np.int64).tobytes())
+        _kernel.mask_tries(packed[:-8], job, tree.ctypes.data)
+    _kernel.mask_tries(packed, job, tree.ctypes.data)
     assert logits[0].isfinite().nonzero().flatten().tolist() == [5, 9]
 
 

@@ -595,62 +595,6 @@ static Py_ssize_t run_jobs(const MaskJob *jobs, Py_ssize_t g) {
     return masked;
 }
 
-/* mask(tries, job, groups): rows of several tries in one call (a batch spread over per-prompt tries or many spans).
- * tries: the packed TRIE_FIELDS of k tries, one after another; groups: 2g packed int64, (trie index, row count) per
- * group; the job's rows and nodes (rows required, no filters) hold the groups' rows one group after another. Each
- * group is masked as mask(tries[trie], job restricted to its rows) would mask it. */
-static PyObject *mask_groups(PyObject *const *args) {
-    int64_t f[MF_COUNT];
-    if (!PyBytes_Check(args[0]) || PyBytes_GET_SIZE(args[0]) == 0
-        || PyBytes_GET_SIZE(args[0]) % (Py_ssize_t)(TF_COUNT * sizeof(int64_t)) != 0) {
-        PyErr_Format(PyExc_TypeError, "tries must be bytes of k * %d packed int64 fields", (int)TF_COUNT);
-        return NULL;
-    }
-    if (!PyBytes_Check(args[2]) || PyBytes_GET_SIZE(args[2]) % (Py_ssize_t)(2 * sizeof(int64_t)) != 0) {
-        PyErr_SetString(PyExc_TypeError, "groups must be bytes of (trie, count) packed int64 pairs");
-        return NULL;
-    }
-    if (!read_fields(args[1], f, MF_COUNT, "job")) return NULL;
-    const Py_ssize_t k = PyBytes_GET_SIZE(args[0]) / (Py_ssize_t)(TF_COUNT * sizeof(int64_t));
-    const Py_ssize_t g = PyBytes_GET_SIZE(args[2]) / (Py_ssize_t)(2 * sizeof(int64_t));
-    const Py_ssize_t n = (Py_ssize_t)f[MF_N];
-    const int64_t *rows = (const int64_t *)(intptr_t)f[MF_ROWS], *nodes = (const int64_t *)(intptr_t)f[MF_NODES];
-    if (!rows || f[MF_FLAGS]) {
-        PyErr_SetString(PyExc_ValueError, "grouped masking needs each row's logits row and takes no filter flags");
-        return NULL;
-    }
-    MaskJob *jobs = (MaskJob *)malloc((size_t)(g > 0 ? g : 1) * sizeof(MaskJob));
-    if (!jobs) return PyErr_NoMemory();
-    Py_ssize_t at = 0;
-    for (Py_ssize_t q = 0; q < g; q++) {
-        int64_t pair[2], tf[TF_COUNT];
-        memcpy(pair, PyBytes_AS_STRING(args[2]) + q * 2 * sizeof(int64_t), sizeof(pair));
-        if (pair[0] < 0 || pair[0] >= k || pair[1] < 0 || pair[1] > n - at) {
-            PyErr_Format(PyExc_IndexError, "group %zd (trie %lld, %lld rows) is outside the %zd tries or the %zd rows", q,
-                         (long long)pair[0], (long long)pair[1], k, n);
-            free(jobs);
-            return NULL;
-        }
-        memcpy(tf, PyBytes_AS_STRING(args[0]) + pair[0] * TF_COUNT * sizeof(int64_t), sizeof(tf));
-        mask_job_init(&jobs[q], tf, f);
-        jobs[q].n = (Py_ssize_t)pair[1], jobs[q].rows = rows + at, jobs[q].nodes = nodes + at;
-        if (!mask_job_check(&jobs[q])) { free(jobs); return NULL; }
-        at += (Py_ssize_t)pair[1];
-    }
-    if (at != n) {
-        PyErr_Format(PyExc_ValueError, "the groups hold %zd rows, the job %zd", at, n);
-        free(jobs);
-        return NULL;
-    }
-    Py_ssize_t masked;
-    Py_BEGIN_ALLOW_THREADS
-    masked = run_jobs(jobs, g);
-    Py_END_ALLOW_THREADS
-    free(jobs);
-    if (masked < 0) return PyErr_NoMemory();
-    return PyLong_FromSsize_t(masked);
-}
-
 /* mask_tries(tries, job, tree) -> number of rows masked: rows of several tries in one call, each row naming its trie.
  * tries: the packed TRIE_FIELDS of k tries, one after another; job: MASK_FIELDS (rows optional, no filters); tree:
  * the address of the n rows' trie indices (int64, each in [0, k), checked). The rows are masked in their order,
@@ -729,9 +673,8 @@ static PyObject *py_mask_tries(PyObject *self, PyObject *const *args, Py_ssize_t
 static PyObject *py_mask(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     int64_t tf[TF_COUNT], f[MF_COUNT];
     MaskJob j;
-    if (nargs == 3) return mask_groups(args);
     if (nargs != 2) {
-        PyErr_Format(PyExc_TypeError, "mask(trie, job[, groups]) takes 2 or 3 arguments, got %zd", nargs);
+        PyErr_Format(PyExc_TypeError, "mask(trie, job) takes 2 arguments, got %zd", nargs);
         return NULL;
     }
     if (!read_fields(args[0], tf, TF_COUNT, "trie") || !read_fields(args[1], f, MF_COUNT, "job")) return NULL;
@@ -923,7 +866,7 @@ static PyObject *py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs
 
 static PyMethodDef methods[] = {
     {"mask", (PyCFunction)(void (*)(void))py_mask, METH_FASTCALL,
-     "mask(trie, job[, groups]): mask logits rows by their trie states (see _kernel.c)."},
+     "mask(trie, job): mask logits rows by their trie states (see _kernel.c)."},
     {"mask_tries", (PyCFunction)(void (*)(void))py_mask_tries, METH_FASTCALL,
      "mask_tries(tries, job, tree): mask logits rows of several tries, each row naming its trie (see _kernel.c)."},
     {"child", (PyCFunction)(void (*)(void))py_child, METH_FASTCALL,
