@@ -339,22 +339,18 @@ class TemplateRules(FieldRules):
         logits[r, keep] = floor_rule(kept, kept_alive(kept))  # a token another processor banned gets the floor
 
     def forced_text(self, state: int) -> list[int]:
-        """The fixed tokens from ``state`` up to the next slot (or to the end token, which ends the template)."""
+        """The fixed tokens from ``state`` up to the next slot (or to the end token, which ends the template): its
+        run in :meth:`forced_text_runs`, followed through the automaton."""
         out = []
-        while True:
-            tok = int(self.text.keep[state])
-            if tok < 0:
-                return out
-            out.append(tok)
-            if self.text.final(state) or state == self.text.dead:
-                return out
-            state, fired, _ = self.text.step(state, tok)
-            if fired >= 0:
-                return out
+        for _ in range(int(self.forced_text_runs()[0][state])):
+            out.append(int(self.text.keep[state]))
+            state = int(self.text._keep_next[state])
+        return out
 
     def forced_text_runs(self) -> tuple[np.ndarray, np.ndarray]:
-        """Per automaton state, the length of :meth:`forced_text` and whether it ends the output (built once).
-        Shape: (S,) int64 and (S,) bool."""
+        """Per automaton state, how many fixed tokens follow (each state's next canonical token, until a slot
+        fires, the template ends, or no token is known) and whether they end the output (the last is the end
+        token). Built once; :meth:`forced_text` and the fast-forward stop read it. Shape: (S,) int64 and (S,) bool."""
         if self._runs is None:
             t = self.text
             length = np.zeros(t.num_states, dtype=np.int64)
