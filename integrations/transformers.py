@@ -108,6 +108,10 @@ class _OutputBuffers:
 _SPAN_TAIL = 64
 
 
+#: How many (batch size, device) forms of a processor's static filters it keeps built (see ``_begin``).
+_STATIC_FILTERS_KEPT = 4
+
+
 def _span_tries(tokenizer: Any, spans: Any, on_complete: str, separator: Any, trigger: Any, allow: Any, deny: Any,
                 distinct: bool, check_prompt: bool, end_token_id: Optional[int] = None,
                 ) -> tuple[list[TokenTrie], FieldRules]:
@@ -230,6 +234,8 @@ class TrieLogitsProcessor(LogitsProcessor):
         if spans is not None:
             self.rules = replace(self.rules, fields=fields)
         self._filtered = allow is not None or deny is not None or bool(distinct)
+        # Filters without a distinct list never change: built once per (rows, device), reused by every generation.
+        self._static_filters: dict[tuple[int, str], Any] = {}
         self._filter_specs: tuple = (None, None, False, 0, max_entries)
         if self._filtered:  # resolved (keys to entry indices) and checked now, once: a bad key fails here
             n = prompt_filters(allow, deny)
@@ -244,7 +250,10 @@ class TrieLogitsProcessor(LogitsProcessor):
             allow, deny = resolve(allow, "allow"), resolve(deny, "deny")
             rows = (n or 1, filter_rows(allow, n, n or 1), filter_rows(deny, n, n or 1))
             if self._live is None:
-                TrieConstraint(self.tries, self.rules, "cpu").filters(*rows, distinct=distinct, max_entries=max_entries)
+                built = TrieConstraint(self.tries, self.rules, "cpu").filters(*rows, distinct=distinct,
+                                                                              max_entries=max_entries)
+                if not distinct:
+                    self._static_filters[(rows[0], "cpu")] = built
             else:
                 view = self._live.snapshot().view(self.rules)
                 view.filters(view.constraint(self.rules, "cpu"), *rows, distinct=distinct, max_entries=max_entries)
@@ -317,8 +326,17 @@ class TrieLogitsProcessor(LogitsProcessor):
         if self._filtered or self._live is not None:  # a live catalog's view denies the entries removed since
             allow, deny, distinct, n, max_entries = self._filter_specs
             rows = (batch, filter_rows(allow, n, batch), filter_rows(deny, n, batch))
-            self._filters = (constraint.filters(*rows, distinct=distinct, max_entries=max_entries) if self._live is None
-                             else self._view.filters(constraint, *rows, distinct=distinct, max_entries=max_entries))
+            key = (batch, str(device))
+            if self._live is not None:
+                self._filters = self._view.filters(constraint, *rows, distinct=distinct, max_entries=max_entries)
+            elif key in self._static_filters:
+                self._filters = self._static_filters[key]
+            else:
+                self._filters = constraint.filters(*rows, distinct=distinct, max_entries=max_entries)
+                if not distinct:
+                    if len(self._static_filters) >= _STATIC_FILTERS_KEPT:  # batch sizes seen: keep the newest few
+                        self._static_filters.pop(next(iter(self._static_filters)))
+                    self._static_filters[key] = self._filters
         self._start = cur
         self._loop = loop
         self.steps = 0

@@ -368,6 +368,31 @@ def test_processor_filters_per_prompt_in_generate(tiny_llama, beams):
     assert all(k in {"d", "f"} for k in keys[beams:]), keys
 
 
+def test_one_processor_reused_over_generations_filters_as_a_fresh_one(tiny_llama):
+    """A processor keeps its static filters built between generations (per batch size): reused over generations of
+    other widths, in any order, it gives what a fresh processor gives; a distinct list starts empty every time."""
+    from trie_decode.integrations.transformers import TrieLogitsProcessor
+
+    trie = TokenTrie.from_sequences(ENTRIES, vocab_size=tiny_llama.config.vocab_size, keys=KEYS)
+    spec = dict(allow=[["a", "d", "f"], None], deny=[["d"], ["a", "b", "c", "e"]])
+    reused = TrieLogitsProcessor(trie, end_token_id=END, **spec)
+    inputs = {"input_ids": torch.tensor([[5, 6, 7], [8, 9, 10]]), "attention_mask": torch.ones(2, 3, dtype=torch.long)}
+    for beams in (4, 1, 2, 4, 1):
+        kwargs = dict(max_new_tokens=5, pad_token_id=END, eos_token_id=END, num_beams=beams,
+                      num_return_sequences=beams, do_sample=False)
+        fresh = tiny_llama.generate(**inputs, logits_processor=[TrieLogitsProcessor(trie, end_token_id=END, **spec)],
+                                    **kwargs)
+        assert torch.equal(tiny_llama.generate(**inputs, logits_processor=[reused], **kwargs), fresh), beams
+    distinct = TrieLogitsProcessor(trie, end_token_id=END, on_complete="repeat", separator=[SEP], distinct=True,
+                                   max_entries=len(KEYS))
+    one = {"input_ids": torch.tensor([[5, 6, 7]]), "attention_mask": torch.ones(1, 3, dtype=torch.long)}
+    for _ in range(3):
+        out = tiny_llama.generate(**one, logits_processor=[distinct], max_new_tokens=30, pad_token_id=END,
+                                  eos_token_id=END, do_sample=False)
+        keys = [e.key for e in distinct.match_all(out)[0]]
+        assert keys and len(keys) == len(set(keys)), keys
+
+
 def test_wide_beams_all_members_and_fewer_entries_than_beams(tiny_llama):
     """256 beams over 6 entries: every returned beam is a member (no dead end), duplicates of an entry included."""
     from trie_decode.integrations.transformers import TrieLogitsProcessor

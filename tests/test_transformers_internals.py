@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import inspect
 
+import warnings
+
 import pytest
 import torch
 
@@ -265,3 +267,10 @@ def test_prefix_hash_fallback_needs_no_layout():
     crossed[0, 0, 0] = 4  # a beam of prompt 0 continuing a row of prompt 1
     with pytest.warns(UserWarning):
         assert beam_parents(crossed, 6, 0, check=True) is None
+    for bad, where in ((-2, (1, 2, 1)), (6, (1, 2, 0)), (-1, (0, 1, 0))):
+        other = parents.clone()
+        other[where] = bad  # a next column already written, a row out of range, an unwritten current column
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # warned once per process, above
+            assert beam_parents(other, 6, 0, check=True) is None
+    assert beam_parents(parents, 6, 0, check=False).tolist() == [0, 0, 1, 3, 4, 4]  # unchecked: read as it is

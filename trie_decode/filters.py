@@ -504,16 +504,25 @@ def _node_flags(order: EntryOrder, trie: TokenTrie, allow: Optional[np.ndarray],
         flags = filter_bits(nothing, nothing, order.node_rank >= 0)
     if not len(ranks):
         return flags
-    # The nodes on the filter's paths, one gather per level (repeats are harmless: every write is idempotent).
-    cand = [order.rank_node[ranks]]
+    # The nodes on the filter's paths, one gather per level. Ranks are sorted and nodes are numbered breadth-first
+    # in depth-first order, so a level's ancestors come in runs: each run is kept once (a repeat left over is
+    # harmless, every write is idempotent).
+    level = order.rank_node[ranks]
+    cand = [level]
     for _ in range(trie.max_depth):
-        up = parent[cand[-1]]
-        cand.append(up[up >= 0])
+        up = parent[level]
+        up = up[up >= 0]
+        level = up[np.flatnonzero(np.diff(up, prepend=-1))] if len(up) else up
+        cand.append(level)
     cand = np.concatenate(cand)
-    first = order.lo[cand]
-    counts = usable_count(np.stack([first, first + 1, order.hi[cand]], 1), allow, deny)  # (C, 2): own, rest
-    own, rest = counts[:, 0] > 0, counts[:, 1] > 0
-    flags[cand] = filter_bits(own | rest, own, order.node_rank[cand] >= 0)
+    first, terminal = order.lo[cand], order.node_rank[cand] >= 0
+    # The count over each node's subtree, and over its own entry's one rank where an entry ends there (depth-first,
+    # it ranks first); elsewhere the own count is never read (filter_bits reads it only where terminal).
+    usable_below = usable_count(np.stack([first, order.hi[cand]], 1), allow, deny)[:, 0] > 0
+    usable_own = np.zeros_like(usable_below)
+    ends = first[terminal]
+    usable_own[terminal] = usable_count(np.stack([ends, ends + 1], 1), allow, deny)[:, 0] > 0
+    flags[cand] = filter_bits(usable_below, usable_own, terminal)
     return flags
 
 
