@@ -368,6 +368,45 @@ def test_processor_filters_per_prompt_in_generate(tiny_llama, beams):
     assert all(k in {"d", "f"} for k in keys[beams:]), keys
 
 
+def test_node_flags_are_built_once_per_filter_and_stay_right(monkeypatch):
+    """A trie keeps the node flags of the filters it saw last, keyed by their content: a filter seen before is not
+    counted again (in another RowFilters, another row order), a different filter is, and whatever the cache holds
+    or evicts, the flags equal a fresh count."""
+    from trie_decode import filters as F
+
+    rng = random.Random(3)
+    seqs = [[rng.randrange(3, V) for _ in range(rng.randrange(1, 5))] for _ in range(80)]
+    trie = TokenTrie.from_sequences(seqs, vocab_size=V)
+    c = TrieConstraint(trie, SpanRules(end_token_id=END), "cpu")
+    e = trie.num_entries
+    specs = [dict(deny=rng.sample(range(e), 10)), dict(allow=rng.sample(range(e), 12)),
+             dict(allow=rng.sample(range(e), 12), deny=rng.sample(range(e), 6))]
+    built = []
+    real = F._node_flags
+    monkeypatch.setattr(F, "_node_flags", lambda *a: built.append(1) or real(*a))
+
+    def table(spec_rows):
+        f = c.filters(len(spec_rows), allow=[s.get("allow") for s in spec_rows],
+                      deny=[s.get("deny") for s in spec_rows])
+        flags, filt = f.node_flags(trie)
+        return flags[filt]
+
+    def fresh(spec):
+        f = c.filters(1, **{k: [v] for k, v in spec.items()})
+        allow_r, deny_r = f._host_sets
+        return torch.from_numpy(real(f.order, trie, allow_r[0], deny_r[0]))
+
+    first = table(specs)
+    assert len(built) == 3
+    again = table(specs[::-1])  # the same filters in another order, in a new RowFilters: nothing counted
+    assert len(built) == 3 and torch.equal(again, first.flip(0))
+    for i, spec in enumerate(specs):
+        assert torch.equal(first[i], fresh(spec))
+    monkeypatch.setattr(F, "NODE_FLAG_CACHE_BYTES", trie.num_nodes)  # room for one filter: evictions
+    for spec in specs * 2:
+        assert torch.equal(table([spec])[0], fresh(spec))
+
+
 def test_one_processor_reused_over_generations_filters_as_a_fresh_one(tiny_llama):
     """A processor keeps its static filters built between generations (per batch size): reused over generations of
     other widths, in any order, it gives what a fresh processor gives; a distinct list starts empty every time."""

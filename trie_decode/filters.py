@@ -28,6 +28,8 @@ Dimension letters: R rows, N nodes, E entries, A allow capacity, D deny capacity
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from typing import Any, Iterable, Optional, Sequence
 
 import numpy as np
@@ -384,9 +386,10 @@ class RowFilters:
             index: dict[tuple, int] = {}
             per_row = [index.setdefault((id(a), id(d)), len(index)) for a, d in zip(allow_r, deny_r)]
             flags = np.zeros((len(index), trie.num_nodes), dtype=np.uint8)
+            cache = trie.derived("NodeFlagCache", _NodeFlagCache)
             for (ia, idd), f in index.items():
                 row = per_row.index(f)
-                flags[f] = _node_flags(self.order, trie, allow_r[row], deny_r[row])
+                flags[f] = cache.get(self.order, trie, allow_r[row], deny_r[row])
             self._flags = (torch.from_numpy(flags), torch.tensor(per_row, dtype=torch.long))
         return self._flags
     def select(self, index: torch.Tensor) -> "RowFilters":
@@ -487,6 +490,40 @@ class RowFilters:
         self.deny_count = self.deny_count + fits.long()
         drop = where.unsqueeze(1) & (self.allow == ranks.unsqueeze(1))
         self.allow = torch.sort(torch.where(drop, self.sentinel, self.allow), dim=1).values
+
+
+#: How many bytes of node flags a trie keeps for the filters it saw last (see :class:`_NodeFlagCache`).
+NODE_FLAG_CACHE_BYTES = 64 << 20
+
+
+class _NodeFlagCache:
+    """The node flags (:func:`_node_flags`) of the filters one trie saw last, keyed by the filter's content, least
+    recently used out first, at most :data:`NODE_FLAG_CACHE_BYTES`. A filter's flags cost about 1 ms per million
+    entries; with this a filter seen before costs a hash of its ranks: a new generation, a new processor with the
+    same filter, or a vLLM batch whose filtered rows changed (every row's filter is rebuilt then)."""
+
+    def __init__(self) -> None:
+        self._rows: OrderedDict[tuple, tuple[Optional[np.ndarray], np.ndarray, np.ndarray]] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()  # a live catalog compacts in a background thread
+
+    def get(self, order: EntryOrder, trie: TokenTrie, allow: Optional[np.ndarray], deny: np.ndarray) -> np.ndarray:
+        """The flags of one filter (arguments as :func:`_node_flags`'). The returned array is shared: read only."""
+        key = (None if allow is None else hash(allow.tobytes()), hash(deny.tobytes()))
+        with self._lock:
+            hit = self._rows.get(key)
+            if hit is not None and (hit[0] is None) == (allow is None) and (
+                    allow is None or np.array_equal(hit[0], allow)) and np.array_equal(hit[1], deny):
+                self._rows.move_to_end(key)
+                return hit[2]
+        flags = _node_flags(order, trie, allow, deny)
+        with self._lock:
+            if key not in self._rows and flags.nbytes <= NODE_FLAG_CACHE_BYTES:
+                self._rows[key] = (allow, deny, flags)
+                self._bytes += flags.nbytes
+                while self._bytes > NODE_FLAG_CACHE_BYTES:
+                    self._bytes -= self._rows.popitem(last=False)[1][2].nbytes
+        return flags
 
 
 def _node_flags(order: EntryOrder, trie: TokenTrie, allow: Optional[np.ndarray], deny: np.ndarray) -> np.ndarray:
