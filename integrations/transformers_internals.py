@@ -292,4 +292,3 @@ def drop_cache_rows(cache: Any, keep: torch.Tensor) -> bool:
         return False
     select(keep)
     return True
-

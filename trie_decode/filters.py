@@ -392,6 +392,7 @@ class RowFilters:
                 flags[f] = cache.get(self.order, trie, allow_r[row], deny_r[row])
             self._flags = (torch.from_numpy(flags), torch.tensor(per_row, dtype=torch.long))
         return self._flags
+
     def select(self, index: torch.Tensor) -> "RowFilters":
         """Rows ``index`` of these filters (beam reordering). Filters that every row shares, with no distinct list,
         are the same whatever the rows: returned as they are."""
