@@ -469,10 +469,6 @@ class BuildBudget:
             self.events.popleft()
         return sum(d for _, d in self.events)
 
-    def spent(self) -> float:
-        with self.lock:
-            return self._spent(time.monotonic())
-
     def check(self, what: str) -> None:
         with self.lock:
             spent = self._spent(time.monotonic())

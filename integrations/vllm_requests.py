@@ -69,9 +69,6 @@ from trie_decode.tokenizers import fingerprint_matches, tokenizer_fingerprint, t
 from trie_decode.trie import TokenTrie
 
 from .vllm_access import (
-    DEFAULT_MAX_FILTER_ITEMS,
-    DEFAULT_MAX_INLINE_BYTES,
-    DEFAULT_MAX_INLINE_ENTRIES,
     FILE_CACHE_SIZE,
     INLINE_CACHE_SIZE,
     STAMP_KEY,
@@ -95,8 +92,6 @@ __all__ = [
     "SPAN_KEYS",
     "SpanRequest",
     "is_trie_request",
-    "MAX_INLINE_ENTRIES",
-    "MAX_INLINE_BYTES",
 ]
 
 TRIE_KEY = "trie"
@@ -108,16 +103,6 @@ OPTION_KEYS = (
 #: The keys of one span dict in ``extra_args["spans"]`` (a :class:`trie_decode.fields.Span`).
 SPAN_KEYS = ("after", "values", "trie", "end", "escape", "whitespace", "allow", "deny")
 logger = logging.getLogger("trie_decode.vllm")
-
-#: Default of the most entries one request's ``allow`` or ``deny`` filter may name (the limit in force comes from
-#: TRIE_DECODE_VLLM_MAX_FILTER_ITEMS at call time; see :mod:`.vllm_access`).
-MAX_FILTER_ITEMS = DEFAULT_MAX_FILTER_ITEMS
-#: Default inline payload limits per request (entries, and UTF-8 bytes of strings / 4 bytes per token id): a list at
-#: the limit costs a few hundred milliseconds of tokenizing on a slow CPU (docs/vllm.md, "Security"). Bigger sets belong
-#: in a trie file or a named trie. The limits in force come from the environment at call time
-#: (TRIE_DECODE_VLLM_MAX_INLINE_ENTRIES / TRIE_DECODE_VLLM_MAX_INLINE_BYTES; see :mod:`.vllm_access`).
-MAX_INLINE_ENTRIES = DEFAULT_MAX_INLINE_ENTRIES
-MAX_INLINE_BYTES = DEFAULT_MAX_INLINE_BYTES
 
 
 class TrieRequestError(TrieDecodeError, ValueError):
@@ -654,13 +639,6 @@ class _LRU:
 
     def _over(self) -> bool:
         return len(self.items) > self.size or (self.max_bytes is not None and self.nbytes > self.max_bytes)
-
-    def get_or_build(self, key: Hashable, build: Callable[[], Any]) -> Any:
-        found = self.get(key)
-        if found is None:
-            found = build()  # outside the lock: a build may take seconds
-            self.put(key, found)
-        return found
 
     def __len__(self) -> int:
         return len(self.items)

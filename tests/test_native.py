@@ -261,11 +261,13 @@ def test_fused_step_equals_advance_then_mask(case, dense, parents_dtype):
     assert step is not None and step.nodes is state.node
     ids = torch.from_numpy(rng.integers(0, V, (rows, 3)))
     for t in range(12):
-        logits = torch.randn(rows, width)
+        # the logits' width and the parents' presence change between some steps (the step repacks its job's fixed
+        # fields then) and stay between others (it reuses them)
+        logits = torch.randn(rows, width + (t // 4))
         logits[torch.from_numpy(rng.random(rows) < 0.2)] = float("-inf")
         parents = None
         if t:
-            if parents_dtype is not None:
+            if parents_dtype is not None and t != 6:
                 parents = torch.from_numpy(rng.integers(0, rows, rows)).to(parents_dtype)
                 ref = ref.select(parents.long())
             ref = c.advance(ref, ids[:, -1])
@@ -338,12 +340,19 @@ def test_c_boundary_takes_packed_fields():
     assert len(packed) == 8 * len(_native.TRIE_FIELDS)
     for fn, job_fields in ((_kernel.mask, _native.MASK_FIELDS), (_kernel.child, _native.CHILD_FIELDS),
                            (_kernel.step, _native.STEP_FIELDS)):
-        with pytest.raises(TypeError, match=r"takes 2( or 3)? arguments"):
+        with pytest.raises(TypeError, match=r"takes 2( or [0-9]+)? arguments"):
             fn(packed)
         with pytest.raises(TypeError, match=f"job must be bytes of {len(job_fields)} packed int64 fields"):
             fn(packed, bytes(8 * (len(job_fields) - 1)))
         with pytest.raises(TypeError, match="trie must be bytes"):
             fn(bytearray(packed), bytes(8 * len(job_fields)))
+    # step's per-call fields follow its job, all six or none, each an int
+    job = bytes(8 * len(_native.STEP_FIELDS))
+    for call in ((0,) * 5, (0,) * 7):
+        with pytest.raises(TypeError, match="takes 2 or 8 arguments"):
+            _kernel.step(packed, job, *call)
+    with pytest.raises(TypeError):
+        _kernel.step(packed, job, 0, 0, 0, 0, 0, "0")
     # A job without its arrays (null pointers) is refused, not dereferenced.
     with pytest.raises(ValueError, match="out, nodes and tokens"):
         _kernel.child(packed, bytes(8 * len(_native.CHILD_FIELDS)))

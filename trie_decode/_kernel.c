@@ -189,6 +189,11 @@ enum { LF_OUT, LF_SRC, LF_BATCH, LF_OUT_STRIDE, LF_SRC_STRIDE, LF_WIDTH, LF_ELSI
        LF_COUNT };
 enum { MF_N = LF_COUNT, MF_ROWS, MF_NODES, MF_FLAGS, MF_FILTER, MF_NUM_FILTERS, MF_COUNT };
 enum { SF_NODES = LF_COUNT, SF_TOKENS, SF_TOKEN_STRIDE, SF_PARENTS, SF_PARENT_STRIDE, SF_PARENT_SIZE, SF_MOVES, SF_COUNT };
+/* step()'s per-call fields, which may follow its job as arguments (the rest of a job stays the same from call to
+ * call: the caller packs it once) */
+enum { STEP_CALL_COUNT = 6 };
+static const int STEP_CALL_FIELDS[STEP_CALL_COUNT] = {LF_OUT, LF_SRC, SF_TOKENS, SF_TOKEN_STRIDE, SF_PARENTS,
+                                                      SF_PARENT_STRIDE};
 enum { CF_OUT, CF_NODES, CF_TOKENS, CF_N, CF_MOVES, CF_FLAGS, CF_FILTER, CF_NUM_FILTERS, CF_COUNT };
 
 /* Copy the count int64 fields packed in a bytes object into f; 0 with a TypeError set when it is not exactly
@@ -794,8 +799,10 @@ static PyObject *py_child(PyObject *self, PyObject *const *args, Py_ssize_t narg
     Py_RETURN_NONE;
 }
 
-/* step(trie, job) -> number of rows masked; job: STEP_FIELDS (the logits, then nodes, tokens, token_stride,
- * parents, parent_stride, parent_size, moves).
+/* step(trie, job[, out, src, tokens, token_stride, parents, parent_stride]) -> number of rows masked; job:
+ * STEP_FIELDS (the logits, then nodes, tokens, token_stride, parents, parent_stride, parent_size, moves). The six
+ * optional int arguments replace those fields of the job (STEP_CALL_FIELDS): a caller that steps the same rows
+ * again and again packs the rest once and passes only what changes at every call.
  *
  * A whole decoding step of batch rows that keep their places (logits row i is state row i), in one call: with
  * tokens (not 0), each row first moves from the node of its parent row (parents[i * parent_stride],
@@ -807,11 +814,17 @@ static PyObject *py_child(PyObject *self, PyObject *const *args, Py_ssize_t narg
 static PyObject *py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     int64_t tf[TF_COUNT], f[SF_COUNT];
     MaskJob j;
-    if (nargs != 2) {
-        PyErr_Format(PyExc_TypeError, "step(trie, job) takes 2 arguments, got %zd", nargs);
+    if (nargs != 2 && nargs != 2 + STEP_CALL_COUNT) {
+        PyErr_Format(PyExc_TypeError, "step(trie, job[, out, src, tokens, token_stride, parents, parent_stride]) "
+                     "takes 2 or %d arguments, got %zd", 2 + STEP_CALL_COUNT, nargs);
         return NULL;
     }
     if (!read_fields(args[0], tf, TF_COUNT, "trie") || !read_fields(args[1], f, SF_COUNT, "job")) return NULL;
+    for (Py_ssize_t a = 2; a < nargs; a++) {  /* the per-call fields, over the job's */
+        const int64_t v = PyLong_AsLongLong(args[a]);
+        if (v == -1 && PyErr_Occurred()) return NULL;
+        f[STEP_CALL_FIELDS[a - 2]] = v;
+    }
     mask_job_init(&j, tf, f);
     j.n = j.batch, j.nodes = (const int64_t *)(intptr_t)f[SF_NODES];
     if (!j.nodes) {

@@ -375,10 +375,6 @@ class TextTriggers:
         """This automaton lifted to a vocabulary (token bytes by id): see :class:`TokenTriggers`."""
         return TokenTriggers(self, vocab)
 
-    def for_tokenizer(self, tokenizer: Any, *, special_ids: Optional[Sequence[int]] = None) -> "TokenTriggers":
-        """This automaton lifted to a tokenizer's vocabulary: see :meth:`TokenTriggers.from_tokenizer`."""
-        return TokenTriggers.from_tokenizer(self, tokenizer, special_ids=special_ids)
-
     def __repr__(self) -> str:
         return f"TextTriggers({len(self.patterns)} patterns, {self.num_states} states)"
 
@@ -520,19 +516,6 @@ class TokenTriggers:
         self._fire_pattern = np.zeros(0, dtype=np.int32)
         self._fire_past = np.zeros(0, dtype=np.int32)
         self._fire_lists: tuple[list[int], list[int], list[int]] = ([], [], [])
-
-    @classmethod
-    def from_tokenizer(
-        cls,
-        triggers: Union[TextTriggers, Sequence[Union[str, Trigger]]],
-        tokenizer: Any,
-        *,
-        special_ids: Optional[Sequence[int]] = None,
-    ) -> "TokenTriggers":
-        """Lifted to a Hugging Face-style tokenizer's vocabulary (``MistralCommonBackend`` included); special
-        tokens are empty (see :func:`vocabulary_bytes`). Reading the vocabulary costs ~0.1-1 s for V = 49k-262k
-        (the token bytes are cached per tokenizer); each state's row then costs one vectorized pass."""
-        return cls(triggers, vocabulary_bytes(tokenizer, special_ids=special_ids))
 
     # -- lazy rows ------------------------------------------------------------------------------------------
 

@@ -304,7 +304,7 @@ class FusedStep:
         needed_width: the fewest logits columns that hold every token the rows can keep.
     """
 
-    __slots__ = ("nodes", "rows", "needed_width", "_nodes_ptr", "_moves", "_trie")
+    __slots__ = ("nodes", "rows", "needed_width", "_nodes_ptr", "_moves", "_trie", "_geometry", "_job")
 
     def __init__(self, table: Any, nodes: torch.Tensor, needed_width: int) -> None:
         if not AVAILABLE:
@@ -315,6 +315,8 @@ class FusedStep:
         self.needed_width = needed_width
         self._trie = trie_fields(table)
         self._moves = 0 if table.rules.plain else 1  # the span rules' moves off the trie, from the step table
+        self._geometry: Optional[tuple] = None
+        self._job = b""
 
     def __call__(self, input_ids: Optional[torch.Tensor], logits: torch.Tensor, out: Optional[torch.Tensor] = None,
                  parents: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -359,10 +361,12 @@ class FusedStep:
                     raise ValueError(f"parents must be a ({self.rows},) int32 or int64 CPU tensor, got {parents.dtype} "
                                      f"{tuple(parents.shape)} on {parents.device}")
                 parent_ptr, parent_stride, parent_size = parents.data_ptr(), parents.stride(0), parents.element_size()
-        _kernel.step(self._trie, _PACK_STEP(
-            out_ptr, src_ptr, self.rows, out_stride, stride[0], shape[1], *bits,
-            self._nodes_ptr, tokens, token_stride, parent_ptr, parent_stride, parent_size, self._moves,
-        ))
+        geometry = (out_stride, stride[0], shape[1], bits, parent_size)
+        if geometry != self._geometry:  # the job's fields that stay the same from step to step, packed once
+            self._geometry = geometry
+            self._job = _PACK_STEP(0, 0, self.rows, out_stride, stride[0], shape[1], *bits, self._nodes_ptr, 0, 0, 0,
+                                   0, parent_size, self._moves)
+        _kernel.step(self._trie, self._job, out_ptr, src_ptr, tokens, token_stride, parent_ptr, parent_stride)
         return logits if out is None else out
 
 
