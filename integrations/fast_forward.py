@@ -656,7 +656,7 @@ def fast_forward_generate(
         )
     if not verified():
         ids = eos_token_ids(config)
-        end = end_token_id if end_token_id is not None else (ids[0] if ids else None)
+        end = end_token(end_token_id, tokenizer, ids[0] if ids else None)  # as the verified path finds it, below
         if template is not None:
             _template_parts(template, tokenizer, end, on_complete, separator, trigger)  # checked, built once
             processor = TrieLogitsProcessor(tokenizer=tokenizer, template=template, end_token_id=end)

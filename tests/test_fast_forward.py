@@ -319,6 +319,26 @@ def test_bad_arguments_are_named(tiny_llama, tokenizer, small_tries):
         fast_forward_generate(tiny_llama, **inputs, trie=["not a trie"], max_new_tokens=4)
 
 
+def test_the_end_token_is_found_alike_inside_and_outside_the_verified_transformers(
+        tiny_llama, tokenizer, small_tries, monkeypatch):
+    """Without end_token_id, fast-forward's end token is the tokenizer's EOS before the generation config's, on the
+    verified path and on the general one alike (the rule of options.end_token): here the two differ, and both paths
+    give the same tokens."""
+    from trie_decode.integrations import transformers_internals as internals
+
+    trie = small_tries[0]
+    inputs = tiny_inputs(tokenizer)
+    config_eos = tokenizer.eos_token_id + 1
+    kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.eos_token_id, eos_token_id=config_eos)
+    verified = fast_forward_generate(tiny_llama, **inputs, trie=trie, tokenizer=tokenizer, **kwargs)
+    monkeypatch.setattr(internals, "_VERIFIED", False)
+    monkeypatch.setattr(internals, "_warned", set())
+    with pytest.warns(internals.UnverifiedTransformersWarning):
+        general = fast_forward_generate(tiny_llama, **inputs, trie=trie, tokenizer=tokenizer, **kwargs)
+    assert torch.equal(general, verified)
+    assert (verified[:, inputs["input_ids"].shape[1]:] == tokenizer.eos_token_id).any()
+
+
 def test_outside_the_verified_transformers_it_decodes_token_by_token_with_the_same_tokens(
         tiny_llama, tokenizer, small_tries, monkeypatch):
     """On a transformers whose generate internals were not checked, fast-forward runs the general loop (one pass
