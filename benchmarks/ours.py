@@ -127,8 +127,17 @@ class TrieDecodeProcessorBeamPeer(TrieDecodeProcessorPeer):
 
     def start(self, batch_size: int, device: Any) -> None:
         super().start(batch_size, device)
-        rows = torch.arange(batch_size, dtype=torch.int32, device=device)
-        self._parents = rows.view(1, batch_size, 1).expand(1, batch_size, self.MAX_STEPS).contiguous()
+        # generate's layout: (prompts, beams, max new tokens), the columns not written yet -1 (the processor checks
+        # this layout at a generation's first beam step, and takes its general path on any other)
+        self._parents = torch.full((1, batch_size, self.MAX_STEPS), -1, dtype=torch.int32, device=device)
+        self._rows = torch.arange(batch_size, dtype=torch.int32, device=device)
+
+    def feed(self, tokens: Any | None) -> None:
+        """:meth:`TrieDecodeProcessorPeer.feed`, and the appended tokens' parents (every row continues itself), as
+        beam search writes them between processor calls."""
+        super().feed(tokens)
+        if tokens is not None:
+            self._parents[0, :, self._len - 2] = self._rows
 
     def loop(self, processors: Any, input_ids: Any, scores: Any) -> Any:
         return _beam_search(processors, input_ids, scores, self._parents)

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks.peers import BUILD_PEERS, STEP_PEERS
 
@@ -81,6 +82,32 @@ def test_generate_and_fastforward_suites_quick(tmp_path):
 
 
 @pytest.mark.slow
+def test_the_step_suites_beam_peer_takes_the_processors_beam_fast_path(tokenizer):
+    """The step suite's stand-in for beam search writes ``running_beam_indices`` in generate's layout (each appended
+    token's column, later columns -1) between calls, so the processor follows rows by parent (its fast path, no
+    fallback warning, no prefix hashes) and masks as the core does."""
+    import warnings
+
+    from benchmarks.ours import TrieDecodePeer, TrieDecodeProcessorBeamPeer
+
+    names = ["Bosnia and Herzegovina", "Saint Vincent and the Grenadines", "Democratic Republic of the Congo", "Peru"]
+    beam, core = TrieDecodeProcessorBeamPeer(), TrieDecodePeer()
+    for peer in (beam, core):
+        peer.setup(names, tokenizer)
+        peer.start(3, "cpu")
+    walk = tokenizer(names[:3], add_special_tokens=False)["input_ids"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for t in range(min(len(w) for w in walk)):
+            logits = torch.randn(3, len(tokenizer))
+            tokens = None if t == 0 else torch.tensor([w[t - 1] for w in walk])
+            if tokens is not None:
+                beam.feed(tokens)
+            assert torch.equal(beam.step(logits.clone(), tokens).isfinite(), core.step(logits.clone(), tokens).isfinite())
+    proc = beam._procs[0]
+    assert min(len(w) for w in walk) >= 5 and proc._hashes is None and proc.steps == min(len(w) for w in walk)
+
+
 def test_retrieval_suite_quick_takes_the_processors_beam_fast_path(tmp_path):
     """The retrieval suite runs from the command line, and its stand-in for beam search hands the processor
     ``running_beam_indices`` in generate's layout, so the fast path is what it measures (no fallback warning)."""
