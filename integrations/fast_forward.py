@@ -50,8 +50,8 @@ import torch
 
 from trie_decode.constraint import RowState, SpanRules, TrieConstraint
 from trie_decode.errors import ConstraintConfigError
-from trie_decode.options import (TrieArg, as_tries, check_alone, check_instance, check_one_source, end_token,
-                                  prompt_groups, rule_args)
+from trie_decode.options import (TrieArg, as_tries, check_instance, check_one_source, end_token, prompt_groups,
+                                  rule_args)
 from trie_decode.templates import Template
 from trie_decode.trie import TokenTrie
 
@@ -66,7 +66,7 @@ try:
         TopKLogitsWarper,
         TopPLogitsWarper,
     )
-    from .transformers import TrieLogitsProcessor
+    from .transformers import TrieLogitsProcessor, _span_tries
     from .transformers_internals import (
         CACHE_INPUT_NAMES,
         cache_input_name,
@@ -534,16 +534,6 @@ def _general_path(
                              logits=getattr(out, "logits", None), stats=stats)
 
 
-def _template_parts(template: Any, tokenizer: Any, end: Optional[int], on_complete: str, separator: Any,
-                    trigger: Any) -> tuple[list, Any]:
-    """A template's tries and rules for fast-forward, or a named error for options that do not combine with it."""
-    check_instance(template, Template, "template")
-    check_alone("template", [k for k, v in {"on_complete": on_complete != "eos", "separator": separator is not None,
-                                            "trigger": trigger is not None}.items() if v])
-    end = end_token(end, tokenizer)
-    return template.build(tokenizer, end) if tokenizer is not None else template.prebuilt(end)
-
-
 @torch.no_grad()
 def fast_forward_generate(
     model: Any,
@@ -657,12 +647,9 @@ def fast_forward_generate(
     if not verified():
         ids = eos_token_ids(config)
         end = end_token(end_token_id, tokenizer, ids[0] if ids else None)  # as the verified path finds it, below
-        if template is not None:
-            _template_parts(template, tokenizer, end, on_complete, separator, trigger)  # checked, built once
-            processor = TrieLogitsProcessor(tokenizer=tokenizer, template=template, end_token_id=end)
-        else:
-            processor = TrieLogitsProcessor(trie, tokenizer, end_token_id=end, on_complete=on_complete,
-                                            separator=separator, trigger=trigger)
+        # The processor checks the options (a template combines with none of on_complete, separator, trigger).
+        processor = TrieLogitsProcessor(trie, tokenizer, template=template, end_token_id=end, on_complete=on_complete,
+                                        separator=separator, trigger=trigger)
         return _general_path(model, input_ids, attention_mask, processor, processors if hooked else None,
                              stopping_criteria if hooked else None, config, model_kwargs)
     unknown = set(model_kwargs) - _KNOWN_MODEL_KWARGS
@@ -693,7 +680,10 @@ def fast_forward_generate(
     eos_ids = eos_token_ids(config)
     if template is not None:
         end = end_token(end_token_id, tokenizer, eos_ids[0] if eos_ids else None)
-        tries, slot_rules = _template_parts(template, tokenizer, end, on_complete, separator, trigger)
+        # The template's tries and slot rules as TrieLogitsProcessor(template=...) builds them, with its checks.
+        check_instance(template, Template, "template")
+        tries, slot_rules = _span_tries(tokenizer, template, on_complete, separator, trigger, allow=None, deny=None,
+                                        distinct=False, check_prompt=False, end_token_id=end)
         rules: SpanRules = SpanRules(end_token_id=end, on_complete="release", fields=slot_rules)
         on_complete = "release"
     else:

@@ -116,7 +116,8 @@ def _span_tries(tokenizer: Any, spans: Any, on_complete: str, separator: Any, tr
                 distinct: bool, check_prompt: bool, end_token_id: Optional[int] = None,
                 ) -> tuple[list[TokenTrie], FieldRules]:
     """The tries and field rules of ``spans=`` or ``template=`` (:mod:`trie_decode.fields`,
-    :mod:`trie_decode.templates`), or a named error for options that do not combine with them."""
+    :mod:`trie_decode.templates`), or a named error for options that do not combine with them. Shared by
+    :class:`TrieLogitsProcessor` and ``fast_forward_generate(template=...)``."""
     key = "template" if isinstance(spans, Template) else "spans"
     prebuilt = isinstance(spans, Template) and end_token_id is not None  # template.build(...) done beforehand
     if tokenizer is None and not prebuilt:

@@ -126,13 +126,6 @@ def fast_paths() -> bool:
     return bool(on)
 
 
-def _reset_for_tests(on: Optional[bool] = None) -> None:
-    """Forget (or force) the decision of :func:`fast_paths` (tests simulate another vLLM with it)."""
-    _state.clear()
-    if on is not None:
-        _state["on"] = on
-
-
 # ---------------------------------------------------------------------------------------------- 1. the model config
 def frontend_model_config() -> Any:
     """The ``model_config`` of the vLLM ``InputProcessor`` validating the current request, or None (not found, or

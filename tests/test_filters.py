@@ -77,8 +77,8 @@ def test_filter_bits_are_one_rule_however_they_are_counted(seed):
                                                               for _ in range(2)]
     allow = [a if a is None or set(a) - set(d) else None for a, d in zip(allow, deny)]
     f = c.filters(len(allow), allow=allow, deny=deny)
-    flags, filt = f.node_flags(trie)
-    table = flags[filt].long()  # (R, N): each row's bits from the static table
+    flags = f.node_flags(trie)
+    table = torch.from_numpy(np.stack(flags.rows))[flags.filter_of_row].long()  # (R, N): each row's static bits
     counted = f.bits(torch.arange(n).repeat(len(allow), 1)).long()  # (R, N): the same rule, counted per row
     assert torch.equal(table, counted)
     from trie_decode import _kernel  # the C kernel reads the same bits
@@ -388,8 +388,8 @@ def test_node_flags_are_built_once_per_filter_and_stay_right(monkeypatch):
     def table(spec_rows):
         f = c.filters(len(spec_rows), allow=[s.get("allow") for s in spec_rows],
                       deny=[s.get("deny") for s in spec_rows])
-        flags, filt = f.node_flags(trie)
-        return flags[filt]
+        flags = f.node_flags(trie)
+        return torch.from_numpy(np.stack(flags.rows))[flags.filter_of_row]
 
     def fresh(spec):
         f = c.filters(1, **{k: [v] for k, v in spec.items()})

@@ -344,7 +344,7 @@ def test_c_boundary_takes_packed_fields():
             fn(packed)
         with pytest.raises(TypeError, match=f"job must be bytes of {len(job_fields)} packed int64 fields"):
             fn(packed, bytes(8 * (len(job_fields) - 1)))
-        with pytest.raises(TypeError, match="trie must be bytes"):
+        with pytest.raises(TypeError, match="tries? must be bytes"):
             fn(bytearray(packed), bytes(8 * len(job_fields)))
     # step's per-call fields follow its job, all six or none, each an int
     job = bytes(8 * len(_native.STEP_FIELDS))
@@ -442,15 +442,23 @@ def test_many_tries_masking_refuses_rows_that_do_not_fit():
                                      *_native._DTYPE_ARGS[torch.float32], 2, rows.ctypes.data, nodes.ctypes.data, 0, 0, 0)
     bad = np.array([0, 2], dtype=np.int64)
     with pytest.raises(IndexError, match="row 1 names trie 2 of 2"):
-        _kernel.mask_tries(packed, job, bad.ctypes.data)
+        _kernel.mask(packed, job, bad.ctypes.data)
     tree = np.array([1, 0], dtype=np.int64)
     with pytest.raises(TypeError, match="k \\* .* packed int64 fields"):
-        _kernel.mask_tries(packed[:-8], job, tree.ctypes.data)
-    _kernel.mask_tries(packed, job, tree.ctypes.data)
+        _kernel.mask(packed[:-8], job, tree.ctypes.data)
+    with pytest.raises(ValueError, match="several tries need each row's trie"):
+        _kernel.mask(packed, job)
+    filtered = _native._PACK["mask"].pack(logits.data_ptr(), logits.data_ptr(), 2, 20, 20, 20,
+                                          *_native._DTYPE_ARGS[torch.float32], 2, rows.ctypes.data, nodes.ctypes.data,
+                                          rows.ctypes.data, rows.ctypes.data, 1)
+    with pytest.raises(ValueError, match="filter flags are one trie's"):
+        _kernel.mask(packed, filtered, tree.ctypes.data)
+    assert not logits.isfinite().logical_not().any()  # nothing written by a refused call
+    _kernel.mask(packed, job, tree.ctypes.data)
     assert logits[0].isfinite().nonzero().flatten().tolist() == [5, 9]
 
 
-# ---------------------------------------------------------------- the bitmap pass (AVX-512) and mask_tries
+# ---------------------------------------------------------------- the bitmap pass (AVX-512) and many tries in one mask call
 
 _FANOUTS = {"f62": 62, "f63": 63, "f64": 64, "f65": 65, "f130": 130, "f700": 700, "f1500": 1500, "f3000": 3000}
 _EDGE_COLS = (2, 63, 64, 127, 128)  # the bitmaps' word boundaries (and limit - 64, limit - 1, added below)
@@ -641,7 +649,7 @@ def test_bitmap_pass_equals_the_numpy_kernel(case, on_complete):
 
 @pytest.mark.parametrize("budget", ["default", "small"])
 def test_rows_of_many_wide_tries_in_one_call(budget, monkeypatch):
-    """A constraint of several tries (text spans, per-prompt tries) masks its rows in one C call (_kernel.mask_tries,
+    """A constraint of several tries (text spans, per-prompt tries) masks its rows in one C call (_kernel.mask with each row's trie,
     each run of rows of one trie a job): tries of wide nodes with other vocabularies (5000; 49152 with tokens below
     6000, so the logits are narrower than it; a small one of 300 without a bitmap), rows of the tries interleaved,
     runs of rows in one state (also one node id in two tries, one run after the other), every float dtype, the
@@ -650,7 +658,7 @@ def test_rows_of_many_wide_tries_in_one_call(budget, monkeypatch):
 
     ``small``: WIDE_BITS_BUDGET_BYTES holds the bitmaps of 3 wide nodes of the 5000 trie (the widest: its root, f700
     and f130) and none of the 49152 one (its rows at wide nodes build a bitmap per run; its dense rows keep theirs).
-    On AVX-512 machines (``_kernel.BITMAP_PASS``) this covers the bitmap pass in mask_tries; elsewhere the same
+    On AVX-512 machines (``_kernel.BITMAP_PASS``) this covers the bitmap pass in mask with several tries; elsewhere the same
     comparisons run and no bitmap is built."""
     from trie_decode import _kernel
 
@@ -703,7 +711,46 @@ def test_rows_of_many_wide_tries_in_one_call(budget, monkeypatch):
     floor_rows = by_node(0, "f65")[:1] + by_node(1, "f700")[:1] + by_node(0, "f3000")[:1] + by_node(2, "seven")[:1]
 
     calls = []
-    real = _kernel.mask_tries
-    monkeypatch.setattr(_kernel, "mask_tries", lambda *a: calls.append(a[1]) or real(*a))
+    real = _kernel.mask
+    monkeypatch.setattr(_kernel, "mask", lambda *a: calls.append(a[1]) or real(*a))
     _check_dtypes(c, state, rows, batch, width, floor_rows, rng)
-    assert len(calls) == 4 * 5  # every native call of _compare_all_ways, every dtype: one mask_tries call each
+    assert len(calls) == 4 * 5  # every native call of _compare_all_ways, every dtype: one mask call each
+
+
+def test_a_batch_of_filters_reads_the_tries_flag_rows_in_place():
+    """The C kernel reads each filter's flags from the trie's cache through a table of row addresses: a batch of
+    filters copies no (F, N) matrix, two batches of the same filters share the rows, and flags that do not fit the
+    call (another trie's, a filter without its row, a row naming a filter that is not there) are refused with a
+    named error before anything is written."""
+    from trie_decode.filters import NodeFlags
+    from trie_decode.kernels import native
+
+    rng = np.random.default_rng(5)
+    trie = _random_trie(rng, 200)
+    c = TrieConstraint(trie, SpanRules(end_token_id=END), "cpu")
+    e = trie.num_entries
+    denies = [rng.choice(e, 20, replace=False) for _ in range(3)]
+    one = c.filters(4, deny=[denies[0], denies[1], denies[0], denies[2]]).node_flags(trie)
+    two = c.filters(2, deny=[denies[2], denies[1]]).node_flags(trie)
+    assert len(one.rows) == 3 and one.filter_of_row.tolist() == [0, 1, 0, 2]
+    assert one.rows[1] is two.rows[1] and one.rows[2] is two.rows[0]  # the trie's rows, not copies
+    assert one.addresses.tolist() == [r.ctypes.data for r in one.rows]
+    table = c.tables[0]
+    logits = torch.randn(4, V)
+    nodes = torch.zeros(4, dtype=torch.long)
+    other = TokenTrie.from_sequences([[5]], vocab_size=V)
+    theirs = TrieConstraint(other, SpanRules(end_token_id=END), "cpu").filters(4, deny=[[0]] * 4).node_flags(other)
+    with pytest.raises(ValueError, match="node flags of 2 nodes for a trie of"):
+        native.mask_rows(logits, logits, nodes, None, table, theirs)
+    unset = NodeFlags(one.rows, one.filter_of_row, torch.tensor([one.rows[0].ctypes.data, 0, 1], dtype=torch.long))
+    before = logits.clone()
+    with pytest.raises(ValueError, match="filter 1 has no flags"):
+        native.mask_rows(logits, logits, nodes, None, table, unset)
+    missing = NodeFlags(one.rows, torch.tensor([0, 1, 3, 2]))
+    with pytest.raises(IndexError, match="row 2 names filter 3 of 3"):
+        native.mask_rows(logits, logits, nodes, None, table, missing)
+    with pytest.raises(IndexError, match="row 2 names filter 3 of 3"):
+        native.child(c.dtries[0], nodes, torch.full((4,), 5, dtype=torch.long), table, missing)
+    assert torch.equal(logits, before)
+    with pytest.raises(ValueError, match="one contiguous"):
+        NodeFlags([one.rows[0], one.rows[0][:-1]], torch.tensor([0]))

@@ -14,6 +14,7 @@ after a letter, but not after ``")"`` (``')",'``).
 from __future__ import annotations
 
 import re
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -32,7 +33,6 @@ from trie_decode.text_spans import (
     TriggerStateError,
     TriggerTypeError,
     end_token_table,
-    end_tokens,
     vocabulary_bytes,
 )
 
@@ -236,10 +236,39 @@ def test_many_patterns_share_one_automaton():
 # Laziness, tables
 
 
+class TriggerTables(NamedTuple):
+    """The materialized part of a :class:`TokenTriggers`: what a step gathers from (also on another device).
+
+    For a row in state ``s`` that writes token ``t``: ``code = codes[slot[s], t]``. If ``code < num_states`` it is
+    the next state and nothing fired; otherwise ``e = code - num_states`` and the next state, the pattern that fired
+    and the bytes of ``t`` past the trigger are ``fire_next[e]``, ``fire_pattern[e]``, ``fire_past[e]``.
+    """
+
+    num_states: int
+    #: Shape: (S,), int32: each state's row in ``codes``, -1 while not built.
+    slot: np.ndarray
+    #: Shape: (K, V), int32.
+    codes: np.ndarray
+    #: Shape: (F,), int32 each.
+    fire_next: np.ndarray
+    fire_pattern: np.ndarray
+    fire_past: np.ndarray
+
+
+def trigger_tables(tt: TokenTriggers) -> TriggerTables:
+    """The built rows of ``tt``, as flat arrays (views; valid until the next row is built)."""
+    return TriggerTables(tt._S, tt._slot, tt._codes[: tt._k], tt._fire_next, tt._fire_pattern, tt._fire_past)
+
+
+def memory_bytes(tt: TokenTriggers) -> int:
+    """Bytes held by the built rows and firing pairs of ``tt`` (not the vocabulary's byte columns)."""
+    return int(tt._k * tt.vocab_size * 4 + 3 * 4 * len(tt._fire_lists[0]))
+
+
 def test_rows_are_built_lazily_and_cached():
     vocab = [b""] + [bytes([b]) for b in b'ab":{} '] + [b'{"a', b'": "', b'"}']
     tt = TokenTriggers([Trigger('"a": "', whitespace="any"), '"b"'], vocab)
-    assert tt.num_materialized == 0 and tt.memory_bytes() == 0
+    assert tt.num_materialized == 0 and memory_bytes(tt) == 0
     zeros = torch.zeros(8, dtype=torch.int64)
     tokens = torch.tensor([2, 2, 3, 4, 5, 6, 7, 2])  # single bytes that keep every row in few states
     tt.advance(zeros, tokens)
@@ -256,8 +285,8 @@ def test_rows_are_built_lazily_and_cached():
         tt.advance(torch.tensor(sorted(seen)), torch.ones(len(seen), dtype=torch.int64))
     assert tt.num_materialized == built
     assert tt.num_materialized < tt.num_states
-    assert tt.memory_bytes() >= built * len(vocab) * 4
-    tables = tt.tables()
+    assert memory_bytes(tt) >= built * len(vocab) * 4
+    tables = trigger_tables(tt)
     assert tables.codes.shape == (built, len(vocab)) and tables.codes.dtype == np.int32
     assert int((tables.slot >= 0).sum()) == built
 
@@ -268,7 +297,7 @@ def test_row_and_tables_agree_with_step():
     for state in range(tt.num_states):
         nxt, pat, past = tt.row(state)
         assert nxt.shape == pat.shape == past.shape == (len(vocab),)
-        tables = tt.tables()
+        tables = trigger_tables(tt)
         for t in range(len(vocab)):
             expected = tt.step(state, t)
             assert (int(nxt[t]), int(pat[t]), int(past[t])) == expected
@@ -357,9 +386,9 @@ def test_bad_step_arguments():
 
 def test_bad_ends():
     with pytest.raises(TriggerPatternError, match="end must be non-empty"):
-        end_tokens("", [b"a"])
+        end_token_table("", [b"a"])
     with pytest.raises(TriggerTypeError, match="end must be a str, got int"):
-        end_tokens(34, [b"a"])
+        end_token_table(34, [b"a"])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -372,7 +401,6 @@ def test_end_token_table():
     assert isinstance(table, EndTokens)
     assert table.ids.dtype == np.int32 and table.ids.tolist() == [0, 1, 2, 3, 5]
     assert table.tails == (b"", b",", b"}", b"\n", b"\xc3")  # a tail may be a partial UTF-8 character
-    assert end_tokens('"', vocab).tolist() == table.ids.tolist()
     split = end_token_table('"}', vocab)  # a two-character end: '"' alone only begins it
     assert split.ids.tolist() == [2] and split.partial_ids.tolist() == [0]
 

@@ -156,10 +156,11 @@ def unverified_vllm(monkeypatch, caplog):
     from trie_decode.integrations import vllm_internals as internals
 
     monkeypatch.setattr(internals, "installed_version", lambda: "0.99.0")
-    internals._reset_for_tests()
+    # fast_paths() decides once per process and caches the answer in `_state`: a fresh cache for this test (decided
+    # again, on the version above), the process's own put back afterwards.
+    monkeypatch.setattr(internals, "_state", {})
     caplog.set_level(logging.WARNING, logger="trie_decode.vllm")
     yield caplog
-    internals._reset_for_tests()
 
 
 def test_unverified_vllm_warns_once_and_skips_the_stack_walk(unverified_vllm, smollm2_dir, tokenizer, tmp_path,

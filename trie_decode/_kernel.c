@@ -166,8 +166,14 @@ static const int32_t *table_row(const int32_t *table, int64_t node, int64_t num_
     return table + r * T_COLS;
 }
 
-/* True when every row's filter index is in [0, num_filters); else an IndexError is set. */
-static int filters_in_range(const int64_t *filt, Py_ssize_t n, Py_ssize_t num_filters) {
+/* True when every filter has its flags (flags[f] not NULL) and every row's filter index is in [0, num_filters);
+ * else a ValueError or an IndexError is set. */
+static int filters_in_range(const uint8_t *const *flags, Py_ssize_t num_filters, const int64_t *filt, Py_ssize_t n) {
+    for (Py_ssize_t f = 0; f < num_filters; f++)
+        if (!flags[f]) {
+            PyErr_Format(PyExc_ValueError, "filter %zd has no flags", f);
+            return 0;
+        }
     for (Py_ssize_t i = 0; i < n; i++)
         if (filt[i] < 0 || filt[i] >= num_filters) {
             PyErr_Format(PyExc_IndexError, "row %zd names filter %lld of %zd", i, (long long)filt[i], num_filters);
@@ -228,7 +234,7 @@ typedef struct {
     const int64_t *wide_nodes;
     Py_ssize_t vt, num_dense;
     const int32_t *child_ptr;
-    const uint8_t *flags;
+    const uint8_t *const *flags;  /* per filter, its (num_nodes,) flags; NULL: no filters */
     const int64_t *filt;
     Py_ssize_t num_filters;
 } MaskJob;
@@ -258,11 +264,15 @@ static int mask_job_check(const MaskJob *j) {
         PyErr_SetString(PyExc_ValueError, "the packed trie fields lack the step table or the trie arrays");
         return 0;
     }
+    if (j->n < 0 || (j->n > 0 && !j->nodes)) {
+        PyErr_SetString(PyExc_ValueError, "the job lacks the rows' nodes");
+        return 0;
+    }
     if (j->flags && (!j->filt || j->num_filters < 1)) {
         PyErr_SetString(PyExc_ValueError, "filter flags need each row's filter");
         return 0;
     }
-    if (j->flags && !filters_in_range(j->filt, j->n, j->num_filters)) return 0;
+    if (j->flags && !filters_in_range(j->flags, j->num_filters, j->filt, j->n)) return 0;
     if (j->es != 2 && j->es != 4 && j->es != 8) {
         PyErr_Format(PyExc_ValueError, "element size must be 2, 4 or 8 bytes, got %d", j->es);
         return 0;
@@ -395,7 +405,7 @@ static Py_ssize_t mask_job_work(const MaskJob *j, Workspace *ws) {
     const uint64_t neg_bits = j->neg_bits, floor_bits = j->floor_bits;
     const int64_t *rows = j->rows, *nodes = j->nodes, *filt = j->filt;
     const int32_t *table = j->table, *child_token = j->child_token, *child_ptr = j->child_ptr;
-    const uint8_t *blocked = j->blocked, *flags = j->flags;
+    const uint8_t *blocked = j->blocked, *const *flags = j->flags;
     Py_ssize_t vm = vt < width ? vt : width;  /* the columns of the vocabulary these logits have */
     const int32_t *done_row = table_row(table, -1, num_nodes, num_codes);  /* DONE keeps the end token */
     Py_ssize_t masked = 0, cap = ws->cap;
@@ -449,7 +459,7 @@ static Py_ssize_t mask_job_work(const MaskJob *j, Workspace *ws) {
         }
         masked++;
         int64_t slot = t[T_SLOT], m = nodes[i];
-        const uint8_t *fl = (flags && m >= 0 && m < num_nodes) ? flags + filt[i] * num_nodes : NULL;
+        const uint8_t *fl = (flags && m >= 0 && m < num_nodes) ? flags[filt[i]] : NULL;
         const int64_t f_i = fl ? filt[i] : -1;
         if (!have_plan || m != plan_node || f_i != plan_filt) {
             /* the entry ending here is not usable: no end token, no separator */
@@ -600,15 +610,32 @@ static Py_ssize_t run_jobs(const MaskJob *jobs, Py_ssize_t g) {
     return masked;
 }
 
-/* mask_tries(tries, job, tree) -> number of rows masked: rows of several tries in one call, each row naming its trie.
- * tries: the packed TRIE_FIELDS of k tries, one after another; job: MASK_FIELDS (rows optional, no filters); tree:
- * the address of the n rows' trie indices (int64, each in [0, k), checked). The rows are masked in their order,
- * each run of consecutive rows of one trie as mask(tries[t], job restricted to them) would mask it: one call,
- * whatever the number of tries, no sorting, and the logits rows written in the order a single trie's would be. */
-static PyObject *py_mask_tries(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+/* mask(tries, job[, tree]) -> number of rows masked; tries: the packed TRIE_FIELDS of k tries, one after another;
+ * job: MASK_FIELDS (the logits, then n, rows, nodes, flags, filter, num_filters); tree: the address of the n rows'
+ * trie indices (int64, each in [0, k), checked), needed when k > 1.
+ *
+ * For i < n: logits row rows[i] (or i when rows is 0) is masked by the state nodes[i]. src and out point at
+ * (batch, width) arrays of elsize-byte floats with those row strides (they may be the same array); width columns
+ * are used; the trie's vocabulary vt is the row length of the (num_dense, vt) uint8 array blocked that holds the
+ * dense rows. Logits narrower than the vocabulary (a tokenizer wider than the model's output) are masked over their
+ * own width: the caller checks that every token the trie and its rules can keep lies inside it. A row whose anchor
+ * is -1 is unconstrained: copied when out != src, else left alone. Every masked row then gets the floor rule
+ * (floor_rule: neg_bits and floor_bits are the bit patterns of -inf and of the floor in the logits' dtype).
+ *
+ * Filters (optional: flags 0 for none): flags is the address of num_filters pointers, flags[f] filter f's
+ * (num_nodes,) uint8 flags (rows kept apart: a batch's filters are the trie's cached rows, never copied together),
+ * filter[i] the filter of state row i; the bits are the filter rule as data, computed in one place
+ * (trie_decode/filters.py, filter_bits): bit 0 of flags[f][m], no usable entry below node m (a child m is dropped); bit 1, the entry ending at m is not usable (the
+ * row's end token and separator are dropped, unless they are usable children). Filters need one trie (k = 1): their
+ * flags are one trie's nodes.
+ *
+ * Rows of several tries: the rows are masked in their order, each run of consecutive rows of one trie as that trie
+ * alone would mask it: one call, whatever the number of tries, no sorting, and the logits rows written in the order
+ * a single trie's would be. */
+static PyObject *py_mask(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     int64_t f[MF_COUNT];
-    if (nargs != 3) {
-        PyErr_Format(PyExc_TypeError, "mask_tries(tries, job, tree) takes 3 arguments, got %zd", nargs);
+    if (nargs != 2 && nargs != 3) {
+        PyErr_Format(PyExc_TypeError, "mask(tries, job[, tree]) takes 2 or 3 arguments, got %zd", nargs);
         return NULL;
     }
     if (!PyBytes_Check(args[0]) || PyBytes_GET_SIZE(args[0]) == 0
@@ -617,17 +644,22 @@ static PyObject *py_mask_tries(PyObject *self, PyObject *const *args, Py_ssize_t
         return NULL;
     }
     if (!read_fields(args[1], f, MF_COUNT, "job")) return NULL;
-    const int64_t *tree = (const int64_t *)PyLong_AsVoidPtr(args[2]);
+    const int64_t *tree = nargs == 3 ? (const int64_t *)PyLong_AsVoidPtr(args[2]) : NULL;
     if (PyErr_Occurred()) return NULL;
     const Py_ssize_t k = PyBytes_GET_SIZE(args[0]) / (Py_ssize_t)(TF_COUNT * sizeof(int64_t));
     const Py_ssize_t n = (Py_ssize_t)f[MF_N];
     const int64_t *rows = (const int64_t *)(intptr_t)f[MF_ROWS], *nodes = (const int64_t *)(intptr_t)f[MF_NODES];
-    if (f[MF_FLAGS] || n < 0 || (n > 0 && (!tree || !nodes))) {
-        PyErr_SetString(PyExc_ValueError, "mask_tries needs the rows' nodes and tries and takes no filter flags");
+    const int64_t *filt = (const int64_t *)(intptr_t)f[MF_FILTER];
+    if (k > 1 && !tree) {
+        PyErr_SetString(PyExc_ValueError, "rows of several tries need each row's trie (tree)");
         return NULL;
     }
-    Py_ssize_t g = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
+    if (f[MF_FLAGS] && k != 1) {
+        PyErr_SetString(PyExc_ValueError, "filter flags are one trie's: mask them with that trie alone");
+        return NULL;
+    }
+    Py_ssize_t g = tree ? 0 : 1;  /* the jobs: one per run of consecutive rows of one trie */
+    for (Py_ssize_t i = 0; tree && i < n; i++) {  /* n < 0 is refused by mask_job_check */
         if (tree[i] < 0 || tree[i] >= k) {
             PyErr_Format(PyExc_IndexError, "row %zd names trie %lld of %zd", i, (long long)tree[i], k);
             return NULL;
@@ -636,15 +668,18 @@ static PyObject *py_mask_tries(PyObject *self, PyObject *const *args, Py_ssize_t
     }
     MaskJob *jobs = (MaskJob *)malloc((size_t)(g > 0 ? g : 1) * sizeof(MaskJob));
     if (!jobs) return PyErr_NoMemory();
-    for (Py_ssize_t i = 0, q = 0; i < n; q++) {  /* job q: the run of rows i..e-1 of trie tree[i] */
-        Py_ssize_t e = i + 1;
-        while (e < n && tree[e] == tree[i]) e++;
+    for (Py_ssize_t i = 0, q = 0; q < g; q++) {  /* job q: the run of rows i..e-1 of trie tree[i] (trie 0 without tree) */
+        Py_ssize_t e = i + 1, t = tree ? tree[i] : 0;
+        while (e < n && (!tree || tree[e] == t)) e++;
+        if (e > n) e = n;
         int64_t tf[TF_COUNT];
-        memcpy(tf, PyBytes_AS_STRING(args[0]) + tree[i] * TF_COUNT * sizeof(int64_t), sizeof(tf));
+        memcpy(tf, PyBytes_AS_STRING(args[0]) + t * TF_COUNT * sizeof(int64_t), sizeof(tf));
         mask_job_init(&jobs[q], tf, f);
-        jobs[q].n = e - i, jobs[q].nodes = nodes + i;
+        jobs[q].n = e - i, jobs[q].nodes = nodes ? nodes + i : NULL;
         if (rows) jobs[q].rows = rows + i;
         else jobs[q].row_base = i;
+        jobs[q].flags = (const uint8_t *const *)(intptr_t)f[MF_FLAGS], jobs[q].filt = filt ? filt + i : NULL;
+        jobs[q].num_filters = (Py_ssize_t)f[MF_NUM_FILTERS];
         if (!mask_job_check(&jobs[q])) {
             free(jobs);
             return NULL;
@@ -660,47 +695,11 @@ static PyObject *py_mask_tries(PyObject *self, PyObject *const *args, Py_ssize_t
     return PyLong_FromSsize_t(masked);
 }
 
-/* mask(trie, job) -> number of rows masked; job: MASK_FIELDS (the logits, then n, rows, nodes, flags, filter,
- * num_filters).
- *
- * For i < n: logits row rows[i] (or i when rows is 0) is masked by the state nodes[i]. src and out point at
- * (batch, width) arrays of elsize-byte floats with those row strides (they may be the same array); width columns
- * are used; the trie's vocabulary vt is the row length of the (num_dense, vt) uint8 array blocked that holds the
- * dense rows. Logits narrower than the vocabulary (a tokenizer wider than the model's output) are masked over their
- * own width: the caller checks that every token the trie and its rules can keep lies inside it. A row whose anchor
- * is -1 is unconstrained: copied when out != src, else left alone. Every masked row then gets the floor rule
- * (floor_rule: neg_bits and floor_bits are the bit patterns of -inf and of the floor in the logits' dtype).
- *
- * Filters (optional: flags 0 for none): flags is (num_filters, num_nodes) uint8, filter[i] the filter of state row
- * i; the bits are the filter rule as data, computed in one place (trie_decode/filters.py, FilterBits): bit 0 of
- * flags[f][m], no usable entry below node m (a child m is dropped); bit 1, the entry ending at m is not usable (the
- * row's end token and separator are dropped, unless they are usable children). */
-static PyObject *py_mask(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    int64_t tf[TF_COUNT], f[MF_COUNT];
-    MaskJob j;
-    if (nargs != 2) {
-        PyErr_Format(PyExc_TypeError, "mask(trie, job) takes 2 arguments, got %zd", nargs);
-        return NULL;
-    }
-    if (!read_fields(args[0], tf, TF_COUNT, "trie") || !read_fields(args[1], f, MF_COUNT, "job")) return NULL;
-    mask_job_init(&j, tf, f);
-    j.n = (Py_ssize_t)f[MF_N], j.rows = (const int64_t *)(intptr_t)f[MF_ROWS];
-    j.nodes = (const int64_t *)(intptr_t)f[MF_NODES], j.flags = (const uint8_t *)(intptr_t)f[MF_FLAGS];
-    j.filt = (const int64_t *)(intptr_t)f[MF_FILTER], j.num_filters = (Py_ssize_t)f[MF_NUM_FILTERS];
-    if (!mask_job_check(&j)) return NULL;
-    Py_ssize_t masked;
-    Py_BEGIN_ALLOW_THREADS
-    masked = mask_job_run(&j);
-    Py_END_ALLOW_THREADS
-    if (masked < 0) return PyErr_NoMemory();
-    return PyLong_FromSsize_t(masked);
-}
-
 /* out[i] = the child of node nodes[i] by token tokens[i * tstride] (see py_child); bounds: 2n int64 of scratch. No
  * GIL needed. */
 static void child_rows(int64_t *out, const int64_t *nodes, const int64_t *tokens, Py_ssize_t tstride, Py_ssize_t n,
                        const int32_t *child_ptr, const int32_t *child_token, Py_ssize_t num_nodes,
-                       const int32_t *table, Py_ssize_t num_codes, const uint8_t *flags, const int64_t *filt,
+                       const int32_t *table, Py_ssize_t num_codes, const uint8_t *const *flags, const int64_t *filt,
                        int64_t *bounds) {
 
     Py_ssize_t i;
@@ -738,7 +737,7 @@ static void child_rows(int64_t *out, const int64_t *nodes, const int64_t *tokens
         int64_t m = nodes[i], pos = out[i];
         int ok = m >= 0 && m < num_nodes && tokens[i * tstride] >= 0 && pos < num_nodes && pos < child_ptr[m + 1] &&
                  child_token[pos] == tokens[i * tstride];
-        const uint8_t *fl = (flags && m >= 0 && m < num_nodes) ? flags + filt[i] * num_nodes : NULL;
+        const uint8_t *fl = (flags && m >= 0 && m < num_nodes) ? flags[filt[i]] : NULL;
         if (ok && fl && (fl[pos] & CHILD_EXCLUDED)) ok = 0;  /* an excluded child is no child */
         if (ok) out[i] = pos;
         else if (!table) out[i] = -1;
@@ -771,7 +770,7 @@ static PyObject *py_child(PyObject *self, PyObject *const *args, Py_ssize_t narg
     }
     if (!read_fields(args[0], tf, TF_COUNT, "trie") || !read_fields(args[1], f, CF_COUNT, "job")) return NULL;
     const int32_t *table = f[CF_MOVES] ? (const int32_t *)(intptr_t)tf[TF_TABLE] : NULL;
-    const uint8_t *flags = (const uint8_t *)(intptr_t)f[CF_FLAGS];
+    const uint8_t *const *flags = (const uint8_t *const *)(intptr_t)f[CF_FLAGS];
     const int64_t *filt = (const int64_t *)(intptr_t)f[CF_FILTER];
     const Py_ssize_t n = (Py_ssize_t)f[CF_N], num_nodes = (Py_ssize_t)tf[TF_NUM_NODES];
     const Py_ssize_t num_codes = (Py_ssize_t)tf[TF_NUM_CODES];
@@ -787,7 +786,7 @@ static PyObject *py_child(PyObject *self, PyObject *const *args, Py_ssize_t narg
         PyErr_SetString(PyExc_ValueError, "filter flags need the step table's moves and each row's filter");
         return NULL;
     }
-    if (flags && !filters_in_range(filt, n, (Py_ssize_t)f[CF_NUM_FILTERS])) return NULL;
+    if (flags && !filters_in_range(flags, (Py_ssize_t)f[CF_NUM_FILTERS], filt, n)) return NULL;
     int64_t *bounds = (int64_t *)malloc((size_t)(n > 0 ? n : 1) * 2 * sizeof(int64_t));
     if (!bounds) return PyErr_NoMemory();
     Py_BEGIN_ALLOW_THREADS
@@ -879,9 +878,7 @@ static PyObject *py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs
 
 static PyMethodDef methods[] = {
     {"mask", (PyCFunction)(void (*)(void))py_mask, METH_FASTCALL,
-     "mask(trie, job): mask logits rows by their trie states (see _kernel.c)."},
-    {"mask_tries", (PyCFunction)(void (*)(void))py_mask_tries, METH_FASTCALL,
-     "mask_tries(tries, job, tree): mask logits rows of several tries, each row naming its trie (see _kernel.c)."},
+     "mask(tries, job[, tree]): mask logits rows by their trie states, each row naming its trie (see _kernel.c)."},
     {"child", (PyCFunction)(void (*)(void))py_child, METH_FASTCALL,
      "child(trie, job): the child of each node by each token, or the rules' move (see _kernel.c)."},
     {"step", (PyCFunction)(void (*)(void))py_step, METH_FASTCALL,

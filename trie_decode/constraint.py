@@ -313,19 +313,18 @@ class TrieConstraint:
         if flags is not None and node.is_cpu:
             # CPU state, with the filters' per-node bits: a few numpy gathers, and nothing more when every row
             # followed its mask (the usual case).
-            bits, filt = flags[0].numpy(), flags[1].numpy()
             n_np, new_np = node.numpy(), new.numpy()
             up = np.maximum(new_np, 0)
             down = (new_np >= 1) & (n_np >= 0) & (d.trie.parent[up] == n_np)
-            off = down & ((bits[filt, up] & CHILD_EXCLUDED) != 0)
-            excluded = (n_np >= 0) & ((bits[filt, np.maximum(n_np, 0)] & END_EXCLUDED) != 0) & ~(down & ~off)
+            own_np, child_np = flags.at(np.maximum(n_np, 0)), flags.at(up)
+            off = down & ((child_np & CHILD_EXCLUDED) != 0)
+            excluded = (n_np >= 0) & ((own_np & END_EXCLUDED) != 0) & ~(down & ~off)
             if not (off | excluded).any():
                 return new
         n, child = node.clamp(min=0), new.clamp(min=0)
         went_down = (new >= 1) & (node >= 0) & (d.parent_tensor[child] == node)
-        if flags is not None and flags[0].device == node.device:  # the built per-node bits: two gathers
-            bits, filt = flags
-            own_bits, child_bits = bits[filt, n].long(), bits[filt, child].long()
+        if flags is not None and node.is_cpu:  # the built per-node bits, gathered above
+            own_bits, child_bits = torch.from_numpy(own_np).long(), torch.from_numpy(child_np).long()
         else:  # the same bits, counted for these nodes only
             both = filters.bits(torch.stack([n, child], 1))
             own_bits, child_bits = both[:, 0], both[:, 1]

@@ -42,7 +42,7 @@ from .options import is_per_row  # the per-row rule (trie_decode.options), part 
 from .spans import completes_entry
 from .trie import TokenTrie
 
-__all__ = ["EntryOrder", "KeyIndex", "RowFilters", "entry_indices", "restricted_trie", "is_per_row", "apply_filters_", "distinct_capacity",
+__all__ = ["EntryOrder", "KeyIndex", "NodeFlags", "RowFilters", "entry_indices", "restricted_trie", "is_per_row", "apply_filters_", "distinct_capacity",
            "CHILD_EXCLUDED", "END_EXCLUDED", "usable_count", "filter_bits"]
 
 
@@ -359,38 +359,33 @@ class RowFilters:
         self.any_allow, self.all_allow = bool(has_allow.any()), bool(has_allow.all())
         # The host sets, for the per-node flags a CPU kernel masks with (node_flags); built on first use.
         self._host_sets = (allow_r, deny_r)
-        self._flags: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        self._flags: Optional[NodeFlags] = None
 
-    def built_node_flags(self, num_rows: int) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    def built_node_flags(self, num_rows: int) -> Optional["NodeFlags"]:
         """The node flags if :meth:`node_flags` built them (else None), with each of ``num_rows`` rows' filter
         (one filter made for every row is repeated)."""
         if self._flags is None:
             return None
-        flags, filt = self._flags
+        filt = self._flags.filter_of_row
         if filt.numel() == 1 and num_rows != 1:
-            filt = filt.expand(num_rows).contiguous()
-        return flags, filt
+            return NodeFlags(self._flags.rows, filt.expand(num_rows).contiguous(), self._flags.addresses)
+        return self._flags
 
-    def node_flags(self, trie: TokenTrie) -> tuple[torch.Tensor, torch.Tensor]:
-        """The filter rule (:func:`filter_bits`) evaluated once per node for every distinct filter of the rows:
-        ``flags[f, n]`` holds the bits of filter f at node n (:data:`CHILD_EXCLUDED`, :data:`END_EXCLUDED`). For a
-        kernel that applies static (not ``distinct``) filters in its own pass (``supports_filters``).
-
-        Returns:
-            flags: Shape: (F, N), uint8, CPU. filter_of_row: each row's filter. Shape: (R,), int64, CPU.
-        """
+    def node_flags(self, trie: TokenTrie) -> "NodeFlags":
+        """The filter rule (:func:`filter_bits`) evaluated once per node for every distinct filter of the rows
+        (:class:`NodeFlags`), for a kernel that applies static (not ``distinct``) filters in its own pass
+        (``supports_filters``). Each filter's flags come from the trie's cache (:class:`_NodeFlagCache`): a batch
+        of filters seen before costs no count and no copy."""
         if self.distinct:
             raise ConstraintConfigError("distinct lists change every step: they have no static node flags")
         if self._flags is None:
             allow_r, deny_r = self._host_sets
             index: dict[tuple, int] = {}
             per_row = [index.setdefault((id(a), id(d)), len(index)) for a, d in zip(allow_r, deny_r)]
-            flags = np.zeros((len(index), trie.num_nodes), dtype=np.uint8)
+            first_row = {f: row for row, f in reversed(list(enumerate(per_row)))}
             cache = trie.derived("NodeFlagCache", _NodeFlagCache)
-            for (ia, idd), f in index.items():
-                row = per_row.index(f)
-                flags[f] = cache.get(self.order, trie, allow_r[row], deny_r[row])
-            self._flags = (torch.from_numpy(flags), torch.tensor(per_row, dtype=torch.long))
+            rows = [cache.get(self.order, trie, allow_r[first_row[f]], deny_r[first_row[f]]) for f in range(len(index))]
+            self._flags = NodeFlags(rows, torch.tensor(per_row, dtype=torch.long))
         return self._flags
 
     def select(self, index: torch.Tensor) -> "RowFilters":
@@ -413,7 +408,7 @@ class RowFilters:
             idx = index.tolist()
             out._host_sets = ([allow_r[i] for i in idx], [deny_r[i] for i in idx])
         elif self._flags is not None:
-            out._flags = (self._flags[0], self._flags[1][index.cpu()])
+            out._flags = NodeFlags(self._flags.rows, self._flags.filter_of_row[index.cpu()], self._flags.addresses)
         return out
 
     def usable_count(self, bounds: torch.Tensor) -> torch.Tensor:
@@ -491,6 +486,47 @@ class RowFilters:
         self.deny_count = self.deny_count + fits.long()
         drop = where.unsqueeze(1) & (self.allow == ranks.unsqueeze(1))
         self.allow = torch.sort(torch.where(drop, self.sentinel, self.allow), dim=1).values
+
+
+class NodeFlags:
+    """The filter rule at every node for a batch's static filters, what the C kernel masks and moves with: one
+    (N,) uint8 row of bits (:data:`CHILD_EXCLUDED`, :data:`END_EXCLUDED`) per distinct filter, and each state row's
+    filter. The rows are the trie's cached arrays (:class:`_NodeFlagCache`), shared and read only; the kernel reads
+    them through a table of their addresses, so a batch of F filters costs F pointers, not an (F, N) copy.
+
+    Attributes:
+        rows: per filter, its bits at every node. Each Shape: (N,), uint8 (kept alive here while in use).
+        filter_of_row: each state row's filter. Shape: (R,), int64, CPU.
+        addresses: each row's data address, what the C kernel reads. Shape: (F,), int64, CPU.
+
+    Example:
+        >>> import numpy as np, torch
+        >>> flags = NodeFlags([np.array([0, 1, 2], np.uint8), np.array([0, 0, 0], np.uint8)], torch.tensor([1, 0]))
+        >>> flags.at(np.array([2, 2])).tolist()   # row 0 (filter 1) and row 1 (filter 0), both at node 2
+        [0, 2]
+    """
+
+    def __init__(self, rows: Sequence[np.ndarray], filter_of_row: torch.Tensor,
+                 addresses: Optional[torch.Tensor] = None) -> None:
+        self.rows = tuple(rows)
+        if not self.rows or any(r.dtype != np.uint8 or r.ndim != 1 or not r.flags.c_contiguous
+                                or len(r) != len(self.rows[0]) for r in self.rows):
+            raise ValueError("node flags need one contiguous (N,) uint8 array per filter, all of one length")
+        self.num_nodes = len(self.rows[0])
+        self.filter_of_row = filter_of_row
+        self.addresses = addresses if addresses is not None else torch.tensor(
+            [r.ctypes.data for r in self.rows], dtype=torch.int64)
+
+    def at(self, nodes: np.ndarray) -> np.ndarray:
+        """Each state row's bits at ``nodes[i]`` (valid node ids). Shape: (R,), uint8."""
+        filt = self.filter_of_row.numpy()
+        if len(self.rows) == 1:
+            return self.rows[0][nodes]
+        out = np.empty(len(nodes), dtype=np.uint8)
+        for f, row in enumerate(self.rows):  # F is the batch's distinct filters: a few
+            mine = filt == f
+            out[mine] = row[nodes[mine]]
+        return out
 
 
 #: How many bytes of node flags a trie keeps for the filters it saw last (see :class:`_NodeFlagCache`).

@@ -59,7 +59,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -71,10 +71,8 @@ __all__ = [
     "Trigger",
     "TextTriggers",
     "TokenTriggers",
-    "TriggerTables",
     "EndTokens",
     "end_token_table",
-    "end_tokens",
     "vocabulary_bytes",
     "TriggerPatternError",
     "TriggerTypeError",
@@ -455,25 +453,6 @@ class _ByteColumns:
 # The automaton lifted to tokens
 
 
-class TriggerTables(NamedTuple):
-    """The materialized part of a :class:`TokenTriggers`: what a step gathers from (also on another device).
-
-    For a row in state ``s`` that writes token ``t``: ``code = codes[slot[s], t]``. If ``code < num_states`` it is
-    the next state and nothing fired; otherwise ``e = code - num_states`` and the next state, the pattern that fired
-    and the bytes of ``t`` past the trigger are ``fire_next[e]``, ``fire_pattern[e]``, ``fire_past[e]``.
-    """
-
-    num_states: int
-    #: Shape: (S,), int32: each state's row in ``codes``, -1 while not built.
-    slot: np.ndarray
-    #: Shape: (K, V), int32.
-    codes: np.ndarray
-    #: Shape: (F,), int32 each.
-    fire_next: np.ndarray
-    fire_pattern: np.ndarray
-    fire_past: np.ndarray
-
-
 class TokenTriggers:
     """A :class:`TextTriggers` automaton lifted to one vocabulary: per (state, token), the next state and whether
     (which pattern, how many bytes before the token's end) a trigger completed inside the token.
@@ -527,10 +506,6 @@ class TokenTriggers:
     def num_materialized(self) -> int:
         """How many states have their row built."""
         return self._k
-
-    def memory_bytes(self) -> int:
-        """Bytes held by the built rows and firing pairs (not the vocabulary's byte columns)."""
-        return int(self._k * self.vocab_size * 4 + 3 * 4 * len(self._fire_lists[0]))
 
     def _build(self, state: int) -> None:
         """One state's row. Steps: (1) every token starts in ``state``; (2) for each byte position j, the tokens
@@ -594,11 +569,6 @@ class TokenTriggers:
         past = np.zeros(self.vocab_size, dtype=np.int32)
         nxt[fired], pat[fired], past[fired] = self._fire_next[e], self._fire_pattern[e], self._fire_past[e]
         return nxt, pat, past
-
-    def tables(self) -> TriggerTables:
-        """The built rows, as flat arrays (views; valid until the next row is built)."""
-        return TriggerTables(self._S, self._slot, self._codes[: self._k], self._fire_next, self._fire_pattern,
-                             self._fire_past)
 
     # -- the step -------------------------------------------------------------------------------------------
 
@@ -790,13 +760,3 @@ def end_token_table(end: str, tokenizer: Any, *, special_ids: Optional[Sequence[
     partial = [i for i, b in enumerate(vocab) if b and len(b) < len(key) and key.startswith(b)]
     return EndTokens(end, np.asarray(ids, dtype=np.int32), tuple(vocab[i][len(key):] for i in ids),
                      np.asarray(partial, dtype=np.int32))
-
-
-def end_tokens(end: str, tokenizer: Any, *, special_ids: Optional[Sequence[int]] = None) -> np.ndarray:
-    """Shape: (M,), int32, sorted: the tokens whose bytes begin with ``end`` (see :func:`end_token_table`).
-
-    Example:
-        >>> end_tokens('"', [b'a', b'"', b'",', b' "']).tolist()
-        [1, 2]
-    """
-    return end_token_table(end, tokenizer, special_ids=special_ids).ids

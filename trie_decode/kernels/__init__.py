@@ -9,7 +9,8 @@ interface:
     kernel.advance_rows(prepared, node, tree, tokens) -> next codes     (before the trigger check)
     kernel.mask_rows(prepared, out, src, node, tree, rows)              (writes masked rows of src into out)
 
-Each kernel declares what it can do, and the constraint asks these, never a kernel's name:
+Each kernel declares what it can do (:class:`~.interface.Kernel` holds the defaults), and the constraint asks
+these, never a kernel's name:
 
     name                 "native", "numpy" or "torch" (what ``TrieConstraint(kernel=...)`` names)
     device_kinds         the device types it runs on (None: any); runs_on(device), available() (built),
@@ -45,6 +46,7 @@ Kernels:
     :mod:`.fixed`       fixed-shape torch ops, no host synchronization: CUDA, MPS (``FIXED_KERNEL``)
     :mod:`.grouped`     how the per-trie kernels (native, numpy) run a batch that mixes tries
     :mod:`.rules`       the rules every kernel applies (the floor rule)
+    :mod:`.interface`   the capabilities every kernel declares, and their defaults
 """
 
 from __future__ import annotations

@@ -21,13 +21,17 @@ vocabulary, W the sparse fanout bound.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import numpy as np
 import torch
 
 from ..spans import ANCHOR, COUNT, EXTRA0, EXTRA1, SLOT, START, TABLE_COLUMNS, span_moves
+from .interface import Kernel
 from .rules import NEG_INF, floor_rule, kept_alive
+
+if TYPE_CHECKING:
+    from ..filters import NodeFlags
 
 __all__ = ["FixedShapeKernel", "MergedTables", "FIXED_KERNEL"]
 
@@ -97,36 +101,18 @@ class MergedTables:
         return torch.where(node >= 0, node + self.node_offset[tree], node + self.num_nodes + self.num_codes)
 
 
-class FixedShapeKernel:
+class FixedShapeKernel(Kernel):
     """The kernel interface of :mod:`trie_decode.kernels` in fixed-shape torch ops (any device; the default on
-    CUDA and MPS)."""
+    CUDA and MPS). Its capabilities are :class:`~.interface.Kernel`'s defaults: any device, no fused step, and
+    static filters applied after the mask, by trie_decode.filters' pass."""
 
     name = "torch"
-    device_kinds = None  # any device
-    writes_every_row = False
-    supports_filters = False  # filters are applied after the mask, by trie_decode.filters' pass
-    supports_fused_step = False
-
-    def runs_on(self, device: torch.device) -> bool:
-        return True
-
-    def available(self) -> bool:
-        return True
-
-    def default_on(self, device: torch.device) -> bool:
-        return True
-
-    def takes_filters(self, out: torch.Tensor, src: torch.Tensor) -> bool:
-        return False
-
-    def fused_step(self, table: Any, nodes: torch.Tensor, needed_width: int) -> Any:
-        raise NotImplementedError("the torch kernel has no fused step")
 
     def prepare(self, tables: Sequence[Any]) -> MergedTables:
         return MergedTables(tables)
 
     def advance_rows(self, m: MergedTables, node: torch.Tensor, tree: torch.Tensor, tokens: torch.Tensor,
-                     filter_bits: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+                     filter_bits: Optional["NodeFlags"] = None) -> torch.Tensor:
         """Each row's next state code (before the trigger check). Shape: (R,), int64."""
         if filter_bits is not None:
             raise ValueError("the torch kernel does not apply filter bits")
@@ -143,7 +129,7 @@ class FixedShapeKernel:
 
     def mask_rows(
         self, m: MergedTables, out: torch.Tensor, src: torch.Tensor, node: torch.Tensor, tree: torch.Tensor,
-        rows: Optional[torch.Tensor], filter_bits: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+        rows: Optional[torch.Tensor], filter_bits: Optional["NodeFlags"] = None,
     ) -> None:
         """Mask logits rows ``rows`` (default: row i for state row i) of ``src`` into ``out`` (in place: out is src).
 

@@ -11,12 +11,16 @@ Dimension letters: R state rows, B logits rows, T tries.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import numpy as np
 import torch
 
 from ..spans import DONE
+from .interface import Kernel
+
+if TYPE_CHECKING:
+    from ..filters import NodeFlags
 
 __all__ = ["GroupedKernel", "row_groups"]
 
@@ -41,32 +45,12 @@ def row_groups(tree: torch.Tensor, num_tries: int) -> list[tuple[int, Optional[t
     return [(i, (tree == i).nonzero().squeeze(1)) for i in present]
 
 
-class GroupedKernel:
+class GroupedKernel(Kernel):
     """A kernel that works one step table at a time; subclasses define :meth:`advance` and :meth:`mask` for one
     table, this class runs them over the tries of a batch. The capabilities are declared as in every kernel (see
-    :mod:`trie_decode.kernels`)."""
+    :class:`~.interface.Kernel`); by default these kernels run on the CPU only."""
 
-    name = "abstract"
     device_kinds: Optional[frozenset] = frozenset({"cpu"})
-    writes_every_row = False
-    supports_filters = False
-    supports_fused_step = False
-
-    def runs_on(self, device: torch.device) -> bool:
-        return self.device_kinds is None or device.type in self.device_kinds
-
-    def available(self) -> bool:
-        return True
-
-    def default_on(self, device: torch.device) -> bool:
-        return self.runs_on(device)
-
-    def takes_filters(self, out: torch.Tensor, src: torch.Tensor) -> bool:
-        """Whether static filter bits are applied in this kernel's own pass over these logits."""
-        return False
-
-    def fused_step(self, table: Any, nodes: torch.Tensor, needed_width: int) -> Any:
-        raise NotImplementedError(f"the {self.name} kernel has no fused step")
 
     def advance(self, table: Any, node: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -79,7 +63,7 @@ class GroupedKernel:
         return tables
 
     def advance_rows(self, tables: Sequence[Any], node: torch.Tensor, tree: torch.Tensor, tokens: torch.Tensor,
-                     filter_bits: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+                     filter_bits: Optional["NodeFlags"] = None) -> torch.Tensor:
         """Each row's next state code (before the trigger check). Shape: (R,), int64. With ``filter_bits`` (a
         kernel that ``supports_filters``, one trie), over the trie each row's filter leaves it."""
         if filter_bits is not None:
@@ -95,7 +79,7 @@ class GroupedKernel:
 
     def mask_rows(
         self, tables: Sequence[Any], out: torch.Tensor, src: torch.Tensor, node: torch.Tensor, tree: torch.Tensor,
-        rows: Optional[torch.Tensor], filter_bits: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+        rows: Optional[torch.Tensor], filter_bits: Optional["NodeFlags"] = None,
     ) -> None:
         """Mask logits rows ``rows`` (default: row i for state row i) of ``src`` into ``out``, every trie's rows.
         With ``filter_bits`` (see :meth:`takes_filters`), the rows' static filters in the same pass."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import struct
 import warnings
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import numpy as np
 import torch
@@ -31,6 +31,9 @@ from ..spans import COUNT, START, TABLE_COLUMNS
 from .grouped import GroupedKernel
 from .rules import ALL_MASKED_FLOOR
 from .vectorized import NUMPY_KERNEL
+
+if TYPE_CHECKING:
+    from ..filters import NodeFlags
 
 try:  # built by setup.py when a C compiler was available at install time
     from .. import _kernel
@@ -203,8 +206,18 @@ def _index(t: torch.Tensor, n: int, what: str) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
+def _flag_fields(node_flags: "NodeFlags", num_nodes: int, n: int) -> tuple[int, int, int]:
+    """The job's filter fields (the address table of the filters' flag rows, each row's filter, how many filters)
+    for ``n`` state rows over a trie of ``num_nodes`` nodes; ValueError when the flags do not fit them. The
+    filter indices are checked in C."""
+    if node_flags.num_nodes != num_nodes:
+        raise ValueError(f"node flags of {node_flags.num_nodes} nodes for a trie of {num_nodes}")
+    filt = _index(node_flags.filter_of_row, n, "row filters")
+    return node_flags.addresses.data_ptr(), filt.data_ptr(), len(node_flags.rows)
+
+
 def mask_rows(out: torch.Tensor, src: torch.Tensor, nodes: torch.Tensor, rows: Optional[torch.Tensor], table: Any,
-              node_flags: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> int:
+              node_flags: Optional["NodeFlags"] = None) -> int:
     """Mask rows of ``src`` into ``out`` (they may be the same tensor) by their trie states; returns rows masked.
 
     Args:
@@ -213,8 +226,8 @@ def mask_rows(out: torch.Tensor, src: torch.Tensor, nodes: torch.Tensor, rows: O
         nodes: each state row's node or code. Shape: (R,), int64.
         rows: logits row of each state row (None: state row i is logits row i; R must then be <= B).
         table: the CPU :class:`~trie_decode.device.StepTable` of (trie, rules).
-        node_flags: static allow/deny filters in the same pass (:meth:`RowFilters.node_flags`): the flags,
-            Shape: (F, N), uint8, and each state row's filter, Shape: (R,), int64.
+        node_flags: static allow/deny filters in the same pass (:meth:`RowFilters.node_flags`): each filter's
+            flags at every node and each state row's filter (:class:`~trie_decode.filters.NodeFlags`).
     """
     if not usable_logits(src) or (out is not src and (out.shape != src.shape or out.dtype != src.dtype or not usable_logits(out))):
         raise ValueError("the kernel takes 2-D CPU float logits with unit column stride, out and src alike")
@@ -222,30 +235,27 @@ def mask_rows(out: torch.Tensor, src: torch.Tensor, nodes: torch.Tensor, rows: O
 
 
 def _mask_rows(out: torch.Tensor, src: torch.Tensor, nodes: torch.Tensor, rows: Optional[torch.Tensor], table: Any,
-               node_flags: Optional[tuple[torch.Tensor, torch.Tensor]]) -> int:
+               node_flags: Optional["NodeFlags"]) -> int:
     """:func:`mask_rows` for logits already checked (:func:`usable_logits`, out and src alike)."""
     n = nodes.numel()
     nodes = _index(nodes, n, "nodes")
     if rows is not None:
         rows = _index(rows, n, "rows")
+    filters = (0, 0, 0) if node_flags is None else _flag_fields(node_flags, table.dtrie.num_nodes, n)
+    return _kernel.mask(trie_fields(table), _mask_job(out, src, nodes, rows, filters))
+
+
+def _mask_job(out: torch.Tensor, src: torch.Tensor, nodes: torch.Tensor, rows: Optional[torch.Tensor],
+              filters: tuple[int, int, int]) -> bytes:
+    """The packed MASK_FIELDS of a mask call (arrays already checked: ``nodes`` and ``rows`` contiguous int64)."""
     batch, width = src.shape
-    filters = (0, 0, 0)
-    if node_flags is not None:
-        flags, filt = node_flags
-        d = table.dtrie
-        if flags.dtype is not torch.uint8 or not flags.is_cpu or not flags.is_contiguous() or flags.dim() != 2 \
-                or flags.shape[1] != d.num_nodes:
-            raise ValueError(f"node flags must be a contiguous (F, {d.num_nodes}) uint8 CPU tensor")
-        filt = _index(filt, n, "row filters")
-        filters = (flags.data_ptr(), filt.data_ptr(), flags.shape[0])
-    return _kernel.mask(trie_fields(table), _PACK["mask"].pack(
-        out.data_ptr(), src.data_ptr(), batch, out.stride(0), src.stride(0), width, *_DTYPE_ARGS[src.dtype],
-        n, 0 if rows is None else rows.data_ptr(), nodes.data_ptr(), *filters,
-    ))
+    return _PACK["mask"].pack(out.data_ptr(), src.data_ptr(), batch, out.stride(0), src.stride(0), width,
+                              *_DTYPE_ARGS[src.dtype], nodes.numel(), 0 if rows is None else rows.data_ptr(),
+                              nodes.data_ptr(), *filters)
 
 
 def child(dtrie: Any, nodes: torch.Tensor, tokens: torch.Tensor, table: Any = None,
-          node_flags: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+          node_flags: Optional["NodeFlags"] = None) -> torch.Tensor:
     """The child of each node by each token; where there is none, -1, or with a step ``table`` the span rules' move
     (:func:`trie_decode.spans.span_moves` in one C pass).
 
@@ -276,12 +286,9 @@ def child(dtrie: Any, nodes: torch.Tensor, tokens: torch.Tensor, table: Any = No
         trie = trie_fields(table)  # checks the table's dtype, device and shape once
     filters = (0, 0, 0)
     if node_flags is not None:
-        flags, filt = node_flags
-        if table is None or flags.dtype is not torch.uint8 or not flags.is_cpu or not flags.is_contiguous() \
-                or flags.dim() != 2 or flags.shape[1] != dtrie.num_nodes:
-            raise ValueError(f"node flags need the step table and a contiguous (F, {dtrie.num_nodes}) uint8 CPU tensor")
-        filt = _index(filt, n, "row filters")
-        filters = (flags.data_ptr(), filt.data_ptr(), flags.shape[0])
+        if table is None:
+            raise ValueError("node flags need the step table (the moves off the trie a filter's rows take)")
+        filters = _flag_fields(node_flags, dtrie.num_nodes, n)
     _kernel.child(trie, _PACK["child"].pack(out.data_ptr(), nodes.data_ptr(), tokens.data_ptr(), n,
                                             int(table is not None), *filters))
     return out
@@ -407,7 +414,7 @@ class NativeKernel(GroupedKernel):
 
     def mask_rows(self, tables: Sequence[Any], out: torch.Tensor, src: torch.Tensor, node: torch.Tensor,
                   tree: torch.Tensor, rows: Optional[torch.Tensor],
-                  filter_bits: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> None:
+                  filter_bits: Optional["NodeFlags"] = None) -> None:
         """As :meth:`GroupedKernel.mask_rows`; rows of several tries (per-prompt tries, many spans) go to C in one
         call with each row's trie: a batch spread over many tries costs one C call and no per-trie Python, numpy or
         tensor work."""
@@ -425,12 +432,8 @@ class NativeKernel(GroupedKernel):
             rows = _index(rows, n, "rows")  # each checked against the batch in C
         elif n > src.shape[0]:
             raise ValueError(f"{n} state rows for {src.shape[0]} logits rows")
-        batch, width = src.shape
-        # One C call: each run of rows of one trie is masked with that trie's fields (_kernel.c, mask_tries).
-        job = _PACK["mask"].pack(out.data_ptr(), src.data_ptr(), batch, out.stride(0), src.stride(0), width,
-                                 *_DTYPE_ARGS[src.dtype], n, 0 if rows is None else rows.data_ptr(), nodes.data_ptr(),
-                                 0, 0, 0)
-        _kernel.mask_tries(self._all_fields(tables), job, tree.data_ptr())
+        # One C call: each run of rows of one trie is masked with that trie's fields (_kernel.c, mask).
+        _kernel.mask(self._all_fields(tables), _mask_job(out, src, nodes, rows, (0, 0, 0)), tree.data_ptr())
 
     @staticmethod
     def _all_fields(tables: Sequence[Any]) -> bytes:
@@ -452,14 +455,14 @@ class NativeKernel(GroupedKernel):
         return _Tables(tables)
 
     def advance(self, table: Any, node: torch.Tensor, tokens: torch.Tensor,
-                node_flags: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+                node_flags: Optional["NodeFlags"] = None) -> torch.Tensor:
         """Each row's next state code (before the trigger check). Shape: (R,), int64 CPU tensors in and out.
         With ``node_flags`` (static filters), over the trie each row's filter leaves it."""
         plain = table.rules.plain and node_flags is None
         return child(table.dtrie, node, tokens, None if plain else table, node_flags)
 
     def mask(self, out: torch.Tensor, src: torch.Tensor, node: torch.Tensor, rows: Optional[torch.Tensor], table: Any,
-             node_flags: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> None:
+             node_flags: Optional["NodeFlags"] = None) -> None:
         """Mask the state rows' logits rows of ``src`` into ``out`` (the same tensor, or one of the same shape)."""
         if usable_logits(src) and (out is src or usable_logits(out)):
             if out is not src and (out.shape != src.shape or out.dtype != src.dtype):
