@@ -341,11 +341,10 @@ class TrieLogitsProcessor(LogitsProcessor):
         self._start = cur
         self._loop = loop
         self.steps = 0
-        # Inside generate's own loops (rows in place, or beam search's recorded parents), with no filters, the next
-        # steps are one C call each on a CPU (see TrieConstraint.fused_step), None elsewhere.
+        # Inside generate's own loops (rows in place, or beam search's recorded parents), with no filters or static
+        # ones, the next steps are one C call each on a CPU (see TrieConstraint.fused_step), None elsewhere.
         follows = not loop.reorders or (loop.parents is not None and self._hashes is None)
-        self._fused = (constraint.fused_step(self._state)
-                       if follows and self._filters is None else None)
+        self._fused = constraint.fused_step(self._state, self._filters) if follows else None
         if self._check_with is not None:
             self._warn_prompts(input_ids)
 
@@ -386,7 +385,9 @@ class TrieLogitsProcessor(LogitsProcessor):
         searchsorted, gather), and the hash is O(generated tokens), except in ``"eos"`` mode past the deepest entry.
         """
         batch, cur = input_ids.shape
-        self._fused = None  # it holds the rows' nodes: from here on they are this path's (see _begin)
+        fused, self._fused = self._fused, None  # it holds the rows' nodes: from here on they are this path's
+        if fused is not None and fused.filters is not None:  # and their filters, as their parent rows left them
+            self._filters = self._filters.following(fused.filters)
         if self._state is None or cur != self._last_len + 1 or batch != len(self._state) or not loop.continues(self._loop):
             return False
         ids = input_ids if input_ids.device == device else input_ids.to(device)

@@ -368,6 +368,30 @@ def test_processor_filters_per_prompt_in_generate(tiny_llama, beams):
     assert all(k in {"d", "f"} for k in keys[beams:]), keys
 
 
+@pytest.mark.parametrize("beams", [1, 4])
+def test_filtered_generate_steps_in_one_call_as_the_general_path_does(tiny_llama, beams, monkeypatch):
+    """Static per-prompt filters no longer keep generate off the one-call step: the processor takes it, and its
+    tokens and scores equal the general path's (advance with the filters, then mask with them)."""
+    from trie_decode.integrations.transformers import TrieLogitsProcessor
+
+    trie = TokenTrie.from_sequences(ENTRIES, vocab_size=tiny_llama.config.vocab_size, keys=KEYS)
+    spec = dict(allow=[["a", "b", "d", "f"], None], deny=[["d"], ["a", "c", "e"]])
+    inputs = {"input_ids": torch.tensor([[5, 6, 7], [8, 9, 10]]), "attention_mask": torch.ones(2, 3, dtype=torch.long)}
+    kwargs = dict(max_new_tokens=5, pad_token_id=END, eos_token_id=END, num_beams=beams, num_return_sequences=beams,
+                  do_sample=False, output_scores=True, return_dict_in_generate=True)
+    proc = TrieLogitsProcessor(trie, end_token_id=END, **spec)
+    fast = tiny_llama.generate(**inputs, logits_processor=[proc], **kwargs)
+    assert proc._fused is not None and proc._fused.filters is not None
+    monkeypatch.setattr(TrieConstraint, "fused_step", lambda self, state, filters=None: None)
+    general = TrieLogitsProcessor(trie, end_token_id=END, **spec)
+    slow = tiny_llama.generate(**inputs, logits_processor=[general], **kwargs)
+    assert general._fused is None
+    assert torch.equal(fast.sequences, slow.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(fast.scores, slow.scores))
+    keys = [e.key for e in proc.match(fast.sequences)]
+    assert all(k in {"a", "b", "f"} for k in keys[:beams]) and all(k in {"b", "d", "f"} for k in keys[beams:]), keys
+
+
 def test_node_flags_are_built_once_per_filter_and_stay_right(monkeypatch):
     """A trie keeps the node flags of the filters it saw last, keyed by their content: a filter seen before is not
     counted again (in another RowFilters, another row order), a different filter is, and whatever the cache holds
@@ -521,3 +545,37 @@ def test_processor_distinct_lists_hold_max_entries(tiny_llama):
     assert all(1 <= len(keys) <= 2 and len(set(keys)) == len(keys) for keys in lists), lists
     with pytest.raises(ConstraintConfigError, match="max_entries must be a positive integer"):
         TrieLogitsProcessor(trie, end_token_id=END, on_complete="repeat", separator=[SEP], distinct=True, max_entries=0)
+
+
+def test_a_frozen_filter_is_ranked_once_and_a_users_array_every_time():
+    """Indices made from a list or keys are read only, so their sorted ranks are kept while the array lives (a vLLM
+    request's filter is not sorted again at every batch change); a caller's own array may change between calls and
+    is ranked again every time: a filter always masks with what it holds now."""
+    import gc
+
+    from trie_decode.filters import EntryOrder, entry_indices
+
+    trie = TokenTrie.from_sequences([[3 + i] for i in range(10)], vocab_size=V)  # entry i is token 3 + i
+    c = TrieConstraint(trie, SpanRules(end_token_id=END), "cpu")
+    order = EntryOrder.of(trie)
+    mine = entry_indices(trie, [5, 1, 5, 3], "deny")
+    assert not mine.flags.writeable
+    first = order.sorted_ranks(mine)
+    assert first.tolist() == sorted({int(order.rank[i]) for i in (1, 3, 5)})
+    assert order.sorted_ranks(mine) is first and id(mine) in order._ranks_of
+    assert entry_indices(trie, mine, "deny") is mine  # passed on as it is (vLLM's rows hold such arrays)
+    assert c.filters(2, deny=[mine, mine]).node_flags(trie).rows[0] is c.filters(1, deny=[mine]).node_flags(trie).rows[0]
+    theirs = np.array([0, 2], dtype=np.int64)
+
+    def blocked() -> list[int]:
+        logits = c.mask_(torch.zeros(1, V), c.start(1), filters=c.filters(1, deny=[theirs]))
+        return [t for t in range(3, 13) if logits[0, t] == float("-inf")]
+
+    assert blocked() == [3, 5]
+    theirs[:] = [4, 6]  # changed in place between two filters: the second masks with what it holds now
+    assert blocked() == [7, 9]
+    assert id(theirs) not in order._ranks_of
+    key = id(mine)
+    del mine
+    gc.collect()
+    assert key not in order._ranks_of  # gone with its array

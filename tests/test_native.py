@@ -754,3 +754,46 @@ def test_a_batch_of_filters_reads_the_tries_flag_rows_in_place():
     assert torch.equal(logits, before)
     with pytest.raises(ValueError, match="one contiguous"):
         NodeFlags([one.rows[0], one.rows[0][:-1]], torch.tensor([0]))
+
+
+@pytest.mark.parametrize("on_complete", ["eos", "repeat"])
+@pytest.mark.parametrize("dense", [False, True])
+def test_fused_step_with_filters_equals_advance_then_mask(on_complete, dense):
+    """With static per-row filters the one-call step moves each row over the trie its filter leaves it and masks with
+    that filter, each row taking its parent row's filter, as ``filters.select(parents)``, ``advance`` and ``mask_``
+    do; and ``filters.following(step.filters)`` hands the rows' filters back to that general path at any step."""
+    rng = np.random.default_rng(hash((on_complete, dense)) % 2**32)
+    trie = _random_trie(rng, 300)
+    rules = SpanRules(end_token_id=END, **(dict(on_complete="repeat", separator=(3,)) if on_complete == "repeat" else {}))
+    c = TrieConstraint(trie, rules, "cpu", dense_min_fanout=8 if dense else None)
+    rows, e = 9, trie.num_entries
+    specs = [rng.choice(e, e // 2, replace=False) for _ in range(2)] + [
+        rng.choice(e, e // 6, replace=False) for _ in range(2)]  # two allow sets, two deny sets
+    allow = [None, specs[0], None, specs[0], specs[1], None, specs[1], None, None]
+    deny = [specs[2], None, specs[3], specs[2], None, None, specs[2], specs[3], specs[2]]
+    filters = c.filters(rows, allow=allow, deny=deny)
+    ref_filters = filters
+    ref, state = c.start(rows), c.start(rows)
+    step = c.fused_step(state, filters)
+    assert step is not None and step.filters is not None and len(set(step.filters.tolist())) > 2
+    if on_complete == "repeat":  # a distinct list changes every step: the general path's
+        assert c.fused_step(c.start(rows), c.filters(rows, deny=deny, distinct=True, max_entries=3)) is None
+    ids = torch.from_numpy(rng.integers(0, V, (rows, 2)))
+    for t in range(14):
+        logits = torch.randn(rows, V + 2)
+        parents = None
+        if t:
+            if t % 3:
+                parents = torch.from_numpy(rng.integers(0, rows, rows))
+                ref = ref.select(parents)
+                ref_filters = ref_filters.select(parents)
+            ref = c.advance(ref, ids[:, -1], filters=ref_filters)
+        expected = c.mask_(logits.clone(), ref, filters=ref_filters)
+        got = step(ids if t else None, logits.clone(), None, parents)
+        assert torch.equal(state.node, ref.node), t
+        assert torch.equal(got, expected), t
+        handed = filters.following(step.filters)  # the general path from here: the same filters, row by row
+        assert torch.equal(c.mask_(logits.clone(), ref, filters=handed), expected), t
+        allowed = [torch.isfinite(expected[i]).nonzero().flatten().tolist() for i in range(rows)]
+        nxt = [int(rng.choice(a)) if a and rng.random() < 0.85 else int(rng.integers(0, V)) for a in allowed]
+        ids = torch.cat([ids, torch.tensor(nxt).unsqueeze(1)], 1)

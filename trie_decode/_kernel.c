@@ -194,7 +194,8 @@ enum { TF_TABLE, TF_NUM_NODES, TF_NUM_CODES, TF_CHILD_TOKEN, TF_CHILD_PTR, TF_BL
 enum { LF_OUT, LF_SRC, LF_BATCH, LF_OUT_STRIDE, LF_SRC_STRIDE, LF_WIDTH, LF_ELSIZE, LF_NEG_BITS, LF_FLOOR_BITS,
        LF_COUNT };
 enum { MF_N = LF_COUNT, MF_ROWS, MF_NODES, MF_FLAGS, MF_FILTER, MF_NUM_FILTERS, MF_COUNT };
-enum { SF_NODES = LF_COUNT, SF_TOKENS, SF_TOKEN_STRIDE, SF_PARENTS, SF_PARENT_STRIDE, SF_PARENT_SIZE, SF_MOVES, SF_COUNT };
+enum { SF_NODES = LF_COUNT, SF_TOKENS, SF_TOKEN_STRIDE, SF_PARENTS, SF_PARENT_STRIDE, SF_PARENT_SIZE, SF_MOVES, SF_FLAGS,
+       SF_FILTER, SF_NUM_FILTERS, SF_COUNT };
 /* step()'s per-call fields, which may follow its job as arguments (the rest of a job stays the same from call to
  * call: the caller packs it once) */
 enum { STEP_CALL_COUNT = 6 };
@@ -799,7 +800,8 @@ static PyObject *py_child(PyObject *self, PyObject *const *args, Py_ssize_t narg
 }
 
 /* step(trie, job[, out, src, tokens, token_stride, parents, parent_stride]) -> number of rows masked; job:
- * STEP_FIELDS (the logits, then nodes, tokens, token_stride, parents, parent_stride, parent_size, moves). The six
+ * STEP_FIELDS (the logits, then nodes, tokens, token_stride, parents, parent_stride, parent_size, moves, flags,
+ * filter, num_filters). The six
  * optional int arguments replace those fields of the job (STEP_CALL_FIELDS): a caller that steps the same rows
  * again and again packs the rest once and passes only what changes at every call.
  *
@@ -807,9 +809,11 @@ static PyObject *py_child(PyObject *self, PyObject *const *args, Py_ssize_t narg
  * tokens (not 0), each row first moves from the node of its parent row (parents[i * parent_stride],
  * parent_size-byte ints; row i itself when parents is 0) by the token tokens[i * token_stride], as child() does
  * (moves: 1 to take the span rules' moves off the trie from the step table, 0 for plain rules); nodes (batch
- * int64) is updated in place. Then the rows are masked as mask() does, without filters. The token and parent
- * strides read them straight from the generation's own arrays (the last column of input_ids, a column of beam
- * search's parent indices). A parent outside [0, batch) raises IndexError before anything is written. */
+ * int64) is updated in place. Then the rows are masked as mask() does. Static filters (flags, filter and
+ * num_filters as in mask(); they need moves 1): each row takes its parent row's filter (filter, batch int64, is
+ * updated in place), moves over the trie that filter leaves it, as child() does, and is masked with it. The token
+ * and parent strides read them straight from the generation's own arrays (the last column of input_ids, a column of
+ * beam search's parent indices). A parent outside [0, batch) raises IndexError before anything is written. */
 static PyObject *py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     int64_t tf[TF_COUNT], f[SF_COUNT];
     MaskJob j;
@@ -826,8 +830,14 @@ static PyObject *py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     }
     mask_job_init(&j, tf, f);
     j.n = j.batch, j.nodes = (const int64_t *)(intptr_t)f[SF_NODES];
+    j.flags = (const uint8_t *const *)(intptr_t)f[SF_FLAGS], j.filt = (const int64_t *)(intptr_t)f[SF_FILTER];
+    j.num_filters = (Py_ssize_t)f[SF_NUM_FILTERS];
     if (!j.nodes) {
         PyErr_SetString(PyExc_ValueError, "step() needs the rows' nodes");
+        return NULL;
+    }
+    if (j.flags && !f[SF_MOVES]) {
+        PyErr_SetString(PyExc_ValueError, "filter flags need the step table's moves");
         return NULL;
     }
     if (!mask_job_check(&j)) return NULL;
@@ -841,10 +851,10 @@ static PyObject *py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         PyErr_Format(PyExc_ValueError, "parent indices must be 4- or 8-byte integers, got %d bytes", parent_size);
         return NULL;
     }
-    /* scratch: the parents' nodes (n), the new nodes (n), the searches' bounds (2n) */
+    /* scratch: the parents' nodes (n), the new nodes (n), the searches' bounds (2n), the parents' filters (n) */
     int64_t *scratch = NULL;
-    if (tokens && !(scratch = (int64_t *)malloc((size_t)(n > 0 ? n : 1) * 4 * sizeof(int64_t)))) return PyErr_NoMemory();
-    int64_t *from = scratch;
+    if (tokens && !(scratch = (int64_t *)malloc((size_t)(n > 0 ? n : 1) * 5 * sizeof(int64_t)))) return PyErr_NoMemory();
+    int64_t *from = scratch, *filt_from = scratch + 4 * n;
     if (tokens) {
         /* each row's parent node, every parent index checked before anything is written */
         for (Py_ssize_t i = 0; i < n; i++) {
@@ -859,14 +869,16 @@ static PyObject *py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs
                 }
             }
             from[i] = nodes[parent];
+            if (j.flags) filt_from[i] = j.filt[parent];  /* a row keeps its filter: the one its parent row had */
         }
     }
     Py_ssize_t masked;
     Py_BEGIN_ALLOW_THREADS
     if (tokens) {
         int64_t *next = scratch + n;
+        if (j.flags) memcpy((int64_t *)(intptr_t)f[SF_FILTER], filt_from, (size_t)n * sizeof(int64_t));
         child_rows(next, from, tokens, token_stride, n, j.child_ptr, j.child_token, j.num_nodes,
-                   f[SF_MOVES] ? j.table : NULL, j.num_codes, NULL, NULL, scratch + 2 * n);
+                   f[SF_MOVES] ? j.table : NULL, j.num_codes, j.flags, j.filt, scratch + 2 * n);
         memcpy(nodes, next, (size_t)n * sizeof(int64_t));
     }
     masked = mask_job_run(&j);

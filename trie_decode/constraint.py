@@ -276,14 +276,15 @@ class TrieConstraint:
             return self._fields_move(state, tokens, new)
         return RowState(new, state.tree)
 
-    def fused_step(self, state: RowState) -> Optional[Any]:
+    def fused_step(self, state: RowState, filters: Optional[RowFilters] = None) -> Optional[Any]:
         """A one-call step (advance by each row's last token, then mask) for ``state``'s rows, or None where it does
         not apply: it needs a kernel that ``supports_fused_step`` (the C kernel, on a CPU), one trie and no trigger,
-        and it takes no filters.
+        and static ``filters`` if any (no distinct list).
 
         The returned step (the kernel's, e.g. :class:`~trie_decode.kernels.native.FusedStep`) keeps ``state.node``
         and updates it in place: it is for a caller that owns the state, such as the transformers processor inside
-        ``generate``.
+        ``generate``. With filters, each row's filter follows its parent row as ``filters.select`` would; the
+        step's ``filters`` holds each row's filter index (into ``filters.node_flags(trie).rows``).
 
         >>> import torch
         >>> from trie_decode import TokenTrie
@@ -300,7 +301,13 @@ class TrieConstraint:
             return None
         if state.node.dtype is not torch.long or not state.node.is_contiguous():
             return None
-        return self.kernel.fused_step(self.tables[0], state.node, self.needed_width)
+        if filters is None:
+            return self.kernel.fused_step(self.tables[0], state.node, self.needed_width)
+        if filters.distinct or not self.kernel.supports_filters:
+            return None
+        filters.node_flags(self.tries[0])
+        return self.kernel.fused_step(self.tables[0], state.node, self.needed_width,
+                                      filters.built_node_flags(len(state)))
 
     def _off_excluded_children(self, node: torch.Tensor, tokens: torch.Tensor, new: torch.Tensor,
                                filters: RowFilters) -> torch.Tensor:

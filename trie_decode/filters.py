@@ -29,6 +29,7 @@ Dimension letters: R rows, N nodes, E entries, A allow capacity, D deny capacity
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import OrderedDict
 from typing import Any, Optional, Sequence
 
@@ -155,11 +156,35 @@ class EntryOrder:
         self.rank_node = order.astype(np.int64)  # the terminal node of each rank
         self.num_entries = e
         self._device: dict[str, tuple[torch.Tensor, ...]] = {}
+        # id -> (a weak reference to a frozen index array, its sorted ranks): see sorted_ranks
+        self._ranks_of: dict[int, tuple[weakref.ref, np.ndarray]] = {}
 
     @classmethod
     def of(cls, trie: TokenTrie) -> "EntryOrder":
         """The cached order of ``trie`` (built on first use, freed with the trie)."""
         return trie.derived("EntryOrder", lambda: cls(trie))
+
+    def sorted_ranks(self, indices: np.ndarray) -> np.ndarray:
+        """The sorted, unique ranks of entry ``indices`` (int64). An array no one can change (read only and owning
+        its data, as :func:`entry_indices` returns for a list or keys) is converted once while it lives: a vLLM
+        request's filter is sorted once, not at every batch change that rebuilds its batch's filters.
+
+        >>> from trie_decode import TokenTrie
+        >>> order = EntryOrder(TokenTrie.from_sequences([[6], [5], [7]], vocab_size=8))
+        >>> order.sorted_ranks(np.array([2, 0, 0])).tolist()   # entry 0 ([6]) ranks 1, entry 2 ([7]) ranks 2
+        [1, 2]
+        """
+        frozen = not indices.flags.writeable and indices.base is None
+        hit = self._ranks_of.get(id(indices)) if frozen else None
+        if hit is not None and hit[0]() is indices:
+            return hit[1]
+        got = np.sort(self.rank[indices])
+        got = got[np.concatenate([[True], got[1:] != got[:-1]])] if len(got) > 1 else got  # unique
+        if frozen:
+            got.setflags(write=False)
+            key = id(indices)
+            self._ranks_of[key] = (weakref.ref(indices, lambda _, k=key: self._ranks_of.pop(k, None)), got)
+        return got
 
     def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(lo, hi, node_rank) as int64 tensors on ``device`` (cached)."""
@@ -205,12 +230,13 @@ def restricted_trie(trie: TokenTrie, allow: Any = None, deny: Any = None, what: 
 
 def entry_indices(trie: TokenTrie, spec: Any, what: str) -> np.ndarray:
     """Entry indices from a filter spec: entry indices (ints), keys (strings, see :class:`KeyIndex`: a key stands for
-    every entry that carries it), or a numpy array of indices. Raises a named error for an unknown key or an index
-    out of range."""
+    every entry that carries it), or a numpy array of indices (returned as it is). Indices made from a list or keys
+    come back read only. Raises a named error for an unknown key or an index out of range."""
     if spec is None:
         return np.zeros(0, dtype=np.int64)
     if isinstance(spec, np.ndarray):
-        idx = spec.astype(np.int64, copy=False).ravel()
+        idx = spec.astype(np.int64, copy=False)
+        idx = idx if idx.ndim == 1 else idx.ravel()  # the array itself where it can be (see EntryOrder.sorted_ranks)
     else:
         items = list(spec)
         kinds = set(map(type, items))
@@ -221,6 +247,7 @@ def entry_indices(trie: TokenTrie, spec: Any, what: str) -> np.ndarray:
                 if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
                     raise ConstraintConfigError(f"{what} must hold entry keys (str) or entry indices (int), got {x!r:.40}")
             idx = np.asarray(items, dtype=np.int64)
+        idx.setflags(write=False)  # made here and never changed: EntryOrder.sorted_ranks may keep its ranks
     if idx.size and (idx.min() < 0 or idx.max() >= trie.num_entries):
         bad = int(idx[(idx < 0) | (idx >= trie.num_entries)][0])
         raise ConstraintConfigError(f"{what}: entry index {bad} is outside the trie's {trie.num_entries} entries")
@@ -316,14 +343,12 @@ class RowFilters:
         r = len(allow)
         self.order = order
         self.device = torch.device(device)
-        ranks = order.rank
         memo: dict[tuple, np.ndarray] = {}  # rows usually share one spec object: convert it once
 
         def sorted_ranks(spec: Optional[np.ndarray], minus: Optional[np.ndarray] = None) -> np.ndarray:
             key = (id(spec), id(minus))
             if key not in memo:
-                got = np.sort(ranks[spec])
-                got = got[np.concatenate([[True], got[1:] != got[:-1]])] if len(got) > 1 else got  # unique
+                got = order.sorted_ranks(spec)
                 memo[key] = got if minus is None or not len(minus) else got[~np.isin(got, minus, assume_unique=True)]
             return memo[key]
 
@@ -410,6 +435,17 @@ class RowFilters:
         elif self._flags is not None:
             out._flags = NodeFlags(self._flags.rows, self._flags.filter_of_row[index.cpu()], self._flags.addresses)
         return out
+
+    def following(self, filter_of_row: torch.Tensor) -> "RowFilters":
+        """These static filters for rows that have followed their parent rows in a fused step, which keeps each row's
+        filter as an index into :meth:`node_flags`' rows (``FusedStep.filters``): row i gets the filter of a row
+        that had filter ``filter_of_row[i]``, as :meth:`select` of the parent rows would have given it."""
+        if self._flags is None:
+            raise ConstraintConfigError("these filters have no node flags: no fused step followed them")
+        filt = self._flags.filter_of_row
+        row_of = torch.empty(len(self._flags.rows), dtype=torch.long)
+        row_of[filt] = torch.arange(len(filt))
+        return self.select(row_of[filter_of_row.long()])
 
     def usable_count(self, bounds: torch.Tensor) -> torch.Tensor:
         """How many entries each rank interval ``[bounds[:, j], bounds[:, j + 1])`` of each row holds that the row

@@ -39,5 +39,5 @@ class Kernel:
         """Whether static filter bits are applied in this kernel's own pass over these logits."""
         return False
 
-    def fused_step(self, table: Any, nodes: torch.Tensor, needed_width: int) -> Any:
+    def fused_step(self, table: Any, nodes: torch.Tensor, needed_width: int, node_flags: Any = None) -> Any:
         raise NotImplementedError(f"the {self.name} kernel has no fused step")

@@ -60,7 +60,8 @@ LOGITS_FIELDS = ("out", "src", "batch", "out_stride", "src_stride", "width", "el
 MASK_FIELDS = LOGITS_FIELDS + ("n", "rows", "nodes", "flags", "row_filter", "num_filters")
 #: ``step(trie, job)``: the logits, then the rows' nodes (updated in place), the new tokens and their stride, the
 #: parent rows, their stride and element size (0: each row its own parent), and whether to take the rules' moves.
-STEP_FIELDS = LOGITS_FIELDS + ("nodes", "tokens", "token_stride", "parents", "parent_stride", "parent_size", "moves")
+STEP_FIELDS = LOGITS_FIELDS + ("nodes", "tokens", "token_stride", "parents", "parent_stride", "parent_size", "moves",
+                               "flags", "row_filter", "num_filters")
 #: ``child(trie, job)``: the output, the nodes, the tokens, their number, whether to take the rules' moves, filters.
 CHILD_FIELDS = ("out", "nodes", "tokens", "n", "moves", "flags", "row_filter", "num_filters")
 
@@ -305,18 +306,23 @@ class FusedStep:
     object checks everything that never changes once, when it is made, keeps the rows' nodes in its own tensor
     (updated in place), and per step checks only what the caller passes: the generation's ``input_ids`` (the new
     tokens are read straight from its last column), the logits and, under beam search, the column of parent rows.
-    Same rules and same C code as the general path (the kernel's ``child`` and ``mask``), without filters,
-    triggers or row mappings: :meth:`trie_decode.TrieConstraint.fused_step` makes one only where it applies.
+    Same rules and same C code as the general path (the kernel's ``child`` and ``mask``), static filters included,
+    without distinct lists, triggers or row mappings: :meth:`trie_decode.TrieConstraint.fused_step` makes one only
+    where it applies.
 
     Args:
         table: the CPU :class:`~trie_decode.device.StepTable` of (trie, rules).
         nodes: the rows' current nodes. Shape: (R,), int64, CPU (kept and updated in place).
         needed_width: the fewest logits columns that hold every token the rows can keep.
+        node_flags: the rows' static filters (:class:`~trie_decode.filters.NodeFlags`), or None. Each row's filter
+            follows its parent row as the nodes do (``filters``, updated in place).
     """
 
-    __slots__ = ("nodes", "rows", "needed_width", "_nodes_ptr", "_moves", "_trie", "_geometry", "_job")
+    __slots__ = ("nodes", "rows", "needed_width", "filters", "_node_flags", "_filter_fields", "_nodes_ptr", "_moves",
+                 "_trie", "_geometry", "_job")
 
-    def __init__(self, table: Any, nodes: torch.Tensor, needed_width: int) -> None:
+    def __init__(self, table: Any, nodes: torch.Tensor, needed_width: int,
+                 node_flags: Optional["NodeFlags"] = None) -> None:
         if not AVAILABLE:
             raise RuntimeError("the fused step needs the C kernel, which this install does not have")
         self.nodes = _index(nodes, nodes.numel(), "nodes")
@@ -324,7 +330,15 @@ class FusedStep:
         self._nodes_ptr = self.nodes.data_ptr()  # the tensor is kept: its storage does not move
         self.needed_width = needed_width
         self._trie = trie_fields(table)
-        self._moves = 0 if table.rules.plain else 1  # the span rules' moves off the trie, from the step table
+        # the span rules' moves off the trie, from the step table (a filter's rows need them: see child)
+        self._moves = 0 if table.rules.plain and node_flags is None else 1
+        self._node_flags = node_flags  # keeps the filters' flag rows alive
+        self._filter_fields = (0, 0, 0)
+        self.filters: Optional[torch.Tensor] = None  # each row's filter, as its parent rows left it
+        if node_flags is not None:
+            addresses, _, num_filters = _flag_fields(node_flags, table.dtrie.num_nodes, self.rows)  # checks them
+            self.filters = node_flags.filter_of_row.contiguous().clone()  # this step's own: updated in place
+            self._filter_fields = (addresses, self.filters.data_ptr(), num_filters)
         self._geometry: Optional[tuple] = None
         self._job = b""
 
@@ -375,7 +389,7 @@ class FusedStep:
         if geometry != self._geometry:  # the job's fields that stay the same from step to step, packed once
             self._geometry = geometry
             self._job = _PACK_STEP(0, 0, self.rows, out_stride, stride[0], shape[1], *bits, self._nodes_ptr, 0, 0, 0,
-                                   0, parent_size, self._moves)
+                                   0, parent_size, self._moves, *self._filter_fields)
         _kernel.step(self._trie, self._job, out_ptr, src_ptr, tokens, token_stride, parent_ptr, parent_stride)
         return logits if out is None else out
 
@@ -409,8 +423,9 @@ class NativeKernel(GroupedKernel):
     def takes_filters(self, out: torch.Tensor, src: torch.Tensor) -> bool:
         return usable_logits(src) and (out is src or usable_logits(out))
 
-    def fused_step(self, table: Any, nodes: torch.Tensor, needed_width: int) -> FusedStep:
-        return FusedStep(table, nodes, needed_width)
+    def fused_step(self, table: Any, nodes: torch.Tensor, needed_width: int,
+                   node_flags: Optional["NodeFlags"] = None) -> FusedStep:
+        return FusedStep(table, nodes, needed_width, node_flags)
 
     def mask_rows(self, tables: Sequence[Any], out: torch.Tensor, src: torch.Tensor, node: torch.Tensor,
                   tree: torch.Tensor, rows: Optional[torch.Tensor],
