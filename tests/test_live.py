@@ -525,6 +525,7 @@ def test_generate_keeps_the_view_it_started_with(tiny_llama, tokenizer):
     catalog.remove([words[0]])
     beams = tiny_llama.generate(**inputs, logits_processor=[processor], num_beams=4, num_return_sequences=3, **gen)
     assert {e.key for e in processor.match(beams)} <= {new_entry, words[1]}
+    assert processor._fused is not None and processor._fused.filters is not None  # the removal's deny filter, in the one call
     ranked = rank(tiny_llama, inputs, catalog, k=3, tokenizer=tokenizer, pad_token_id=tokenizer.pad_token_id)
     assert [sorted(r.entry.key for r in row) for row in ranked] == [sorted([new_entry, words[1]])] * 2
     # A distinct list over the changed catalog.
