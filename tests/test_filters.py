@@ -579,3 +579,33 @@ def test_a_frozen_filter_is_ranked_once_and_a_users_array_every_time():
     del mine
     gc.collect()
     assert key not in order._ranks_of  # gone with its array
+
+
+def test_flags_a_batch_holds_are_found_beyond_the_cache_budget(monkeypatch):
+    """A batch whose filters' flags together exceed the cache's budget (64 vLLM requests with their own filters on a
+    big catalog) finds them all again at its next change while it holds them: only a new filter is counted. Flags
+    nothing holds any more are forgotten."""
+    import gc
+
+    from trie_decode import filters as F
+
+    rng = random.Random(5)
+    trie = TokenTrie.from_sequences([[rng.randrange(3, V) for _ in range(3)] for _ in range(60)], vocab_size=V)
+    c = TrieConstraint(trie, SpanRules(end_token_id=END), "cpu")
+    e = trie.num_entries
+    denies = [rng.sample(range(e), 5) for _ in range(4)]
+    built = []
+    real = F._node_flags
+    monkeypatch.setattr(F, "_node_flags", lambda *a: built.append(1) or real(*a))
+    monkeypatch.setattr(F, "NODE_FLAG_CACHE_BYTES", trie.num_nodes)  # room for one filter's flags
+    batch = c.filters(3, deny=denies[:3])
+    assert len(built) == 3
+    changed = c.filters(3, deny=[denies[0], denies[1], denies[3]])  # one request replaced: one new count
+    assert len(built) == 4
+    held = batch.node_flags(trie).rows + changed.node_flags(trie).rows
+    assert all(a is b for a, b in zip(changed.node_flags(trie).rows[:2], batch.node_flags(trie).rows[:2]))
+    cache = trie.derived("NodeFlagCache", F._NodeFlagCache)
+    assert len(cache._known) == 4
+    del batch, changed, held
+    gc.collect()
+    assert len(cache._known) == 1  # what the budget keeps; the rest went with their last holder

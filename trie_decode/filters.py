@@ -570,13 +570,19 @@ NODE_FLAG_CACHE_BYTES = 64 << 20
 
 
 class _NodeFlagCache:
-    """The node flags (:func:`_node_flags`) of the filters one trie saw last, keyed by the filter's content, least
-    recently used out first, at most :data:`NODE_FLAG_CACHE_BYTES`. A filter's flags cost about 1 ms per million
-    entries; with this a filter seen before costs a hash of its ranks: a new generation, a new processor with the
-    same filter, or a vLLM batch whose filtered rows changed (every row's filter is rebuilt then)."""
+    """The node flags (:func:`_node_flags`) of the filters one trie saw, keyed by the filter's content. A filter's
+    flags cost about 1 ms per million entries; with this a filter seen before costs a hash of its ranks: a new
+    generation, a new processor with the same filter, or a vLLM batch whose filtered rows changed (every row's
+    filter is rebuilt then). Flags still in use elsewhere (a batch's :class:`NodeFlags` holds them) are always
+    found; of the others, the least recently used go first beyond :data:`NODE_FLAG_CACHE_BYTES`. So a batch of
+    filters whose flags together exceed the budget (64 requests with their own filters on a 1M-entry catalog) does
+    not count them all again at every change."""
 
     def __init__(self) -> None:
-        self._rows: OrderedDict[tuple, tuple[Optional[np.ndarray], np.ndarray, np.ndarray]] = OrderedDict()
+        # key -> (a weak reference to the flags, the filter's allow and deny ranks): every filter whose flags live
+        self._known: dict[tuple, tuple[weakref.ref, Optional[np.ndarray], np.ndarray]] = {}
+        # key -> flags, kept alive here: the most recently used, at most NODE_FLAG_CACHE_BYTES
+        self._kept: OrderedDict[tuple, np.ndarray] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()  # a live catalog compacts in a background thread
 
@@ -584,19 +590,36 @@ class _NodeFlagCache:
         """The flags of one filter (arguments as :func:`_node_flags`'). The returned array is shared: read only."""
         key = (None if allow is None else hash(allow.tobytes()), hash(deny.tobytes()))
         with self._lock:
-            hit = self._rows.get(key)
-            if hit is not None and (hit[0] is None) == (allow is None) and (
-                    allow is None or np.array_equal(hit[0], allow)) and np.array_equal(hit[1], deny):
-                self._rows.move_to_end(key)
-                return hit[2]
+            known = self._known.get(key)
+            flags = known[0]() if known is not None else None
+            if flags is not None and (known[1] is None) == (allow is None) and (
+                    allow is None or np.array_equal(known[1], allow)) and np.array_equal(known[2], deny):
+                self._keep(key, flags)
+                return flags
         flags = _node_flags(order, trie, allow, deny)
+        flags.setflags(write=False)  # shared by every batch with this filter (the C kernel reads it in place)
         with self._lock:
-            if key not in self._rows and flags.nbytes <= NODE_FLAG_CACHE_BYTES:
-                self._rows[key] = (allow, deny, flags)
-                self._bytes += flags.nbytes
-                while self._bytes > NODE_FLAG_CACHE_BYTES:
-                    self._bytes -= self._rows.popitem(last=False)[1][2].nbytes
+            ref = weakref.ref(flags, lambda r, k=key: self._forget(k, r))
+            self._known[key] = (ref, allow, deny)
+            self._keep(key, flags)
         return flags
+
+    def _keep(self, key: tuple, flags: np.ndarray) -> None:
+        """Keep ``flags`` as the most recently used (the lock held)."""
+        old = self._kept.pop(key, None)
+        if old is not None:
+            self._bytes -= old.nbytes
+        if flags.nbytes <= NODE_FLAG_CACHE_BYTES:
+            self._kept[key] = flags
+            self._bytes += flags.nbytes
+            while self._bytes > NODE_FLAG_CACHE_BYTES:
+                self._bytes -= self._kept.popitem(last=False)[1].nbytes
+
+    def _forget(self, key: tuple, ref: weakref.ref) -> None:
+        """A filter's flags died (no batch and no room here held them): drop its entry, if it is still that one."""
+        known = self._known.get(key)
+        if known is not None and known[0] is ref:
+            del self._known[key]
 
 
 def _node_flags(order: EntryOrder, trie: TokenTrie, allow: Optional[np.ndarray], deny: np.ndarray) -> np.ndarray:
