@@ -571,8 +571,11 @@ def test_a_frozen_filter_is_ranked_once_and_a_users_array_every_time():
         logits = c.mask_(torch.zeros(1, V), c.start(1), filters=c.filters(1, deny=[theirs]))
         return [t for t in range(3, 13) if logits[0, t] == float("-inf")]
 
+    theirs.setflags(write=False)  # read only for now, but its owner may change it again
     assert blocked() == [3, 5]
+    theirs.setflags(write=True)
     theirs[:] = [4, 6]  # changed in place between two filters: the second masks with what it holds now
+    theirs.setflags(write=False)
     assert blocked() == [7, 9]
     assert id(theirs) not in order._ranks_of
     key = id(mine)

@@ -448,6 +448,10 @@ def test_many_tries_masking_refuses_rows_that_do_not_fit():
         _kernel.mask(packed[:-8], job, tree.ctypes.data)
     with pytest.raises(ValueError, match="several tries need each row's trie"):
         _kernel.mask(packed, job)
+    negative = _native._PACK["mask"].pack(logits.data_ptr(), logits.data_ptr(), 2, 20, 20, 20,
+                                          *_native._DTYPE_ARGS[torch.float32], -1, 0, nodes.ctypes.data, 0, 0, 0)
+    with pytest.raises(ValueError, match="names -1 rows"):
+        _kernel.mask(packed, negative, tree.ctypes.data)
     filtered = _native._PACK["mask"].pack(logits.data_ptr(), logits.data_ptr(), 2, 20, 20, 20,
                                           *_native._DTYPE_ARGS[torch.float32], 2, rows.ctypes.data, nodes.ctypes.data,
                                           rows.ctypes.data, rows.ctypes.data, 1)
@@ -754,6 +758,22 @@ def test_a_batch_of_filters_reads_the_tries_flag_rows_in_place():
     assert torch.equal(logits, before)
     with pytest.raises(ValueError, match="one contiguous"):
         NodeFlags([one.rows[0], one.rows[0][:-1]], torch.tensor([0]))
+    # each row's filter as a strided view (e.g. a column): read as the kernel reads it, kept alive through the call
+    strided = NodeFlags(one.rows, torch.tensor([[9, 1], [9, 2], [9, 0], [9, 1]])[:, 1], one.addresses)
+    plain = NodeFlags(one.rows, torch.tensor([1, 2, 0, 1]), one.addresses)
+    nodes = torch.tensor([0, 0, 0, 0])
+    got = torch.randn(4, V)
+    want = got.clone()
+    native.mask_rows(got, got, nodes, None, table, strided)
+    native.mask_rows(want, want, nodes, None, table, plain)
+    assert torch.equal(got, want)
+    # zero rows: zero filters are fine, and rows naming filters that are not there are refused
+    assert c.filters(0, deny=[]).node_flags(trie).rows == ()
+    native.mask_rows(torch.zeros(0, V), torch.zeros(0, V), torch.zeros(0, dtype=torch.long), None, table,
+                     NodeFlags([], torch.zeros(0, dtype=torch.long), num_nodes=trie.num_nodes))
+    with pytest.raises(ValueError, match="name filters, but the node flags hold none"):
+        native.mask_rows(logits, logits, nodes, None, table,
+                         NodeFlags([], torch.zeros(4, dtype=torch.long), num_nodes=trie.num_nodes))
 
 
 @pytest.mark.parametrize("on_complete", ["eos", "repeat"])

@@ -651,6 +651,10 @@ static PyObject *py_mask(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     const Py_ssize_t n = (Py_ssize_t)f[MF_N];
     const int64_t *rows = (const int64_t *)(intptr_t)f[MF_ROWS], *nodes = (const int64_t *)(intptr_t)f[MF_NODES];
     const int64_t *filt = (const int64_t *)(intptr_t)f[MF_FILTER];
+    if (n < 0) {
+        PyErr_Format(PyExc_ValueError, "the job names %zd rows", n);
+        return NULL;
+    }
     if (k > 1 && !tree) {
         PyErr_SetString(PyExc_ValueError, "rows of several tries need each row's trie (tree)");
         return NULL;
@@ -660,7 +664,7 @@ static PyObject *py_mask(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         return NULL;
     }
     Py_ssize_t g = tree ? 0 : 1;  /* the jobs: one per run of consecutive rows of one trie */
-    for (Py_ssize_t i = 0; tree && i < n; i++) {  /* n < 0 is refused by mask_job_check */
+    for (Py_ssize_t i = 0; tree && i < n; i++) {
         if (tree[i] < 0 || tree[i] >= k) {
             PyErr_Format(PyExc_IndexError, "row %zd names trie %lld of %zd", i, (long long)tree[i], k);
             return NULL;

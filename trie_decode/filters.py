@@ -156,7 +156,7 @@ class EntryOrder:
         self.rank_node = order.astype(np.int64)  # the terminal node of each rank
         self.num_entries = e
         self._device: dict[str, tuple[torch.Tensor, ...]] = {}
-        # id -> (a weak reference to a frozen index array, its sorted ranks): see sorted_ranks
+        # id -> (a weak reference to an index array entry_indices made, its sorted ranks): see sorted_ranks
         self._ranks_of: dict[int, tuple[weakref.ref, np.ndarray]] = {}
 
     @classmethod
@@ -165,25 +165,27 @@ class EntryOrder:
         return trie.derived("EntryOrder", lambda: cls(trie))
 
     def sorted_ranks(self, indices: np.ndarray) -> np.ndarray:
-        """The sorted, unique ranks of entry ``indices`` (int64). An array no one can change (read only and owning
-        its data, as :func:`entry_indices` returns for a list or keys) is converted once while it lives: a vLLM
-        request's filter is sorted once, not at every batch change that rebuilds its batch's filters.
+        """The sorted, unique ranks of entry ``indices`` (int64). An array :func:`entry_indices` made (from a list or
+        keys; read only) is converted once while it lives: a vLLM request's filter is sorted once, not at every batch
+        change that rebuilds its batch's filters. Any other array is converted at every call (its owner may change
+        it in between).
 
         >>> from trie_decode import TokenTrie
         >>> order = EntryOrder(TokenTrie.from_sequences([[6], [5], [7]], vocab_size=8))
         >>> order.sorted_ranks(np.array([2, 0, 0])).tolist()   # entry 0 ([6]) ranks 1, entry 2 ([7]) ranks 2
         [1, 2]
         """
-        frozen = not indices.flags.writeable and indices.base is None
-        hit = self._ranks_of.get(id(indices)) if frozen else None
+        made_here = _MADE_HERE.get(id(indices)) is indices
+        hit = self._ranks_of.get(id(indices)) if made_here else None
         if hit is not None and hit[0]() is indices:
             return hit[1]
         got = np.sort(self.rank[indices])
         got = got[np.concatenate([[True], got[1:] != got[:-1]])] if len(got) > 1 else got  # unique
-        if frozen:
+        if made_here:
             got.setflags(write=False)
-            key = id(indices)
-            self._ranks_of[key] = (weakref.ref(indices, lambda _, k=key: self._ranks_of.pop(k, None)), got)
+            key, memo = id(indices), self._ranks_of  # the callback holds the dict, not this order (no cycle)
+            memo[key] = (weakref.ref(indices, lambda r, k=key: memo.pop(k) if memo.get(k, (None,))[0] is r else None),
+                         got)
         return got
 
     def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -228,6 +230,10 @@ def restricted_trie(trie: TokenTrie, allow: Any = None, deny: Any = None, what: 
     return trie.subset(np.flatnonzero(keep))
 
 
+#: The index arrays :func:`entry_indices` made, while they live (by id): the ones whose ranks may be kept.
+_MADE_HERE: "weakref.WeakValueDictionary[int, np.ndarray]" = weakref.WeakValueDictionary()
+
+
 def entry_indices(trie: TokenTrie, spec: Any, what: str) -> np.ndarray:
     """Entry indices from a filter spec: entry indices (ints), keys (strings, see :class:`KeyIndex`: a key stands for
     every entry that carries it), or a numpy array of indices (returned as it is). Indices made from a list or keys
@@ -248,6 +254,7 @@ def entry_indices(trie: TokenTrie, spec: Any, what: str) -> np.ndarray:
                     raise ConstraintConfigError(f"{what} must hold entry keys (str) or entry indices (int), got {x!r:.40}")
             idx = np.asarray(items, dtype=np.int64)
         idx.setflags(write=False)  # made here and never changed: EntryOrder.sorted_ranks may keep its ranks
+        _MADE_HERE[id(idx)] = idx
     if idx.size and (idx.min() < 0 or idx.max() >= trie.num_entries):
         bad = int(idx[(idx < 0) | (idx >= trie.num_entries)][0])
         raise ConstraintConfigError(f"{what}: entry index {bad} is outside the trie's {trie.num_entries} entries")
@@ -393,7 +400,8 @@ class RowFilters:
             return None
         filt = self._flags.filter_of_row
         if filt.numel() == 1 and num_rows != 1:
-            return NodeFlags(self._flags.rows, filt.expand(num_rows).contiguous(), self._flags.addresses)
+            return NodeFlags(self._flags.rows, filt.expand(num_rows), self._flags.addresses,
+                             num_nodes=self._flags.num_nodes)
         return self._flags
 
     def node_flags(self, trie: TokenTrie) -> "NodeFlags":
@@ -410,7 +418,7 @@ class RowFilters:
             first_row = {f: row for row, f in reversed(list(enumerate(per_row)))}
             cache = trie.derived("NodeFlagCache", _NodeFlagCache)
             rows = [cache.get(self.order, trie, allow_r[first_row[f]], deny_r[first_row[f]]) for f in range(len(index))]
-            self._flags = NodeFlags(rows, torch.tensor(per_row, dtype=torch.long))
+            self._flags = NodeFlags(rows, torch.tensor(per_row, dtype=torch.long), num_nodes=trie.num_nodes)
         return self._flags
 
     def select(self, index: torch.Tensor) -> "RowFilters":
@@ -433,7 +441,8 @@ class RowFilters:
             idx = index.tolist()
             out._host_sets = ([allow_r[i] for i in idx], [deny_r[i] for i in idx])
         elif self._flags is not None:
-            out._flags = NodeFlags(self._flags.rows, self._flags.filter_of_row[index.cpu()], self._flags.addresses)
+            out._flags = NodeFlags(self._flags.rows, self._flags.filter_of_row[index.cpu()], self._flags.addresses,
+                                   num_nodes=self._flags.num_nodes)
         return out
 
     def following(self, filter_of_row: torch.Tensor) -> "RowFilters":
@@ -543,13 +552,15 @@ class NodeFlags:
     """
 
     def __init__(self, rows: Sequence[np.ndarray], filter_of_row: torch.Tensor,
-                 addresses: Optional[torch.Tensor] = None) -> None:
+                 addresses: Optional[torch.Tensor] = None, *, num_nodes: Optional[int] = None) -> None:
         self.rows = tuple(rows)
-        if not self.rows or any(r.dtype != np.uint8 or r.ndim != 1 or not r.flags.c_contiguous
-                                or len(r) != len(self.rows[0]) for r in self.rows):
-            raise ValueError("node flags need one contiguous (N,) uint8 array per filter, all of one length")
-        self.num_nodes = len(self.rows[0])
-        self.filter_of_row = filter_of_row
+        self.num_nodes = len(self.rows[0]) if self.rows else num_nodes
+        if self.num_nodes is None or any(r.dtype != np.uint8 or r.ndim != 1 or not r.flags.c_contiguous
+                                         or len(r) != self.num_nodes for r in self.rows):
+            raise ValueError("node flags need one contiguous (N,) uint8 array per filter, all of one length "
+                             "(num_nodes= when there is none)")
+        # contiguous int64 on the CPU, as the kernel reads it (no copy when it is one already)
+        self.filter_of_row = filter_of_row.to("cpu", torch.int64).contiguous()
         self.addresses = addresses if addresses is not None else torch.tensor(
             [r.ctypes.data for r in self.rows], dtype=torch.int64)
 
@@ -599,7 +610,8 @@ class _NodeFlagCache:
         flags = _node_flags(order, trie, allow, deny)
         flags.setflags(write=False)  # shared by every batch with this filter (the C kernel reads it in place)
         with self._lock:
-            ref = weakref.ref(flags, lambda r, k=key: self._forget(k, r))
+            known = self._known  # the callback holds the dict, not this cache (no cycle)
+            ref = weakref.ref(flags, lambda r, k=key: known.pop(k) if known.get(k, (None,))[0] is r else None)
             self._known[key] = (ref, allow, deny)
             self._keep(key, flags)
         return flags
@@ -614,12 +626,6 @@ class _NodeFlagCache:
             self._bytes += flags.nbytes
             while self._bytes > NODE_FLAG_CACHE_BYTES:
                 self._bytes -= self._kept.popitem(last=False)[1].nbytes
-
-    def _forget(self, key: tuple, ref: weakref.ref) -> None:
-        """A filter's flags died (no batch and no room here held them): drop its entry, if it is still that one."""
-        known = self._known.get(key)
-        if known is not None and known[0] is ref:
-            del self._known[key]
 
 
 def _node_flags(order: EntryOrder, trie: TokenTrie, allow: Optional[np.ndarray], deny: np.ndarray) -> np.ndarray:

@@ -210,10 +210,17 @@ def _index(t: torch.Tensor, n: int, what: str) -> torch.Tensor:
 def _flag_fields(node_flags: "NodeFlags", num_nodes: int, n: int) -> tuple[int, int, int]:
     """The job's filter fields (the address table of the filters' flag rows, each row's filter, how many filters)
     for ``n`` state rows over a trie of ``num_nodes`` nodes; ValueError when the flags do not fit them. The
-    filter indices are checked in C."""
+    filter indices are checked in C. The addresses are the arrays ``node_flags`` holds (contiguous int64 CPU tensors
+    from its construction): the caller keeps it alive through the C call."""
     if node_flags.num_nodes != num_nodes:
         raise ValueError(f"node flags of {node_flags.num_nodes} nodes for a trie of {num_nodes}")
-    filt = _index(node_flags.filter_of_row, n, "row filters")
+    filt = node_flags.filter_of_row
+    if filt.shape != (n,):
+        raise ValueError(f"row filters must be ({n},), got {tuple(filt.shape)}")
+    if not node_flags.rows:  # no filter at all: only zero rows may have them
+        if n:
+            raise ValueError(f"{n} rows name filters, but the node flags hold none")
+        return 0, 0, 0
     return node_flags.addresses.data_ptr(), filt.data_ptr(), len(node_flags.rows)
 
 
@@ -318,7 +325,7 @@ class FusedStep:
             follows its parent row as the nodes do (``filters``, updated in place).
     """
 
-    __slots__ = ("nodes", "rows", "needed_width", "filters", "_node_flags", "_filter_fields", "_nodes_ptr", "_moves",
+    __slots__ = ("nodes", "rows", "needed_width", "_filters", "_node_flags", "_filter_fields", "_nodes_ptr", "_moves",
                  "_trie", "_geometry", "_job")
 
     def __init__(self, table: Any, nodes: torch.Tensor, needed_width: int,
@@ -334,13 +341,19 @@ class FusedStep:
         self._moves = 0 if table.rules.plain and node_flags is None else 1
         self._node_flags = node_flags  # keeps the filters' flag rows alive
         self._filter_fields = (0, 0, 0)
-        self.filters: Optional[torch.Tensor] = None  # each row's filter, as its parent rows left it
+        self._filters: Optional[torch.Tensor] = None  # each row's filter, as its parent rows left it
         if node_flags is not None:
             addresses, _, num_filters = _flag_fields(node_flags, table.dtrie.num_nodes, self.rows)  # checks them
-            self.filters = node_flags.filter_of_row.contiguous().clone()  # this step's own: updated in place
-            self._filter_fields = (addresses, self.filters.data_ptr(), num_filters)
+            self._filters = node_flags.filter_of_row.clone()  # this step's own: the C step updates it in place
+            self._filter_fields = (addresses, self._filters.data_ptr() if num_filters else 0, num_filters)
         self._geometry: Optional[tuple] = None
         self._job = b""
+
+    @property
+    def filters(self) -> Optional[torch.Tensor]:
+        """Each row's filter (an index into the node flags' rows) as its parent rows left it, or None without
+        filters. Shape: (R,), int64 (read only: the C step writes it)."""
+        return self._filters
 
     def __call__(self, input_ids: Optional[torch.Tensor], logits: torch.Tensor, out: Optional[torch.Tensor] = None,
                  parents: Optional[torch.Tensor] = None) -> torch.Tensor:
