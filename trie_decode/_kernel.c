@@ -626,9 +626,9 @@ static Py_ssize_t run_jobs(const MaskJob *jobs, Py_ssize_t g) {
  * Filters (optional: flags 0 for none): flags is the address of num_filters pointers, flags[f] filter f's
  * (num_nodes,) uint8 flags (rows kept apart: a batch's filters are the trie's cached rows, never copied together),
  * filter[i] the filter of state row i; the bits are the filter rule as data, computed in one place
- * (trie_decode/filters.py, filter_bits): bit 0 of flags[f][m], no usable entry below node m (a child m is dropped); bit 1, the entry ending at m is not usable (the
- * row's end token and separator are dropped, unless they are usable children). Filters need one trie (k = 1): their
- * flags are one trie's nodes.
+ * (trie_decode/filters.py, filter_bits): bit 0 of flags[f][m], no usable entry below node m (a child m is
+ * dropped); bit 1, the entry ending at m is not usable (the row's end token and separator are dropped, unless they
+ * are usable children). Filters need one trie (k = 1): their flags are one trie's nodes.
  *
  * Rows of several tries: the rows are masked in their order, each run of consecutive rows of one trie as that trie
  * alone would mask it: one call, whatever the number of tries, no sorting, and the logits rows written in the order
