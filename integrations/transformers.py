@@ -239,6 +239,11 @@ class TrieLogitsProcessor(LogitsProcessor):
         self._static_filters: dict[tuple[int, str], Any] = {}
         self._filter_specs: tuple = (None, None, False, 0, max_entries)
         if self._filtered:  # resolved (keys to entry indices) and checked now, once: a bad key fails here
+            if len(self.tries) > 1:
+                raise ConstraintConfigError(
+                    "allow/deny/distinct filter one shared trie, and tries= gives one per prompt: give one trie "
+                    "(with per-prompt allow/deny), or filter each prompt's trie beforehand "
+                    "(trie_decode.filters.restricted_trie)")
             n = prompt_filters(allow, deny)
 
             def resolve(spec: Any, what: str) -> Any:

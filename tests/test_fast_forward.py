@@ -187,7 +187,8 @@ def small_tries(tokenizer, country_names, language_names):
 
 
 def _both(model, inputs, tries, tokenizer, **options):
-    proc_opts = {k: options.pop(k) for k in ("on_complete", "separator", "trigger", "end_token_id") if k in options}
+    proc_opts = {k: options.pop(k) for k in ("on_complete", "separator", "trigger", "end_token_id", "allow", "deny")
+                 if k in options}
     ref = model.generate(
         **inputs, logits_processor=[TrieLogitsProcessor(tries, tokenizer, **proc_opts)], do_sample=False, **options
     )
@@ -203,6 +204,49 @@ def test_tiny_greedy_matches_processor_eos_mode(tiny_llama, tokenizer, small_tri
     ref, out = _both(tiny_llama, inputs, small_tries, tokenizer, max_new_tokens=max_new_tokens)
     assert out.tolist() == ref.tolist()
     assert out.stats.tokens_emitted <= 3 * max_new_tokens
+
+
+def test_tiny_filters_match_processor_and_force_what_they_leave(tiny_llama, tokenizer, small_tries):
+    """allow/deny as the processor takes them (per prompt, or one spec for every prompt, keys or indices) give the
+    processor's tokens; a filter that leaves one way on forces it (fewer decisions than without the filter); bad
+    filters are named errors."""
+    from trie_decode.filters import restricted_trie
+
+    inputs = tiny_inputs(tokenizer)
+    sep = tokenizer(",", add_special_tokens=False)["input_ids"]
+    one = small_tries[0]
+    e = one.num_entries
+    per_prompt = dict(allow=[list(range(0, e, 3)), None, list(range(5, e))], deny=[[0], list(range(e // 2)), None])
+    for spec, extra in ((per_prompt, {}), (dict(deny=[1, 2, 3]), dict(on_complete="repeat", separator=sep))):
+        ref, out = _both(tiny_llama, inputs, one, tokenizer, max_new_tokens=16, **spec, **extra)
+        assert out.tolist() == ref.tolist(), spec
+    # one trie per prompt, each filtered: as those prompts' filtered tries (the processor takes one shared trie)
+    deny = [[0, 1], [2], [3, 4, 5]]
+    kwargs = dict(max_new_tokens=12, do_sample=False)
+    out = fast_forward_generate(tiny_llama, **inputs, trie=small_tries, deny=deny, **kwargs)
+    want = fast_forward_generate(tiny_llama, **inputs, trie=[restricted_trie(t, deny=d) for t, d in zip(small_tries, deny)],
+                                 **kwargs)
+    assert torch.equal(out, want)
+    with pytest.raises(ConstraintConfigError, match="filter one shared trie"):
+        TrieLogitsProcessor(small_tries, tokenizer, deny=deny)
+    first = one.sequences()[7]
+    alone = dict(max_new_tokens=len(first) + 1, do_sample=False)
+    both = inputs["input_ids"][:1], inputs["attention_mask"][:1]
+    free = fast_forward_generate(tiny_llama, both[0], attention_mask=both[1], trie=one, **alone)
+    only = fast_forward_generate(tiny_llama, both[0], attention_mask=both[1], trie=one, allow=[7], **alone)
+    assert only[0, both[0].shape[1]:].tolist()[: len(first)] == list(first)
+    assert only.stats.decisions == 0 and free.stats.decisions >= 1  # one entry left: everything is forced
+    with pytest.raises(ConstraintConfigError, match="does not take distinct lists"):
+        fast_forward_generate(tiny_llama, **inputs, trie=one, distinct=True, max_new_tokens=3)
+    with pytest.raises(ConstraintConfigError, match="keys are not entries"):
+        fast_forward_generate(tiny_llama, **inputs, trie=small_tries, deny=["no such entry"], max_new_tokens=3)
+    with pytest.raises(ConstraintConfigError, match='need on_complete="eos" or "repeat"'):
+        fast_forward_generate(tiny_llama, **inputs, trie=small_tries, deny=[0], on_complete="release", max_new_tokens=3)
+    with pytest.raises(ConstraintConfigError, match="2 per-prompt filters but the batch has 3 rows"):
+        fast_forward_generate(tiny_llama, **inputs, trie=one, deny=[[0], [1]], max_new_tokens=3)
+    with pytest.raises(ConstraintConfigError, match="filters for 2 prompts and trie= gives 3 tries"):
+        fast_forward_generate(tiny_llama, **{k: v[:2] for k, v in inputs.items()}, trie=small_tries, deny=[[0], [1]],
+                              max_new_tokens=3)
 
 
 def test_tiny_release_mode_continues_as_free_text(tiny_llama, tokenizer, small_tries):
@@ -357,4 +401,10 @@ def test_outside_the_verified_transformers_it_decodes_token_by_token_with_the_sa
                                      **kwargs)
     plain = fast_forward_generate(tiny_llama, **inputs, trie=trie, end_token_id=end, **kwargs)
     assert torch.equal(hooked, ref) and torch.equal(plain, ref)
+    # filters too, per prompt over per-prompt tries, as the verified path decodes them
+    deny = [[0, 1], [2], [3, 4, 5]]
+    general = fast_forward_generate(tiny_llama, **inputs, trie=small_tries, deny=deny, end_token_id=end, **kwargs)
+    monkeypatch.setattr(internals, "_VERIFIED", True)
+    assert torch.equal(general, fast_forward_generate(tiny_llama, **inputs, trie=small_tries, deny=deny,
+                                                      end_token_id=end, **kwargs))
     assert hooked.stats.forced_tokens == 0 and hooked.stats.forward_passes == ref.shape[1] - inputs["input_ids"].shape[1]
