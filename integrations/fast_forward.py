@@ -50,9 +50,9 @@ import torch
 
 from trie_decode.constraint import RowState, SpanRules, TrieConstraint
 from trie_decode.errors import ConstraintConfigError
-from trie_decode.filters import restricted_trie
-from trie_decode.options import (TrieArg, as_tries, check_filter_mode, check_instance, check_one_source, end_token,
-                                  filter_rows, prompt_filters, prompt_groups, rule_args)
+from trie_decode.filters import filtered_tries
+from trie_decode.options import (TrieArg, as_tries, check_instance, check_one_source, end_token, prompt_groups,
+                                  rule_args)
 from trie_decode.templates import Template
 from trie_decode.trie import TokenTrie
 
@@ -536,32 +536,6 @@ def _general_path(
 
 
 @torch.no_grad()
-def _filtered_tries(tries: list[TokenTrie], allow: Any, deny: Any, on_complete: str, batch: int) -> list[TokenTrie]:
-    """Per prompt, the trie of the entries its filters leave (:func:`trie_decode.filters.restricted_trie`: a
-    filter as a trie, the way a span's ``allow``/``deny`` is built), the options checked as the processor checks
-    them. One trie per prompt when the filters or the tries are per prompt; one filtered trie per distinct (trie,
-    filter) pair."""
-    check_filter_mode(on_complete, [k for k, v in (("allow", allow), ("deny", deny)) if v is not None])
-    n = prompt_filters(allow, deny)
-    filter_rows(allow if allow is not None else deny, n, batch)  # per-prompt filters fit the batch (as the processor's)
-    if n and len(tries) > 1 and n != len(tries):
-        raise ConstraintConfigError(f"allow/deny give filters for {n} prompts and trie= gives {len(tries)} tries: "
-                                    "give both per prompt for the same prompts, or one of them for every prompt")
-    count = max(n, len(tries))
-    allow_rows, deny_rows = filter_rows(allow, n, count), filter_rows(deny, n, count)
-    built: dict[tuple, TokenTrie] = {}
-    out = []
-    for i in range(count):
-        trie = tries[i if len(tries) > 1 else 0]
-        a = allow_rows[i] if n and allow_rows is not None else allow_rows
-        d = deny_rows[i] if n and deny_rows is not None else deny_rows
-        key = (id(trie), id(a), id(d))
-        if key not in built:
-            built[key] = restricted_trie(trie, a, d, what=f"prompt {i}" if count > 1 else "fast_forward_generate")
-        out.append(built[key])
-    return out
-
-
 def fast_forward_generate(
     model: Any,
     input_ids: torch.Tensor,
@@ -689,7 +663,7 @@ def fast_forward_generate(
         # The processor checks the options (a template combines with none of on_complete, separator, trigger).
         filtered = template is None and (allow is not None or deny is not None)
         if filtered:  # the filtered tries, as the verified path decodes them (one per prompt where either is)
-            trie = _filtered_tries(as_tries(trie, TokenTrie, tokenizer, "trie"), allow, deny, on_complete,
+            trie = filtered_tries(as_tries(trie, TokenTrie, tokenizer, "trie"), allow, deny, on_complete,
                                    input_ids.shape[0])
         processor = TrieLogitsProcessor(trie, tokenizer, template=template, end_token_id=end, on_complete=on_complete,
                                         separator=separator, trigger=trigger, allow=None if filtered else allow,
@@ -735,7 +709,7 @@ def fast_forward_generate(
         rules = SpanRules(**rule_args(tokenizer, end_token_id, on_complete, separator, trigger,
                                       default_end=eos_ids[0] if eos_ids else None))
         if allow is not None or deny is not None:
-            tries = _filtered_tries(tries, allow, deny, on_complete, input_ids.shape[0])
+            tries = filtered_tries(tries, allow, deny, on_complete, input_ids.shape[0])
     stop_ids = sorted(set(eos_ids) | ({rules.end_token_id} if on_complete in ("eos", "repeat") else set()))
     pad = config.pad_token_id
     pad_id = int(_token_set(pad)[0]) if pad is not None else (eos_ids[0] if eos_ids else rules.end_token_id)

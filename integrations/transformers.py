@@ -35,7 +35,7 @@ from trie_decode.entries import Entry
 from trie_decode.fields import FieldRules, Span
 from trie_decode.templates import Template
 from trie_decode.errors import ConstraintConfigError
-from trie_decode.filters import entry_indices
+from trie_decode.filters import entry_indices, filtered_tries
 from trie_decode.forms import entry_identity, warn_prompt
 from trie_decode.live import CatalogSnapshot, LiveCatalog, constraint_for
 from trie_decode.options import (TrieArg, as_tries, check_alone, check_instance, check_one_source, end_token, filter_rows,
@@ -165,7 +165,9 @@ class TrieLogitsProcessor(LogitsProcessor):
         trigger (`str` or token ids, *optional*): the constraint starts only after this token sequence.
         allow, deny (*optional*): entries (keys, names or indices) each prompt may use / may not use, over one
             shared trie and with no rebuild: one list for every prompt, or a list of lists, one per prompt
-            (``None`` items: no filter). See :mod:`trie_decode.filters`.
+            (``None`` items: no filter). See :mod:`trie_decode.filters`. With one trie per prompt, each prompt's
+            filter gives it the trie of the entries it leaves (:func:`trie_decode.filters.filtered_tries`, built
+            here, O(entries)).
         distinct (`bool`, defaults to False): with ``on_complete="repeat"``, an entry appears at most once in a
             row's list.
         max_entries (`int`, defaults to 64): with ``distinct``, the most entries a row's list holds; a full list
@@ -234,16 +236,18 @@ class TrieLogitsProcessor(LogitsProcessor):
         self.rules = SpanRules(**rule_args(tokenizer, end_token_id, on_complete, separator, trigger))
         if spans is not None:
             self.rules = replace(self.rules, fields=fields)
+        if len(self.tries) > 1 and (allow is not None or deny is not None) and not distinct:
+            # filters over one trie per prompt: each prompt decodes the trie of the entries its filter leaves
+            self.tries = filtered_tries(self.tries, allow, deny, self.rules.on_complete)
+            allow = deny = None
         self._filtered = allow is not None or deny is not None or bool(distinct)
         # Filters without a distinct list never change: built once per (rows, device), reused by every generation.
         self._static_filters: dict[tuple[int, str], Any] = {}
         self._filter_specs: tuple = (None, None, False, 0, max_entries)
         if self._filtered:  # resolved (keys to entry indices) and checked now, once: a bad key fails here
             if len(self.tries) > 1:
-                raise ConstraintConfigError(
-                    "allow/deny/distinct filter one shared trie, and tries= gives one per prompt: give one trie "
-                    "(with per-prompt allow/deny), or filter each prompt's trie beforehand "
-                    "(trie_decode.filters.restricted_trie)")
+                raise ConstraintConfigError("distinct lists need one trie shared by every prompt (a list's entries "
+                                            "are ranked in it), and tries= gives one per prompt")
             n = prompt_filters(allow, deny)
 
             def resolve(spec: Any, what: str) -> Any:

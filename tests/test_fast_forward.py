@@ -227,8 +227,11 @@ def test_tiny_filters_match_processor_and_force_what_they_leave(tiny_llama, toke
     want = fast_forward_generate(tiny_llama, **inputs, trie=[restricted_trie(t, deny=d) for t, d in zip(small_tries, deny)],
                                  **kwargs)
     assert torch.equal(out, want)
-    with pytest.raises(ConstraintConfigError, match="filter one shared trie"):
-        TrieLogitsProcessor(small_tries, tokenizer, deny=deny)
+    ref = tiny_llama.generate(**inputs, logits_processor=[TrieLogitsProcessor(small_tries, tokenizer, deny=deny)],
+                              pad_token_id=tokenizer.eos_token_id, **kwargs)
+    assert torch.equal(out, ref)  # the processor filters per-prompt tries the same way
+    with pytest.raises(ConstraintConfigError, match="distinct lists need one trie"):
+        TrieLogitsProcessor(small_tries, tokenizer, deny=deny, on_complete="repeat", separator=",", distinct=True)
     first = one.sequences()[7]
     alone = dict(max_new_tokens=len(first) + 1, do_sample=False)
     both = inputs["input_ids"][:1], inputs["attention_mask"][:1]

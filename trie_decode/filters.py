@@ -39,11 +39,12 @@ import torch
 from .catalogs import item_entries, item_key_table
 from .errors import ConstraintConfigError
 from .kernels.rules import NEG_INF, floor_rule, kept_alive
+from .options import check_filter_mode, filter_rows, prompt_filters
 from .options import is_per_row  # the per-row rule (trie_decode.options), part of this module's API
 from .spans import completes_entry
 from .trie import TokenTrie
 
-__all__ = ["EntryOrder", "KeyIndex", "NodeFlags", "RowFilters", "entry_indices", "restricted_trie", "is_per_row", "apply_filters_", "distinct_capacity",
+__all__ = ["EntryOrder", "KeyIndex", "NodeFlags", "RowFilters", "entry_indices", "restricted_trie", "filtered_tries", "is_per_row", "apply_filters_", "distinct_capacity",
            "CHILD_EXCLUDED", "END_EXCLUDED", "usable_count", "filter_bits"]
 
 
@@ -228,6 +229,47 @@ def restricted_trie(trie: TokenTrie, allow: Any = None, deny: Any = None, what: 
     if not keep.any():
         raise ConstraintConfigError(f"{what}: allow and deny leave none of the {trie.num_entries} entries")
     return trie.subset(np.flatnonzero(keep))
+
+
+def filtered_tries(tries: Sequence[TokenTrie], allow: Any, deny: Any, on_complete: str,
+                   batch: Optional[int] = None) -> list[TokenTrie]:
+    """Per prompt, the trie of the entries its filters leave (:func:`restricted_trie`): how a front door filters
+    one trie per prompt, or decodes a filter as a trie of its own (fast-forward, whose forced runs are then the
+    filtered trie's). One trie per prompt when the filters or the tries are per prompt; each distinct (trie, filter)
+    pair built once. The options are checked as every front door checks them (:mod:`trie_decode.options`).
+
+    Args:
+        tries: one trie for every prompt, or one per prompt.
+        allow, deny: entry keys or indices, one spec for every prompt or one per prompt (None: no such filter).
+        on_complete: the span rules' mode (filters need "eos" or "repeat").
+        batch: the batch's rows, when known: per-prompt filters must divide it.
+
+    Example:
+        >>> from trie_decode import TokenTrie
+        >>> trie = TokenTrie.from_sequences([[5], [6], [7]], vocab_size=8)
+        >>> [t.sequences() for t in filtered_tries([trie], None, [[0], [1, 2]], "eos")]
+        [[(6,), (7,)], [(5,)]]
+    """
+    check_filter_mode(on_complete, [k for k, v in (("allow", allow), ("deny", deny)) if v is not None])
+    n = prompt_filters(allow, deny)
+    if batch is not None:
+        filter_rows(allow if allow is not None else deny, n, batch)  # per-prompt filters fit the batch
+    if n and len(tries) > 1 and n != len(tries):
+        raise ConstraintConfigError(f"allow/deny give filters for {n} prompts and trie= gives {len(tries)} tries: "
+                                    "give both per prompt for the same prompts, or one of them for every prompt")
+    count = max(n, len(tries))
+    allow_rows, deny_rows = filter_rows(allow, n, count), filter_rows(deny, n, count)
+    built: dict[tuple, TokenTrie] = {}
+    out = []
+    for i in range(count):
+        trie = tries[i if len(tries) > 1 else 0]
+        a = allow_rows[i] if n and allow_rows is not None else allow_rows
+        d = deny_rows[i] if n and deny_rows is not None else deny_rows
+        key = (id(trie), id(a), id(d))
+        if key not in built:
+            built[key] = restricted_trie(trie, a, d, what=f"prompt {i}" if count > 1 else "filter")
+        out.append(built[key])
+    return out
 
 
 #: The index arrays :func:`entry_indices` made, while they live (by id): the ones whose ranks may be kept.
