@@ -591,8 +591,9 @@ def fast_forward_generate(
             :class:`~trie_decode.integrations.transformers.TrieLogitsProcessor`: entry keys or indices, one spec for
             every row or one per prompt. Each distinct filter decodes as the trie of the entries it leaves
             (:func:`trie_decode.filters.filtered_tries`, built once per call, O(entries)), so its forced runs are
-            the filtered trie's: a node with one usable child forces it. For per-request filters over a catalog of
-            millions, the processor, which filters a shared trie without a rebuild, starts faster.
+            the filtered trie's: a node with one usable child forces it. A filter that leaves a prompt no entry is
+            an error here (over a shared trie the processor lets such rows only end). For per-request filters over
+            a catalog of millions, the processor, which filters a shared trie without a rebuild, starts faster.
         generator (`torch.Generator`, optional): the random source of sampling.
         kwargs: ``attention_mask`` (Shape: (B, P)), and on the plain path any ``GenerationConfig`` field
             (``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``output_scores``,
@@ -660,10 +661,15 @@ def fast_forward_generate(
     if not verified():
         ids = eos_token_ids(config)
         end = end_token(end_token_id, tokenizer, ids[0] if ids else None)  # as the verified path finds it, below
-        # The processor checks the options (a template combines with none of on_complete, separator, trigger) and
-        # filters as the path below does (a filter leaves what the trie of its entries leaves).
+        # The processor checks the options (a template combines with none of on_complete, separator, trigger); the
+        # filters are the filtered tries the path below decodes, with its checks.
+        filtered = template is None and (allow is not None or deny is not None)
+        if filtered:
+            trie = filtered_tries(as_tries(trie, TokenTrie, tokenizer, "trie"), allow, deny, on_complete,
+                                  input_ids.shape[0])
         processor = TrieLogitsProcessor(trie, tokenizer, template=template, end_token_id=end, on_complete=on_complete,
-                                        separator=separator, trigger=trigger, allow=allow, deny=deny)
+                                        separator=separator, trigger=trigger, allow=None if filtered else allow,
+                                        deny=None if filtered else deny)
         return _general_path(model, input_ids, attention_mask, processor, processors if hooked else None,
                              stopping_criteria if hooked else None, config, model_kwargs)
     unknown = set(model_kwargs) - _KNOWN_MODEL_KWARGS

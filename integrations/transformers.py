@@ -167,7 +167,7 @@ class TrieLogitsProcessor(LogitsProcessor):
             shared trie and with no rebuild: one list for every prompt, or a list of lists, one per prompt
             (``None`` items: no filter). See :mod:`trie_decode.filters`. With one trie per prompt, each prompt's
             filter gives it the trie of the entries it leaves (:func:`trie_decode.filters.filtered_tries`, built
-            here, O(entries)).
+            here, O(entries); a filter that leaves a prompt no entry is an error then).
         distinct (`bool`, defaults to False): with ``on_complete="repeat"``, an entry appears at most once in a
             row's list.
         max_entries (`int`, defaults to 64): with ``distinct``, the most entries a row's list holds; a full list

@@ -241,13 +241,15 @@ def test_tiny_filters_match_processor_and_force_what_they_leave(tiny_llama, toke
     assert only.stats.decisions == 0 and free.stats.decisions >= 1  # one entry left: everything is forced
     with pytest.raises(ConstraintConfigError, match="does not take distinct lists"):
         fast_forward_generate(tiny_llama, **inputs, trie=one, distinct=True, max_new_tokens=3)
+    with pytest.raises(ConstraintConfigError, match="prompt 0: allow and deny leave none"):  # on every path
+        fast_forward_generate(tiny_llama, **inputs, trie=one, deny=[list(range(e)), None, None], max_new_tokens=3)
     with pytest.raises(ConstraintConfigError, match="keys are not entries"):
         fast_forward_generate(tiny_llama, **inputs, trie=small_tries, deny=["no such entry"], max_new_tokens=3)
     with pytest.raises(ConstraintConfigError, match='need on_complete="eos" or "repeat"'):
         fast_forward_generate(tiny_llama, **inputs, trie=small_tries, deny=[0], on_complete="release", max_new_tokens=3)
     with pytest.raises(ConstraintConfigError, match="2 per-prompt filters but the batch has 3 rows"):
         fast_forward_generate(tiny_llama, **inputs, trie=one, deny=[[0], [1]], max_new_tokens=3)
-    with pytest.raises(ConstraintConfigError, match="filters for 2 prompts and trie= gives 3 tries"):
+    with pytest.raises(ConstraintConfigError, match="filters for 2 prompts, and there are 3 tries"):
         fast_forward_generate(tiny_llama, **{k: v[:2] for k, v in inputs.items()}, trie=small_tries, deny=[[0], [1]],
                               max_new_tokens=3)
 
@@ -407,6 +409,9 @@ def test_outside_the_verified_transformers_it_decodes_token_by_token_with_the_sa
     # filters too, per prompt over per-prompt tries, as the verified path decodes them
     deny = [[0, 1], [2], [3, 4, 5]]
     general = fast_forward_generate(tiny_llama, **inputs, trie=small_tries, deny=deny, end_token_id=end, **kwargs)
+    with pytest.raises(ConstraintConfigError, match="prompt 0: allow and deny leave none"):  # as on the fast path
+        fast_forward_generate(tiny_llama, **inputs, trie=small_tries[0],
+                              deny=[list(range(small_tries[0].num_entries)), None, None], end_token_id=end, **kwargs)
     monkeypatch.setattr(internals, "_VERIFIED", True)
     assert torch.equal(general, fast_forward_generate(tiny_llama, **inputs, trie=small_tries, deny=deny,
                                                       end_token_id=end, **kwargs))

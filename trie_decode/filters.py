@@ -255,8 +255,9 @@ def filtered_tries(tries: Sequence[TokenTrie], allow: Any, deny: Any, on_complet
     if batch is not None:
         filter_rows(allow if allow is not None else deny, n, batch)  # per-prompt filters fit the batch
     if n and len(tries) > 1 and n != len(tries):
-        raise ConstraintConfigError(f"allow/deny give filters for {n} prompts and trie= gives {len(tries)} tries: "
-                                    "give both per prompt for the same prompts, or one of them for every prompt")
+        raise ConstraintConfigError(f"allow/deny give filters for {n} prompts, and there are {len(tries)} tries, one "
+                                    "per prompt: give both per prompt for the same prompts, or one of them for every "
+                                    "prompt")
     count = max(n, len(tries))
     allow_rows, deny_rows = filter_rows(allow, n, count), filter_rows(deny, n, count)
     built: dict[tuple, TokenTrie] = {}
@@ -652,7 +653,9 @@ class _NodeFlagCache:
         flags = _node_flags(order, trie, allow, deny)
         flags.setflags(write=False)  # shared by every batch with this filter (the C kernel reads it in place)
         with self._lock:
-            known = self._known  # the callback holds the dict, not this cache (no cycle)
+            # The callback holds the dict, not this cache. Its check and pop are two steps: a thread storing the same
+            # key in between loses that entry, which costs a recount, never a wrong flag.
+            known = self._known
             ref = weakref.ref(flags, lambda r, k=key: known.pop(k) if known.get(k, (None,))[0] is r else None)
             self._known[key] = (ref, allow, deny)
             self._keep(key, flags)
