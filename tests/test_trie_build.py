@@ -329,3 +329,32 @@ def test_every_path_of_the_builder_gives_the_same_trie(vocab_size):
         assert [trie.tokens_of(int(n)) for n in trie.entry_node] == first_use
         assert trie.token[1 : 1 + len(trie.children(0)[0])].tolist() == sorted({s[0] for s in group})
         assert trie.num_nodes == 1 + len({tuple(s[:d]) for s in group for d in range(1, len(s) + 1)})
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_subset_prunes_to_the_arrays_a_build_of_those_entries_gives(seed):
+    # subset drops the nodes on no kept entry's path instead of rebuilding: the arrays must be a build's, to the
+    # entry, for kept sets in any order (prefixes of other entries, the deepest entries gone, one entry left)
+    rng = np.random.default_rng(seed)
+    seqs = [rng.integers(0, 6, size=rng.integers(1, 6)).tolist() for _ in range(300)]
+    trie = TokenTrie.from_sequences(seqs, vocab_size=6, keys=[f"k{i}" for i in range(len(seqs))])
+    deepest = np.flatnonzero(np.diff(trie.entry_tokens(np.arange(trie.num_entries)).offsets) < trie.max_depth)
+    for entries in (rng.permutation(trie.num_entries)[: rng.integers(1, trie.num_entries)],
+                    np.sort(rng.choice(trie.num_entries, 40, replace=False)), deepest, np.array([int(deepest[-1])])):
+        got = trie.subset(entries)
+        want = TokenTrie.from_sequences([list(trie.tokens_of(int(trie.entry_node[e]))) for e in entries],
+                                        vocab_size=6, keys=[trie.entry(int(e)).key for e in entries])
+        got.validate()
+        for name in ("child_ptr", "token", "node_entry", "entry_node", "level_ptr"):
+            assert getattr(got, name).dtype == getattr(want, name).dtype, name
+            assert np.array_equal(getattr(got, name), getattr(want, name)), name
+        assert [got.entry(i).key for i in range(len(entries))] == [trie.entry(int(e)).key for e in entries]
+
+
+def test_subset_names_a_bad_index(small):
+    with pytest.raises(IndexError, match="entry index -1 is out of range for a trie of 3 entries"):
+        small.subset(np.array([0, -1]))
+    with pytest.raises(IndexError, match="entry index 3 is out of range"):
+        small.subset(np.array([3]))
+    with pytest.raises(ValueError, match="given twice"):
+        small.subset(np.array([1, 1]))

@@ -511,14 +511,17 @@ class TokenTrie:
 
     def subset(self, entries: np.ndarray) -> "TokenTrie":
         """The trie of entries ``entries`` only, in that order (names, keys, fingerprint and options kept; ``extra``
-        arrays are not): what a static allow filter of those entries decodes as, built vectorized (about 1 s per
-        million entries).
+        arrays are not): what a static allow or deny filter decodes as. Built by pruning, not rebuilding: the nodes
+        on no kept entry's path are dropped and the rest keep their order, which is the breadth-first, token-sorted
+        numbering a build of those entries gives. A few passes over the nodes (about 12 ms per million nodes).
 
         Args:
             entries: distinct entry indices. Shape: (K,), int64.
 
         Raises:
             EmptyTrieError: ``entries`` is empty.
+            IndexError: an index is out of range.
+            ValueError: an index is given twice.
 
         Example:
             >>> trie = TokenTrie.from_sequences([[5, 6], [5, 7], [8]], vocab_size=9, keys=["a", "b", "c"])
@@ -529,14 +532,34 @@ class TokenTrie:
         entries = np.asarray(entries, dtype=np.int64)
         if not len(entries):
             raise EmptyTrieError("a subset of no entries is an empty trie")
-        built = build_arrays(self.entry_tokens(entries), self.vocab_size)
-        source = entries[built.entry_source]
+        if entries.min() < 0 or entries.max() >= self.num_entries:
+            bad = entries[(entries < 0) | (entries >= self.num_entries)][0]
+            raise IndexError(f"subset: entry index {bad} is out of range for a trie of {self.num_entries} entries")
+        ends = self.entry_node[entries]
+        keep = np.zeros(self.num_nodes, dtype=np.bool_)
+        keep[ends] = True
+        if np.count_nonzero(keep) != len(entries):  # entries end at distinct nodes: a repeat marks one node twice
+            raise ValueError("subset: an entry index is given twice")
+        keep[0] = True
+        parent, level = self.parent, self.level_ptr
+        for depth in range(self.max_depth, 0, -1):  # the kept nodes' parents, deepest level first
+            lo, hi = int(level[depth]), int(level[depth + 1])
+            keep[parent[lo:hi][keep[lo:hi]]] = True
+        new_id = np.zeros(self.num_nodes + 1, dtype=np.int64)  # new_id[n]: the kept nodes before node n
+        np.cumsum(keep, out=new_id[1:])
+        num_nodes = int(new_id[-1])
+        child_ptr = np.append(new_id[self.child_ptr[:-1]][keep], num_nodes)  # a node's kept children stay contiguous
+        level_ptr = new_id[level]
+        level_ptr = level_ptr[: np.count_nonzero(np.diff(level_ptr)) + 1]  # levels left with no node are gone
+        entry_node = new_id[ends]
+        node_entry = np.full(num_nodes, -1, dtype=np.int32)
+        node_entry[entry_node] = np.arange(len(entries), dtype=np.int32)
 
         def column(table: Optional[StringTable]) -> Optional[StringTable]:
-            return table.take(source) if table is not None else None
+            return table.take(entries) if table is not None else None
 
-        return TokenTrie(child_ptr=built.child_ptr, token=built.token, node_entry=built.node_entry,
-                         entry_node=built.entry_node, level_ptr=built.level_ptr, vocab_size=self.vocab_size,
+        return TokenTrie(child_ptr=child_ptr.astype(np.int32), token=self.token[keep], node_entry=node_entry,
+                         entry_node=entry_node.astype(np.int32), level_ptr=level_ptr, vocab_size=self.vocab_size,
                          names=column(self._names), keys=column(self._keys), fingerprint=self.fingerprint,
                          options=self.options)
 
