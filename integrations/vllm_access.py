@@ -269,13 +269,17 @@ def _parse_named(raw: str) -> dict[str, str]:
 @dataclass(frozen=True)
 class Resolved:
     """Where a request's trie string points: ``kind`` is ``"named"`` or ``"file"``; ``path`` is the real path to
-    open; ``label`` is what messages to the client may say (the client's own string, or the name)."""
+    open; ``value`` is the client's string (a registered name, or a path)."""
 
     kind: str
     path: str
-    label: str
-    value: str = ""
+    value: str
     what: str = "trie"  # the request option that named it (a filter file: "allow" or "deny")
+
+    @property
+    def label(self) -> str:
+        """What messages to the client may say: the name, or the client's own string."""
+        return f"named trie {self.value!r}" if self.kind == "named" else f"{self.value[:200]!r}"
 
 
 @dataclass(frozen=True)
@@ -343,7 +347,7 @@ class AccessPolicy:
         directory: nothing outside them is touched), then on the real path (symbolic links resolved).
         """
         if what == "trie" and value in self.named:
-            return Resolved("named", self.named[value], f"named trie {value!r}")
+            return Resolved("named", self.named[value], value)
         if not self.allowed_dirs or not isinstance(value, str) or not value or len(value) > MAX_PATH_CHARS:
             raise self.refusal(value, what)
         try:
@@ -355,12 +359,16 @@ class AccessPolicy:
             real = os.path.realpath(lexical)
         except (ValueError, OSError):  # an embedded NUL byte, a path the OS cannot represent
             raise self.refusal(value, what) from None
-        if not any(_is_inside(real, d) and real != d for d in self._real):  # type: ignore[attr-defined]
+        if not self._in_real_dirs(real):
             _log("refused", logging.WARNING,
                  "trie_decode: refused trie path %r: its real path %r is outside the allowed directories",
                  value[:300], real[:300])
             raise self.refusal(value, what)
-        return Resolved("file", real, f"{value[:200]!r}", value, what)
+        return Resolved("file", real, value, what)
+
+    def _in_real_dirs(self, real: str) -> bool:
+        """Whether a real path (links resolved) is strictly inside one of the allowed directories."""
+        return any(_is_inside(real, d) and real != d for d in self._real)  # type: ignore[attr-defined]
 
     def open(self, resolved: Resolved) -> BinaryIO:
         """Open the resolved file (regular files only, never blocking). Errors name the category only; the reason
@@ -396,8 +404,7 @@ class AccessPolicy:
             opened = os.readlink(f"/proc/self/fd/{handle.fileno()}")
         except OSError:
             opened = None
-        real_dirs = self._real  # type: ignore[attr-defined]
-        if opened is not None and not any(_is_inside(opened, d) and opened != d for d in real_dirs):
+        if opened is not None and not self._in_real_dirs(opened):
             handle.close()
             _log("refused", logging.WARNING, "trie_decode: refused trie path %r: it opened %r, outside the "
                  "allowed directories (changed since the check)", resolved.value[:300], opened[:300])
@@ -430,6 +437,20 @@ class AccessPolicy:
         with handle:
             self._check_opened(handle, resolved)
             yield handle
+
+    def load(self, resolved: Resolved, handle: BinaryIO, delta: Optional[BinaryIO]) -> TokenTrie:
+        """The trie of a file opened by :meth:`open`, verified, with the changes of its delta file (opened by
+        :meth:`open_delta`, or None) folded in. Raises :class:`TrieAccessError` with the client-safe message of
+        the one that does not load (:meth:`load_failed`, :meth:`delta_failed`)."""
+        failed = self.load_failed
+        try:
+            trie = TokenTrie.load(handle, verify=True)
+            if delta is not None:
+                failed = self.delta_failed
+                trie = apply_delta_file(trie, delta)
+            return trie
+        except (TrieDecodeError, OSError, ValueError, KeyError, TypeError, IndexError, MemoryError) as exc:
+            raise failed(resolved, exc) from None
 
     def delta_failed(self, resolved: Resolved, exc: BaseException) -> TrieAccessError:
         """The client's message for a delta file that opened but does not apply to its trie file."""
@@ -486,6 +507,22 @@ class BuildBudget:
     def spend(self, seconds: float) -> None:
         with self.lock:
             self.events.append((time.monotonic(), float(seconds)))
+
+
+@contextlib.contextmanager
+def charged(what: str, admit: bool, refusable: bool = True) -> Iterator[None]:
+    """Charge the uncached work of the ``with`` block to the process's build budget when it admits a request
+    (``admit``): refused before it starts when the budget is spent (unless not ``refusable``: the operator's named
+    tries always load), its time spent after it, even when it fails. The engine side (``admit=False``) is free."""
+    budget = build_budget() if admit else None
+    if budget is not None and refusable:
+        budget.check(what)
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        if budget is not None:
+            budget.spend(time.perf_counter() - start)
 
 
 # ---------------------------------------------------------------------------------------------- handoff
@@ -639,33 +676,36 @@ def load_allowed_file(value: str) -> TokenTrie:
     policy = current_policy()
     resolved = policy.resolve(value)
     with policy.open(resolved) as handle, policy.open_delta(resolved) as delta:
-        failed = policy.load_failed
-        try:
-            trie = TokenTrie.load(handle, verify=True)
-            if delta is not None:
-                failed = policy.delta_failed
-                trie = apply_delta_file(trie, delta)
-            return trie
-        except (TrieDecodeError, OSError, ValueError, KeyError, TypeError, IndexError, MemoryError) as exc:
-            raise failed(resolved, exc) from None
+        return policy.load(resolved, handle, delta)
+
+
+def file_identity(handle: BinaryIO) -> tuple[int, int, int, int]:
+    """``(st_dev, st_ino, st_mtime_ns, st_size)`` of an opened file, by its descriptor: a rewritten or replaced file
+    has another (the caches' keys)."""
+    st = os.fstat(handle.fileno())
+    return st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size
 
 
 #: The most bytes a filter file may hold (64 MiB: millions of keys).
 MAX_FILTER_FILE_BYTES = 64 << 20
 
 
-def read_filter_file(value: str, what: str) -> tuple[tuple, tuple]:
+def read_filter_file(value: str, what: str, cache: Any = None) -> tuple:
     """A request's allow/deny filter named as a file (``{"file": PATH}``), under the same access policy as trie
-    files: a ``.npy`` array of entry indices, or UTF-8 text with one entry key per line. Returns the file's identity
-    (path, device, inode, modification time, size: a cache key) and its items. Raises :class:`TrieAccessError` with
-    client-safe messages (the file's bytes and size never reach the client).
+    files: a ``.npy`` array of entry indices, or UTF-8 text with one entry key per line. Returns its items. Raises
+    :class:`TrieAccessError` with client-safe messages (the file's bytes and size never reach the client).
+
+    ``cache``: a store (``get``/``put``) of items by the file's identity (path, device, inode, modification time,
+    size, from the opened descriptor): a file seen before is opened and checked but not read again, a replaced one is.
     """
     policy = current_policy()
     resolved = policy.resolve(value, what)
     with policy.open(resolved) as handle:
-        st = os.fstat(handle.fileno())
+        identity = (resolved.path, *file_identity(handle))
+        found = cache.get(identity) if cache is not None else None
+        if found is not None:
+            return found
         data = handle.read(MAX_FILTER_FILE_BYTES + 1)
-    identity = (resolved.path, st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
     bad = TrieAccessError(
         f"extra_args[{what!r}]: {resolved.label} is not a filter file (a .npy array of entry indices, or UTF-8 text "
         f"with one key per line, at most {MAX_FILTER_FILE_BYTES >> 20} MiB; details in the server log)"
@@ -678,12 +718,15 @@ def read_filter_file(value: str, what: str) -> tuple[tuple, tuple]:
             arr = np.load(io.BytesIO(data), allow_pickle=False)
             if arr.ndim != 1 or arr.dtype.kind not in "iu":
                 raise ValueError(f"expected a 1-D integer array, got {arr.dtype} {arr.shape}")
-            return identity, tuple(int(i) for i in arr)
-        keys = tuple(line for line in data.decode("utf-8").splitlines() if line)
+            items = tuple(int(i) for i in arr)
+        else:
+            items = tuple(line for line in data.decode("utf-8").splitlines() if line)
     except (ValueError, UnicodeDecodeError, OSError, EOFError) as exc:
         _log("load", logging.WARNING, "trie_decode: filter file %s does not load: %s", resolved.path, exc)
         raise bad from None
-    return identity, keys
+    if cache is not None:
+        cache.put(identity, items)
+    return items
 
 
 # ---------------------------------------------------------------------------------------------- front-end stamp

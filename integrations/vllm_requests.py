@@ -51,7 +51,6 @@ import json
 import logging
 import os
 import threading
-import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Collection, Hashable, Optional, Sequence, Union
@@ -61,7 +60,6 @@ from trie_decode.errors import TrieDecodeError
 from trie_decode.fields import ESCAPES, FieldRules, Span
 from trie_decode.templates import Template
 from trie_decode.filters import entry_indices
-from trie_decode.live import apply_delta_file
 from trie_decode.options import (OptionNames, check_alone, check_filter_mode, check_normalize, check_on_complete,
                                   check_separator, first_eos, rule_args, text_or_ids, token_tuple)
 from trie_decode.text_spans import WHITESPACE_MODES, Trigger
@@ -73,10 +71,11 @@ from .vllm_access import (
     INLINE_CACHE_SIZE,
     STAMP_KEY,
     TrieAccessError,
-    build_budget,
+    charged,
     current_limits,
     current_policy,
     diagnose_engine_refusal,
+    file_identity,
     handoff_store,
     make_stamp,
     read_filter_file,
@@ -160,8 +159,8 @@ class TrieRequest:
         return ("inline", hashlib.sha256(blob).hexdigest())
 
 
-def _fail(msg: str) -> None:
-    raise TrieRequestError(msg)
+#: Every refusal of a request's options (a :class:`TrieRequestError`).
+_fail = EXTRA_ARGS.fail
 
 
 def is_trie_request(extra_args: Optional[dict]) -> bool:
@@ -192,21 +191,30 @@ class SpanRequest:
         return self.after if self.whitespace == "exact" else Trigger(self.after, whitespace=self.whitespace)
 
 
-def _spans_option(value: Any, max_entries: int, max_bytes: int) -> tuple:
+def _json_option(text: str, failure: str, what: str = "", max_bytes: Optional[int] = None) -> Any:
+    """A value a client sent as JSON text (over HTTP, where values cannot nest), parsed; ``failure`` starts the
+    message when it does not parse (too deeply nested included). With ``max_bytes`` (the request's inline limit),
+    text far longer than the JSON of that many bytes of values is refused unparsed, naming the option ``what``."""
+    if max_bytes is not None and len(text) > 8 * max_bytes + 4096:
+        _fail(f"{what} holds {len(text)} characters of JSON, over the limit of {max_bytes} bytes")
+    try:
+        return json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as exc:
+        _fail(f"{failure}: {exc}")
+
+
+def _spans_option(value: Any, max_entries: int, max_bytes: int, key: str = "spans") -> tuple:
     """``extra_args["spans"]`` checked: a non-empty list (or its JSON text) of span dicts, inline values within the
-    request's inline limits (counted over all spans)."""
+    request's inline limits (counted over all spans). ``key``: the option the messages name (a template's slots
+    are checked as spans)."""
     if isinstance(value, str):
-        if len(value) > 8 * max_bytes + 4096:
-            _fail(f"extra_args['spans'] holds {len(value)} characters of JSON, over the limit of {max_bytes} bytes")
-        try:
-            value = json.loads(value)
-        except (json.JSONDecodeError, RecursionError) as exc:
-            _fail(f"extra_args['spans'] as a string must be JSON, and does not parse: {exc}")
+        value = _json_option(value, f"extra_args[{key!r}] as a string must be JSON, and does not parse",
+                             f"extra_args[{key!r}]", max_bytes)
     if not isinstance(value, (list, tuple)) or not value:
-        _fail(f"extra_args['spans'] must be a non-empty list of span objects, got {value!r:.80}")
+        _fail(f"extra_args[{key!r}] must be a non-empty list of span objects, got {value!r:.80}")
     out, entries, size = [], 0, 0
     for i, item in enumerate(value):
-        what = f"extra_args['spans'][{i}]"
+        what = f"extra_args[{key!r}][{i}]"
         if not isinstance(item, dict):
             _fail(f"{what} must be an object with the keys {list(SPAN_KEYS)}, got {type(item).__name__}")
         unknown = [k for k in item if k not in SPAN_KEYS]
@@ -236,10 +244,7 @@ def _spans_option(value: Any, max_entries: int, max_bytes: int) -> tuple:
         for name in ("allow", "deny"):
             if isinstance(item.get(name), dict):
                 _fail(f"{what}[{name!r}] must be a list of entry keys or indices (a span takes no filter file)")
-            try:
-                filters[name] = _filter_option(item.get(name), name)
-            except TrieRequestError as exc:
-                raise TrieRequestError(str(exc).replace(f"extra_args[{name!r}]", f"{what}[{name!r}]")) from None
+            filters[name] = _filter_option(item.get(name), f"{what}[{name!r}]")
         if "trie" in item:
             path = item["trie"]
             if not isinstance(path, str) or not path.strip():
@@ -252,9 +257,9 @@ def _spans_option(value: Any, max_entries: int, max_bytes: int) -> tuple:
         entries += len(values)
         size += sum(len(v.encode("utf-8", "surrogatepass")) for v in values)
         if entries > max_entries:
-            _fail(f"extra_args['spans'] has {entries} inline values, over the limit of {max_entries}: use trie files")
+            _fail(f"extra_args[{key!r}] has {entries} inline values, over the limit of {max_entries}: use trie files")
         if size > max_bytes:
-            _fail(f"extra_args['spans'] holds {size} bytes of inline values, over the limit of {max_bytes}")
+            _fail(f"extra_args[{key!r}] holds {size} bytes of inline values, over the limit of {max_bytes}")
         out.append(SpanRequest(after, "strings", tuple(values), end, escape, whitespace, **filters))
     return tuple(out)
 
@@ -276,10 +281,8 @@ def _template_request(extra_args: dict, max_entries: int, max_bytes: int) -> Tri
     if not isinstance(text, str) or not text:
         _fail(f"extra_args['template'] must be a non-empty string, got {text!r:.60}")
     if isinstance(slots, str):
-        try:
-            slots = json.loads(slots)
-        except (json.JSONDecodeError, RecursionError) as exc:
-            _fail(f"extra_args['slots'] as a string must be JSON, and does not parse: {exc}")
+        slots = _json_option(slots, "extra_args['slots'] as a string must be JSON, and does not parse",
+                             "extra_args['slots']", max_bytes)
     if not isinstance(slots, dict) or not slots:
         _fail("extra_args['template'] needs extra_args['slots']: an object of each slot's values (a list of strings) "
               f"or trie (a name or path), got {slots!r:.60}")
@@ -288,10 +291,7 @@ def _template_request(extra_args: dict, max_entries: int, max_bytes: int) -> Tri
     except TrieDecodeError as exc:
         _fail(f"extra_args['template']: {exc}")
     as_spans = [{"after": name, "trie" if isinstance(v, str) else "values": v} for name, v in slots.items()]
-    try:
-        parsed = _spans_option(as_spans, max_entries, max_bytes)
-    except TrieRequestError as exc:
-        raise TrieRequestError(str(exc).replace("extra_args['spans']", "extra_args['slots']")) from None
+    parsed = _spans_option(as_spans, max_entries, max_bytes, "slots")
     prefix, stop_at, tail_only = _fast_forward_options(extra_args)
     return TrieRequest(source="template", payload=text, on_complete="release", spans=parsed, prefix=prefix,
                        stop_at_forced=stop_at, forced_tail_only=tail_only)
@@ -377,7 +377,6 @@ def _inline_payload(value: list, max_entries: int, max_bytes: int) -> tuple[str,
         return "sequences", tuple(out)
     kinds = sorted({type(v).__name__ for v in value})
     _fail(f"extra_args['trie'] must be a list of strings or a list of token-id lists, got a list of {kinds}")
-    raise AssertionError  # unreachable
 
 
 def parse_trie_request(
@@ -410,16 +409,9 @@ def parse_trie_request(
         return _template_request(extra_args, max_entries, max_bytes)
     value = extra_args[TRIE_KEY]
     if isinstance(value, str) and value.lstrip().startswith("["):
-        if len(value) > 8 * max_bytes + 4096:  # the JSON text of a list at the byte limit is far shorter
-            _fail(
-                f"extra_args['trie'] holds {len(value)} characters of inline JSON, over the limit of {max_bytes} bytes"
-            )
-        try:
-            value = json.loads(value)
-        except (json.JSONDecodeError, RecursionError) as exc:
-            _fail(f"extra_args['trie'] looks like inline JSON but does not parse: {exc}")
-        if not isinstance(value, list):
-            _fail("extra_args['trie'] as JSON must be a list")
+        # What parses is a list: JSON skips no whitespace that str.lstrip does not.
+        value = _json_option(value, "extra_args['trie'] looks like inline JSON but does not parse",
+                             "extra_args['trie']", max_bytes)
     if isinstance(value, str):
         if not value.strip():
             _fail("extra_args['trie'] is an empty path")
@@ -441,7 +433,8 @@ def parse_trie_request(
     prefix, stop_at, tail_only = _fast_forward_options(extra_args)
     if (prefix or stop_at) and (trigger is not None or on_complete != "eos"):
         _fail("extra_args['prefix'] and ['stop_at_forced'] need on_complete='eos' and no trigger")
-    allow, deny = _filter_option(extra_args.get("allow"), "allow"), _filter_option(extra_args.get("deny"), "deny")
+    allow = _filter_option(extra_args.get("allow"), "extra_args['allow']")
+    deny = _filter_option(extra_args.get("deny"), "extra_args['deny']")
     check_filter_mode(on_complete, [k for k, v in (("allow", allow), ("deny", deny)) if v is not None], EXTRA_ARGS)
     return TrieRequest(
         source=source,
@@ -471,26 +464,24 @@ class FilterFile:
 
 def _filter_option(value: Any, what: str) -> Optional[Union[tuple, FilterFile]]:
     """An ``allow``/``deny`` filter: entry keys (strings) or entry indices (ints), as a list; a file on the server,
-    ``{"file": PATH}``; or, over HTTP where values cannot nest, a JSON string of either."""
+    ``{"file": PATH}``; or, over HTTP where values cannot nest, a JSON string of either. ``what``: the option as
+    the messages name it (``extra_args['allow']``, or a span's)."""
     if value is None:
         return None
     if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            _fail(f"extra_args[{what!r}] must be a list of entry keys or indices (or its JSON), got invalid JSON: {exc}")
+        value = _json_option(value, f"{what} must be a list of entry keys or indices (or its JSON), got invalid JSON")
     if isinstance(value, dict):
         path = value.get("file")
         if set(value) != {"file"} or not isinstance(path, str) or not path:
-            _fail(f"extra_args[{what!r}] as an object must be {{'file': PATH}}, got {value!r:.80}")
+            _fail(f"{what} as an object must be {{'file': PATH}}, got {value!r:.80}")
         return FilterFile(path)
     if not isinstance(value, (list, tuple)):
-        _fail(f"extra_args[{what!r}] must be a list of entry keys or entry indices, got {type(value).__name__}")
+        _fail(f"{what} must be a list of entry keys or entry indices, got {type(value).__name__}")
     cap = current_limits().max_filter_items
     if len(value) > cap:
-        _fail(f"extra_args[{what!r}] names {len(value)} entries, over the limit of {cap}")
+        _fail(f"{what} names {len(value)} entries, over the limit of {cap}")
     if not (all(isinstance(v, str) for v in value) or all(isinstance(v, int) and not isinstance(v, bool) for v in value)):
-        _fail(f"extra_args[{what!r}] must hold only entry keys (strings) or only entry indices (integers)")
+        _fail(f"{what} must hold only entry keys (strings) or only entry indices (integers)")
     return tuple(value)
 
 
@@ -528,12 +519,15 @@ def trie_args(
         >>> trie_args(spans=[{"after": '"city": "', "values": ["Paris", "Rome"]}])["spans"][0]["after"]
         '"city": "'
     """
+    # The options given besides template and slots, in the order the messages name them.
+    given = [key for key, is_set in {
+        "trie": trie is not None, "spans": spans is not None, "on_complete": on_complete != "eos",
+        "trigger": trigger is not None, "separator": separator is not None,
+        "leading_space": leading_space is not False, "context": context is not None,
+        "normalize": normalize is not None, "allow": allow is not None, "deny": deny is not None,
+    }.items() if is_set]
     if template is not None or slots is not None:
-        others = {"trie": trie is not None, "spans": spans is not None, "on_complete": on_complete != "eos",
-                  "trigger": trigger is not None, "separator": separator is not None,
-                  "leading_space": leading_space is not False, "context": context is not None,
-                  "normalize": normalize is not None, "allow": allow is not None, "deny": deny is not None}
-        check_alone("template", [k for k, v in others.items() if v], TRIE_ARGS)
+        check_alone("template", given, TRIE_ARGS)
         made = {"template": template, "slots": {k: list(v) if isinstance(v, tuple) else v
                                                 for k, v in (slots or {}).items()} if isinstance(slots, dict) else slots}
         if template is None:
@@ -541,11 +535,7 @@ def trie_args(
         parse_trie_request(made)
         return made
     if spans is not None:
-        others = {"trie": trie is not None, "on_complete": on_complete != "eos", "trigger": trigger is not None,
-                  "separator": separator is not None, "leading_space": leading_space is not False,
-                  "context": context is not None, "normalize": normalize is not None, "allow": allow is not None,
-                  "deny": deny is not None}
-        check_alone("spans", [k for k, v in others.items() if v], TRIE_ARGS)
+        check_alone("spans", [k for k in given if k != "spans"], TRIE_ARGS)
         if isinstance(spans, (str, dict)) or not isinstance(spans, (list, tuple)):
             _fail(f"trie_args(spans=...) must be a list of span dicts, got {type(spans).__name__}")
         made = {"spans": [dict(s) if isinstance(s, dict) else s for s in spans]}
@@ -706,31 +696,16 @@ class TrieResolver:
         resolved = policy.resolve(value)  # the same refusal for every path outside the allowed directories
         # Regular files only, never blocking; a live catalog's delta file beside the trie file (trie_decode.live)
         # is opened once through the same policy and read from that descriptor.
-        with policy.open(resolved) as handle, policy.open_delta(resolved) as delta_handle:
-            st = os.fstat(handle.fileno())
+        with policy.open(resolved) as handle, policy.open_delta(resolved) as delta:
             # The delta's identity is part of the key: a new or replaced delta reloads, and new requests decode the
             # base with its changes folded in.
-            dst = os.fstat(delta_handle.fileno()) if delta_handle is not None else None
-            delta = (dst.st_dev, dst.st_ino, dst.st_mtime_ns, dst.st_size) if dst is not None else None
-            key = (resolved.path, st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size, delta)
+            key = (resolved.path, *file_identity(handle), file_identity(delta) if delta is not None else None)
             found = self._files.get(key)
             if found is not None:
                 return found, key
-            budget = build_budget() if admit else None
-            if budget is not None and resolved.kind != "named":  # named tries are the operator's: always loaded
-                budget.check(f"loading {resolved.label}")
-            start = time.perf_counter()
-            failed = policy.load_failed
-            try:
-                trie = TokenTrie.load(handle, verify=True)
-                if delta_handle is not None:
-                    failed = policy.delta_failed
-                    trie = apply_delta_file(trie, delta_handle)
-            except (TrieDecodeError, OSError, ValueError, KeyError, TypeError, IndexError, MemoryError) as exc:
-                raise failed(resolved, exc) from None
-            finally:
-                if budget is not None:
-                    budget.spend(time.perf_counter() - start)
+            # Named tries are the operator's: always loaded (their time is still spent).
+            with charged(f"loading {resolved.label}", admit, refusable=resolved.kind != "named"):
+                trie = policy.load(resolved, handle, delta)
         self._files.put(key, trie)
         return trie, key
 
@@ -756,17 +731,11 @@ class TrieResolver:
             if found is not None:
                 self._inline.put(key, found)
                 return found
-        budget = build_budget() if admit else None
-        if budget is not None:
-            budget.check(f"an inline list of {len(req.payload)} entries")
-        start = time.perf_counter()
-        try:
-            trie = self._build(req)
-        except TrieDecodeError as exc:
-            raise TrieRequestError(f"extra_args['trie']: {exc}") from exc
-        finally:
-            if budget is not None:
-                budget.spend(time.perf_counter() - start)
+        with charged(f"an inline list of {len(req.payload)} entries", admit):
+            try:
+                trie = self._build(req)
+            except TrieDecodeError as exc:
+                raise TrieRequestError(f"extra_args['trie']: {exc}") from exc
         if admit:
             handoff.put(handoff_key, trie)
         self._inline.put(key, trie)
@@ -826,26 +795,21 @@ class TrieResolver:
         found = self._spans.get(key)
         if found is not None:
             return found
-        budget = build_budget() if admit else None
-        if budget is not None:
-            budget.check(f"the tries of {len(req.spans)} spans")
-        start = time.perf_counter()
-        try:
-            values = [file_tries[i] if s.source == "file" else list(s.payload) for i, s in enumerate(req.spans)]
-            if req.source == "template":  # each span is a slot, named by its ``after``
-                template = Template(req.payload, **{s.after: v for s, v in zip(req.spans, values)})
-                tries, fields = template.build(self.tokenizer, self.end_token_id)
-            else:
-                spans = [Span(v, after=s.after_pattern(), end=s.end, escape=s.escape, allow=s.allow, deny=s.deny)
-                         for s, v in zip(req.spans, values)]
-                tries, fields = FieldRules.build(spans, self.tokenizer, self.end_token_id)
-            rules = SpanRules(end_token_id=self.end_token_id, on_complete="release", fields=fields)
-            rules.check_vocab(max(self.vocab_size, self.end_token_id + 1))
-        except TrieDecodeError as exc:
-            raise TrieRequestError(f"extra_args[{'slots' if req.source == 'template' else 'spans'!r}]: {exc}") from exc
-        finally:
-            if budget is not None:
-                budget.spend(time.perf_counter() - start)
+        with charged(f"the tries of {len(req.spans)} spans", admit):
+            try:
+                values = [file_tries[i] if s.source == "file" else list(s.payload) for i, s in enumerate(req.spans)]
+                if req.source == "template":  # each span is a slot, named by its ``after``
+                    template = Template(req.payload, **{s.after: v for s, v in zip(req.spans, values)})
+                    tries, fields = template.build(self.tokenizer, self.end_token_id)
+                else:
+                    spans = [Span(v, after=s.after_pattern(), end=s.end, escape=s.escape, allow=s.allow, deny=s.deny)
+                             for s, v in zip(req.spans, values)]
+                    tries, fields = FieldRules.build(spans, self.tokenizer, self.end_token_id)
+                rules = SpanRules(end_token_id=self.end_token_id, on_complete="release", fields=fields)
+                rules.check_vocab(max(self.vocab_size, self.end_token_id + 1))
+            except TrieDecodeError as exc:
+                option = "slots" if req.source == "template" else "spans"
+                raise TrieRequestError(f"extra_args[{option!r}]: {exc}") from exc
         self._spans.put(key, (tries, rules))
         return tries, rules
 
@@ -931,12 +895,7 @@ class TrieResolver:
         file is read again)."""
         if not isinstance(spec, FilterFile):
             return list(spec)
-        identity, items = read_filter_file(spec.path, what)
-        cached = self._filter_files.get(identity)
-        if cached is None:
-            self._filter_files.put(identity, items)
-            cached = items
-        return list(cached)
+        return list(read_filter_file(spec.path, what, self._filter_files))
 
     def filters(self, req: TrieRequest, trie: TokenTrie) -> tuple[Optional[Any], Optional[Any]]:
         """The request's allow and deny filters as entry-index arrays of ``trie`` (None where not given)."""

@@ -238,8 +238,11 @@ def test_inline_caps_default_and_environment(monkeypatch):
         parse_trie_request({"trie": ["x"] * 2_001})
     with pytest.raises(TrieRequestError, match="bytes of inline strings"):
         parse_trie_request({"trie": ["x" * 1000] * 300})
-    with pytest.raises(TrieRequestError, match="characters of inline JSON"):
+    with pytest.raises(TrieRequestError, match=r"extra_args\[.trie.\] holds \d+ characters of JSON"):
         parse_trie_request({"trie": "[" + " " * (1 << 20) + "]"})
+    for key in ("spans", "slots"):  # refused unparsed, as the trie's JSON is
+        with pytest.raises(TrieRequestError, match=rf"extra_args\['{key}'\] holds \d+ characters of JSON"):
+            parse_trie_request({key: "[" + " " * (1 << 20) + "]", **({"template": "City: {city}"} if key == "slots" else {})})
     monkeypatch.setenv("TRIE_DECODE_VLLM_MAX_INLINE_ENTRIES", "20000")
     assert parse_trie_request({"trie": ["x"] * 10_001}).source == "strings"
     monkeypatch.setenv("TRIE_DECODE_VLLM_MAX_INLINE_ENTRIES", "lots")
@@ -250,6 +253,9 @@ def test_inline_caps_default_and_environment(monkeypatch):
 def test_deeply_nested_inline_json_is_a_named_error():
     with pytest.raises(TrieRequestError, match="does not parse"):
         parse_trie_request({"trie": "[" * 100_000 + "]" * 100_000})
+    for key in ("allow", "deny"):  # a filter as JSON text: the same named error, not a RecursionError
+        with pytest.raises(TrieRequestError, match=rf"extra_args\['{key}'\] .* got invalid JSON"):
+            parse_trie_request({"trie": ["red"], key: "[" * 100_000})
 
 
 def test_build_budget_refuses_uncached_builds_only(resolver, monkeypatch):
@@ -507,6 +513,11 @@ def test_filter_files_under_the_same_policy(resolver, tree, monkeypatch):
     assert allow is None and deny.tolist() == [0, 2]
     allow, deny = _filters(resolver, allow=json.dumps({"file": str(allowed / "ids.npy")}))  # over HTTP: a JSON string
     assert allow.tolist() == [1] and deny is None
+    real_load, loads = np.load, []
+    monkeypatch.setattr(np, "load", lambda *a, **k: loads.append(1) or real_load(*a, **k))
+    for _ in range(2):  # a file seen before is opened and checked, not read again
+        assert _filters(resolver, allow={"file": str(allowed / "ids.npy")})[0].tolist() == [1]
+    assert loads == []
     time.sleep(0.01)
     (allowed / "seen.txt").write_text("green\n")  # a replaced file is read again
     assert _filters(resolver, deny={"file": str(allowed / "seen.txt")})[1].tolist() == [1]
