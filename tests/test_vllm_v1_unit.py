@@ -219,7 +219,7 @@ def test_v1_idle_constraints_are_bounded_in_bytes(smollm2_dir, tokenizer, monkey
         assert _allowed(proc, 2, len(tokenizer))[1] == {i + 1}
         group = table.groups[table.rows[1].group]
         sizes.append(group.nbytes)
-        refs.append(weakref.ref(group.host.dtries[0]))
+        refs.append(weakref.ref(group.constraint.dtries[0]))
         del group
         proc.update_state(BatchUpdate(batch_size=1, removed=[1], moved=[], added=[]))
     assert min(sizes) > 100_000 and 12 * min(sizes) > bound  # the bound binds
