@@ -48,11 +48,10 @@ from typing import Any, Optional, Union
 
 import torch
 
-from trie_decode.constraint import RowState, SpanRules, TrieConstraint
+from trie_decode.constraint import RowState, TrieConstraint
 from trie_decode.errors import ConstraintConfigError
 from trie_decode.filters import filtered_tries
-from trie_decode.options import (TrieArg, as_tries, check_instance, check_one_source, end_token, prompt_groups,
-                                  rule_args)
+from trie_decode.options import TrieArg, as_tries, check_one_source, end_token, first_eos, prompt_groups
 from trie_decode.templates import Template
 from trie_decode.trie import TokenTrie
 
@@ -67,7 +66,7 @@ try:
         TopKLogitsWarper,
         TopPLogitsWarper,
     )
-    from .transformers import TrieLogitsProcessor, _span_tries
+    from .transformers import TrieLogitsProcessor
     from .transformers_internals import (
         CACHE_INPUT_NAMES,
         cache_input_name,
@@ -143,16 +142,6 @@ def _where_state(keep_new: torch.Tensor, new: RowState, old: RowState) -> RowSta
                       for f in fields(RowState)))
 
 
-def _token_set(value: Any) -> list[int]:
-    if value is None:
-        return []
-    if isinstance(value, torch.Tensor):
-        return [int(v) for v in value.flatten().tolist()]
-    if isinstance(value, int):
-        return [int(value)]
-    return [int(v) for v in value]
-
-
 def _plain_processors(config: GenerationConfig) -> LogitsProcessorList:
     """The sampling warpers of ``config`` (the plain-function path; generate() prepares its own list)."""
     procs = LogitsProcessorList()
@@ -212,11 +201,10 @@ class _Run:
         self.attn = attention_mask.long() if attention_mask is not None else torch.ones_like(input_ids)
         self.padded = bool((self.attn == 0).any())  # once True, the 2-D mask is always passed
         self.next_pos = self.attn.sum(1)  # (B,) position of each row's next token
-        self.config, self.processors, self.generator = config, processors, generator
+        self.processors, self.generator = processors, generator
         warpers = [p for p in processors if type(p).__name__.endswith("LogitsWarper")]
         self.before = LogitsProcessorList([p for p in processors if p not in warpers])
         self.after = LogitsProcessorList(warpers)
-        self.stop = torch.tensor(stop_ids or [-1], dtype=torch.long, device=self.device)
         self.stop_set = set(stop_ids)
         self.pad_id, self.max_new, self.max_time = pad_id, max_new, max_time
         self.do_sample = bool(config.do_sample)
@@ -357,15 +345,16 @@ class _Run:
         for r in self.batch_rows:
             if not self.finished[r]:
                 feeds[r] = blocks[r]
-            elif need_forced_logits and len(blocks[r]) > 1 - int(first) and blocks[r]:
+            elif need_forced_logits and len(blocks[r]) > 1 - int(first):
                 feeds[r] = blocks[r][:-1]  # only the logits of its forced tokens are still needed
             else:
                 feeds[r] = []
-        # Rows with nothing to feed leave the batch (and the cache) before the pass.
-        if not first:
-            self._prune([r for r in self.batch_rows if feeds[r] or not self.finished[r]])
+        # Rows with nothing to feed leave the batch (and the cache, once there is one) before the pass.
+        keep = [r for r in self.batch_rows if feeds[r] or not self.finished[r]]
+        if first:
+            self.batch_rows = keep
         else:
-            self.batch_rows = [r for r in self.batch_rows if feeds[r] or not self.finished[r]]
+            self._prune(keep)
         rows = self.batch_rows
         if not rows:
             return False
@@ -490,6 +479,21 @@ class _Run:
 
 
 # ---------------------------------------------------------------------------------------------------- public
+def _processor(trie: Optional[TrieArg], template: Optional[Template], tokenizer: Any, end: int, on_complete: str,
+               separator: Any, trigger: Any, allow: Any, deny: Any, rows: int) -> TrieLogitsProcessor:
+    """The options as a :class:`TrieLogitsProcessor`, with its checks (a template combines with none of
+    on_complete, separator, trigger, allow, deny): the general path decodes with it, the fast path reads its tries,
+    rules and constraint. Filters are decoded as the filtered tries (their forced runs are the filtered trie's),
+    for ``rows`` rows."""
+    if template is None:
+        trie = as_tries(trie, TokenTrie, tokenizer, "trie")
+        if allow is not None or deny is not None:
+            trie = filtered_tries(trie, allow, deny, on_complete, rows)
+            allow = deny = None
+    return TrieLogitsProcessor(trie, tokenizer, template=template, end_token_id=end, on_complete=on_complete,
+                               separator=separator, trigger=trigger, allow=allow, deny=deny)
+
+
 def _general_path(
     model: Any,
     input_ids: torch.Tensor,
@@ -639,7 +643,6 @@ def fast_forward_generate(
         max_length = config.max_length
         _check_hooked_inputs(logits_processor, stopping_criteria)
         processors = logits_processor
-        max_time = config.max_time
     else:
         config = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
         model_kwargs = config.update(**kwargs)
@@ -648,7 +651,6 @@ def fast_forward_generate(
             input_ids.shape[1] + config.max_new_tokens if config.max_new_tokens is not None else config.max_length
         )
         processors = logits_processor if logits_processor is not None else _plain_processors(config)
-        max_time = config.max_time
     if (config.num_beams or 1) > 1:
         raise ConstraintConfigError(
             f"fast_forward_generate does not do beam search (num_beams={config.num_beams}): use "
@@ -658,20 +660,13 @@ def fast_forward_generate(
         raise ConstraintConfigError(
             "fast_forward_generate does not take distinct lists (what a list may emit changes at every entry): use "
             "model.generate(..., logits_processor=[TrieLogitsProcessor(trie, on_complete='repeat', distinct=True)])")
+    eos_ids = eos_token_ids(config)
+    end = end_token(end_token_id, tokenizer, eos_ids[0] if eos_ids else None)  # on both paths alike
+    options = (trie, template, tokenizer, end, on_complete, separator, trigger, allow, deny)
     if not verified():
-        ids = eos_token_ids(config)
-        end = end_token(end_token_id, tokenizer, ids[0] if ids else None)  # as the verified path finds it, below
-        # The processor checks the options (a template combines with none of on_complete, separator, trigger); the
-        # filters are the filtered tries the path below decodes, with its checks.
-        filtered = template is None and (allow is not None or deny is not None)
-        if filtered:
-            trie = filtered_tries(as_tries(trie, TokenTrie, tokenizer, "trie"), allow, deny, on_complete,
-                                  input_ids.shape[0])
-        processor = TrieLogitsProcessor(trie, tokenizer, template=template, end_token_id=end, on_complete=on_complete,
-                                        separator=separator, trigger=trigger, allow=None if filtered else allow,
-                                        deny=None if filtered else deny)
-        return _general_path(model, input_ids, attention_mask, processor, processors if hooked else None,
-                             stopping_criteria if hooked else None, config, model_kwargs)
+        return _general_path(model, input_ids, attention_mask, _processor(*options, input_ids.shape[0]),
+                             processors if hooked else None, stopping_criteria if hooked else None, config,
+                             model_kwargs)
     unknown = set(model_kwargs) - _KNOWN_MODEL_KWARGS
     if unknown:
         raise ConstraintConfigError(f"fast_forward_generate does not handle these model inputs: {sorted(unknown)}")
@@ -687,7 +682,7 @@ def fast_forward_generate(
     if not isinstance(cache, DynamicCache):
         raise ConstraintConfigError(f"fast_forward_generate needs a DynamicCache, got {type(cache).__name__}")
     window = sliding_window_slots(cache)
-    if window is not None and input_ids.shape[1] + (max_length - input_ids.shape[1]) > window:
+    if window is not None and max_length > window:
         raise ConstraintConfigError(
             f"fast_forward_generate: prompt ({input_ids.shape[1]}) + max_new_tokens ({max_length - input_ids.shape[1]}) "
             f"exceed the model's sliding window ({window} tokens kept); fast-forward's pad slots count against the "
@@ -697,28 +692,16 @@ def fast_forward_generate(
     if cache.get_seq_length() > 0:
         raise ConstraintConfigError("fast_forward_generate starts from an empty cache; do not pass a filled one")
 
-    eos_ids = eos_token_ids(config)
-    if template is not None:
-        end = end_token(end_token_id, tokenizer, eos_ids[0] if eos_ids else None)
-        # The template's tries and slot rules as TrieLogitsProcessor(template=...) builds them, with its checks.
-        check_instance(template, Template, "template")
-        tries, slot_rules = _span_tries(tokenizer, template, on_complete, separator, trigger, allow=allow, deny=deny,
-                                        distinct=False, check_prompt=False, end_token_id=end)
-        rules: SpanRules = SpanRules(end_token_id=end, on_complete="release", fields=slot_rules)
-        on_complete = "release"
-    else:
-        tries = as_tries(trie, TokenTrie, tokenizer, "trie")
-        rules = SpanRules(**rule_args(tokenizer, end_token_id, on_complete, separator, trigger,
-                                      default_end=eos_ids[0] if eos_ids else None))
-        if allow is not None or deny is not None:
-            tries = filtered_tries(tries, allow, deny, on_complete, input_ids.shape[0])
-    stop_ids = sorted(set(eos_ids) | ({rules.end_token_id} if on_complete in ("eos", "repeat") else set()))
-    pad = config.pad_token_id
-    pad_id = int(_token_set(pad)[0]) if pad is not None else (eos_ids[0] if eos_ids else rules.end_token_id)
+    processor = _processor(*options, input_ids.shape[0])
+    rules = processor.rules
+    stop_ids = sorted(set(eos_ids) | ({rules.end_token_id} if rules.on_complete in ("eos", "repeat") else set()))
+    pad_id = first_eos(config.pad_token_id)
+    if pad_id is None:
+        pad_id = eos_ids[0] if eos_ids else rules.end_token_id
 
     # With a template every row starts at the template's start (its tree is the slot it is in, not its prompt's).
-    groups = prompt_groups(input_ids.shape[0], 1 if template is not None else len(tries), input_ids.device)
-    constraint = TrieConstraint(tries, rules, input_ids.device)
+    groups = prompt_groups(input_ids.shape[0], 1 if template is not None else len(processor.tries), input_ids.device)
+    constraint = processor.constraint(input_ids.device)
     run = _Run(
         model,
         input_ids,
@@ -731,7 +714,7 @@ def fast_forward_generate(
         stop_ids,
         pad_id,
         max_length - input_ids.shape[1],
-        max_time,
+        config.max_time,
         generator,
     )
     t0 = time.perf_counter()

@@ -116,8 +116,9 @@ def _span_tries(tokenizer: Any, spans: Any, on_complete: str, separator: Any, tr
                 distinct: bool, check_prompt: bool, end_token_id: Optional[int] = None,
                 ) -> tuple[list[TokenTrie], FieldRules]:
     """The tries and field rules of ``spans=`` or ``template=`` (:mod:`trie_decode.fields`,
-    :mod:`trie_decode.templates`), or a named error for options that do not combine with them. Shared by
-    :class:`TrieLogitsProcessor` and ``fast_forward_generate(template=...)``."""
+    :mod:`trie_decode.templates`), or a named error for options that do not combine with them. A template built
+    beforehand (``template.build(tok, eos)``) needs no tokenizer when ``end_token_id`` is given (fast-forward's hook,
+    where ``generate`` keeps ``tokenizer=``)."""
     key = "template" if isinstance(spans, Template) else "spans"
     prebuilt = isinstance(spans, Template) and end_token_id is not None  # template.build(...) done beforehand
     if tokenizer is None and not prebuilt:
@@ -241,6 +242,9 @@ class TrieLogitsProcessor(LogitsProcessor):
             self.tries = filtered_tries(self.tries, allow, deny, self.rules.on_complete)
             allow = deny = None
         self._filtered = allow is not None or deny is not None or bool(distinct)
+        self._constraints: dict[str, TrieConstraint] = {}
+        self._last_constraint: Optional[TrieConstraint] = None
+        self._view = None  # a live catalog's view of the current generation (trie_decode.live.CatalogView)
         # Filters without a distinct list never change: built once per (rows, device), reused by every generation.
         self._static_filters: dict[tuple[int, str], Any] = {}
         self._filter_specs: tuple = (None, None, False, 0, max_entries)
@@ -257,22 +261,11 @@ class TrieLogitsProcessor(LogitsProcessor):
                     return [None if s is None else entry_indices(self.tries[0], s, what) for s in spec]
                 return entry_indices(self.tries[0], spec, what)
 
-            allow, deny = resolve(allow, "allow"), resolve(deny, "deny")
-            rows = (n or 1, filter_rows(allow, n, n or 1), filter_rows(deny, n, n or 1))
-            if self._live is None:
-                built = TrieConstraint(self.tries, self.rules, "cpu").filters(*rows, distinct=distinct,
-                                                                              max_entries=max_entries)
-                if not distinct:
-                    self._static_filters[(rows[0], "cpu")] = built
-            else:
-                view = self._live.snapshot().view(self.rules)
-                view.filters(view.constraint(self.rules, "cpu"), *rows, distinct=distinct, max_entries=max_entries)
-            self._filter_specs = (allow, deny, bool(distinct), n, max_entries)
-        self._constraints: dict[str, TrieConstraint] = {}
-        self._last_constraint: Optional[TrieConstraint] = None
+            self._filter_specs = (resolve(allow, "allow"), resolve(deny, "deny"), bool(distinct), n, max_entries)
+            self._filters_for(n or 1, torch.device("cpu"))  # built once here, so that a bad filter fails now
+            self._view = None  # a live catalog's view of this check: each generation takes its own (_begin)
         self._hasher = _PrefixHasher()
         self._max_depth = max(t.max_depth for t in self.tries) if self._live is None else self._live.snapshot().max_depth
-        self._view = None  # a live catalog's view of the current generation (trie_decode.live.CatalogView)
         self.reset()
 
     def reset(self) -> None:
@@ -332,21 +325,8 @@ class TrieLogitsProcessor(LogitsProcessor):
         self._groups = prompt_groups(batch, 1 if self.rules.fields is not None else len(self.tries), device)
         self._state = constraint.start(batch, self._groups, self._trigger_tails(input_ids, starting=True))
         self._hashes = self._hasher.hash(self._groups, input_ids[:, :0]) if loop.reorders and loop.parents is None else None
-        self._filters = None
-        if self._filtered or self._live is not None:  # a live catalog's view denies the entries removed since
-            allow, deny, distinct, n, max_entries = self._filter_specs
-            rows = (batch, filter_rows(allow, n, batch), filter_rows(deny, n, batch))
-            key = (batch, str(device))
-            if self._live is not None:
-                self._filters = self._view.filters(constraint, *rows, distinct=distinct, max_entries=max_entries)
-            elif key in self._static_filters:
-                self._filters = self._static_filters[key]
-            else:
-                self._filters = constraint.filters(*rows, distinct=distinct, max_entries=max_entries)
-                if not distinct:
-                    if len(self._static_filters) >= _STATIC_FILTERS_KEPT:  # batch sizes seen: keep the newest few
-                        self._static_filters.pop(next(iter(self._static_filters)))
-                    self._static_filters[key] = self._filters
+        # A live catalog's view denies the entries removed since the catalog was built: filters even with none given.
+        self._filters = self._filters_for(batch, device) if self._filtered or self._live is not None else None
         self._start = cur
         self._loop = loop
         self.steps = 0
@@ -356,6 +336,24 @@ class TrieLogitsProcessor(LogitsProcessor):
         self._fused = constraint.fused_step(self._state, self._filters) if follows else None
         if self._check_with is not None:
             self._warn_prompts(input_ids)
+
+    def _filters_for(self, batch: int, device: torch.device) -> Any:
+        """The filters of a generation of ``batch`` rows on ``device`` (:meth:`TrieConstraint.filters`): a live
+        catalog's from its current view, static ones (no distinct list) from the cache of the newest few."""
+        allow, deny, distinct, n, max_entries = self._filter_specs
+        rows = (batch, filter_rows(allow, n, batch), filter_rows(deny, n, batch))
+        constraint = self.constraint(device)
+        if self._live is not None:
+            return self._view.filters(constraint, *rows, distinct=distinct, max_entries=max_entries)
+        key = (batch, str(device))
+        if key not in self._static_filters:
+            built = constraint.filters(*rows, distinct=distinct, max_entries=max_entries)
+            if distinct:
+                return built
+            if len(self._static_filters) >= _STATIC_FILTERS_KEPT:  # batch sizes seen: keep the newest few
+                self._static_filters.pop(next(iter(self._static_filters)))
+            self._static_filters[key] = built
+        return self._static_filters[key]
 
     def _warn_prompts(self, input_ids: torch.Tensor) -> None:
         """Check each distinct prompt of the batch against its trie (see ``check_prompt`` in the class docs)."""
@@ -451,10 +449,8 @@ class TrieLogitsProcessor(LogitsProcessor):
             self._begin(input_ids.to(device), device, loop)
         self._last_len = input_ids.shape[1]
         self.steps += 1
-        constraint = self.constraint(device)
-        if loop.in_place:
-            return constraint.mask_(scores, self._state, filters=self._filters)
-        return constraint.mask_(scores, self._state, out=self._buffers.get(scores), filters=self._filters)
+        out = None if loop.in_place else self._buffers.get(scores)
+        return self.constraint(device).mask_(scores, self._state, out=out, filters=self._filters)
 
     # LogitsProcessorList reads every processor's signature at every step (``inspect.signature``, ~15 us, more than
     # the whole mask at batch 1); a precomputed ``__signature__`` is inspect's documented shortcut.
@@ -484,22 +480,18 @@ class TrieLogitsProcessor(LogitsProcessor):
         return replayer.replay([r[start:] for r in rows], tree, [r[:start] for r in rows])
 
 
-def _rows(generated: torch.Tensor | Sequence[Sequence[int]]) -> list[list[int]]:
-    return generated.tolist() if isinstance(generated, torch.Tensor) else [list(r) for r in generated]
-
-
 def match(trie: TokenTrie, generated: torch.Tensor | Sequence[Sequence[int]], *, end_token_id: Optional[int] = None) -> list[Optional[Entry]]:
     """The entry at the start of each row of ``generated`` (generated tokens only, no prompt), or None.
 
     The longest entry that the row's tokens walk to is returned; trailing end/pad tokens are ignored.
     """
     rules = SpanRules(end_token_id=0 if end_token_id is None else end_token_id)
-    return [found[0] if found else None for found in constraint_for(trie, rules, "cpu").replay(_rows(generated))]
+    return [found[0] if found else None for found in match_all(trie, generated, rules)]
 
 
 def match_all(trie: TokenTrie, generated: torch.Tensor | Sequence[Sequence[int]], rules: SpanRules) -> list[list[Entry]]:
     """Every entry each row generated under ``rules`` (generated tokens only, no prompt)."""
-    return constraint_for(trie, rules, "cpu").replay(_rows(generated))
+    return constraint_for(trie, rules, "cpu").replay(generated)
 
 
 class RankedEntry(tuple):

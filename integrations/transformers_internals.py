@@ -238,7 +238,7 @@ def reusable_buffer(buf: torch.Tensor, references: int) -> bool:
     return _HAS_STORAGE_COUNT and sys.getrefcount(buf) == references + 2 and _storage_users(buf) == 1
 
 
-def prefix_processor_start(depth: int) -> Optional[int]:
+def prefix_processor_start(depth: int) -> Optional[tuple[Any, int]]:
     """The length of ``input_ids`` seen by the ``PrefixConstrainedLogitsProcessor`` calling a prefix function
     ``depth`` frames up, as (that processor, length); None when the caller is not one. Every read is type-checked,
     so this holds on any version whose processor keeps ``self`` and ``input_ids`` as names."""
