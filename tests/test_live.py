@@ -109,6 +109,11 @@ def test_a_view_decodes_like_a_trie_of_the_entries_it_serves(seed, mode, kernel,
         with pytest.raises(EmptyTrieError):
             snap.compact()
         return
+    whole = snap.compact()  # removals only: the base pruned; else a build. Either way a build's arrays
+    want = TokenTrie.from_sequences([list(t) for t in snap.sequences()], vocab_size=V)
+    assert all(np.array_equal(getattr(whole, a), getattr(want, a))
+               for a in ("child_ptr", "token", "node_entry", "entry_node", "level_ptr"))
+    assert [whole.entry(i).key for i in range(len(whole))] == [key(t) for t in snap.sequences()]
     served = live & compacted  # removals at once, additions once compacted
     if not served or (rules.on_complete == "release" and compacted - live):
         served = live  # nothing to serve yet, or "release" (no filter) with removals: the snapshot's own compaction

@@ -24,7 +24,7 @@ import numpy as np
 
 from .errors import TrieFileError
 
-__all__ = ["write_arrays", "read_arrays", "open_regular_file", "FORMAT_NAME", "FORMAT_VERSION"]
+__all__ = ["write_arrays", "read_arrays", "check_vectors", "open_regular_file", "FORMAT_NAME", "FORMAT_VERSION"]
 
 FORMAT_NAME = "trie_decode.TokenTrie"
 FORMAT_VERSION = 1
@@ -52,6 +52,15 @@ def write_arrays(path: str | os.PathLike[str], arrays: Mapping[str, np.ndarray],
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def check_vectors(arrays: Mapping[str, np.ndarray], dtypes: Mapping[str, type], label: object) -> None:
+    """Raise :class:`TrieFileError` unless every array of ``arrays`` named in ``dtypes`` is 1-D of its dtype (arrays
+    that are absent are the caller's to require)."""
+    for name, dtype in dtypes.items():
+        if name in arrays and (arrays[name].ndim != 1 or arrays[name].dtype != np.dtype(dtype)):
+            raise TrieFileError(f"{label}: array {name!r} is {arrays[name].dtype} of shape {arrays[name].shape}, "
+                                f"expected a 1-D {np.dtype(dtype).name} array")
 
 
 def open_regular_file(path: str | os.PathLike[str], *, follow_symlinks: bool = True) -> BinaryIO:

@@ -36,7 +36,6 @@ Dimension letters: E entries, T tombstones, K base entries a compacted trie hold
 from __future__ import annotations
 
 import hashlib
-import itertools
 import os
 import threading
 import time
@@ -51,8 +50,9 @@ from .constraint import SpanRules, TrieConstraint
 from .device import DeviceTrie
 from .entries import Entry, StringTable
 from .errors import CatalogUpdateError, ConstraintConfigError, EmptyTrieError, TrieFileError
-from .fileio import read_arrays, write_arrays
-from .filters import EntryOrder, KeyIndex, RowFilters, is_per_row
+from .fileio import check_vectors, read_arrays, write_arrays
+from .filters import EntryOrder, KeyIndex, RowFilters
+from .options import row_specs
 from .trie import TokenTrie
 
 __all__ = [
@@ -111,15 +111,15 @@ def _key_index(trie: TokenTrie) -> KeyIndex:
         raise CatalogUpdateError("this catalog has neither keys nor names: name entries by index or by tokens") from None
 
 
-def _concat_ragged(parts: Sequence[RaggedTokens]) -> RaggedTokens:
-    shifts = np.cumsum([0] + [int(p.offsets[-1]) for p in parts[:-1]])
-    offsets = np.concatenate([np.zeros(1, dtype=np.int64)] + [p.offsets[1:] + s for p, s in zip(parts, shifts)])
-    return RaggedTokens(np.concatenate([p.values for p in parts]), offsets)
+def _tuples(ragged: RaggedTokens) -> list[tuple[int, ...]]:
+    """The sequences of ``ragged`` as tuples (the catalog's dictionary keys)."""
+    v, o = ragged.values.tolist(), ragged.offsets.tolist()
+    return [tuple(v[o[i] : o[i + 1]]) for i in range(len(o) - 1)]
 
 
-def _walk(trie: TokenTrie, ragged: RaggedTokens) -> np.ndarray:
-    """The node each sequence reaches in ``trie`` (-1: it leaves the trie): one ``searchsorted`` per depth over the
-    trie's edge keys (the CPU :class:`~trie_decode.device.DeviceTrie`'s, built once per trie). Shape: (K,), int64."""
+def _entries_of(trie: TokenTrie, ragged: RaggedTokens) -> list[int]:
+    """The entry of ``trie`` each sequence is (-1: none): the node it reaches, one ``searchsorted`` per depth over the
+    trie's edge keys (the CPU :class:`~trie_decode.device.DeviceTrie`'s, built once per trie), then its entry."""
     edge_key = DeviceTrie.get(trie, "cpu").arrays.edge_key
     lengths = ragged.lengths
     node = np.zeros(len(ragged), dtype=np.int64)
@@ -129,7 +129,7 @@ def _walk(trie: TokenTrie, ragged: RaggedTokens) -> np.ndarray:
         key = node[idx] * vocab + ragged.values[ragged.offsets[idx] + d]
         pos = np.minimum(np.searchsorted(edge_key, key), len(edge_key) - 1)
         node[idx] = np.where(edge_key[pos] == key, pos, -1)
-    return node
+    return np.where(node >= 0, trie.node_entry[np.maximum(node, 0)], -1).tolist()
 
 
 def apply_delta_file(base: TokenTrie, delta: Union[str, "os.PathLike[str]", BinaryIO], *, verify: bool = True
@@ -187,7 +187,7 @@ class CatalogSnapshot:
         version: int = 0,
         *,
         _compactor: Optional["_Compactor"] = None,
-        _added: Optional[Sequence[tuple[int, ...]]] = None,
+        _added: Optional[dict[tuple[int, ...], int]] = None,
     ) -> None:
         if not isinstance(base, TokenTrie):
             raise TypeError(f"base must be a TokenTrie, not {type(base).__name__}")
@@ -207,8 +207,7 @@ class CatalogSnapshot:
         self._compactor = _Compactor(base) if _compactor is None else _compactor
         self._lock = threading.Lock()
         self._view: Optional[CatalogView] = None
-        self._added_seqs = _added  # the delta's entries in order, when the catalog knows them
-        self._added: Optional[dict[tuple[int, ...], int]] = None
+        self._added = _added  # see added(); given by the catalog, which knows the delta's entries in order
 
     def snapshot(self) -> "CatalogSnapshot":
         """This snapshot (so that a snapshot and a :class:`LiveCatalog` are interchangeable where one is read)."""
@@ -277,32 +276,27 @@ class CatalogSnapshot:
 
     def sequences(self) -> list[tuple[int, ...]]:
         """Every live entry's tokens: the base's in base order, then the added ones (the order of :meth:`compact`)."""
-        ragged = self._ragged()
-        v, o = ragged.values.tolist(), ragged.offsets.tolist()
-        return [tuple(v[o[i] : o[i + 1]]) for i in range(len(o) - 1)]
+        return _tuples(self._ragged())
 
     def _alive_base(self) -> np.ndarray:
         alive = np.ones(self.base.num_entries, dtype=np.bool_)
         alive[self.tombstones] = False
         return np.flatnonzero(alive)
 
+    def _added_ragged(self) -> RaggedTokens:
+        """The added entries' tokens, in delta order."""
+        return to_ragged([]) if self.delta is None else self.delta.entry_tokens(np.arange(self.delta.num_entries))
+
     def _ragged(self) -> RaggedTokens:
-        parts = [self.base.entry_tokens(self._alive_base())]
-        if self.delta is not None:
-            parts.append(self.delta.entry_tokens(np.arange(self.delta.num_entries)))
-        return _concat_ragged(parts)
+        """Every live entry's tokens: the live base entries in base order, then the added ones."""
+        base, added = self.base.entry_tokens(self._alive_base()), self._added_ragged()
+        offsets = np.concatenate([base.offsets, added.offsets[1:] + base.offsets[-1]])
+        return RaggedTokens(np.concatenate([base.values, added.values]), offsets)
 
     def added(self) -> dict[tuple[int, ...], int]:
         """Tokens of each added entry -> its index within the delta (computed once)."""
         if self._added is None:
-            if self.delta is None:
-                self._added = {}
-            elif self._added_seqs is not None:
-                self._added = {seq: i for i, seq in enumerate(self._added_seqs)}
-            else:
-                ragged = self.delta.entry_tokens(np.arange(self.delta.num_entries))
-                v, o = ragged.values.tolist(), ragged.offsets.tolist()
-                self._added = {tuple(v[o[i] : o[i + 1]]): i for i in range(len(o) - 1)}
+            self._added = {seq: i for i, seq in enumerate(_tuples(self._added_ragged()))}
         return self._added
 
     def delta_keys(self) -> Optional[KeyIndex]:
@@ -312,43 +306,29 @@ class CatalogSnapshot:
     def compact(self) -> TokenTrie:
         """One real trie: the base minus its removed entries, then the added ones (entries renumbered in that
         order; names, keys, fingerprint and options kept). The base's ``extra`` arrays (a catalog's item lists) are
-        not carried over. Costs about 1 s per million entries.
+        not carried over. Costs about 1 s per million entries; with removals only, a pruning of the base
+        (:meth:`TokenTrie.subset`, about 12 ms per million nodes).
 
         Raises:
             EmptyTrieError: every entry was removed.
         """
-        return self._compact()[0]
-
-    def _compact(self) -> tuple[TokenTrie, np.ndarray]:
-        """The compacted trie and each of its entries' source (the live base entries in base order, then the
-        delta's entries). Shape of the sources: (E,), int64."""
         if self.num_entries == 0:
             raise EmptyTrieError("every entry of the catalog was removed: compact() would give an empty trie")
         alive = self._alive_base()
-        ragged = self._ragged()
-        built = build_arrays(ragged, self.base.vocab_size)
+        if self.delta is None:
+            return self.base.subset(alive)
+        built = build_arrays(self._ragged(), self.base.vocab_size)
+        # build_arrays numbers entries in the order of their first input: with no duplicate, entry i is input i.
         assert built.num_duplicates == 0, "a live catalog never holds one sequence twice"
 
         def column(base_table: Optional[StringTable], delta_table: Optional[StringTable]) -> Optional[StringTable]:
             if base_table is None:
                 return None
-            tables = [base_table.take(alive)] + ([delta_table] if delta_table is not None else [])
-            return StringTable.concat(tables).take(built.entry_source)
+            return StringTable.concat([base_table.take(alive)] + ([delta_table] if delta_table is not None else []))
 
-        delta = self.delta
-        trie = TokenTrie(
-            child_ptr=built.child_ptr,
-            token=built.token,
-            node_entry=built.node_entry,
-            entry_node=built.entry_node,
-            level_ptr=built.level_ptr,
-            vocab_size=self.base.vocab_size,
-            names=column(self.base._names, delta._names if delta is not None else None),
-            keys=column(self.base._keys, delta._keys if delta is not None else None),
-            fingerprint=self.base.fingerprint,
-            options=self.base.options,
-        )
-        return trie, np.asarray(built.entry_source, dtype=np.int64)
+        base, delta = self.base, self.delta
+        return base._rebuilt(built, column(base._names, delta._names if delta is not None else None),
+                             column(base._keys, delta._keys if delta is not None else None))
 
     # ------------------------------------------------------------------ decoding
     def view(self, rules: Optional[SpanRules] = None) -> "CatalogView":
@@ -395,36 +375,44 @@ class CatalogSnapshot:
 
 
 class _Compaction:
-    """One compacted state of a catalog: its trie and where the trie's entries come from.
+    """One compacted state of a catalog: its trie and where the trie's entries come from (its K base entries in
+    base order, then its added ones: the order of :meth:`CatalogSnapshot.compact`).
 
     Attributes:
         trie: the compacted trie (the base itself in the base's own record).
         version: the catalog version it holds (-1: the base's record, before any change).
-        alive: the base entries it holds, sorted; None: every base entry (the base's record). Shape: (K,), int64.
-        added: tokens of each added entry it holds -> its source number (after the K base entries).
-        index: the trie entry of each source (the K base entries, then the added ones); None: the identity.
-            Shape: (K + A,), int64.
+        alive: the base entries it holds, sorted: trie entry i is base entry ``alive[i]``; None: every base entry,
+            with its own number (the base's record). Shape: (K,), int64.
+        added: tokens of each added entry it holds -> its trie entry (after the K base entries).
     """
 
     def __init__(self, trie: TokenTrie, version: int, alive: Optional[np.ndarray],
-                 added: dict[tuple[int, ...], int], index: Optional[np.ndarray]) -> None:
-        self.trie, self.version, self.alive, self.added, self.index = trie, version, alive, added, index
+                 added: dict[tuple[int, ...], int]) -> None:
+        self.trie, self.version, self.alive, self.added = trie, version, alive, added
 
     @classmethod
     def of(cls, snap: CatalogSnapshot, warm: Iterable[tuple[SpanRules, str]] = ()) -> "_Compaction":
         """The compaction of ``snap`` (about 1 s per million entries), with the arrays the first request reads: the
         entry order, the CPU arrays, and the step tables of the (rules, device) pairs in ``warm`` (about 0.5 s per
         million entries each)."""
-        trie, source = snap._compact()
+        trie = snap.compact()
         alive = snap._alive_base()
-        index = np.empty(len(source), dtype=np.int64)
-        index[source] = np.arange(len(source), dtype=np.int64)
         added = {seq: len(alive) + i for seq, i in snap.added().items()}
         EntryOrder.of(trie)  # built here, off the request path: the deny filters of later removals read it
         DeviceTrie.get(trie, "cpu")
         for rules, device in warm:
             DeviceTrie.get(trie, device).table(rules)
-        return cls(trie, snap.version, alive, added, index)
+        return cls(trie, snap.version, alive, added)
+
+    def base_entries(self, entries: np.ndarray) -> np.ndarray:
+        """The trie entries of the base entries among ``entries`` (sorted, unique) that :attr:`trie` holds.
+        Shape: (K',), int64."""
+        if self.alive is None:
+            return entries
+        pos = np.searchsorted(self.alive, entries)
+        held = pos < len(self.alive)
+        held[held] = self.alive[pos[held]] == entries[held]
+        return pos[held]
 
 
 class _Compactor:
@@ -432,7 +420,7 @@ class _Compactor:
     newest snapshot that asked (:meth:`request`). Shared by a catalog and its snapshots."""
 
     def __init__(self, base: TokenTrie) -> None:
-        self.base_record = _Compaction(base, -1, None, {}, None)
+        self.base_record = _Compaction(base, -1, None, {})
         self.records: list[_Compaction] = []  # newest last
         self.cond = threading.Condition()
         self.wanted: Optional[CatalogSnapshot] = None
@@ -539,25 +527,14 @@ class CatalogView:
 
     def __init__(self, snapshot: CatalogSnapshot, record: _Compaction) -> None:
         self.snapshot, self.record, self.trie = snapshot, record, record.trie
-        tomb = snapshot.tombstones
-        nb = snapshot.base.num_entries
-        # Sources of the trie's entries that the snapshot removed: base entries it holds that are tombstones now,
-        # added entries no longer added.
-        if record.alive is None:
-            removed, held_base = tomb, nb
-        else:
-            k = len(record.alive)
-            pos = np.searchsorted(record.alive, tomb)
-            hit = pos < k
-            hit[hit] = record.alive[pos[hit]] == tomb[hit]
-            removed, held_base = pos[hit], k
+        # The trie's entries that the snapshot removed: base entries it holds that are tombstones now, added entries
+        # no longer added.
         added = snapshot.added()
-        gone = [src for seq, src in record.added.items() if seq not in added]
-        sources = np.concatenate([removed, np.asarray(gone, dtype=np.int64)])
-        deny = np.sort(sources if record.index is None else record.index[sources])
+        gone = [e for seq, e in record.added.items() if seq not in added]
+        deny = np.sort(np.concatenate([record.base_entries(snapshot.tombstones), np.asarray(gone, dtype=np.int64)]))
         deny.flags.writeable = False
         self.deny = deny
-        self.visible = held_base + len(record.added) - len(deny)
+        self.visible = self.trie.num_entries - len(deny)
         self.pending = snapshot.num_entries - self.visible
         self._lock = threading.Lock()
         self._constraints: dict[tuple, TrieConstraint] = {}
@@ -589,8 +566,7 @@ class CatalogView:
         if isinstance(spec, (str, bytes)):
             raise ConstraintConfigError(f"{what} must be a list of keys or entry numbers, got the string {spec!r:.60}")
         items = spec.ravel().tolist() if isinstance(spec, np.ndarray) else list(spec)
-        nb = snap.base.num_entries
-        nd = snap.delta.num_entries if snap.delta is not None else 0
+        nb, added = snap.base.num_entries, list(snap.added())
         base_idx: list[int] = []
         delta_idx: list[int] = []
         missing: list[str] = []
@@ -613,21 +589,14 @@ class CatalogView:
             if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
                 raise ConstraintConfigError(f"{what} must hold entry keys (str) or entry numbers (int), got {x!r:.40}")
             i = int(x)
-            if not 0 <= i < nb + nd:
-                raise ConstraintConfigError(f"{what}: entry number {i} is outside the snapshot's {nb + nd} entry "
-                                            "numbers")
+            if not 0 <= i < nb + len(added):
+                raise ConstraintConfigError(f"{what}: entry number {i} is outside the snapshot's {nb + len(added)} "
+                                            "entry numbers")
             (base_idx if i < nb else delta_idx).append(i if i < nb else i - nb)
         record = self.record
-        base_src = np.unique(np.asarray(base_idx, dtype=np.int64))
-        if record.alive is not None:
-            pos = np.searchsorted(record.alive, base_src)
-            ok = pos < len(record.alive)
-            ok[ok] = record.alive[pos[ok]] == base_src[ok]
-            base_src = pos[ok]
-        added = list(snap.added())
-        delta_src = [record.added.get(added[j], -1) for j in set(delta_idx)]
-        sources = np.concatenate([base_src, np.asarray([s for s in delta_src if s >= 0], dtype=np.int64)])
-        return np.sort(sources if record.index is None else record.index[sources])
+        base = record.base_entries(np.unique(np.asarray(base_idx, dtype=np.int64)))
+        held = [record.added.get(added[j], -1) for j in set(delta_idx)]
+        return np.sort(np.concatenate([base, np.asarray([e for e in held if e >= 0], dtype=np.int64)]))
 
     def filters(
         self,
@@ -672,26 +641,20 @@ class CatalogView:
                     self._deny_filters = dict(list(self._deny_filters.items())[-(KEEP_FILTERS - 1):])
                     found = self._deny_filters.setdefault(key, found)
             return found
-        converted: dict[tuple, Optional[np.ndarray]] = {}  # rows sharing one spec object share its arrays
 
         def rows_of(spec: Any, what: str) -> list[Optional[np.ndarray]]:
             extra = self.deny if what == "deny" and self.deny.size else None
+            converted: dict[int, np.ndarray] = {}  # rows sharing one spec object share its arrays
 
             def one(s: Any) -> Optional[np.ndarray]:
                 if s is None:
                     return extra
-                if (what, id(s)) not in converted:
+                if id(s) not in converted:
                     idx = self.entry_indices(s, what)
-                    converted[what, id(s)] = idx if extra is None else np.union1d(idx, extra)
-                return converted[what, id(s)]
+                    converted[id(s)] = idx if extra is None else np.union1d(idx, extra)
+                return converted[id(s)]
 
-            if spec is None:
-                return [extra] * num_rows
-            if is_per_row(spec):
-                if len(spec) != num_rows:
-                    raise ConstraintConfigError(f"{what} has {len(spec)} row specs for {num_rows} rows")
-                return [one(s) for s in spec]
-            return [one(spec)] * num_rows
+            return [one(s) for s in row_specs(spec, num_rows, what)]
 
         allow_rows, deny_rows = rows_of(allow, "allow"), rows_of(deny, "deny")
         for i, (a, d) in enumerate(zip(allow_rows, deny_rows)):
@@ -887,21 +850,17 @@ class LiveCatalog:
                 raise CatalogUpdateError(f"the base trie has no entry {label}: they would be lost; leave {label}= out")
         names = [str(x) for x in names] if names is not None else None
         keys = [str(x) for x in keys] if keys is not None else None
-        values, offsets = ragged.values.tolist(), ragged.offsets.tolist()
         with self._lock:
             if self._base is not base:
                 raise CatalogUpdateError("the catalog was rebased during add(); add again")
-            node = _walk(base, ragged)
-            entry = np.where(node >= 0, base.node_entry[np.maximum(node, 0)], -1).tolist()
             by_label = base._keys is not None
             changed = 0
-            for i, e in enumerate(entry):
+            for i, (e, seq) in enumerate(zip(_entries_of(base, ragged), _tuples(ragged))):
                 if e >= 0:
                     if e in self._tomb:
                         self._tomb.discard(e)
                         changed += 1
                     continue
-                seq = tuple(values[offsets[i] : offsets[i + 1]])
                 if seq in self._delta:
                     continue
                 name = names[i] if names is not None else None
@@ -962,11 +921,7 @@ class LiveCatalog:
                 ragged = to_ragged(sequences)
                 if len(ragged):
                     check_tokens(ragged, base.vocab_size)
-                    node = _walk(base, ragged)
-                    entry = np.where(node >= 0, base.node_entry[np.maximum(node, 0)], -1).tolist()
-                    values, offsets = ragged.values.tolist(), ragged.offsets.tolist()
-                    for i, e in enumerate(entry):
-                        seq = tuple(values[offsets[i] : offsets[i + 1]])
+                    for e, seq in zip(_entries_of(base, ragged), _tuples(ragged)):
                         if e >= 0 and e not in self._tomb:
                             tomb_add.add(e)
                         elif seq in self._delta:
@@ -1001,7 +956,7 @@ class LiveCatalog:
                 # The delta trie numbers its entries in the order of self._delta (from_sequences keeps input order).
                 self._snap = CatalogSnapshot(self._base, self._delta_trie(), np.array(sorted(self._tomb), dtype=np.int64),
                                              self._version, _compactor=self._compactor,
-                                             _added=tuple(self._delta))
+                                             _added={seq: i for i, seq in enumerate(self._delta)})
             return self._snap
 
     def _delta_trie(self) -> Optional[TokenTrie]:
@@ -1009,13 +964,8 @@ class LiveCatalog:
             return None
         base = self._base
         columns = list(self._delta.values())
-        # The sequences were checked when added: pack them directly (no per-token type checks).
-        lengths = np.fromiter(map(len, self._delta), dtype=np.int64, count=len(self._delta))
-        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        values = np.fromiter(itertools.chain.from_iterable(self._delta), dtype=np.int64, count=int(offsets[-1]))
         return TokenTrie.from_sequences(
-            RaggedTokens(values, offsets),
+            list(self._delta),  # tuples of ints: packed in bulk (to_ragged's fast path)
             base.vocab_size,
             names=[c[0] for c in columns] if base._names is not None else None,
             keys=[c[1] for c in columns] if base._keys is not None else None,
@@ -1067,10 +1017,7 @@ class LiveCatalog:
             snap = self.snapshot()
             identity = self.identity()
         base, delta = snap.base, snap.delta
-        if delta is not None:
-            ragged = delta.entry_tokens(np.arange(delta.num_entries))
-        else:
-            ragged = RaggedTokens(np.zeros(0, dtype=np.int64), np.zeros(1, dtype=np.int64))
+        ragged = snap._added_ragged()
         arrays: dict[str, np.ndarray] = {
             "delta_tokens": ragged.values.astype(np.int32),
             "delta_offsets": ragged.offsets.astype(np.int64),
@@ -1115,10 +1062,7 @@ class LiveCatalog:
         expected = {"delta_tokens": np.int32, "delta_offsets": np.int64, "tombstones": np.int64}
         for t in ("names", "keys"):
             expected.update({f"{t}_blob": np.uint8, f"{t}_offsets": np.int64})
-        for name, dtype in expected.items():
-            if name in arrays and (arrays[name].ndim != 1 or arrays[name].dtype != np.dtype(dtype)):
-                raise TrieFileError(f"{label}: array {name!r} is {arrays[name].dtype} {arrays[name].shape}, "
-                                    f"expected a 1-D {np.dtype(dtype).name} array")
+        check_vectors(arrays, expected, label)
         for name in ("delta_tokens", "delta_offsets", "tombstones"):
             if name not in arrays:
                 raise TrieFileError(f"{label} is missing the array {name!r}")
@@ -1130,7 +1074,7 @@ class LiveCatalog:
             raise TrieFileError(f"{label}: a token id is outside the base's vocabulary [0, {base.vocab_size})")
         if tomb.size and (np.any(np.diff(tomb) <= 0) or tomb[0] < 0 or tomb[-1] >= base.num_entries):
             raise TrieFileError(f"{label}: tombstones are not sorted unique base entry indices")
-        columns: dict[str, Optional[list[str]]] = {}
+        columns: dict[str, list[str]] = {}
         for t, table in (("names", base._names), ("keys", base._keys)):
             present = f"{t}_blob" in arrays and f"{t}_offsets" in arrays
             if (table is not None) != present:
@@ -1145,15 +1089,13 @@ class LiveCatalog:
                     columns[t] = column.to_list()
                 except UnicodeDecodeError as exc:
                     raise TrieFileError(f"{label}: the {t} table is not UTF-8 text") from exc
-            else:
-                columns[t] = None
         ragged = RaggedTokens(tokens.astype(np.int64), offsets.astype(np.int64))
         with self._lock:
             saved = (self._tomb, self._delta, self._delta_by_label, self._snap)
             self._tomb, self._delta, self._delta_by_label = set(tomb.tolist()), {}, {}
             try:
                 if k:
-                    self.add(ragged, names=columns["names"], keys=columns["keys"])
+                    self.add(ragged, names=columns.get("names"), keys=columns.get("keys"))
             except Exception:
                 self._tomb, self._delta, self._delta_by_label, self._snap = saved
                 raise

@@ -34,7 +34,7 @@ import numpy as np
 from ._build import BuiltArrays, RaggedTokens, build_arrays, check_tokens, to_ragged
 from .entries import Entry, StringTable, catalog_item_keys
 from .errors import EmptyTrieError, InvalidEntryError, InvalidTokenError, TokenizerMismatchError, TrieFileError
-from .fileio import read_arrays, write_arrays
+from .fileio import check_vectors, read_arrays, write_arrays
 from .forms import resolve_forms, tokenize_forms
 from .tokenizers import fingerprint_matches, tokenizer_fingerprint, tokenizer_vocab_size
 
@@ -558,10 +558,17 @@ class TokenTrie:
         def column(table: Optional[StringTable]) -> Optional[StringTable]:
             return table.take(entries) if table is not None else None
 
-        return TokenTrie(child_ptr=child_ptr.astype(np.int32), token=self.token[keep], node_entry=node_entry,
-                         entry_node=entry_node.astype(np.int32), level_ptr=level_ptr, vocab_size=self.vocab_size,
-                         names=column(self._names), keys=column(self._keys), fingerprint=self.fingerprint,
-                         options=self.options)
+        built = BuiltArrays(child_ptr=child_ptr.astype(np.int32), token=self.token[keep], node_entry=node_entry,
+                            entry_node=entry_node.astype(np.int32), level_ptr=level_ptr, entry_source=entries,
+                            num_duplicates=0)
+        return self._rebuilt(built, column(self._names), column(self._keys))
+
+    def _rebuilt(self, built: BuiltArrays, names: Optional[StringTable], keys: Optional[StringTable]) -> "TokenTrie":
+        """A trie of ``built`` with ``names`` and ``keys`` and this trie's vocabulary, fingerprint and options (not its
+        ``extra`` arrays): what :meth:`subset` and a live catalog's compaction (:mod:`trie_decode.live`) return."""
+        return TokenTrie(child_ptr=built.child_ptr, token=built.token, node_entry=built.node_entry,
+                         entry_node=built.entry_node, level_ptr=built.level_ptr, vocab_size=self.vocab_size,
+                         names=names, keys=keys, fingerprint=self.fingerprint, options=self.options)
 
     # ------------------------------------------------------------------ checks
     def check_tokenizer(self, tokenizer: Any) -> None:
@@ -730,12 +737,7 @@ class TokenTrie:
         expected = {"child_ptr": np.int32, "token": np.int32, "node_entry": np.int32, "entry_node": np.int32,
                     "level_ptr": np.int64, "names_blob": np.uint8, "keys_blob": np.uint8,
                     "names_offsets": np.int64, "keys_offsets": np.int64}
-        for name, dtype in expected.items():
-            if name in arrays and (arrays[name].ndim != 1 or arrays[name].dtype != np.dtype(dtype)):
-                raise TrieFileError(
-                    f"{label}: array {name!r} is {arrays[name].dtype} of shape {arrays[name].shape}, "
-                    f"expected a 1-D {np.dtype(dtype).name} array"
-                )
+        check_vectors(arrays, expected, label)
         try:
             vocab_size = int(meta["vocab_size"])
             options = json.loads(meta.get("options", "{}"))
