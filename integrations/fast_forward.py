@@ -41,6 +41,7 @@ Example (both ways of calling it):
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import time
 from dataclasses import dataclass, field, fields
@@ -58,17 +59,11 @@ from trie_decode.trie import TokenTrie
 try:
     from transformers import DynamicCache, GenerationConfig, LogitsProcessorList
     from transformers.generation.utils import GenerateDecoderOnlyOutput
-    from transformers.generation import (
-        EosTokenCriteria,
-        MaxLengthCriteria,
-        MaxTimeCriteria,
-        TemperatureLogitsWarper,
-        TopKLogitsWarper,
-        TopPLogitsWarper,
-    )
+    from transformers.generation import EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria
     from .transformers import TrieLogitsProcessor
     from .transformers_internals import (
         CACHE_INPUT_NAMES,
+        around_user_processors,
         cache_input_name,
         drop_cache_rows,
         eos_token_ids,
@@ -142,20 +137,6 @@ def _where_state(keep_new: torch.Tensor, new: RowState, old: RowState) -> RowSta
                       for f in fields(RowState)))
 
 
-def _plain_processors(config: GenerationConfig) -> LogitsProcessorList:
-    """The sampling warpers of ``config`` (the plain-function path; generate() prepares its own list)."""
-    procs = LogitsProcessorList()
-    if not config.do_sample:
-        return procs
-    if config.temperature is not None and config.temperature != 1.0:
-        procs.append(TemperatureLogitsWarper(config.temperature))
-    if config.top_k is not None and config.top_k != 0:
-        procs.append(TopKLogitsWarper(top_k=config.top_k))
-    if config.top_p is not None and config.top_p < 1.0:
-        procs.append(TopPLogitsWarper(top_p=config.top_p))
-    return procs
-
-
 def _check_hooked_inputs(logits_processor: Any, stopping_criteria: Any) -> None:
     for proc in logits_processor or ():
         if isinstance(proc, TrieLogitsProcessor):
@@ -202,9 +183,7 @@ class _Run:
         self.padded = bool((self.attn == 0).any())  # once True, the 2-D mask is always passed
         self.next_pos = self.attn.sum(1)  # (B,) position of each row's next token
         self.processors, self.generator = processors, generator
-        warpers = [p for p in processors if type(p).__name__.endswith("LogitsWarper")]
-        self.before = LogitsProcessorList([p for p in processors if p not in warpers])
-        self.after = LogitsProcessorList(warpers)
+        self.before, self.after = around_user_processors(processors)
         self.stop_set = set(stop_ids)
         self.pad_id, self.max_new, self.max_time = pad_id, max_new, max_time
         self.do_sample = bool(config.do_sample)
@@ -238,7 +217,7 @@ class _Run:
         raw = self.next_logits[pos].float()
         state = self.state.select(idx)
         # raw is already a copy (advanced indexing); keep it unmasked only when raw logits are returned.
-        scores = self._process(rows, raw.clone() if self.want_logits else raw, state)
+        scores = self._process(rows, raw.clone() if self.want_logits else raw, state, [self.n_gen[r] for r in rows])
         if self.do_sample:
             probs = torch.softmax(scores, dim=-1)
             tokens = torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
@@ -250,15 +229,32 @@ class _Run:
             blocks[r].append(tok)
             self.decided[r] += 1
 
-    def _process(self, rows: list[int], scores: torch.Tensor, state: RowState) -> torch.Tensor:
-        """The logits processors in ``generate``'s order: its own processors (min_new_tokens, bad_words, ...), then
-        the trie mask (where ``generate`` runs a user's ``TrieLogitsProcessor``), then the sampling warpers."""
-        ids = self._current_ids(rows) if len(self.processors) else None
+    def _process(self, rows: list[int], scores: torch.Tensor, state: RowState, at: list[int]) -> torch.Tensor:
+        """The logits processors in ``generate``'s order (:func:`~.transformers_internals.around_user_processors`):
+        its own processors and a user's, the trie mask (where ``generate`` runs a user's ``TrieLogitsProcessor``),
+        then the sampling warpers and normalization. ``at``: each row's generated tokens before the scored one.
+
+        The processors before the mask may read the tokens so far (repetition penalty, min_new_tokens, a user's)
+        and may hold per-row state made for ``generate``'s whole batch (5.24's repetition penalty holds each row's
+        padding). Fast-forward's rows are at different lengths, so they run once per length, on the whole batch
+        at that length, as ``generate``'s rows would be; only the rows at that length are kept. The warpers and
+        normalization read scores only."""
         if self.before:
-            scores = self.before(ids, scores)
+            groups: dict[int, list[int]] = {}
+            for i, n in enumerate(at):
+                groups.setdefault(n, []).append(i)
+            for n, pos in groups.items():
+                ids = torch.cat([self.input_ids, self.gen[:, :n]], dim=1)
+                if len(pos) == self.b and rows == list(range(self.b)):  # every row, in order: no copy
+                    scores = self.before(ids, scores)
+                    continue
+                sel, idx = torch.tensor(pos, device=self.device), torch.tensor([rows[i] for i in pos], device=self.device)
+                whole = scores.new_zeros((self.b, scores.shape[1]))
+                whole[idx] = scores[sel]
+                scores[sel] = self.before(ids, whole)[idx]
         scores = self.constraint.mask_(scores, state)
         if self.after:
-            scores = self.after(ids, scores)
+            scores = self.after(self._current_ids(rows), scores)
         return scores
 
     def _tails(self, idx: torch.Tensor, tokens: torch.Tensor, valid: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
@@ -426,8 +422,8 @@ class _Run:
             state = state.select(sel)
             batch_idx = torch.tensor([row_of[r] for r in rows.tolist()], device=self.device)
             raw = logits[batch_idx, offset + block_pos - 1 - base].float()
-            scores = self._process(rows.tolist(), raw.clone(), state)
             gen_pos = torch.tensor([starts[r] for r in rows.tolist()], device=self.device) + block_pos
+            scores = self._process(rows.tolist(), raw.clone(), state, gen_pos.tolist())
             self._record(rows, gen_pos, scores, raw)
 
     def _prune(self, keep_rows: list[int]) -> None:
@@ -521,9 +517,8 @@ def _general_path(
                 "fast_forward_generate cannot run inside this transformers' generate (it has no sampling loop to fall "
                 "back to): call model.generate(..., logits_processor=[TrieLogitsProcessor(trie, tokenizer)]) instead"
             )
-        warpers = [p for p in processors if type(p).__name__.endswith("LogitsWarper")]
-        at = next((i for i, p in enumerate(processors) if p in warpers), len(processors))
-        merged = LogitsProcessorList([*processors[:at], processor, *processors[at:]])
+        before, after = around_user_processors(processors)
+        merged = LogitsProcessorList([*before, processor, *after])
         if attention_mask is not None:
             model_kwargs = {**model_kwargs, "attention_mask": attention_mask}
         out = sample(input_ids, logits_processor=merged, stopping_criteria=stopping_criteria,
@@ -568,8 +563,9 @@ def fast_forward_generate(
       ``num_return_sequences``, builds the logits processors (temperature, top-k, top-p, ...) and the cache,
       then calls this function;
     * as a plain function: ``fast_forward_generate(model, input_ids, attention_mask=..., trie=trie,
-      max_new_tokens=..., do_sample=..., temperature=...)``; ``GenerationConfig`` fields are taken from the
-      keyword arguments on top of ``model.generation_config``.
+      max_new_tokens=..., do_sample=..., temperature=...)``, which is that hook call: ``generate`` takes every
+      option it knows (``GenerationConfig`` fields, ``logits_processor``), the trie options are bound to the hook
+      (``tokenizer=`` included).
 
     The output is the one ``generate(logits_processor=[TrieLogitsProcessor(trie, ...)])`` would give: with greedy
     decoding, the same tokens (up to float differences of batched vs one-token forward passes, which can only
@@ -599,9 +595,9 @@ def fast_forward_generate(
             an error here (over a shared trie the processor lets such rows only end). For per-request filters over
             a catalog of millions, the processor, which filters a shared trie without a rebuild, starts faster.
         generator (`torch.Generator`, optional): the random source of sampling.
-        kwargs: ``attention_mask`` (Shape: (B, P)), and on the plain path any ``GenerationConfig`` field
-            (``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``output_scores``,
-            ``output_logits``, ``return_dict_in_generate``, ``eos_token_id``, ``pad_token_id``).
+        kwargs: ``attention_mask`` (Shape: (B, P)), and on the plain path any ``generate`` option
+            (``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``repetition_penalty``,
+            ``output_scores``, ``output_logits``, ``return_dict_in_generate``, ``eos_token_id``, ...).
 
     Returns:
         With ``return_dict_in_generate``, a :class:`FastForwardOutput` (``sequences``, ``scores``, ``logits``,
@@ -636,37 +632,40 @@ def fast_forward_generate(
     check_one_source("fast_forward_generate", {"trie": trie, "template": template},
                      hints={"trie": "a TokenTrie, or one per prompt"})
     hooked = logits_processor is not None and stopping_criteria is not None and generation_config is not None
+    if {"distinct", "max_entries"} & set(kwargs):
+        raise ConstraintConfigError(
+            "fast_forward_generate does not take distinct lists (what a list may emit changes at every entry): use "
+            "model.generate(..., logits_processor=[TrieLogitsProcessor(trie, on_complete='repeat', distinct=True)])")
+    if not hooked and verified():
+        # The plain call is the hook's: generate prepares the processors (repetition penalty, min_new_tokens,
+        # renormalize_logits, the warpers ...), the stopping criteria and the cache from the options as for any
+        # call, then calls back with them; the options it does not know ride in the bound hook.
+        hook = functools.partial(fast_forward_generate, trie=trie, template=template, tokenizer=tokenizer,
+                                 end_token_id=end_token_id, on_complete=on_complete, separator=separator,
+                                 trigger=trigger, allow=allow, deny=deny, generator=generator)
+        return model.generate(input_ids, generation_config=generation_config, logits_processor=logits_processor,
+                              stopping_criteria=stopping_criteria, custom_generate=hook, **kwargs)
     attention_mask = kwargs.pop("attention_mask", None)
     if hooked:
-        config = generation_config
-        model_kwargs = kwargs
-        max_length = config.max_length
+        config, model_kwargs = generation_config, kwargs
         _check_hooked_inputs(logits_processor, stopping_criteria)
-        processors = logits_processor
-    else:
+    else:  # outside the verified transformers: generate with the processor (_general_path)
         config = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
         model_kwargs = config.update(**kwargs)
         config.validate()
-        max_length = (
-            input_ids.shape[1] + config.max_new_tokens if config.max_new_tokens is not None else config.max_length
-        )
-        processors = logits_processor if logits_processor is not None else _plain_processors(config)
     if (config.num_beams or 1) > 1:
         raise ConstraintConfigError(
             f"fast_forward_generate does not do beam search (num_beams={config.num_beams}): use "
             "model.generate(..., num_beams=..., logits_processor=[TrieLogitsProcessor(trie)]) instead"
         )
-    if {"distinct", "max_entries"} & set(model_kwargs):
-        raise ConstraintConfigError(
-            "fast_forward_generate does not take distinct lists (what a list may emit changes at every entry): use "
-            "model.generate(..., logits_processor=[TrieLogitsProcessor(trie, on_complete='repeat', distinct=True)])")
     eos_ids = eos_token_ids(config)
     end = end_token(end_token_id, tokenizer, eos_ids[0] if eos_ids else None)  # on both paths alike
     options = (trie, template, tokenizer, end, on_complete, separator, trigger, allow, deny)
     if not verified():
         return _general_path(model, input_ids, attention_mask, _processor(*options, input_ids.shape[0]),
-                             processors if hooked else None, stopping_criteria if hooked else None, config,
+                             logits_processor if hooked else None, stopping_criteria if hooked else None, config,
                              model_kwargs)
+    max_length, processors = config.max_length, logits_processor
     unknown = set(model_kwargs) - _KNOWN_MODEL_KWARGS
     if unknown:
         raise ConstraintConfigError(f"fast_forward_generate does not handle these model inputs: {sorted(unknown)}")

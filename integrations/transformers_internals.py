@@ -31,6 +31,9 @@ the cache model input: ``cache`` (5.24) or    read from ``model.forward``'s sign
 ``custom_generate`` calling convention        ``fast_forward_generate`` runs the plain loop
 (``logits_processor``, ``stopping_criteria``, (``generate`` with a ``TrieLogitsProcessor``): same tokens,
 ``generation_config`` + model inputs)         one forward pass per token
+where ``generate`` merges a user's            (:func:`around_user_processors`, read on every version)
+processors: after its own, before the
+``*LogitsWarper`` s and ``LogitNormalization``
 ============================================  ==========================================================
 """
 
@@ -47,12 +50,13 @@ from packaging.version import Version
 
 try:
     import transformers
-    from transformers import LogitsProcessorList, PrefixConstrainedLogitsProcessor
+    from transformers import LogitNormalization, LogitsProcessorList, PrefixConstrainedLogitsProcessor
 except ImportError as exc:  # pragma: no cover - import guard
     raise ImportError("trie_decode.integrations needs transformers: pip install 'trie-decode[transformers]'") from exc
 
 __all__ = [
     "VERIFIED",
+    "around_user_processors",
     "UnverifiedTransformersWarning",
     "verified",
     "warn_unverified",
@@ -292,3 +296,22 @@ def drop_cache_rows(cache: Any, keep: torch.Tensor) -> bool:
         return False
     select(keep)
     return True
+
+
+def around_user_processors(processors: Any) -> tuple[LogitsProcessorList, LogitsProcessorList]:
+    """``generate``'s prepared processors split where it merges a user's (where a ``TrieLogitsProcessor`` runs):
+    after its own (min_new_tokens, bad_words, ...), before what it appends after them (the sampling
+    ``*LogitsWarper`` s, then ``LogitNormalization`` for ``renormalize_logits``). Checked against 5.19 and 5.24
+    (``GenerationMixin._get_logits_processor``).
+
+    Example:
+        >>> from transformers import MinNewTokensLengthLogitsProcessor, TopKLogitsWarper
+        >>> before, after = around_user_processors([MinNewTokensLengthLogitsProcessor(1, 2, 0), TopKLogitsWarper(5),
+        ...                                         LogitNormalization()])
+        >>> [type(p).__name__ for p in before], [type(p).__name__ for p in after]
+        (['MinNewTokensLengthLogitsProcessor'], ['TopKLogitsWarper', 'LogitNormalization'])
+    """
+    procs = list(processors or ())
+    at = next((i for i, p in enumerate(procs)
+               if type(p).__name__.endswith("LogitsWarper") or isinstance(p, LogitNormalization)), len(procs))
+    return LogitsProcessorList(procs[:at]), LogitsProcessorList(procs[at:])

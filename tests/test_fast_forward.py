@@ -312,16 +312,21 @@ def test_tiny_sampling_members_with_return_sequences(tiny_llama, tokenizer, smal
         assert out.stats.forced_tokens + out.stats.decisions == out.stats.tokens_emitted
 
 
-def test_tiny_scores_and_logits_match_processor(tiny_llama, tokenizer, small_tries):
+@pytest.mark.parametrize("extra", [{}, {"renormalize_logits": True}, {"repetition_penalty": 5.0}])
+def test_tiny_scores_and_logits_match_processor(tiny_llama, tokenizer, small_tries, extra):
+    # renormalize_logits: generate runs LogitNormalization after the user's processors, so after the trie mask;
+    # repetition_penalty reads each row's tokens before the scored one (forced ones too), as generate's rows have
     inputs = tiny_inputs(tokenizer)
-    opts = dict(max_new_tokens=16, return_dict_in_generate=True, output_scores=True, output_logits=True)
+    opts = dict(max_new_tokens=16, return_dict_in_generate=True, output_scores=True, output_logits=True, **extra)
     ref, out = _both(tiny_llama, inputs, small_tries, tokenizer, **opts)
-    assert torch.equal(ref.sequences, out.sequences)
+    plain = fast_forward_generate(tiny_llama, **inputs, trie=small_tries, tokenizer=tokenizer, do_sample=False, **opts)
+    assert torch.equal(ref.sequences, out.sequences) and torch.equal(ref.sequences, plain.sequences)
     p = inputs["input_ids"].shape[1]
     for r, n in enumerate(out.stats.row_tokens):
         for j in range(n):
             tok = int(out.sequences[r, p + j])
             assert float(out.scores[j][r, tok]) == pytest.approx(float(ref.scores[j][r, tok]), abs=1e-4)
+            assert float(plain.scores[j][r, tok]) == pytest.approx(float(ref.scores[j][r, tok]), abs=1e-4)
             # Raw logits are unmasked here; the processor masks generate's logits in place, so compare where the
             # reference kept them.
             assert torch.isfinite(out.logits[j][r]).all()
