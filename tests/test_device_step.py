@@ -98,6 +98,29 @@ def test_torch_step_never_reads_the_device(mode, dense):
             c.stop_at_forced(state, torch.full((rows,), 2), torch.zeros(rows, dtype=torch.bool))
 
 
+def test_torch_step_on_zero_rows_and_fewer_states_than_logits_rows():
+    """Zero state rows mask nothing and advance to nothing; without a row map, R < B states mask the first R logits
+    rows as the CPU kernels do; more states than logits rows is a named IndexError. Sizes only: no host read."""
+    rng = random.Random(3)
+    tries = _tries(rng)
+    rules = SpanRules(end_token_id=END)
+    c = TrieConstraint(tries, rules, "cpu", kernel="torch")
+    ref = c.with_kernel("numpy")
+    logits = torch.randn(5, V + 3)
+    empty = c.start(0, torch.zeros(0, dtype=torch.long))
+    state = c.start(3, torch.tensor([0, 2, 1]))
+    with no_host_sync():
+        untouched = [c.mask_(logits.clone(), empty), c.mask_(logits.clone(), empty, torch.zeros(0, dtype=torch.long))]
+        advanced = c.advance(empty, torch.zeros(0, dtype=torch.long))
+        got = c.mask_(logits.clone(), state)
+    assert all(torch.equal(u, logits) for u in untouched)
+    assert advanced.node.shape == (0,)
+    assert torch.equal(got, ref.mask_(logits.clone(), state))
+    assert torch.equal(got[3:], logits[3:])
+    with pytest.raises(IndexError, match="3 states for a batch of 2 logits rows"):
+        c.mask_(torch.randn(2, V), state)
+
+
 @pytest.mark.slow
 def test_compiled_step_fullgraph_matches_the_reference():
     """torch.compile(fullgraph=True) of advance + mask: no graph break anywhere in the step, across random tries,

@@ -154,6 +154,36 @@ def test_corrupt_states_never_read_out_of_bounds():
         c.mask_(torch.zeros(2, 20), c.start(4))
 
 
+def test_out_of_place_rows_of_several_tries_in_logits_the_kernel_does_not_take():
+    """Logits with a column stride go to the numpy kernel, one trie at a time, in place: out of place, the copy
+    into ``out`` is made once, not once per trie (which undid the rows of the tries masked before)."""
+    tries = [TokenTrie.from_sequences([[5, 6], [7]], vocab_size=50),
+             TokenTrie.from_sequences([[9, 10], [11]], vocab_size=50)]
+    c = TrieConstraint(tries, SpanRules(end_token_id=END), "cpu")
+    assert c.kernel.name == "native"
+    state = c.start(3, torch.tensor([0, 1, 0]))
+    logits = torch.randn(50, 3).t()  # column stride 3
+    assert not _native.usable_logits(logits)
+    ref = _fallback(c, logits.contiguous(), state)
+    assert torch.equal(c.mask_(logits, state, inplace=False), ref)
+    assert torch.equal(c.mask_(logits, state, out=torch.zeros(3, 50)), ref)
+    assert [row.isfinite().nonzero().flatten().tolist() for row in ref] == [[5, 7], [9, 11], [5, 7]]
+
+
+def test_zero_rows():
+    """A batch with no constrained row: the kernel's calls take empty tensors (whose data address is 0)."""
+    trie = TokenTrie.from_sequences([[5, 6], [7]], vocab_size=20)
+    for tries in ([trie], [trie, trie]):
+        c = TrieConstraint(tries, SpanRules(end_token_id=END), "cpu")
+        state = c.start(0, torch.zeros(0, dtype=torch.long))
+        assert c.advance(state, torch.zeros(0, dtype=torch.long)).node.shape == (0,)
+        logits = torch.randn(2, 20)
+        assert torch.equal(c.mask_(logits.clone(), state), logits)
+    step = _native.FusedStep(c.tables[0], torch.zeros(0, dtype=torch.long), c.needed_width)
+    assert step(torch.zeros(0, 3, dtype=torch.long), torch.zeros(0, 20)).shape == (0, 20)
+    assert step(None, torch.zeros(0, 20)).shape == (0, 20)
+
+
 def test_wrapper_rejects_bad_arrays():
     trie = TokenTrie.from_sequences([[5, 6]], vocab_size=20)
     c = TrieConstraint(trie, SpanRules(end_token_id=2), "cpu")
@@ -174,6 +204,20 @@ def test_wrapper_rejects_bad_arrays():
     t_logits = torch.randn(20, 2).t()
     ref = _fallback(c, t_logits.contiguous(), c.start(2))
     assert torch.equal(c.mask_(t_logits, c.start(2), inplace=False), ref)
+
+
+def test_kernel_rows_of_several_tries_check_out_before_its_pointer_goes_to_c():
+    """The kernel's one-call path for rows of several tries packs ``out``'s pointer with ``src``'s geometry: an out
+    of another shape or dtype is refused before C could write past it."""
+    trie = TokenTrie.from_sequences([[5, 6], [7]], vocab_size=20)
+    c = TrieConstraint([trie, trie], SpanRules(end_token_id=END), "cpu")
+    state = c.start(3, torch.tensor([0, 1, 0]))
+    src = torch.randn(3, 20)
+    fewer_rows, narrower = torch.zeros(3, 20), torch.zeros(3, 20, dtype=torch.float16)
+    for buffer, out in ((fewer_rows, fewer_rows[:1]), (narrower, narrower)):
+        with pytest.raises(ValueError, match="out and src alike"):
+            c.kernel.mask_rows(c._prepared, out, src, state.node, state.tree, None)
+        assert not buffer.any()
 
 
 def test_environment_switch_turns_the_kernel_off():
@@ -405,7 +449,7 @@ def test_floor_rule_is_one_definition():
         assert got.dtype == dtype
         floor = torch.tensor(rules.ALL_MASKED_FLOOR, dtype=dtype).item()  # the floor as the dtype holds it
         assert got.double().tolist() == [[floor] * 2, [1.0, float("-inf")], [float("-inf"), 2.0]]
-    assert _native._FLOOR_BITS[torch.float32] == _native._bits(rules.ALL_MASKED_FLOOR, torch.float32)
+    assert _native._DTYPE_ARGS[torch.float32][2] == _native._bits(rules.ALL_MASKED_FLOOR, torch.float32)
 
 
 @pytest.mark.parametrize("with_rows", [False, True])

@@ -836,10 +836,6 @@ static PyObject *py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     j.n = j.batch, j.nodes = (const int64_t *)(intptr_t)f[SF_NODES];
     j.flags = (const uint8_t *const *)(intptr_t)f[SF_FLAGS], j.filt = (const int64_t *)(intptr_t)f[SF_FILTER];
     j.num_filters = (Py_ssize_t)f[SF_NUM_FILTERS];
-    if (!j.nodes) {
-        PyErr_SetString(PyExc_ValueError, "step() needs the rows' nodes");
-        return NULL;
-    }
     if (j.flags && !f[SF_MOVES]) {
         PyErr_SetString(PyExc_ValueError, "filter flags need the step table's moves");
         return NULL;
@@ -855,6 +851,7 @@ static PyObject *py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         PyErr_Format(PyExc_ValueError, "parent indices must be 4- or 8-byte integers, got %d bytes", parent_size);
         return NULL;
     }
+    if (n == 0) return PyLong_FromSsize_t(0);  /* no rows (mask_job_check let their arrays be NULL) */
     /* scratch: the parents' nodes (n), the new nodes (n), the searches' bounds (2n), the parents' filters (n) */
     int64_t *scratch = NULL;
     if (tokens && !(scratch = (int64_t *)malloc((size_t)(n > 0 ? n : 1) * 5 * sizeof(int64_t)))) return PyErr_NoMemory();

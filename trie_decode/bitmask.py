@@ -14,9 +14,9 @@ from typing import Optional
 
 import torch
 
-__all__ = ["pack_bitmask", "apply_token_bitmask_inplace"]
+from .kernels.rules import NEG_INF
 
-NEG_INF = float("-inf")
+__all__ = ["pack_bitmask", "apply_token_bitmask_inplace"]
 
 
 def pack_bitmask(mask: torch.Tensor) -> torch.Tensor:

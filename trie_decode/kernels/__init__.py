@@ -45,7 +45,7 @@ Kernels:
                         allowed sets and bitmasks on every device
     :mod:`.fixed`       fixed-shape torch ops, no host synchronization: CUDA, MPS (``FIXED_KERNEL``)
     :mod:`.grouped`     how the per-trie kernels (native, numpy) run a batch that mixes tries
-    :mod:`.rules`       the rules every kernel applies (the floor rule)
+    :mod:`.rules`       the rules every kernel applies (the floor rule, the columns of a row's extra kept tokens)
     :mod:`.interface`   the capabilities every kernel declares, and their defaults
 """
 

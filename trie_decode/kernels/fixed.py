@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 import numpy as np
 import torch
 
-from ..spans import ANCHOR, COUNT, EXTRA0, EXTRA1, SLOT, START, TABLE_COLUMNS, span_moves
-from .interface import Kernel
-from .rules import NEG_INF, floor_rule, kept_alive
+from ..spans import ANCHOR, COUNT, SLOT, START, TABLE_COLUMNS, span_moves
+from .interface import Kernel, check_state_rows
+from .rules import NEG_INF, extras_end, floor_rule, kept_alive
 
 if TYPE_CHECKING:
     from ..filters import NodeFlags
@@ -94,7 +94,7 @@ class MergedTables:
         self.dense_allowed = to(np.concatenate(dense)) if dense_off else None
         self.num_nodes, self.num_codes = node_off, len(codes)
         self.width, self.vocab_size, self.rules = width, vocab, rules
-        self.extra_end = EXTRA1 + 1 if rules.on_complete == "repeat" else EXTRA0 + 1
+        self.extra_end = extras_end(rules)
 
     def rows_of(self, node: torch.Tensor, tree: torch.Tensor) -> torch.Tensor:
         """The merged table row of each state: trie nodes offset by their trie, codes indexing the last K rows."""
@@ -143,7 +143,14 @@ class FixedShapeKernel(Kernel):
             raise ValueError("the torch kernel does not apply filter bits")
         if out is not src:
             raise ValueError("the torch kernel masks in place: pass out=src")
-        x = src if rows is None else src.index_select(0, rows)
+        n = node.shape[0]
+        if n == 0:  # no row to mask (and _fill_rows_ names a first row)
+            return
+        if rows is None:
+            check_state_rows(n, src.shape[0])
+            x = src if n == src.shape[0] else src[:n]  # a view: the first n rows, masked in place
+        else:
+            x = src.index_select(0, rows)
         info = m.table[m.rows_of(node, tree)]
         start, count, anchor, keep = info[:, START], info[:, COUNT], info[:, ANCHOR], info[:, KEEP : KEEP + 1]
         j = torch.arange(m.width, device=x.device)

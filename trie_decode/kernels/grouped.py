@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from ..spans import DONE
-from .interface import Kernel
+from .interface import Kernel, check_state_rows
 
 if TYPE_CHECKING:
     from ..filters import NodeFlags
@@ -83,6 +83,8 @@ class GroupedKernel(Kernel):
     ) -> None:
         """Mask logits rows ``rows`` (default: row i for state row i) of ``src`` into ``out``, every trie's rows.
         With ``filter_bits`` (see :meth:`takes_filters`), the rows' static filters in the same pass."""
+        if rows is None:
+            check_state_rows(node.shape[0], src.shape[0])
         if filter_bits is not None:
             self._check_filters(tables)
             self.mask(out, src, node, rows, tables[0], filter_bits)

@@ -11,7 +11,14 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["Kernel"]
+__all__ = ["Kernel", "check_state_rows"]
+
+
+def check_state_rows(num_states: int, batch: int) -> None:
+    """Without a row map, state row i masks logits row i: IndexError unless there are at most as many state rows
+    as logits rows (the C kernel's own check, ``_kernel.c``, with its message). Sizes only: no host read."""
+    if num_states > batch:
+        raise IndexError(f"{num_states} states for a batch of {batch} logits rows")
 
 
 class Kernel:

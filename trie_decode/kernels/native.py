@@ -29,7 +29,8 @@ import torch
 from ..errors import InvalidTokenError
 from ..spans import COUNT, START, TABLE_COLUMNS
 from .grouped import GroupedKernel
-from .rules import ALL_MASKED_FLOOR
+from .interface import check_state_rows
+from .rules import ALL_MASKED_FLOOR, NEG_INF
 from .vectorized import NUMPY_KERNEL
 
 if TYPE_CHECKING:
@@ -84,19 +85,12 @@ def _bits(value: float, dtype: torch.dtype) -> int:
     return bits if size == 8 else bits & ((1 << (8 * size)) - 1)
 
 
-# The float dtypes the kernel handles, with the bit pattern of -inf in each (it copies elements, it never computes on
-# them).
-_NEG_INF_BITS = {dtype: _bits(float("-inf"), dtype) for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16)}
-
-
-# The bit pattern of the floor given to a row whose kept values were all -inf (the floor rule, kernels/rules.py).
-_FLOOR_BITS = {dtype: _bits(ALL_MASKED_FLOOR, dtype) for dtype in _NEG_INF_BITS}
-
-
-# Per dtype: the element size and the bit patterns of -inf and of the floor, the last three LOGITS_FIELDS.
+# The float dtypes the kernel handles (it copies elements, it never computes on them), each with the last three
+# LOGITS_FIELDS: its element size, the bit pattern of -inf and that of the floor given to a row whose kept values
+# were all -inf (the floor rule, kernels/rules.py).
 _DTYPE_ARGS = {
-    dtype: (torch.empty(0, dtype=dtype).element_size(), _NEG_INF_BITS[dtype], _FLOOR_BITS[dtype])
-    for dtype in _NEG_INF_BITS
+    dtype: (torch.empty(0, dtype=dtype).element_size(), _bits(NEG_INF, dtype), _bits(ALL_MASKED_FLOOR, dtype))
+    for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 }
 
 
@@ -113,7 +107,7 @@ def usable_logits(logits: torch.Tensor) -> bool:
     """True when ``logits`` suit the kernel: a CPU (B, V) tensor of a handled float dtype with unit column stride
     and rows that do not overlap."""
     # Each tensor attribute read is a call into torch (at batch 1 they cost as much as the kernel): each read once.
-    if logits.dtype not in _NEG_INF_BITS or not logits.is_cpu:
+    if logits.dtype not in _DTYPE_ARGS or not logits.is_cpu:
         return False
     shape = logits.shape
     if len(shape) != 2:
@@ -129,15 +123,10 @@ def trie_fields(table: Any) -> bytes:
     if found is not None:
         return found
     d = table.dtrie
-    t = d.tensors
-    for name, arr, dtype in (("step table", table.tensor, torch.int32), ("child_token", t.child_token, torch.int32),
-                             ("child_ptr", t.child_ptr, torch.int32), ("dense_blocked", t.dense_blocked, torch.bool)):
-        if arr.device.type != "cpu" or arr.dtype != dtype or not arr.is_contiguous():
-            raise ValueError(f"{name} must be a contiguous {dtype} CPU tensor")
-    if tuple(table.tensor.shape) != (d.num_nodes + table.num_codes, TABLE_COLUMNS) or t.child_token.numel() != d.num_nodes:
+    t = _checked_tensors(d)
+    _check_cpu_array("step table", table.tensor, torch.int32)
+    if tuple(table.tensor.shape) != (d.num_nodes + table.num_codes, TABLE_COLUMNS):
         raise ValueError("step table and trie sizes disagree")
-    if t.child_ptr.numel() != d.num_nodes + 1 or tuple(t.dense_blocked.shape) != (d.num_dense, d.vocab_size):
-        raise ValueError("trie arrays have inconsistent shapes")
     found = kernel_bits(table)
     bits, wide = (None, None) if found is None else found
     packed = _PACK["trie"].pack(
@@ -149,6 +138,25 @@ def trie_fields(table: Any) -> bytes:
     table.kernel_cache["native_bits"] = found  # kept alive with the packed pointers
     table.kernel_cache["native"] = packed
     return packed
+
+
+def _check_cpu_array(name: str, arr: torch.Tensor, dtype: torch.dtype) -> None:
+    """ValueError naming ``name`` unless ``arr`` is a contiguous CPU tensor of ``dtype`` (its pointer goes to C)."""
+    if arr.device.type != "cpu" or arr.dtype != dtype or not arr.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous {dtype} CPU tensor")
+
+
+def _checked_tensors(dtrie: Any) -> Any:
+    """The tensors of a CPU :class:`~trie_decode.device.DeviceTrie`, checked for the kernel's pointers: contiguous
+    CPU arrays, int32 ``child_token`` (N,) and ``child_ptr`` (N + 1,), bool ``dense_blocked`` (H, V); else
+    ValueError."""
+    t = dtrie.tensors
+    for name, dtype in (("child_token", torch.int32), ("child_ptr", torch.int32), ("dense_blocked", torch.bool)):
+        _check_cpu_array(name, getattr(t, name), dtype)
+    if (t.child_token.numel() != dtrie.num_nodes or t.child_ptr.numel() != dtrie.num_nodes + 1
+            or tuple(t.dense_blocked.shape) != (dtrie.num_dense, dtrie.vocab_size)):
+        raise ValueError("trie arrays have inconsistent shapes")
+    return t
 
 
 #: The most memory the bitmaps of a trie's wide nodes take (the widest nodes first); the dense rows' bitmaps, an
@@ -237,14 +245,23 @@ def mask_rows(out: torch.Tensor, src: torch.Tensor, nodes: torch.Tensor, rows: O
         node_flags: static allow/deny filters in the same pass (:meth:`RowFilters.node_flags`): each filter's
             flags at every node and each state row's filter (:class:`~trie_decode.filters.NodeFlags`).
     """
-    if not usable_logits(src) or (out is not src and (out.shape != src.shape or out.dtype != src.dtype or not usable_logits(out))):
-        raise ValueError("the kernel takes 2-D CPU float logits with unit column stride, out and src alike")
+    if not _takes(out, src):
+        raise ValueError(_LOGITS_ERROR)
     return _mask_rows(out, src, nodes, rows, table, node_flags)
+
+
+_LOGITS_ERROR = "the kernel takes 2-D CPU float logits with unit column stride, out and src alike"
+
+
+def _takes(out: torch.Tensor, src: torch.Tensor) -> bool:
+    """Whether the kernel takes these logits: ``src`` and ``out`` (unless it is ``src``) pass :func:`usable_logits`
+    (that they are alike is checked when their pointers are packed, :func:`_mask_job`)."""
+    return usable_logits(src) and (out is src or usable_logits(out))
 
 
 def _mask_rows(out: torch.Tensor, src: torch.Tensor, nodes: torch.Tensor, rows: Optional[torch.Tensor], table: Any,
                node_flags: Optional["NodeFlags"]) -> int:
-    """:func:`mask_rows` for logits already checked (:func:`usable_logits`, out and src alike)."""
+    """:func:`mask_rows` for logits already checked (:func:`_takes`)."""
     n = nodes.numel()
     nodes = _index(nodes, n, "nodes")
     if rows is not None:
@@ -255,7 +272,11 @@ def _mask_rows(out: torch.Tensor, src: torch.Tensor, nodes: torch.Tensor, rows: 
 
 def _mask_job(out: torch.Tensor, src: torch.Tensor, nodes: torch.Tensor, rows: Optional[torch.Tensor],
               filters: tuple[int, int, int]) -> bytes:
-    """The packed MASK_FIELDS of a mask call (arrays already checked: ``nodes`` and ``rows`` contiguous int64)."""
+    """The packed MASK_FIELDS of a mask call (arrays already checked: the logits by :func:`_takes`, ``nodes`` and
+    ``rows`` contiguous int64); ValueError unless ``out`` is ``src`` or has its shape and dtype (the kernel writes
+    ``out`` with ``src``'s geometry: every C mask call's pointers are packed here, after this check)."""
+    if out is not src and (out.shape != src.shape or out.dtype != src.dtype):
+        raise ValueError(_LOGITS_ERROR)
     batch, width = src.shape
     return _PACK["mask"].pack(out.data_ptr(), src.data_ptr(), batch, out.stride(0), src.stride(0), width,
                               *_DTYPE_ARGS[src.dtype], nodes.numel(), 0 if rows is None else rows.data_ptr(),
@@ -282,10 +303,7 @@ def child(dtrie: Any, nodes: torch.Tensor, tokens: torch.Tensor, table: Any = No
     if table is None:
         trie = dtrie.__dict__.get("_kernel_trie_fields")
         if trie is None:
-            t = dtrie.tensors
-            if not (t.child_ptr.is_cpu and t.child_token.is_cpu) or t.child_ptr.dtype != torch.int32 \
-                    or t.child_token.dtype != torch.int32:
-                raise ValueError("the kernel needs a CPU DeviceTrie with int32 child arrays")
+            t = _checked_tensors(dtrie)
             trie = dtrie._kernel_trie_fields = _PACK["trie"].pack(
                 0, dtrie.num_nodes, 0, t.child_token.data_ptr(), t.child_ptr.data_ptr(), 0, dtrie.vocab_size, 0, 0, 0, 0, 0)
     else:
@@ -297,6 +315,8 @@ def child(dtrie: Any, nodes: torch.Tensor, tokens: torch.Tensor, table: Any = No
         if table is None:
             raise ValueError("node flags need the step table (the moves off the trie a filter's rows take)")
         filters = _flag_fields(node_flags, dtrie.num_nodes, n)
+    if n == 0:  # nothing to look up (and an empty tensor's data address is 0, which C reads as a missing array)
+        return out
     _kernel.child(trie, _PACK["child"].pack(out.data_ptr(), nodes.data_ptr(), tokens.data_ptr(), n,
                                             int(table is not None), *filters))
     return out
@@ -434,7 +454,7 @@ class NativeKernel(GroupedKernel):
         return ENABLED and self.runs_on(device)
 
     def takes_filters(self, out: torch.Tensor, src: torch.Tensor) -> bool:
-        return usable_logits(src) and (out is src or usable_logits(out))
+        return _takes(out, src)
 
     def fused_step(self, table: Any, nodes: torch.Tensor, needed_width: int,
                    node_flags: Optional["NodeFlags"] = None) -> FusedStep:
@@ -452,14 +472,20 @@ class NativeKernel(GroupedKernel):
         if len(tables) == 1:  # one trie: straight to the C call (no grouping; filters go in the same pass)
             self.mask(out, src, node, rows, tables[0], filter_bits)
             return
-        if filter_bits is not None or n == 1 or not (usable_logits(src) and (out is src or usable_logits(out))):
+        usable = _takes(out, src)
+        if not usable and out is not src:
+            # Logits the C kernel does not take are masked in place by the numpy kernel, one trie at a time: copied
+            # into out once, here (a copy per trie would undo the rows of the tries masked before it).
+            out.copy_(src)
+            src = out
+        if filter_bits is not None or n == 1 or not usable:
             super().mask_rows(tables, out, src, node, tree, rows, filter_bits)
             return
         nodes, tree = _index(node, n, "nodes"), _index(tree, n, "tree")
         if rows is not None:
             rows = _index(rows, n, "rows")  # each checked against the batch in C
-        elif n > src.shape[0]:
-            raise ValueError(f"{n} state rows for {src.shape[0]} logits rows")
+        else:
+            check_state_rows(n, src.shape[0])
         # One C call: each run of rows of one trie is masked with that trie's fields (_kernel.c, mask).
         _kernel.mask(self._all_fields(tables), _mask_job(out, src, nodes, rows, (0, 0, 0)), tree.data_ptr())
 
@@ -492,9 +518,7 @@ class NativeKernel(GroupedKernel):
     def mask(self, out: torch.Tensor, src: torch.Tensor, node: torch.Tensor, rows: Optional[torch.Tensor], table: Any,
              node_flags: Optional["NodeFlags"] = None) -> None:
         """Mask the state rows' logits rows of ``src`` into ``out`` (the same tensor, or one of the same shape)."""
-        if usable_logits(src) and (out is src or usable_logits(out)):
-            if out is not src and (out.shape != src.shape or out.dtype != src.dtype):
-                raise ValueError("the kernel takes 2-D CPU float logits with unit column stride, out and src alike")
+        if _takes(out, src):
             _mask_rows(out, src, node, rows, table, node_flags)
             return
         if node_flags is not None:

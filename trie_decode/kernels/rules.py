@@ -1,4 +1,5 @@
-"""The masking rules every kernel applies, each stated once: the floor of a row whose kept values were all banned.
+"""The masking rules every kernel applies, each stated once: the floor of a row whose kept values were all banned,
+and which step-table columns hold the tokens a row keeps besides its children (:func:`extras_end`).
 
 Why this exists: a rule written into every kernel (C, vectorized, fixed-shape, the filters' pass) is a rule that
 drifts. As in XGrammar, the kernels only apply; the semantics live here. The C kernel receives the floor's bit
@@ -19,9 +20,16 @@ so that the row still emits a token of the trie (greedy: the first; sampling: un
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-__all__ = ["NEG_INF", "ALL_MASKED_FLOOR", "floor_rule", "kept_alive"]
+from ..spans import EXTRA0, EXTRA1
+
+if TYPE_CHECKING:
+    from ..spans import SpanRules
+
+__all__ = ["NEG_INF", "ALL_MASKED_FLOOR", "floor_rule", "kept_alive", "extras_end"]
 
 NEG_INF = float("-inf")
 #: The logit a row's allowed tokens get when another processor already set all of them to -inf: finite, so a token
@@ -48,3 +56,11 @@ def floor_rule(values: torch.Tensor, alive: torch.Tensor) -> torch.Tensor:
         A new tensor like ``values``. Any device, no host read.
     """
     return torch.where(alive, values, torch.full_like(values, ALL_MASKED_FLOOR))
+
+
+def extras_end(rules: "SpanRules") -> int:
+    """The end of the step-table columns ``ANCHOR:extras_end(rules)`` that hold what a constrained row keeps besides
+    its children (:func:`trie_decode.spans.step_table`): its anchor and EXTRA0 (the end token), and EXTRA1 (the
+    separator's first token) only under ``on_complete="repeat"``, the one mode that writes it (elsewhere it is -1,
+    none: the C kernel reads it anyway, the vectorized and torch kernels skip the column)."""
+    return EXTRA1 + 1 if rules.on_complete == "repeat" else EXTRA0 + 1

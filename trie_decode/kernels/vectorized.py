@@ -22,10 +22,10 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
-from ..spans import ANCHOR, COUNT, EXTRA0, EXTRA1, SLOT, START, span_moves
+from ..spans import ANCHOR, COUNT, SLOT, START, span_moves
 from .arrays import NUMPY, TORCH, Ops
 from .grouped import GroupedKernel
-from .rules import ALL_MASKED_FLOOR, NEG_INF, floor_rule, kept_alive
+from .rules import ALL_MASKED_FLOOR, NEG_INF, extras_end, floor_rule, kept_alive
 
 __all__ = ["MaskPlan", "VectorizedKernel", "apply_plans_", "plans_to_bool", "plans_to_lists", "NUMPY_KERNEL", "TORCH_KERNEL", "ALL_MASKED_FLOOR"]
 
@@ -119,7 +119,7 @@ class VectorizedKernel(GroupedKernel):
             count, anchor, slot = info[:, COUNT], info[:, ANCHOR], info[:, SLOT]
             total = int(count.sum())
         r = info.shape[0]
-        extras = info[:, ANCHOR : EXTRA1 + 1 if table.rules.on_complete == "repeat" else EXTRA0 + 1]
+        extras = info[:, ANCHOR : extras_end(table.rules)]
         x = extras.shape[1]
         local = ops.arange(r, info)
         arrays = table.dtrie.on(ops)
