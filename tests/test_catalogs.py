@@ -145,3 +145,46 @@ def test_catalog_without_keys_has_no_item_keys():
     with pytest.raises(InvalidEntryError, match="without item keys"):
         item_keys_of(trie, 0)
     assert TokenTrie.from_sequences([[1]], vocab_size=4, keys=["k"]).entry(0).item_keys is None
+
+
+def test_vocab_size_and_offsets_that_are_not_token_ids_are_named():
+    # vocab_size was only int()-ed: 100.7 built a trie with token 100 for vocab_size 100 (invalid), and a string or
+    # None failed inside a comparison
+    for vocab_size in (100.7, "200", None, True):
+        with pytest.raises(InvalidTokenError, match="vocab_size must be an integer"):
+            catalog_from_codes(np.array([[0]]), codebook_size=1, token_offset=100, vocab_size=vocab_size)
+    # an offset or a code near 2**63 wrapped the int64 sum offset + code around: the build gave a small wrong token
+    with pytest.raises(InvalidTokenError, match="outside the vocabulary"):
+        catalog_from_codes(np.array([[5]]), level_offsets=[2**63 - 2], vocab_size=10)
+    with pytest.raises(InvalidTokenError, match="outside the vocabulary"):
+        catalog_from_codes(np.array([[2**63 - 1]]), level_offsets=[1], vocab_size=10)
+    for token_offset in (2**70, -1, 10, 1.5):
+        with pytest.raises(InvalidTokenError, match="token_offset"):
+            catalog_from_codes(np.array([[1, 2]]), codebook_size=4, token_offset=token_offset, vocab_size=10)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"catalog_item_ids": np.array([0, 7, 1, 3, 4])}, "every item exactly once"),
+    ({"catalog_item_ids": np.array([0, 0, 1, 3, 4])}, "every item exactly once"),
+    ({"catalog_item_ptr": np.array([0, 4, 3, 5])}, "catalog_item_ptr"),
+    ({"catalog_item_ptr": np.array([0, 3, 4])}, "catalog_item_ptr"),
+    ({"catalog_item_ptr": np.array([0.0, 3, 4, 5], dtype=np.float32)}, "catalog_item_ptr"),
+    ({"catalog_item_ids": None}, "without both"),
+    ({"catalog_item_keys_offsets": None}, "half of the item key table"),
+    ({"catalog_item_keys_offsets": np.array([0, 1, 2, 3, 4, 50])}, "item key table"),
+])
+def test_a_file_with_corrupt_item_lists_is_refused_on_load(tmp_path, change, message):
+    # The item lists were not checked on load: a file whose CRCs agree but whose lists are wrong gave items that do
+    # not exist (items_of), or an IndexError, TypeError or KeyError from numpy in item_entries, entry() and filters.
+    from trie_decode.errors import TrieFileError
+    from trie_decode.fileio import read_arrays, write_arrays
+
+    catalog_from_codes(np.array([[3, 1], [3, 2], [3, 1], [0, 5], [3, 1]]), codebook_size=8, vocab_size=20,
+                       keys=list("abcde")).save(tmp_path / "good.trie")
+    arrays, meta = read_arrays(tmp_path / "good.trie")
+    arrays = {name: np.array(a) for name, a in arrays.items()}
+    for name, value in change.items():
+        arrays.pop(name) if value is None else arrays.__setitem__(name, value)
+    write_arrays(tmp_path / "bad.trie", arrays, {k: v for k, v in meta.items() if k not in ("format", "crc32")})
+    with pytest.raises(TrieFileError, match=message):
+        TokenTrie.load(tmp_path / "bad.trie")

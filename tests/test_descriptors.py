@@ -181,6 +181,19 @@ def test_read_json_accepts_parsed_objects_text_and_paths(tmp_path):
     assert read_json(str(path), "x") == {"b": 2}
 
 
+def test_read_json_names_text_that_is_not_utf8_or_nested_too_deeply(tmp_path):
+    # these raised UnicodeDecodeError and RecursionError from the json module instead of a DescriptorError
+    from trie_decode.errors import DescriptorError
+
+    path = tmp_path / "latin1.json"
+    path.write_bytes('{"name": "Zürich"}'.encode("latin-1"))
+    for source in (b'{"a": "\xff"}', path, str(path)):
+        with pytest.raises(DescriptorError, match="prefix dict: not UTF-8 text"):
+            trie_from_prefix_dict(source, vocab_size=10)
+    with pytest.raises(DescriptorError, match="TokenTreePayload: invalid JSON .nested too deeply"):
+        tries_from_token_tree_payload("[" * 100_000 + "]" * 100_000, vocab_size=10)
+
+
 @pytest.mark.parametrize("vocab", [23, 100])
 def test_descriptor_tries_save_and_load(tmp_path, vocab):
     tries = tries_from_token_tree_payload(

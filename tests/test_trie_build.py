@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from trie_decode import Entry, TokenTrie, TrieFileError
+from trie_decode import Entry, InvalidEntryError, InvalidTokenError, TokenTrie, TrieFileError
 from trie_decode._build import RaggedTokens
 
 # The module docstring's example: [5, 6] "a", [5, 7, 8] "b", [9] "c".
@@ -358,3 +358,31 @@ def test_subset_names_a_bad_index(small):
         small.subset(np.array([3]))
     with pytest.raises(ValueError, match="given twice"):
         small.subset(np.array([1, 1]))
+
+
+def test_subset_and_entry_tokens_refuse_masks_and_wrapping_indices(small):
+    # a boolean mask was read as the indices 0 and 1 (subset([True, False]) kept both entries, reordered), a float
+    # was truncated, and entry_tokens read a negative index from the end
+    two = TokenTrie.from_sequences([[1], [2]], vocab_size=4)
+    with pytest.raises(InvalidEntryError, match="subset: entries must be a 1-D array of entry indices, not bool"):
+        two.subset(np.array([True, False]))
+    with pytest.raises(InvalidEntryError, match="not float64"):
+        small.subset(np.array([0.7]))
+    with pytest.raises(IndexError, match="entry_tokens: entry index -1 is out of range for a trie of 3 entries"):
+        small.entry_tokens(np.array([-1]))
+    assert small.entry_tokens(np.zeros(0, dtype=np.int64)).offsets.tolist() == [0]
+
+
+def test_ragged_tokens_that_do_not_describe_sequences_are_named():
+    # RaggedTokens went to the builder unchecked: offsets past the values or float ids raised IndexError inside
+    # numpy, and offsets not starting at 0 dropped the values before them without a word
+    with pytest.raises(InvalidEntryError, match="offsets run from 0 to 5, not from 0 to the 3 values"):
+        TokenTrie.from_sequences(RaggedTokens(np.array([1, 2, 3]), np.array([0, 2, 5])), 10)
+    with pytest.raises(InvalidEntryError, match="offsets run from 1 to 3"):
+        TokenTrie.from_sequences(RaggedTokens(np.array([1, 2, 3]), np.array([1, 3])), 10)
+    with pytest.raises(InvalidTokenError, match="token ids must be integers, got dtype float64"):
+        TokenTrie.from_sequences(RaggedTokens(np.array([1.5, 2.0]), np.array([0, 2])), 10)
+    with pytest.raises(InvalidEntryError, match="offsets must be integers"):
+        TokenTrie.from_sequences(RaggedTokens(np.array([1, 2]), np.array([0.0, 2.0])), 10)
+    trie = TokenTrie.from_sequences(RaggedTokens(np.array([1, 2, 3], dtype=np.uint8), np.array([0, 2, 3])), 10)
+    assert trie.sequences() == [(1, 2), (3,)]

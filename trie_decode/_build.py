@@ -69,7 +69,7 @@ def to_ragged(sequences: Any) -> RaggedTokens:
     sequences of ints (lists, tuples, 1-D numpy arrays, 1-D tensors).
     """
     if isinstance(sequences, RaggedTokens):
-        return sequences
+        return _checked_ragged(sequences)
     if isinstance(sequences, (str, bytes)):
         raise InvalidEntryError("expected a collection of token-id sequences, got a single string")
     if hasattr(sequences, "ndim") and getattr(sequences, "ndim") == 2:
@@ -113,6 +113,28 @@ def to_ragged(sequences: Any) -> RaggedTokens:
         if wrong_array:  # every element is an int, but one does not fit in int64 (numpy made floats or objects)
             entry, bad = _first_oversized(sequences)
             raise InvalidTokenError(f"entry {entry} has token id {bad}, outside any vocabulary (exceeds int64)")
+    return RaggedTokens(_as_int64(values, offsets), offsets)
+
+
+def _checked_ragged(ragged: RaggedTokens) -> RaggedTokens:
+    """``ragged`` with int64 values, once its arrays are known to describe sequences: 1-D integer arrays, offsets
+    from 0 to the number of values (the builder indexes ``values`` at ``offsets`` without a check)."""
+    values, offsets = np.asarray(ragged.values), np.asarray(ragged.offsets)
+    if values.ndim != 1 or offsets.ndim != 1 or len(offsets) == 0:
+        raise InvalidEntryError(
+            f"RaggedTokens needs 1-D values and offsets, got shapes {values.shape} and {offsets.shape}"
+        )
+    _check_integer_dtype(values.dtype, "RaggedTokens values")
+    if not np.issubdtype(offsets.dtype, np.integer) or offsets.dtype == np.bool_:
+        raise InvalidEntryError(f"RaggedTokens offsets must be integers, got dtype {offsets.dtype}")
+    offsets = offsets.astype(np.int64, copy=False)
+    if offsets[0] != 0 or offsets[-1] != len(values):
+        raise InvalidEntryError(
+            f"RaggedTokens offsets run from {int(offsets[0])} to {int(offsets[-1])}, not from 0 to the "
+            f"{len(values)} values"
+        )
+    if values.dtype == np.int64 and offsets is ragged.offsets:
+        return ragged
     return RaggedTokens(_as_int64(values, offsets), offsets)
 
 
@@ -207,6 +229,32 @@ def check_tokens(ragged: RaggedTokens, vocab_size: int) -> None:
             raise InvalidTokenError(
                 f"entry {entry} has token id {int(ragged.values[bad])}, outside the vocabulary [0, {vocab_size})"
             )
+
+
+def token_paths(nodes: np.ndarray, parent: np.ndarray, token: np.ndarray, level_ptr: Any) -> RaggedTokens:
+    """The token path from the root to each of ``nodes``, packed; vectorized over the nodes (a loop over depth only).
+    The one walk up a breadth-first tree: a trie's entries (``TokenTrie.entry_tokens``) and a prefix dict's
+    (:mod:`trie_decode.descriptors`).
+
+    Args:
+        nodes: node ids (the root's path is empty). Shape: (K,), integer.
+        parent: each node's parent. Shape: (N,), integer.
+        token: the token on the edge into each node. Shape: (N,), integer.
+        level_ptr: the first node id of each depth, then N. Shape: (D+2,), integer.
+    """
+    nodes = np.asarray(nodes, dtype=np.int64)
+    depth = np.searchsorted(level_ptr, nodes, side="right") - 1
+    offsets = np.zeros(len(nodes) + 1, dtype=np.int64)
+    np.cumsum(depth, out=offsets[1:])
+    values = np.empty(int(offsets[-1]), dtype=np.int64)
+    below_root = nodes > 0
+    cur, pos = nodes[below_root], offsets[1:][below_root] - 1  # each path is written from its last token back
+    while len(cur):
+        values[pos] = token[cur]
+        cur = parent[cur]
+        alive = cur > 0
+        cur, pos = cur[alive], pos[alive] - 1
+    return RaggedTokens(values, offsets)
 
 
 def build_arrays(ragged: RaggedTokens, vocab_size: int) -> BuiltArrays:

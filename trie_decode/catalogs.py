@@ -30,13 +30,11 @@ from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 
-from .entries import ITEM_IDS, ITEM_KEYS_BLOB, ITEM_KEYS_OFFSETS, ITEM_PTR, StringTable
+from .entries import ITEM_IDS, ITEM_KEYS_BLOB, ITEM_KEYS_OFFSETS, ITEM_PTR, StringTable, catalog_key_table
 from .errors import InvalidEntryError, InvalidTokenError
-from .trie import MAX_VOCAB_SIZE, TokenTrie
+from .trie import TokenTrie, is_vocab_size
 
 __all__ = ["catalog_from_codes", "items_of", "item_keys_of", "item_entries", "item_key_table"]
-
-# The ``extra`` arrays of a catalog (saved in its file): each entry's items, and every item's key.
 
 
 def catalog_from_codes(
@@ -76,7 +74,7 @@ def catalog_from_codes(
     n, levels = codes.shape
     if n == 0 or levels == 0:
         raise InvalidEntryError(f"codes has shape {codes.shape}: a catalog needs at least one item and one level")
-    if isinstance(vocab_size, bool) or not 0 < int(vocab_size) <= MAX_VOCAB_SIZE:
+    if not is_vocab_size(vocab_size):
         raise InvalidTokenError(f"vocab_size must be an integer in [1, 2**31], got {vocab_size!r}")
     if keys is not None and len(keys) != n:
         raise InvalidEntryError(f"keys has {len(keys)} items but codes has {n} rows")
@@ -100,6 +98,10 @@ def catalog_from_codes(
                 bad = int(np.flatnonzero(high >= sizes)[0])
                 raise InvalidEntryError(
                     f"level {bad} holds code {int(high[bad])}, outside its codebook of {int(sizes[bad])}")
+        if isinstance(token_offset, (bool, np.bool_)) or not isinstance(token_offset, (int, np.integer)) or not (
+            0 <= token_offset < vocab_size
+        ):
+            raise InvalidTokenError(f"token_offset must be a token id in [0, {vocab_size}), got {token_offset!r:.40}")
         offsets = token_offset + np.concatenate([[0], np.cumsum(sizes)[:-1]])
     else:
         offsets = np.asarray(level_offsets, dtype=np.int64)
@@ -107,11 +109,14 @@ def catalog_from_codes(
             raise InvalidEntryError(f"level_offsets has shape {offsets.shape}, expected ({levels},)")
         high = _per_level(codes, np.max)
         sizes = high + 1
-    if int((offsets + high).max()) >= vocab_size:  # ``high`` may be a bound: check the exact per-level maxima
-        if int((offsets + _per_level(codes, np.max)).max()) >= vocab_size:
-            raise InvalidTokenError(f"the codes map to tokens outside the vocabulary [0, {vocab_size})")
     if int(offsets.min()) < 0:
         raise InvalidTokenError(f"the codes map to tokens outside the vocabulary [0, {vocab_size}) (negative offset)")
+    # A token is its level's offset plus a code, both >= 0: either one at or past the vocabulary puts the token
+    # outside it (checked first, so that the sum below cannot wrap around in int64 and look small).
+    outside = int(offsets.max()) >= vocab_size or highest >= vocab_size
+    if outside or int((offsets + high).max()) >= vocab_size:  # ``high`` may be a bound: check the exact maxima
+        if outside or int((offsets + _per_level(codes, np.max)).max()) >= vocab_size:
+            raise InvalidTokenError(f"the codes map to tokens outside the vocabulary [0, {vocab_size})")
     bits = np.array([max(int(s - 1).bit_length(), 1) for s in sizes], dtype=np.int64)
     # 1. Sort the items by code (ties by item index: a code's first item comes first) and find the distinct codes.
     if int(bits.sum()) + max(int(n - 1).bit_length(), 1) <= 63:
@@ -274,6 +279,13 @@ def _entry_items(first_items: np.ndarray, later: np.ndarray, later_entry: np.nda
     return item_ptr, item_ids
 
 
+def _item_lists(trie: TokenTrie) -> tuple[np.ndarray, np.ndarray]:
+    """A catalog's item lists ``(ITEM_PTR, ITEM_IDS)``: the items of entry e are ``ids[ptr[e]:ptr[e + 1]]``."""
+    if ITEM_PTR not in trie.extra:
+        raise InvalidEntryError("this trie is not a catalog (built by catalog_from_codes)")
+    return trie.extra[ITEM_PTR], trie.extra[ITEM_IDS]
+
+
 def items_of(trie: TokenTrie, entry: int) -> np.ndarray:
     """The items (row indices of the codes array) that entry ``entry`` stands for, in input order.
 
@@ -283,9 +295,7 @@ def items_of(trie: TokenTrie, entry: int) -> np.ndarray:
         >>> items_of(trie, 0).tolist()
         [0, 2]
     """
-    if ITEM_PTR not in trie.extra:
-        raise InvalidEntryError("this trie is not a catalog (built by catalog_from_codes)")
-    ptr, ids = trie.extra[ITEM_PTR], trie.extra[ITEM_IDS]
+    ptr, ids = _item_lists(trie)
     if not 0 <= entry < len(ptr) - 1:
         raise IndexError(f"entry {entry} is not in this catalog ({len(ptr) - 1} entries)")
     return ids[ptr[entry] : ptr[entry + 1]]
@@ -318,9 +328,7 @@ def item_entries(trie: TokenTrie) -> np.ndarray:
         >>> item_entries(trie).tolist()
         [0, 1, 0]
     """
-    if ITEM_PTR not in trie.extra:
-        raise InvalidEntryError("this trie is not a catalog (built by catalog_from_codes)")
-    ptr, ids = trie.extra[ITEM_PTR], trie.extra[ITEM_IDS]
+    ptr, ids = _item_lists(trie)
     out = np.empty(len(ids), dtype=np.int64)
     out[ids] = np.repeat(np.arange(len(ptr) - 1, dtype=np.int64), np.diff(ptr))
     return out
@@ -328,6 +336,4 @@ def item_entries(trie: TokenTrie) -> np.ndarray:
 
 def item_key_table(trie: TokenTrie) -> Optional[StringTable]:
     """Every item's key, in item order (None for a catalog built without keys, or a trie that is not a catalog)."""
-    if ITEM_KEYS_BLOB not in trie.extra:
-        return None
-    return StringTable(trie.extra[ITEM_KEYS_BLOB], trie.extra[ITEM_KEYS_OFFSETS])
+    return catalog_key_table(trie.extra)

@@ -35,9 +35,9 @@ from typing import Any, Union
 
 import numpy as np
 
-from ._build import RaggedTokens
+from ._build import RaggedTokens, token_paths
 from .errors import DescriptorError, InvalidEntryError, InvalidTokenError
-from .trie import TokenTrie
+from .trie import TokenTrie, is_vocab_size
 
 __all__ = ["read_json", "tries_from_token_tree_payload", "trie_from_prefix_dict"]
 
@@ -45,24 +45,34 @@ JsonSource = Union[str, bytes, os.PathLike, dict, list]
 
 
 def read_json(source: JsonSource, what: str) -> Any:
-    """Parse ``source``: an already-parsed object, JSON text, or a path to a JSON file."""
+    """Parse ``source``: an already-parsed object, JSON text, or a path to a JSON file.
+
+    Raises:
+        DescriptorError: no such file, an unreadable one, text that is not UTF-8 or not JSON, or JSON nested too
+            deeply to parse.
+    """
     if isinstance(source, (dict, list)):
         return source
     if isinstance(source, os.PathLike) or (isinstance(source, str) and not source.lstrip().startswith(("{", "["))):
         path = Path(source)
         if not path.is_file():
             raise DescriptorError(f"{what}: no such file {str(path)!r}")
-        text = path.read_text(encoding="utf-8")
-    elif isinstance(source, bytes):
-        text = source.decode("utf-8")
-    elif isinstance(source, str):
+        try:
+            text = path.read_bytes()
+        except OSError as exc:
+            raise DescriptorError(f"{what}: cannot read {str(path)!r} ({exc.strerror})") from exc
+    elif isinstance(source, (bytes, str)):
         text = source
     else:
         raise DescriptorError(f"{what}: expected a dict, JSON text or a file path, got {type(source).__name__}")
     try:
-        return json.loads(text)
+        return json.loads(text.decode("utf-8") if isinstance(text, bytes) else text)
+    except UnicodeDecodeError as exc:
+        raise DescriptorError(f"{what}: not UTF-8 text ({exc})") from exc
     except json.JSONDecodeError as exc:
         raise DescriptorError(f"{what}: invalid JSON ({exc})") from exc
+    except RecursionError as exc:
+        raise DescriptorError(f"{what}: invalid JSON (nested too deeply to parse)") from exc
 
 
 def _token_list(value: Any, where: str) -> list[int]:
@@ -354,22 +364,11 @@ def _entries(walk: _Walk, end: int) -> RaggedTokens:
     """The token path of every terminal node (vectorized: one pass per depth), in node order. A terminal root (the
     end token allowed right after the start token) becomes the one-token entry ``[end]``."""
     nodes = walk.terminal[walk.terminal > 0]
-    depth = np.searchsorted(np.asarray(walk.level_ptr), nodes, side="right") - 1
-    root_end = len(nodes) < len(walk.terminal)
-    lengths = np.concatenate([[1], depth]) if root_end else depth
-    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    values = np.empty(int(offsets[-1]), dtype=np.int64)
-    if root_end:
-        values[0] = end
-    pos = offsets[1:][-len(nodes):] - 1 if len(nodes) else np.empty(0, np.int64)
-    cur = nodes.copy()
-    while len(cur):
-        values[pos] = walk.token[cur]
-        cur = walk.parent[cur]
-        alive = cur > 0
-        cur, pos = cur[alive], pos[alive] - 1
-    return RaggedTokens(values, offsets)
+    paths = token_paths(nodes, walk.parent, walk.token, np.asarray(walk.level_ptr))
+    if len(nodes) == len(walk.terminal):
+        return paths
+    values = np.concatenate([np.array([end], dtype=np.int64), paths.values])
+    return RaggedTokens(values, np.concatenate([np.zeros(1, dtype=np.int64), paths.offsets + 1]))
 
 
 def _examples(items: list[str], count: int) -> str:
@@ -494,7 +493,7 @@ def trie_from_prefix_dict(
         >>> sorted(trie_from_prefix_dict(rtp, vocab_size=70000).sequences())
         [(64000,), (64003, 64001), (64003, 64004), (64006,)]
     """
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, (int, np.integer)) or not 0 < vocab_size <= 1 << 31:
+    if not is_vocab_size(vocab_size):
         raise InvalidTokenError(f"vocab_size must be an integer in [1, 2**31], got {vocab_size!r}")
     vocab_size = int(vocab_size)
     parsed = _parse_prefix_dict(payload)

@@ -12,7 +12,7 @@ from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
-__all__ = ["Entry", "StringTable", "catalog_item_keys"]
+__all__ = ["Entry", "StringTable", "catalog_item_keys", "catalog_key_table", "catalog_problem"]
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,32 @@ class StringTable:
         gather = np.repeat(start - offsets[:-1], lengths) + np.arange(int(offsets[-1]), dtype=np.int64)
         return StringTable(self.blob[gather], offsets)
 
+    def problem(self, count: int) -> Optional[str]:
+        """What is wrong with this table as the strings of ``count`` entries (None when nothing is): a 1-D uint8
+        blob with 1-D int64 offsets from 0 to the blob's end, UTF-8 text with no entry starting inside a character.
+        """
+        blob, offsets = self.blob, self.offsets
+        if (
+            not isinstance(blob, np.ndarray)
+            or not isinstance(offsets, np.ndarray)
+            or blob.ndim != 1
+            or blob.dtype != np.uint8
+            or offsets.ndim != 1
+            or offsets.dtype != np.int64
+        ):
+            return "must be a 1-D uint8 blob with 1-D int64 offsets"
+        if len(self) != count or offsets[0] != 0 or offsets[-1] != len(blob) or np.any(np.diff(offsets) < 0):
+            return "does not match the entries"
+        # Every entry's text must decode: the blob is UTF-8 and no entry starts inside a character.
+        try:
+            blob.tobytes().decode("utf-8")
+        except UnicodeDecodeError:
+            return "is not UTF-8 text"
+        starts = offsets[:-1][offsets[:-1] < len(blob)]
+        if np.any((blob[starts] & 0xC0) == 0x80):
+            return "splits a character between entries"
+        return None
+
     @staticmethod
     def concat(tables: Sequence["StringTable"]) -> "StringTable":
         """The strings of ``tables``, one table after the other."""
@@ -105,11 +131,51 @@ ITEM_PTR, ITEM_IDS = "catalog_item_ptr", "catalog_item_ids"
 ITEM_KEYS_BLOB, ITEM_KEYS_OFFSETS = "catalog_item_keys_blob", "catalog_item_keys_offsets"
 
 
+#: The dtype of each catalog array (all 1-D).
+ITEM_DTYPES = {ITEM_PTR: np.int64, ITEM_IDS: np.int64, ITEM_KEYS_BLOB: np.uint8, ITEM_KEYS_OFFSETS: np.int64}
+
+
+def catalog_key_table(extra: Mapping[str, np.ndarray]) -> Optional[StringTable]:
+    """Every item's key, in item order, from a trie's ``extra`` arrays (None: not a catalog built with keys)."""
+    if ITEM_KEYS_BLOB not in extra:
+        return None
+    return StringTable(extra[ITEM_KEYS_BLOB], extra[ITEM_KEYS_OFFSETS])
+
+
 def catalog_item_keys(extra: Mapping[str, np.ndarray], entry: int) -> Optional[tuple[str, ...]]:
     """The keys of every item of entry ``entry`` of a catalog built with keys, in input order; None for any other
     trie (``Entry.item_keys``)."""
-    if ITEM_KEYS_BLOB not in extra or ITEM_PTR not in extra:
+    table = catalog_key_table(extra)
+    if table is None or ITEM_PTR not in extra:
         return None
     ptr, ids = extra[ITEM_PTR], extra[ITEM_IDS]
-    table = StringTable(extra[ITEM_KEYS_BLOB], extra[ITEM_KEYS_OFFSETS])
     return tuple(table[int(i)] for i in ids[ptr[entry] : ptr[entry + 1]])
+
+
+def catalog_problem(extra: Mapping[str, np.ndarray], num_entries: int) -> Optional[str]:
+    """What is wrong with the catalog arrays among ``extra`` for a trie of ``num_entries`` entries (None when nothing
+    is, or when there are none): every reader above indexes with them without a check.
+
+    A catalog has ``ITEM_PTR`` (E+1 offsets from 0, one item or more per entry) and ``ITEM_IDS`` (every item exactly
+    once: a permutation of the item indices), and optionally the two arrays of the items' key table.
+    """
+    present = [name for name in ITEM_DTYPES if name in extra]
+    if not present:
+        return None
+    if ITEM_PTR not in extra or ITEM_IDS not in extra:
+        return f"has {present} without both {ITEM_PTR!r} and {ITEM_IDS!r}"
+    if (ITEM_KEYS_BLOB in extra) != (ITEM_KEYS_OFFSETS in extra):
+        return f"has only half of the item key table ({ITEM_KEYS_BLOB}/{ITEM_KEYS_OFFSETS})"
+    for name in present:
+        array = extra[name]
+        if not isinstance(array, np.ndarray) or array.ndim != 1 or array.dtype != np.dtype(ITEM_DTYPES[name]):
+            return f"array {name!r} must be a 1-D {np.dtype(ITEM_DTYPES[name]).name} array"
+    ptr, ids = extra[ITEM_PTR], extra[ITEM_IDS]
+    n = len(ids)
+    if len(ptr) != num_entries + 1 or ptr[0] != 0 or ptr[-1] != n or np.any(np.diff(ptr) < 1):
+        return f"{ITEM_PTR!r} is not a pointer array from 0 to {n} items with one item or more per entry"
+    if n and (int(ids.min()) < 0 or int(ids.max()) >= n or np.any(np.bincount(ids, minlength=n) != 1)):
+        return f"{ITEM_IDS!r} does not list every item exactly once"
+    table = catalog_key_table(extra)
+    problem = table.problem(n) if table is not None else None
+    return f"the item key table {problem}" if problem else None

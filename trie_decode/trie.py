@@ -31,8 +31,8 @@ from typing import Any, BinaryIO, Callable, Hashable, Iterable, Mapping, Optiona
 
 import numpy as np
 
-from ._build import BuiltArrays, RaggedTokens, build_arrays, check_tokens, to_ragged
-from .entries import Entry, StringTable, catalog_item_keys
+from ._build import BuiltArrays, RaggedTokens, build_arrays, check_tokens, to_ragged, token_paths
+from .entries import ITEM_DTYPES, Entry, StringTable, catalog_item_keys, catalog_problem
 from .errors import EmptyTrieError, InvalidEntryError, InvalidTokenError, TokenizerMismatchError, TrieFileError
 from .fileio import check_vectors, read_arrays, write_arrays
 from .forms import resolve_forms, tokenize_forms
@@ -43,6 +43,27 @@ _MISSING = object()
 __all__ = ["TokenTrie", "TrieStats"]
 
 MAX_VOCAB_SIZE = 1 << 31
+
+#: The trie's own arrays and their dtypes (the layout above): what save() writes, load() requires, validate() checks.
+ARRAYS = {
+    "child_ptr": np.int32,
+    "token": np.int32,
+    "node_entry": np.int32,
+    "entry_node": np.int32,
+    "level_ptr": np.int64,
+}
+#: The entry tables a trie may carry; each is saved as ``<label>_blob`` (uint8) and ``<label>_offsets`` (int64).
+TABLES = ("names", "keys")
+
+
+def is_vocab_size(value: Any) -> bool:
+    """Whether ``value`` is a vocabulary size a trie can hold: an integer (not a bool) in ``[1, 2**31]`` (token ids
+    are stored as int32: a larger vocabulary would wrap ids around silently)."""
+    return (
+        not isinstance(value, (bool, np.bool_))
+        and isinstance(value, (int, np.integer))
+        and 0 < value <= MAX_VOCAB_SIZE
+    )
 
 
 class TrieStats(dict):
@@ -183,12 +204,7 @@ class TokenTrie:
             EmptyTrieError: no sequences. InvalidEntryError: an empty or non-sequence entry.
             InvalidTokenError: a token id that is not an integer or is outside ``[0, vocab_size)``.
         """
-        # Token ids are stored as int32: a larger vocabulary would wrap ids around silently.
-        if (
-            isinstance(vocab_size, bool)
-            or not isinstance(vocab_size, (int, np.integer))
-            or not 0 < vocab_size <= MAX_VOCAB_SIZE
-        ):
+        if not is_vocab_size(vocab_size):
             raise InvalidTokenError(f"vocab_size must be an integer in [1, 2**31], got {vocab_size!r}")
         ragged = to_ragged(sequences)
         check_tokens(ragged, int(vocab_size))
@@ -196,21 +212,22 @@ class TokenTrie:
             if column is not None and len(column) != len(ragged):
                 raise InvalidEntryError(f"{label} has {len(column)} items but there are {len(ragged)} sequences")
         built = build_arrays(ragged, int(vocab_size))
-        return cls._from_built(built, int(vocab_size), names, keys, fingerprint, options)
+        source = built.entry_source.tolist()
+        name_table = StringTable.from_strings([str(names[i]) for i in source]) if names is not None else None
+        key_table = StringTable.from_strings([str(keys[i]) for i in source]) if keys is not None else None
+        return cls._from_built(built, int(vocab_size), name_table, key_table, fingerprint, options)
 
     @classmethod
     def _from_built(
         cls,
         built: BuiltArrays,
         vocab_size: int,
-        names: Optional[Sequence[str]],
-        keys: Optional[Sequence[Any]],
+        names: Optional[StringTable],
+        keys: Optional[StringTable],
         fingerprint: str,
         options: Optional[Mapping[str, Any]],
     ) -> "TokenTrie":
-        source = built.entry_source.tolist()
-        name_table = StringTable.from_strings([str(names[i]) for i in source]) if names is not None else None
-        key_table = StringTable.from_strings([str(keys[i]) for i in source]) if keys is not None else None
+        """A trie of ``built`` with the entry tables ``names`` and ``keys`` (in entry order)."""
         return cls(
             child_ptr=built.child_ptr,
             token=built.token,
@@ -218,8 +235,8 @@ class TokenTrie:
             entry_node=built.entry_node,
             level_ptr=built.level_ptr,
             vocab_size=vocab_size,
-            names=name_table,
-            keys=key_table,
+            names=names,
+            keys=keys,
             fingerprint=fingerprint,
             options=options,
             num_duplicates=built.num_duplicates,
@@ -332,7 +349,7 @@ class TokenTrie:
     @property
     def nbytes(self) -> int:
         """Bytes held by the trie structure (names and keys excluded)."""
-        return sum(a.nbytes for a in (self.child_ptr, self.token, self.node_entry, self.entry_node, self.level_ptr))
+        return sum(getattr(self, name).nbytes for name in ARRAYS)
 
     @property
     def fanout(self) -> np.ndarray:
@@ -494,20 +511,26 @@ class TokenTrie:
 
         Args:
             entries: entry indices. Shape: (K,), int64.
+
+        Raises:
+            InvalidEntryError: ``entries`` is not a 1-D integer array. IndexError: an index is out of range.
         """
-        nodes = self.entry_node[np.asarray(entries, dtype=np.int64)].astype(np.int64)
-        depth = (np.searchsorted(self.level_ptr, nodes, side="right") - 1).astype(np.int64)
-        width = int(depth.max(initial=0))
-        matrix = np.zeros((len(nodes), width), dtype=np.int64)
-        parent, cur, rows = self.parent, nodes, np.arange(len(nodes))
-        for step in range(width):
-            pos = depth - 1 - step
-            ok = pos >= 0
-            matrix[rows[ok], pos[ok]] = self.token[cur[ok]]
-            cur = np.where(ok, parent[cur], cur)
-        offsets = np.zeros(len(nodes) + 1, dtype=np.int64)
-        np.cumsum(depth, out=offsets[1:])
-        return RaggedTokens(matrix[np.arange(width) < depth[:, None]], offsets)
+        nodes = self.entry_node[self._entry_indices(entries, "entry_tokens")]
+        return token_paths(nodes, self.parent, self.token, self.level_ptr)
+
+    def _entry_indices(self, entries: Any, what: str) -> np.ndarray:
+        """``entries`` as int64 entry indices, checked: integers (a boolean mask is not a list of indices) and in
+        range (numpy would read a negative index from the end without a word)."""
+        index = np.asarray(entries)
+        if index.ndim != 1 or (index.size and (index.dtype == np.bool_ or not np.issubdtype(index.dtype, np.integer))):
+            raise InvalidEntryError(
+                f"{what}: entries must be a 1-D array of entry indices, not {index.dtype} of shape {index.shape}"
+            )
+        index = index.astype(np.int64, copy=False)
+        if index.size and (index.min() < 0 or index.max() >= self.num_entries):
+            bad = index[(index < 0) | (index >= self.num_entries)][0]
+            raise IndexError(f"{what}: entry index {bad} is out of range for a trie of {self.num_entries} entries")
+        return index
 
     def subset(self, entries: np.ndarray) -> "TokenTrie":
         """The trie of entries ``entries`` only, in that order (names, keys, fingerprint and options kept; ``extra``
@@ -520,6 +543,7 @@ class TokenTrie:
 
         Raises:
             EmptyTrieError: ``entries`` is empty.
+            InvalidEntryError: ``entries`` is not a 1-D integer array (e.g. a boolean mask).
             IndexError: an index is out of range.
             ValueError: an index is given twice.
 
@@ -529,12 +553,9 @@ class TokenTrie:
             >>> small.sequences(), [small.entry(i).key for i in range(2)]
             ([(8,), (5, 6)], ['c', 'a'])
         """
-        entries = np.asarray(entries, dtype=np.int64)
+        entries = self._entry_indices(entries, "subset")
         if not len(entries):
             raise EmptyTrieError("a subset of no entries is an empty trie")
-        if entries.min() < 0 or entries.max() >= self.num_entries:
-            bad = entries[(entries < 0) | (entries >= self.num_entries)][0]
-            raise IndexError(f"subset: entry index {bad} is out of range for a trie of {self.num_entries} entries")
         ends = self.entry_node[entries]
         keep = np.zeros(self.num_nodes, dtype=np.bool_)
         keep[ends] = True
@@ -566,9 +587,7 @@ class TokenTrie:
     def _rebuilt(self, built: BuiltArrays, names: Optional[StringTable], keys: Optional[StringTable]) -> "TokenTrie":
         """A trie of ``built`` with ``names`` and ``keys`` and this trie's vocabulary, fingerprint and options (not its
         ``extra`` arrays): what :meth:`subset` and a live catalog's compaction (:mod:`trie_decode.live`) return."""
-        return TokenTrie(child_ptr=built.child_ptr, token=built.token, node_entry=built.node_entry,
-                         entry_node=built.entry_node, level_ptr=built.level_ptr, vocab_size=self.vocab_size,
-                         names=names, keys=keys, fingerprint=self.fingerprint, options=self.options)
+        return TokenTrie._from_built(built, self.vocab_size, names, keys, self.fingerprint, self.options)
 
     # ------------------------------------------------------------------ checks
     def check_tokenizer(self, tokenizer: Any) -> None:
@@ -598,22 +617,12 @@ class TokenTrie:
         def fail(msg: str) -> None:
             raise TrieFileError(f"invalid trie: {msg}")
 
-        layout = (
-            ("child_ptr", self.child_ptr, np.int32),
-            ("token", self.token, np.int32),
-            ("node_entry", self.node_entry, np.int32),
-            ("entry_node", self.entry_node, np.int32),
-            ("level_ptr", self.level_ptr, np.int64),
-        )
-        for label, array, dtype in layout:
+        for label, dtype in ARRAYS.items():
+            array = getattr(self, label)
             if not isinstance(array, np.ndarray) or array.ndim != 1 or array.dtype != np.dtype(dtype):
                 got = f"{getattr(array, 'dtype', type(array).__name__)} of shape {getattr(array, 'shape', '?')}"
                 fail(f"{label} must be a 1-D {np.dtype(dtype).name} array, not {got}")
-        if (
-            isinstance(self.vocab_size, bool)
-            or not isinstance(self.vocab_size, (int, np.integer))
-            or not 0 < self.vocab_size <= MAX_VOCAB_SIZE
-        ):
+        if not is_vocab_size(self.vocab_size):
             fail(f"vocab_size {self.vocab_size!r:.40} is not in [1, 2**31]")
         n = self.num_nodes
         if n < 2:
@@ -654,46 +663,23 @@ class TokenTrie:
         leaves = np.diff(ptr) == 0
         if np.any(leaves & (self.node_entry < 0)):
             fail("a leaf node is not the end of an entry")
-        for label, table in (("names", self._names), ("keys", self._keys)):
-            if table is None:
-                continue
-            blob, offsets = table.blob, table.offsets
-            if (
-                not isinstance(blob, np.ndarray)
-                or not isinstance(offsets, np.ndarray)
-                or blob.ndim != 1
-                or blob.dtype != np.uint8
-                or offsets.ndim != 1
-                or offsets.dtype != np.int64
-            ):
-                fail(f"the {label} table must be a 1-D uint8 blob with 1-D int64 offsets")
-            if (
-                len(table) != e
-                or offsets[0] != 0
-                or offsets[-1] != len(blob)
-                or np.any(np.diff(offsets) < 0)
-            ):
-                fail(f"the {label} table does not match the entries")
-            # Every entry's text must decode: the blob is UTF-8 and no entry starts inside a character.
-            try:
-                blob.tobytes().decode("utf-8")
-            except UnicodeDecodeError:
-                fail(f"the {label} table is not UTF-8 text")
-            starts = offsets[:-1][offsets[:-1] < len(blob)]
-            if np.any((blob[starts] & 0xC0) == 0x80):
-                fail(f"the {label} table splits a character between entries")
+        for label, table in zip(TABLES, self._tables()):
+            problem = table.problem(e) if table is not None else None
+            if problem:
+                fail(f"the {label} table {problem}")
+        problem = catalog_problem(self.extra, e)  # a catalog's item lists (trie_decode.catalogs), when it is one
+        if problem:
+            fail(f"the catalog {problem}")
+
+    def _tables(self) -> tuple[Optional[StringTable], Optional[StringTable]]:
+        """The entry tables, in the order of ``TABLES``."""
+        return self._names, self._keys
 
     # ------------------------------------------------------------------ files
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the trie as a safetensors file (arrays + metadata; never pickle)."""
-        arrays = {
-            "child_ptr": self.child_ptr,
-            "token": self.token,
-            "node_entry": self.node_entry,
-            "entry_node": self.entry_node,
-            "level_ptr": self.level_ptr,
-        }
-        for label, table in (("names", self._names), ("keys", self._keys)):
+        arrays = {name: getattr(self, name) for name in ARRAYS}
+        for label, table in zip(TABLES, self._tables()):
             if table is not None:
                 arrays[f"{label}_blob"] = table.blob
                 arrays[f"{label}_offsets"] = table.offsets
@@ -730,14 +716,11 @@ class TokenTrie:
         """
         label = path if isinstance(path, (str, os.PathLike)) else getattr(path, "name", "<trie file>")
         arrays, meta = read_arrays(path, verify=verify)
-        required = ("child_ptr", "token", "node_entry", "entry_node", "level_ptr")
-        missing = [name for name in required if name not in arrays]
+        missing = [name for name in ARRAYS if name not in arrays]
         if missing:
             raise TrieFileError(f"{label} is missing arrays {missing}")
-        expected = {"child_ptr": np.int32, "token": np.int32, "node_entry": np.int32, "entry_node": np.int32,
-                    "level_ptr": np.int64, "names_blob": np.uint8, "keys_blob": np.uint8,
-                    "names_offsets": np.int64, "keys_offsets": np.int64}
-        check_vectors(arrays, expected, label)
+        table_dtypes = {f"{t}_{part}": dt for t in TABLES for part, dt in (("blob", np.uint8), ("offsets", np.int64))}
+        check_vectors(arrays, {**ARRAYS, **table_dtypes, **ITEM_DTYPES}, label)
         try:
             vocab_size = int(meta["vocab_size"])
             options = json.loads(meta.get("options", "{}"))
@@ -745,7 +728,7 @@ class TokenTrie:
             fingerprint = meta.get("fingerprint", "")
             if not isinstance(options, dict):
                 raise ValueError("options is not a JSON object")
-            if not 0 < vocab_size <= MAX_VOCAB_SIZE:
+            if not is_vocab_size(vocab_size):
                 raise ValueError(f"vocab_size {vocab_size} is not in [1, 2**31]")
             if num_duplicates < 0:
                 raise ValueError(f"num_duplicates {num_duplicates} is negative")
@@ -757,7 +740,7 @@ class TokenTrie:
         except (KeyError, ValueError, TypeError, RecursionError) as exc:
             raise TrieFileError(f"{label}: malformed metadata ({exc})") from exc
         tables = {}
-        for table_label in ("names", "keys"):
+        for table_label in TABLES:
             if f"{table_label}_blob" in arrays or f"{table_label}_offsets" in arrays:
                 if f"{table_label}_blob" not in arrays or f"{table_label}_offsets" not in arrays:
                     raise TrieFileError(
@@ -765,11 +748,7 @@ class TokenTrie:
                     )
                 tables[table_label] = StringTable(arrays[f"{table_label}_blob"], arrays[f"{table_label}_offsets"])
         trie = cls(
-            child_ptr=arrays["child_ptr"],
-            token=arrays["token"],
-            node_entry=arrays["node_entry"],
-            entry_node=arrays["entry_node"],
-            level_ptr=arrays["level_ptr"],
+            **{name: arrays[name] for name in ARRAYS},
             vocab_size=vocab_size,
             names=tables.get("names"),
             keys=tables.get("keys"),
@@ -777,8 +756,7 @@ class TokenTrie:
             options=options,
             num_duplicates=num_duplicates,
         )
-        own = set(required) | {f"{t}_{part}" for t in ("names", "keys") for part in ("blob", "offsets")}
-        trie.extra = {name: a for name, a in arrays.items() if name not in own}
+        trie.extra = {name: a for name, a in arrays.items() if name not in ARRAYS and name not in table_dtypes}
         if verify:
             trie.validate()
         if tokenizer is not None:
