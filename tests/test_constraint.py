@@ -175,3 +175,32 @@ def test_out_of_place_mask_leaves_input_unchanged():
     assert masked[0].isfinite().nonzero().flatten().tolist() == [3]
     assert torch.equal(masked[1], before[1])
     assert torch.equal(c.mask_(logits.clone(), state), masked)
+
+
+def test_bad_row_tries_are_named():
+    c = TrieConstraint([TokenTrie.from_sequences([[3]], vocab_size=V)] * 2, SpanRules(end_token_id=END), "cpu")
+    bad = [torch.tensor([0, 1, 1]), torch.tensor([[0, 1]]), torch.tensor([0.0, 1.0]), torch.tensor([True, False])]
+    for tree in bad:
+        with pytest.raises(ConstraintConfigError, match=r"one integer trie index per row: \(2,\)"):
+            c.start(2, tree)
+    with pytest.raises(ConstraintConfigError, match="one integer trie index per row"):
+        c.replay([[3, END]], [0, 1])
+    with pytest.raises(ConstraintConfigError, match="prompt_tails must give one prompt per row: 2 for 1 rows"):
+        c.replay([[3, END]], None, [[5], [6]])
+
+
+def test_replay_of_text_spans_reads_each_value_in_its_own_spans_trie():
+    """A row moves from span to span: each value it completed is read in the trie of the span it was in (not in the
+    row's first trie), and a span's ``after`` that ends in the prompt opens that span."""
+    from trie_decode.fields import FieldRules
+
+    vocab = [b"<eos>", b'{"', b"city", b'":', b' "', b"Par", b"is", b"ian", b'",', b'"}', b'"', b"Rome", b"country",
+             b"Fr", b"ance"]
+    cities = TokenTrie.from_sequences([[5, 6], [11]], vocab_size=len(vocab), names=["Paris", "Rome"])
+    countries = TokenTrie.from_sequences([[13, 14]], vocab_size=len(vocab), names=["France"])
+    fields = FieldRules.from_tokens([cities, countries], ['"city": "', '"country": "'], '"', vocab)
+    c = TrieConstraint([cities, countries], SpanRules(end_token_id=0, on_complete="release", fields=fields), "cpu")
+    rest = [11, 8, 4, 12, 3, 4, 13, 14, 9, 0]  # Rome", "country": "France"}
+    names = lambda found: [[e.name for e in row] for row in found]  # noqa: E731
+    assert names(c.replay([[1, 2, 3, 4] + rest])) == [["Rome", "France"]]
+    assert names(c.replay([rest, [4] + rest], None, [[1, 2, 3, 4], [1, 2, 3]])) == [["Rome", "France"]] * 2

@@ -612,3 +612,41 @@ def test_flags_a_batch_holds_are_found_beyond_the_cache_budget(monkeypatch):
     del batch, changed, held
     gc.collect()
     assert len(cache._known) == 1  # what the budget keeps; the rest went with their last holder
+
+
+def test_a_spec_that_is_no_list_of_keys_or_indices_is_named():
+    """A single string is refused (its characters are no keys: "ab" denied "a" and "b"), as is a numpy array of
+    bools or floats (a mask [True, False, True] denied entries 1 and 0); a numpy array of keys works as their list."""
+    from trie_decode.filters import EntryOrder, RowFilters
+
+    trie = TokenTrie.from_sequences([[5], [6], [7]], vocab_size=10, keys=["a", "b", "ab"])
+    c = TrieConstraint(trie, SpanRules(end_token_id=END), "cpu")
+    for spec in ["ab", b"ab"]:
+        with pytest.raises(ConstraintConfigError, match="got the string"):
+            c.filters(1, deny=spec)
+    for spec in [np.array([True, False, True]), np.array([1.0, 2.0])]:
+        with pytest.raises(ConstraintConfigError, match="entry keys .str. or entry indices .int."):
+            c.filters(1, allow=spec)
+    by_array = c.filters(1, deny=np.array(["a", "ab"]))
+    by_list = c.filters(1, deny=["a", "ab"])
+    assert _allowed(c, c.start(1), by_array, V) == _allowed(c, c.start(1), by_list, V) == [{6}]
+    with pytest.raises(ConstraintConfigError, match="2 allow sets, 1 deny sets"):
+        RowFilters(EntryOrder.of(trie), [None, None], [None], "cpu")
+
+
+def test_masking_with_filters_keeps_no_rules_alive():
+    """The end columns the filters' pass caches are keyed by their token ids: the rules (and a text span's automata
+    they may hold) go with their constraint."""
+    import gc
+    import weakref
+
+    def run():
+        trie = TokenTrie.from_sequences([[5, 6], [7]], vocab_size=V, keys=["a", "b"])
+        rules = SpanRules(end_token_id=END, on_complete="repeat", separator=(SEP,))
+        c = TrieConstraint(trie, rules, "cpu", kernel="torch")
+        assert _allowed(c, c.start(1), c.filters(1, deny=["a"]), V) == [{7}]
+        return weakref.ref(rules)
+
+    rules = run()
+    gc.collect()
+    assert rules() is None

@@ -32,11 +32,29 @@ from .filters import (CHILD_EXCLUDED, END_EXCLUDED, EntryOrder, RowFilters, appl
 from .kernels.grouped import row_groups
 from .kernels.vectorized import plans_to_bool, plans_to_lists
 from .bitmask import pack_bitmask
-from .options import check_distinct, row_specs
+from .options import check_distinct, check_filter_mode, row_specs
 from .spans import ANCHOR, DONE, FREE, ON_COMPLETE_MODES, ON_TOKEN, OTHERWISE, SpanRules, completes_entry, forced_tokens, span_moves
 from .trie import TokenTrie
 
 __all__ = ["SpanRules", "RowState", "TrieConstraint", "DONE", "FREE", "ON_COMPLETE_MODES"]
+
+
+def _excluded_moves(node: Any, new: Any, parent_of_new: Any, own_bits: Any, new_bits: Any) -> tuple[Any, Any]:
+    """The filter rule's moves (see :data:`~trie_decode.filters.CHILD_EXCLUDED`), numpy arrays or torch tensors alike:
+    which rows went down to a child whose subtree their filter excludes (the token moves as one off the trie does),
+    and which left an excluded entry's end other than down a usable child (the row ends).
+
+    Args:
+        node, new: each row's state before and after the trie move. parent_of_new: the parent of each row's
+            ``new`` node (any value where ``new`` < 1). own_bits, new_bits: the filter bits at ``node`` and at
+            ``new`` (any value where negative). All Shape: (R,).
+    Returns:
+        (off_child, excluded_end), Shape: (R,), bool.
+    """
+    went_down = (new >= 1) & (node >= 0) & (parent_of_new == node)
+    off_child = went_down & ((new_bits & CHILD_EXCLUDED) != 0)
+    excluded_end = (node >= 0) & ((own_bits & END_EXCLUDED) != 0) & ~(went_down & ~off_child)
+    return off_child, excluded_end
 
 
 @dataclass
@@ -166,6 +184,9 @@ class TrieConstraint:
         if tree is None:
             tree = torch.zeros(num_rows, dtype=torch.long, device=dev)
         else:
+            if tree.shape != (num_rows,) or tree.is_floating_point() or tree.is_complex() or tree.dtype == torch.bool:
+                raise ConstraintConfigError(f"tree must hold one integer trie index per row: ({num_rows},), got "
+                                            f"{tuple(tree.shape)} {tree.dtype}")
             tree = tree.to(dev, torch.long)
             if tree.numel() and (int(tree.min()) < 0 or int(tree.max()) >= len(self.tries)):  # the caller's indices
                 raise ConstraintConfigError(f"row trie indices must be in [0, {len(self.tries)})")
@@ -322,21 +343,15 @@ class TrieConstraint:
             # followed its mask (the usual case).
             n_np, new_np = node.numpy(), new.numpy()
             up = np.maximum(new_np, 0)
-            down = (new_np >= 1) & (n_np >= 0) & (d.trie.parent[up] == n_np)
-            own_np, child_np = flags.at(np.maximum(n_np, 0)), flags.at(up)
-            off = down & ((child_np & CHILD_EXCLUDED) != 0)
-            excluded = (n_np >= 0) & ((own_np & END_EXCLUDED) != 0) & ~(down & ~off)
+            own_np, new_bits_np = flags.at(np.maximum(n_np, 0)), flags.at(up)
+            off, excluded = _excluded_moves(n_np, new_np, d.trie.parent[up], own_np, new_bits_np)
             if not (off | excluded).any():
                 return new
-        n, child = node.clamp(min=0), new.clamp(min=0)
-        went_down = (new >= 1) & (node >= 0) & (d.parent_tensor[child] == node)
-        if flags is not None and node.is_cpu:  # the built per-node bits, gathered above
-            own_bits, child_bits = torch.from_numpy(own_np).long(), torch.from_numpy(child_np).long()
+            off_child, excluded_end = torch.from_numpy(off), torch.from_numpy(excluded)
         else:  # the same bits, counted for these nodes only
+            n, child = node.clamp(min=0), new.clamp(min=0)
             both = filters.bits(torch.stack([n, child], 1))
-            own_bits, child_bits = both[:, 0], both[:, 1]
-        off_child = went_down & ((child_bits & CHILD_EXCLUDED) != 0)
-        excluded_end = (node >= 0) & ((own_bits & END_EXCLUDED) != 0) & ~(went_down & ~off_child)
+            off_child, excluded_end = _excluded_moves(node, new, d.parent_tensor[child], both[:, 0], both[:, 1])
         moved = span_moves(self.tables[0].tensor, self.rules, node, tokens, torch.full_like(new, -1))
         new = torch.where(off_child, moved, new)
         return torch.where(excluded_end, torch.full_like(new, DONE), new)
@@ -490,8 +505,9 @@ class TrieConstraint:
         """
         if len(self.tries) != 1:
             raise ConstraintConfigError("filters restrict one shared trie: this constraint has several tries")
-        if self.rules.on_complete == "release":
-            raise ConstraintConfigError('filters need on_complete="eos" or "repeat" (a released row is unconstrained)')
+        # A released row is unconstrained, so no filter could apply to it: refused even before any set is given.
+        given = [k for k, v in (("allow", allow), ("deny", deny)) if v is not None]
+        check_filter_mode(self.rules.on_complete, given or ["allow", "deny"])
         check_distinct(self.rules.on_complete, distinct, max_entries)
         trie = self.tries[0]
 
@@ -506,7 +522,6 @@ class TrieConstraint:
 
         out = RowFilters(EntryOrder.of(trie), per_row(allow, "allow"), per_row(deny, "deny"), self.device,
                          distinct_capacity=max_entries if distinct else 0)
-        out.distinct = distinct
         if not distinct and self.kernel.supports_filters:
             out.node_flags(trie)  # the kernel masks with them: built now, as part of the filters' setup
         return out
@@ -581,12 +596,15 @@ class TrieConstraint:
 
         Args:
             generated: each row's generated tokens (no prompt); rows may differ in length. Shape: (R, L).
-            tree: each row's trie index (default 0).
-            prompt_tails: each row's prompt (or its last ``len(trigger)`` tokens), for a trigger at the prompt's end.
+            tree: each row's trie index (default 0; with text spans each row enters the trie of the span it is in).
+            prompt_tails: each row's prompt (or its last ``len(trigger)`` tokens), for a trigger at the prompt's end
+                (with text spans, for a span's ``after`` that the prompt ends in: give enough of the prompt).
         """
         rows = generated.tolist() if isinstance(generated, torch.Tensor) else [list(r) for r in generated]
         r = len(rows)
         found: list[list[Entry]] = [[] for _ in range(r)]
+        if prompt_tails is not None and len(prompt_tails) != r:
+            raise ConstraintConfigError(f"prompt_tails must give one prompt per row: {len(prompt_tails)} for {r} rows")
         if r == 0:
             return found
         width = max((len(x) for x in rows), default=0)
@@ -604,13 +622,15 @@ class TrieConstraint:
         full = np.concatenate([tails, pad], axis=1)
         tree_t = torch.zeros(r, dtype=torch.long) if tree is None else torch.as_tensor(list(tree), dtype=torch.long)
         host = self if self.device.type == "cpu" else TrieConstraint(self.tries, self.rules, "cpu")
-        state = host.start(r, tree_t, torch.from_numpy(tails) if t else None)
-        tree_np = tree_t.numpy()
-        terminal = [tr.node_entry for tr in self.tries]
+        if self.rules.fields is not None and prompt_tails is not None:
+            # Text spans read the whole prompt tail (a span's ``after`` may end in it), one row at a time.
+            state = RowState.cat([host.start(1, tails=torch.tensor([list(p)], dtype=torch.long)) for p in prompt_tails])
+        else:
+            state = host.start(r, tree_t, torch.from_numpy(tails) if t else None)
 
-        def entry_at(i: int, node: int) -> Optional[Entry]:
-            idx = int(terminal[tree_np[i]][node]) if node >= 0 else -1
-            return self.tries[tree_np[i]].entry(idx) if idx >= 0 else None
+        def entry_at(tree_i: int, node: int) -> Optional[Entry]:
+            idx = int(self.tries[tree_i].node_entry[node]) if node >= 0 else -1
+            return self.tries[tree_i].entry(idx) if idx >= 0 else None
 
         for j in range(width):
             live = np.flatnonzero(lengths > j)
@@ -621,19 +641,20 @@ class TrieConstraint:
             tok = torch.from_numpy(pad[live, j])
             tail = torch.from_numpy(full[live, j + 1 : j + 1 + t]) if t else None
             new = host.advance(sub, tok, tail)
-            old_n, new_n = sub.node.numpy(), new.node.numpy()
-            for ti in np.unique(tree_np[live]).tolist():
-                mine = np.flatnonzero(tree_np[live] == ti)
+            # The trie each row stood in before the token: with text spans a row changes tries between values.
+            old_n, new_n, old_tree = sub.node.numpy(), new.node.numpy(), sub.tree.numpy()
+            for ti in np.unique(old_tree).tolist():
+                mine = np.flatnonzero(old_tree == ti)
                 tr = self.tries[ti]
                 ended = completes_entry(old_n[mine], new_n[mine], tr.node_entry >= 0, tr.parent)
                 for k in mine[ended].tolist():
-                    found[int(live[k])].append(entry_at(int(live[k]), int(old_n[k])))
+                    found[int(live[k])].append(entry_at(ti, int(old_n[k])))
             if len(live) < r:
                 state.assign(torch.from_numpy(live), new)
             else:
                 state = new
-        for i, n in enumerate(state.node.tolist()):
-            e = entry_at(i, n)
+        for i, (n, ti) in enumerate(zip(state.node.tolist(), state.tree.tolist())):
+            e = entry_at(ti, n)
             if e is not None:
                 found[i].append(e)
         return found

@@ -39,7 +39,7 @@ import torch
 from .catalogs import item_entries, item_key_table
 from .errors import ConstraintConfigError
 from .kernels.rules import NEG_INF, floor_rule, kept_alive
-from .options import check_filter_mode, filter_rows, prompt_filters
+from .options import check_filter_mode, check_positive, filter_rows, prompt_filters
 from .options import is_per_row  # the per-row rule (trie_decode.options), part of this module's API
 from .spans import completes_entry
 from .trie import TokenTrie
@@ -279,15 +279,19 @@ _MADE_HERE: "weakref.WeakValueDictionary[int, np.ndarray]" = weakref.WeakValueDi
 
 def entry_indices(trie: TokenTrie, spec: Any, what: str) -> np.ndarray:
     """Entry indices from a filter spec: entry indices (ints), keys (strings, see :class:`KeyIndex`: a key stands for
-    every entry that carries it), or a numpy array of indices (returned as it is). Indices made from a list or keys
-    come back read only. Raises a named error for an unknown key or an index out of range."""
+    every entry that carries it), or a numpy array of indices (returned as it is) or of keys. Indices made from a list
+    or keys come back read only. Raises a named error for an unknown key, an index out of range, a single string (a
+    list of its characters is never what was meant) or an item that is neither a key nor an index (a bool mask, a
+    float)."""
     if spec is None:
         return np.zeros(0, dtype=np.int64)
-    if isinstance(spec, np.ndarray):
+    if isinstance(spec, (str, bytes)):
+        raise ConstraintConfigError(f"{what} must be a list of entry keys or indices, got the string {spec!r:.60}")
+    if isinstance(spec, np.ndarray) and spec.dtype.kind in "iu":
         idx = spec.astype(np.int64, copy=False)
         idx = idx if idx.ndim == 1 else idx.ravel()  # the array itself where it can be (see EntryOrder.sorted_ranks)
-    else:
-        items = list(spec)
+    else:  # a list, or an array of keys (or of anything else: each item is checked below)
+        items = spec.ravel().tolist() if isinstance(spec, np.ndarray) else list(spec)
         kinds = set(map(type, items))
         if items and all(issubclass(k, str) for k in kinds):
             idx = KeyIndex.of(trie).entries(items, what)
@@ -374,11 +378,13 @@ class RowFilters:
         allow: per row, the entry indices it may use, or None for "every entry". Length R.
         deny: per row, the entry indices it may not use (None: none). Length R.
         distinct_capacity: in ``distinct`` lists, how many entries each row's list may hold (room in its deny
-            set for the entries it emits; a full list ends, see the module docstring).
+            set for the entries it emits; a full list ends, see the module docstring). Above 0, these filters are a
+            distinct list's (:attr:`distinct`); 0 (the default), static filters.
         device: where the sets live.
 
     Attributes:
         deny_count, deny_limit: per row, the ranks in its deny set and the most it may hold. Shape: (R,), int64.
+        distinct: whether each entry a row completes is denied to it from then on (``TrieConstraint.advance``).
     """
 
     def __init__(
@@ -391,6 +397,9 @@ class RowFilters:
         distinct_capacity: int = 0,
     ) -> None:
         r = len(allow)
+        if len(deny) != r:  # else zip below would drop the rows one of them lacks
+            raise ConstraintConfigError(f"allow and deny must give one set per row: {r} allow sets, {len(deny)} deny "
+                                        "sets")
         self.order = order
         self.device = torch.device(device)
         memo: dict[tuple, np.ndarray] = {}  # rows usually share one spec object: convert it once
@@ -407,7 +416,8 @@ class RowFilters:
         # An allow set holds only usable entries: the denied ones are taken out of it here.
         allow_r = [None if a is None else sorted_ranks(a, d) for a, d in zip(allow, deny_r)]
         a_cap = max((len(a) for a in allow_r if a is not None), default=0)
-        d_cap = max((len(d) for d in deny_r), default=0) + max(int(distinct_capacity), 0)
+        capacity = max(int(distinct_capacity), 0)
+        d_cap = max((len(d) for d in deny_r), default=0) + capacity
         sentinel = order.num_entries  # pads the sorted rank arrays: above every rank, never below a query bound
         self.sentinel = sentinel
         has_allow = np.array([a is not None for a in allow_r], dtype=np.bool_)
@@ -416,7 +426,7 @@ class RowFilters:
                 raise ConstraintConfigError(f"row {i}: the allow filter is empty: nothing could be generated")
         # Rows that share one filter (a request's beams, one spec for every prompt) keep one copy: a (1, K) set is
         # searched by every row, which is also cheaper than R copies.
-        shared = not distinct_capacity and r > 0 and all(a is allow_r[0] for a in allow_r) and all(
+        shared = not capacity and r > 0 and all(a is allow_r[0] for a in allow_r) and all(
             d is deny_r[0] for d in deny_r)
         rows = 1 if shared else r
         allow_m = np.full((rows, max(a_cap, 1)), sentinel, dtype=np.int64)
@@ -428,8 +438,8 @@ class RowFilters:
         t = lambda a: torch.from_numpy(a).to(self.device)  # noqa: E731
         self.allow, self.has_allow, self.deny = t(allow_m), t(has_allow), t(deny_m)
         self.deny_count = t(np.array([len(d) for d in deny_r], dtype=np.int64))
-        self.deny_limit = self.deny_count + max(int(distinct_capacity), 0)
-        self.distinct = False
+        self.deny_limit = self.deny_count + capacity
+        self.distinct = capacity > 0
         # Static (host) facts that let a step skip work: no row has an allow set / every row has one.
         self.any_allow, self.all_allow = bool(has_allow.any()), bool(has_allow.all())
         # The host sets, for the per-node flags a CPU kernel masks with (node_flags); built on first use.
@@ -443,8 +453,7 @@ class RowFilters:
             return None
         filt = self._flags.filter_of_row
         if filt.numel() == 1 and num_rows != 1:
-            return NodeFlags(self._flags.rows, filt.expand(num_rows), self._flags.addresses,
-                             num_nodes=self._flags.num_nodes)
+            return self._flags.for_rows(filt.expand(num_rows))
         return self._flags
 
     def node_flags(self, trie: TokenTrie) -> "NodeFlags":
@@ -484,8 +493,7 @@ class RowFilters:
             idx = index.tolist()
             out._host_sets = ([allow_r[i] for i in idx], [deny_r[i] for i in idx])
         elif self._flags is not None:
-            out._flags = NodeFlags(self._flags.rows, self._flags.filter_of_row[index.cpu()], self._flags.addresses,
-                                   num_nodes=self._flags.num_nodes)
+            out._flags = self._flags.for_rows(self._flags.filter_of_row[index.cpu()])
         return out
 
     def following(self, filter_of_row: torch.Tensor) -> "RowFilters":
@@ -521,7 +529,7 @@ class RowFilters:
         Args:
             nodes: node ids (>= 0) per row. Shape: (R, M), int64.
         Returns:
-            Shape: (R, M), int64.
+            Shape: (R, M), uint8 (as :func:`filter_bits` gives them).
         """
         lo, hi, node_rank = self.order.on(nodes.device)
         r, m = nodes.shape
@@ -606,6 +614,10 @@ class NodeFlags:
         self.filter_of_row = filter_of_row.to("cpu", torch.int64).contiguous()
         self.addresses = addresses if addresses is not None else torch.tensor(
             [r.ctypes.data for r in self.rows], dtype=torch.int64)
+
+    def for_rows(self, filter_of_row: torch.Tensor) -> "NodeFlags":
+        """The same filters' flags for other state rows (row i has filter ``filter_of_row[i]``): no copy of a flag."""
+        return NodeFlags(self.rows, filter_of_row, self.addresses, num_nodes=self.num_nodes)
 
     def at(self, nodes: np.ndarray) -> np.ndarray:
         """Each state row's bits at ``nodes[i]`` (valid node ids). Shape: (R,), uint8."""
@@ -788,10 +800,11 @@ _END_COLUMNS: dict[tuple, torch.Tensor] = {}
 
 def _end_columns(rules: Any, device: torch.device) -> torch.Tensor:
     """The columns a terminal node keeps besides its children: the end token (and the separator in repeat mode).
-    Shape: (1, 1 or 2), int64; cached per (rules, device)."""
-    key = (rules, str(device))
+    Shape: (1, 1 or 2), int64; cached per (columns, device): keyed by the token ids, not the rules, which the cache
+    would keep alive (with their text spans' automata) for the life of the process."""
+    cols = (rules.end_token_id,) + ((rules.separator[0],) if rules.on_complete == "repeat" else ())
+    key = (cols, str(device))
     if key not in _END_COLUMNS:
-        cols = [rules.end_token_id] + ([rules.separator[0]] if rules.on_complete == "repeat" else [])
         _END_COLUMNS[key] = torch.tensor([cols], device=device)
     return _END_COLUMNS[key]
 
@@ -815,9 +828,8 @@ def distinct_capacity(trie: TokenTrie, max_new_tokens: int, separator_length: in
         >>> distinct_capacity(trie, 100, 1)   # never more than the trie's entries
         4
     """
-    for name, value in (("max_new_tokens", max_new_tokens), ("separator_length", separator_length)):
-        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-            raise ConstraintConfigError(f"{name} must be a positive integer, got {value!r}")
+    check_positive(max_new_tokens, "max_new_tokens")
+    check_positive(separator_length, "separator_length")
     depth = np.searchsorted(trie.level_ptr, trie.entry_node, side="right") - 1
     shortest = int(depth.min())
     fit = (int(max_new_tokens) - 1 + int(separator_length)) // (shortest + int(separator_length))

@@ -21,7 +21,8 @@ The rules, and who calls them:
                      ``prefix``) and resolving.
     filter modes     :func:`check_filter_mode` (filters need ``on_complete`` "eos" or "repeat"): vLLM request
                      parsing; :func:`check_distinct` (``distinct`` needs "repeat", ``max_entries``):
-                     ``TrieConstraint.filters``, so every front door that filters.
+                     ``TrieConstraint.filters``, so every front door that filters; :func:`check_positive` (a
+                     positive integer): ``max_entries``, ``distinct_capacity``'s token budget.
     sources          :func:`check_one_source` (exactly one of ``tries``/``trie``, ``spans``, ``template``),
                      :func:`check_alone` (``spans`` and ``template`` combine with no other option),
                      :func:`check_instance`: transformers, fast-forward, vLLM requests and ``trie_args``.
@@ -84,6 +85,7 @@ __all__ = [
     "rule_args",
     "check_filter_mode",
     "check_distinct",
+    "check_positive",
     "check_one_source",
     "check_alone",
     "check_instance",
@@ -308,8 +310,13 @@ def check_distinct(on_complete: str, distinct: bool, max_entries: Any, names: Op
         return
     if on_complete != "repeat":
         names.fail(f'{names("distinct")}=True needs {names("on_complete")}="repeat" (a list of entries)')
-    if isinstance(max_entries, bool) or not isinstance(max_entries, (int, np.integer)) or max_entries < 1:
-        names.fail(f"{names('max_entries')} must be a positive integer, got {max_entries!r:.40}")
+    check_positive(max_entries, "max_entries", names)
+
+
+def check_positive(value: Any, key: str, names: OptionNames = KEYWORDS) -> None:
+    """``value`` is a positive integer (a bool is not one): ``max_entries``, a token budget."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        names.fail(f"{names(key)} must be a positive integer, got {value!r:.40}")
 
 
 # ------------------------------------------------------------------------------------------------- sources
