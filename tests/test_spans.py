@@ -17,8 +17,9 @@ from hypothesis import strategies as st
 
 from trie_decode import TokenTrie
 from trie_decode.constraint import SpanRules, TrieConstraint
-from trie_decode.errors import ConstraintConfigError, InvalidEntryError
+from trie_decode.errors import ConstraintConfigError, InvalidEntryError, InvalidTokenError
 from trie_decode.fields import FieldRules, Span
+from trie_decode.text_spans import Trigger
 
 from reference import FieldReference
 
@@ -104,8 +105,28 @@ def test_options_that_do_not_combine_with_spans_are_named(tokenizer):
         TrieLogitsProcessor(tokenizer=tokenizer, spans=[Span(['say "hi"'], after="q: ", end='"', escape=None)])
     with pytest.raises(ConstraintConfigError, match="after"):
         Span(["Paris"], after="")
+    with pytest.raises(ConstraintConfigError, match="Span.values must be a TokenTrie or a list of strings, got NoneType"):
+        Span(None, after="A: ")
+    with pytest.raises(InvalidTokenError, match=r"token -1, which closes a span's value, is outside the vocabulary"):
+        FieldRules.build([Span(["Paris"], after="A: ", end=None)], tokenizer, end_token_id=-1)
     with pytest.raises(ConstraintConfigError, match="needs tries"):
         TrieLogitsProcessor()
+
+
+@pytest.mark.parametrize("afters", [['"city": "', '"city": "'], ['": "', '"city": "'],
+                                    [Trigger('"city": "', whitespace="any"), '"city": "']])
+def test_a_span_that_an_earlier_span_always_preempts_is_refused(afters):
+    """Where several patterns complete at one byte the earliest span is entered, so a span whose ``after`` is an
+    earlier span's (or ends with it, or is matched by its whitespace-tolerant form) would never start: its catalog
+    silently unused. Refused, naming both spans; the other order is fine."""
+    vocab = [b"<eos>", b'{"', b"city", b'":', b' "', b"Paris", b"x", b'"']
+    tries = [TokenTrie.from_sequences([[6]], vocab_size=len(vocab)), TokenTrie.from_sequences([[5]], vocab_size=len(vocab))]
+    with pytest.raises(ConstraintConfigError, match=r"span 1 \(after '\"city\": \"'\) can never start.*span 0's"):
+        FieldRules.from_tokens(tries, afters, '"', vocab)
+    if afters[0] != afters[1]:
+        fields = FieldRules.from_tokens(tries[::-1], afters[::-1], '"', vocab)
+        state = fields.triggers.feed_token_ids(0, [1, 2, 3, 4])
+        assert fields.triggers.triggers.completed(state) == 0
 
 
 # ------------------------------------------------------------------------------------------------ the real model

@@ -39,6 +39,8 @@ def test_slots_and_literal_braces():
     (("{a}{b}.",), {"a": ["x"], "b": ["y"]}, r"\{a\} and \{b\} are adjacent"),
     (("A: {a}.",), {"a": ["x"], "escape": "xml"}, r"escape must be"),
     (("",), {}, r"non-empty str"),
+    (("A: {x}.",), {"x": "Paris"}, r"slot 'x' must be a TokenTrie or a list of strings, not a single string"),
+    (("A: {x}.",), {"x": None}, r"slot 'x' must be a TokenTrie or a list of strings, got NoneType"),
 ])
 def test_bad_templates_name_the_problem(args, kwargs, match):
     with pytest.raises(ConstraintConfigError, match=match):
@@ -106,6 +108,22 @@ def test_fixed_text_is_the_tokenizers_own_and_forced(tokenizer):
     s = c.advance(s, torch.tensor(tokenizer.convert_tokens_to_ids(['",'])))
     rest = tokenizer.decode(c.forced_tokens(s)[0])
     assert rest == ' "country": "'
+
+
+def test_a_normalizing_tokenizer_still_writes_the_templates_own_text(tokenizer):
+    """A tokenizer that normalizes its input (Qwen's NFC) tokenizes the template's first text into other bytes
+    (``"Co\\u0302te"`` -> ``"Côte"``): the output still spells the template's bytes and reaches the slot, instead of
+    stepping off the text into the dead state (only EOS left)."""
+    from tokenizers import Tokenizer, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
+    backend.normalizer = normalizers.NFC()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=tokenizer.eos_token)
+    eos = tok.eos_token_id
+    c = TrieConstraint(*Template("Co\u0302te: {x}.", x=["Paris", "Rome"]).rules(tok, eos), "cpu")
+    outs = {tok.decode(_walk(c, random.Random(i), eos)[0], skip_special_tokens=True) for i in range(6)}
+    assert outs == {"Co\u0302te: Paris.", "Co\u0302te: Rome."}
 
 
 def test_host_answers_and_the_fast_forward_stop_read_the_fixed_text(tokenizer):

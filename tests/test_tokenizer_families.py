@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import unicodedata
 
+import numpy as np
 import pytest
 import torch
 
@@ -221,6 +222,18 @@ def test_prompt_ending_with_a_space(family, backend, names):
         TokenTrie.from_strings(names, tok, context=TEXT_PROMPT + " ")
     ids = heal_prompt(encode_texts(tok, [TEXT_PROMPT + " "])[0], tok)
     assert ids == encode_texts(tok, [TEXT_PROMPT])[0]
+
+
+def test_heal_prompt_reads_ids_as_check_prompt_does(names):
+    """Ids as a tensor batch of one (what a tokenizer returns) are that prompt's ids, as :func:`check_prompt` reads
+    them; a batch of several, or ids that are not integers, is a named error, not a TypeError from a comparison."""
+    tok = load("smollm2", "hf")
+    ids = encode_texts(tok, [TEXT_PROMPT + " "])[0]
+    assert heal_prompt(torch.tensor([ids]), tok) == heal_prompt(np.array(ids), tok) == ids[:-1]
+    with pytest.raises(InvalidEntryError, match="one prompt at a time, got a batch of 2"):
+        heal_prompt(torch.tensor([ids, ids]), tok)
+    with pytest.raises(InvalidEntryError, match="text or a list of token ids"):
+        heal_prompt([1.5, 2.0], tok)
 
 
 @pytest.mark.parametrize("family", ["mistral-v1", "mistral-v3", "mistral-tekken"])

@@ -47,7 +47,7 @@ from typing import Any, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from .errors import ConstraintConfigError, InvalidEntryError
+from .errors import ConstraintConfigError, InvalidEntryError, InvalidTokenError
 from .filters import restricted_trie
 from .spans import FREE
 from .text_spans import EndTokens, TextTriggers, TokenTriggers, Trigger, end_token_table, vocabulary_bytes
@@ -99,8 +99,7 @@ class Span:
         if escape not in ESCAPES:
             raise ConstraintConfigError(f"Span.escape must be one of {ESCAPES}, got {self.escape!r}")
         object.__setattr__(self, "escape", escape)
-        if isinstance(self.values, (str, bytes)):
-            raise ConstraintConfigError("Span.values must be a TokenTrie or a list of strings, not a single string")
+        check_values(self.values, "Span.values")
         for name in ("allow", "deny"):
             if isinstance(getattr(self, name), (str, bytes)):
                 raise ConstraintConfigError(f"Span.{name} must be a list of entry keys or indices, not a single string")
@@ -124,6 +123,15 @@ class Span:
         """
         trie = value_trie(self.values, tokenizer, self.after_text, self.end, self.escape, "Span")
         return restricted_trie(trie, self.allow, self.deny, f"Span after {self.after_text!r}")
+
+
+def check_values(values: Any, what: str) -> None:
+    """Raise :class:`ConstraintConfigError` unless ``values`` is a :class:`TokenTrie` or a collection of value
+    strings (a single string would be read as one value per character). ``what`` names the field in the message."""
+    if isinstance(values, (str, bytes)):
+        raise ConstraintConfigError(f"{what} must be a TokenTrie or a list of strings, not a single string")
+    if not isinstance(values, TokenTrie) and not hasattr(values, "__iter__"):
+        raise ConstraintConfigError(f"{what} must be a TokenTrie or a list of strings, got {type(values).__name__}")
 
 
 def value_trie(values: Union[TokenTrie, Sequence[str]], tokenizer: Any, context: str, end: Optional[str],
@@ -157,6 +165,25 @@ def value_trie(values: Union[TokenTrie, Sequence[str]], tokenizer: Any, context:
 def _written(value: str, escape: Optional[str]) -> str:
     """``value`` as the model writes it (JSON-escaped inside a JSON string)."""
     return json.dumps(value, ensure_ascii=False)[1:-1] if escape == "json" else value
+
+
+def _span_triggers(afters: Sequence[Union[str, Trigger]], vocab: list[bytes]) -> TokenTriggers:
+    """The automaton over the spans' ``after`` patterns (pattern ``k`` is span ``k``), lifted to ``vocab``.
+
+    Raises:
+        ConstraintConfigError: a span that could never start: wherever its ``after`` completes, an earlier span's
+            completes too (the same text, or a text it ends with), and the earliest span is the one entered.
+    """
+    triggers = TextTriggers(list(afters))
+    reported = set(triggers.accept.tolist())
+    for k, pattern in enumerate(triggers.patterns):
+        if k not in reported:
+            first = triggers.completed(triggers.start_state(pattern.text))
+            raise ConstraintConfigError(
+                f"span {k} (after {pattern.text!r}) can never start: wherever its after text completes, span "
+                f"{first}'s (after {triggers.patterns[first].text!r}) completes too, and the earlier span is "
+                f"entered; give each span its own after text, or put span {k} first")
+    return triggers.for_tokens(vocab)
 
 
 def _end_tables(ends: Sequence[Optional[str]], vocab: list[bytes], end_token_id: Optional[int] = None
@@ -198,6 +225,10 @@ class FieldRules:
         for e in ends:
             if len(e.ids) == 0:
                 raise ConstraintConfigError(f"no token of this vocabulary begins with the span end {e.end!r}")
+            if int(e.ids.min()) < 0 or int(e.ids.max()) >= len(vocab):  # an end token id given by the caller
+                bad = int(e.ids[(e.ids < 0) | (e.ids >= len(vocab))][0])
+                raise InvalidTokenError(f"token {bad}, which closes a span's value, is outside the vocabulary "
+                                        f"[0, {len(vocab)})")
         self.triggers, self.ends = triggers, ends
         self.vocab_size = len(vocab)
         #: Per span: the token a complete entry that prefixes a longer one allows beside its children (the shortest
@@ -207,9 +238,9 @@ class FieldRules:
         rows: dict[int, tuple[int, np.ndarray]] = {}  # spans sharing one table share its row
         for e in ends:
             if id(e) not in rows:
-                lengths = [len(vocab[int(t)]) if int(t) < len(vocab) else 0 for t in e.ids]
+                lengths = [len(vocab[int(t)]) for t in e.ids]
                 blocked = np.ones(self.vocab_size, dtype=np.bool_)
-                blocked[e.ids[e.ids < self.vocab_size]] = False
+                blocked[e.ids] = False
                 rows[id(e)] = (int(e.ids[int(np.argmin(lengths))]), blocked)
             self.bare_ends.append(rows[id(e)][0])
             self.end_rows.append(rows[id(e)][1])
@@ -291,10 +322,10 @@ class FieldRules:
         flags = self._dead_flag[states]
         for s in np.unique(states[flags < 0]).tolist():
             self._dead_flag[s] = len(self.dead_tokens(s)) > 0
-        hit = free[self._dead_flag[states] == 1]
         width = logits.shape[-1]
-        for i in hit.tolist():
-            dead = self.dead_tokens(int(text[i]))
+        for j in np.flatnonzero(self._dead_flag[states] == 1).tolist():
+            i = int(free[j])
+            dead = self.dead_tokens(int(states[j]))  # the host copy: no device read per row
             r = i if rows is None else int(rows[i])
             logits[r, torch.from_numpy(dead[dead < width]).to(logits.device)] = float("-inf")
 
@@ -315,7 +346,7 @@ class FieldRules:
         """From the spans' tries, their ``after`` patterns, their ``end`` (one for all, or one per span) and a token
         byte table."""
         vocab = list(vocab)
-        triggers = TextTriggers(list(afters)).for_tokens(vocab)
+        triggers = _span_triggers(afters, vocab)
         return cls(triggers, _end_tables([end] * len(tries) if isinstance(end, str) else list(end), vocab), vocab, tries)
 
     @classmethod
@@ -339,7 +370,7 @@ class FieldRules:
         tries = [s.build_trie(tokenizer) for s in spans]
         vocab = vocabulary_bytes(tokenizer)
         vocab += [b""] * max(0, max(t.vocab_size for t in tries) - len(vocab))
-        triggers = TextTriggers([s.after for s in spans]).for_tokens(vocab)
+        triggers = _span_triggers([s.after for s in spans], vocab)
         if end_token_id is None and any(s.end is None for s in spans):
             end_token_id = getattr(tokenizer, "eos_token_id", None)
         return tries, cls(triggers, _end_tables([s.end for s in spans], vocab, end_token_id), vocab, tries)

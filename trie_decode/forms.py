@@ -28,6 +28,7 @@ Example:
 
 from __future__ import annotations
 
+import numbers
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
@@ -35,7 +36,6 @@ from typing import Any, Optional, Sequence, Union
 from .errors import InvalidEntryError
 from .tokenizers import (
     ContextError,
-    encode_texts,
     _split_after,
     normalize_strings,
     token_bytes,
@@ -162,9 +162,9 @@ class PromptMismatchWarning(UserWarning):
     """Issued by :func:`warn_prompt`: the prompt and the trie disagree (see :class:`Finding`)."""
 
 
-def _prompt_text(tokenizer: Any, prompt: Any) -> str:
-    if isinstance(prompt, str):
-        return prompt
+def _prompt_ids(prompt: Any) -> list[int]:
+    """One prompt's token ids (a list, an array or a tensor; a batch of one is unwrapped), or
+    :class:`InvalidEntryError`."""
     if hasattr(prompt, "tolist"):
         prompt = prompt.tolist()
     ids = list(prompt)
@@ -172,9 +172,15 @@ def _prompt_text(tokenizer: Any, prompt: Any) -> str:
         if len(ids) != 1:
             raise InvalidEntryError(f"check one prompt at a time, got a batch of {len(ids)}")
         ids = list(ids[0])
-    if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+    if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids):
         raise InvalidEntryError("prompt must be text or a list of token ids")
-    return tokenizer.decode(ids, skip_special_tokens=False)
+    return [int(t) for t in ids]
+
+
+def _prompt_text(tokenizer: Any, prompt: Any) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    return tokenizer.decode(_prompt_ids(prompt), skip_special_tokens=False)
 
 
 def heal_prompt(prompt: Any, tokenizer: Any = None) -> Any:
@@ -185,7 +191,11 @@ def heal_prompt(prompt: Any, tokenizer: Any = None) -> Any:
     the space and the trie's spaced form (``leading_space=True``) is what the model writes.
 
     Args:
-        prompt: the prompt text, or its token ids (then ``tokenizer`` is needed to see which tokens are spaces).
+        prompt: the prompt text, or its token ids (then ``tokenizer`` is needed to see which tokens are spaces; a
+            batch of one prompt gives that prompt's ids).
+
+    Raises:
+        InvalidEntryError: ids that are not integers, a batch of several prompts, or ids without ``tokenizer``.
 
     Example:
         >>> heal_prompt("Answer: \\t ")
@@ -197,7 +207,7 @@ def heal_prompt(prompt: Any, tokenizer: Any = None) -> Any:
         return prompt.rstrip(" \t")
     if tokenizer is None:
         raise InvalidEntryError("healing a prompt given as token ids needs the tokenizer")
-    ids = prompt.tolist() if hasattr(prompt, "tolist") else list(prompt)
+    ids = _prompt_ids(prompt)
     table = token_bytes(tokenizer)  # decode() of a lone "▁" is "" for SentencePiece tokenizers: use the bytes
     while ids and 0 <= ids[-1] < len(table) and table[ids[-1]] and not table[ids[-1]].strip(b" \t"):
         ids.pop()

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from .errors import ConstraintConfigError
-from .fields import FieldRules, value_trie
+from .fields import FieldRules, check_values, value_trie
 from .kernels.rules import floor_rule, kept_alive
 from .spans import FREE, SpanRules
 from .text_spans import EndTokens, vocabulary_bytes
@@ -91,6 +91,8 @@ class Template:
         if unused:
             raise ConstraintConfigError(f"values given for slots the template does not have: {unused} "
                                         f"(its slots: {list(dict.fromkeys(names))})")
+        for name in dict.fromkeys(names):
+            check_values(slots[name], f"slot {name!r}")
         for k in range(1, len(names)):
             if not segments[k]:
                 raise ConstraintConfigError(f"slots {{{names[k - 1]}}} and {{{names[k]}}} are adjacent: put text "
@@ -148,8 +150,11 @@ class Template:
         # The output's first tokens: SentencePiece tokenizers open a text with a space ("▁{"), which is written too.
         first = tokenize_in_context([self.segments[0]], tokenizer, "", separator="")[0] if self.segments[0] else []
         spelled = b"".join(vocab[i] for i in first)
-        if spelled != segments[0] and spelled == b" " + segments[0]:
-            segments[0] = spelled
+        if spelled != segments[0]:
+            if spelled == b" " + segments[0]:
+                segments[0] = spelled
+            else:  # the tokenizer rewrote the text (a normalizer: NFC, lowercase): spell its bytes as other segments
+                first = []
         text = TemplateText(segments, vocab)
         text.learn_tokens(tokenizer, end_token_id, first)
         return tries, TemplateRules(text, vocab, tries, end_token_id, self.slot_names)
@@ -275,7 +280,7 @@ class TemplateText:
 
     def end_tokens(self, slot: int) -> EndTokens:
         """The tokens that close slot ``slot``'s value: those whose bytes are a non-empty prefix of the text after it
-        (the end token when nothing follows the slot)."""
+        (none when nothing follows the slot: :class:`TemplateRules` closes that value with the end token)."""
         after = self.segments[slot + 1]
         ids = [i for i, b in enumerate(self.vocab) if b and after.startswith(b)] if after else []
         text = after[:1].decode("utf-8", errors="replace")

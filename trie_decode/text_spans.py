@@ -437,7 +437,6 @@ class _ByteColumns:
 
     def __init__(self, vocab: list[bytes]):
         lengths = np.fromiter(map(len, vocab), dtype=np.int64, count=len(vocab))
-        self.lengths = lengths
         #: Shape: (V,), int64: token ids, longest first (ties by id).
         self.order = np.argsort(-lengths, kind="stable")
         self.sorted_lengths = lengths[self.order]

@@ -98,7 +98,7 @@ def _byte_decoder_table() -> dict[int, int]:
 def byte_decoder_table() -> dict[int, int]:
     """GPT-2's byte-level alphabet, inverted (code point of a printable stand-in -> its byte); shared with the
     benchmark's outlines-core vocabulary."""
-    return dict(_byte_decoder_table())
+    return dict(_BYTE_DECODER)
 
 
 _BYTE_DECODER = _byte_decoder_table()
