@@ -64,6 +64,7 @@ try:
     from .transformers_internals import (
         CACHE_INPUT_NAMES,
         around_user_processors,
+        holds_batch_state,
         cache_input_name,
         drop_cache_rows,
         eos_token_ids,
@@ -184,6 +185,7 @@ class _Run:
         self.next_pos = self.attn.sum(1)  # (B,) position of each row's next token
         self.processors, self.generator = processors, generator
         self.before, self.after = around_user_processors(processors)
+        self.batch_state = holds_batch_state(self.before, b)
         self.stop_set = set(stop_ids)
         self.pad_id, self.max_new, self.max_time = pad_id, max_new, max_time
         self.do_sample = bool(config.do_sample)
@@ -204,9 +206,10 @@ class _Run:
         self.next_logits: Optional[torch.Tensor] = None  # (len(batch_rows), V) logits for the next decision
 
     # -- 1. decide ------------------------------------------------------------------------------------------------
-    def _current_ids(self, rows: list[int]) -> torch.Tensor:
-        """The rows' tokens so far (prompt + generated, right-padded) for logits processors. Shape: (R, P + n)."""
-        n = max(self.n_gen[r] for r in rows)
+    def _current_ids(self, rows: list[int], n: Optional[int] = None) -> torch.Tensor:
+        """The rows' tokens so far for logits processors: the prompt and the first ``n`` generated tokens (None:
+        every generated token, right-padded). Shape: (R, P + n)."""
+        n = max(self.n_gen[r] for r in rows) if n is None else n
         idx = torch.tensor(rows, device=self.device)
         return torch.cat([self.input_ids[idx], self.gen[idx, :n]], dim=1)
 
@@ -234,24 +237,28 @@ class _Run:
         its own processors and a user's, the trie mask (where ``generate`` runs a user's ``TrieLogitsProcessor``),
         then the sampling warpers and normalization. ``at``: each row's generated tokens before the scored one.
 
-        The processors before the mask may read the tokens so far (repetition penalty, min_new_tokens, a user's)
-        and may hold per-row state made for ``generate``'s whole batch (5.24's repetition penalty holds each row's
-        padding). Fast-forward's rows are at different lengths, so they run once per length, on the whole batch
-        at that length, as ``generate``'s rows would be; only the rows at that length are kept. The warpers and
-        normalization read scores only."""
+        The processors before the mask may read the tokens so far (repetition penalty, min_new_tokens, a user's).
+        Fast-forward's rows are at different lengths, so they run once per length, on the rows at that length, as
+        ``generate``'s rows would be; a processor holding per-row state made for the whole batch (5.24's repetition
+        penalty, :func:`~.transformers_internals.holds_batch_state`) runs on the whole batch at that length, and
+        only those rows are kept. The warpers and normalization read scores only."""
         if self.before:
             groups: dict[int, list[int]] = {}
             for i, n in enumerate(at):
                 groups.setdefault(n, []).append(i)
+            whole = None
             for n, pos in groups.items():
-                ids = torch.cat([self.input_ids, self.gen[:, :n]], dim=1)
-                if len(pos) == self.b and rows == list(range(self.b)):  # every row, in order: no copy
-                    scores = self.before(ids, scores)
+                if len(pos) == len(rows) and (not self.batch_state or rows == list(range(self.b))):  # one call
+                    scores = self.before(self._current_ids(rows, n), scores)
                     continue
-                sel, idx = torch.tensor(pos, device=self.device), torch.tensor([rows[i] for i in pos], device=self.device)
-                whole = scores.new_zeros((self.b, scores.shape[1]))
+                sel, idx = torch.tensor(pos, device=self.device), [rows[i] for i in pos]
+                if not self.batch_state:
+                    scores[sel] = self.before(self._current_ids(idx, n), scores[sel])
+                    continue
+                if whole is None:
+                    whole = scores.new_zeros((self.b, scores.shape[1]))
                 whole[idx] = scores[sel]
-                scores[sel] = self.before(ids, whole)[idx]
+                scores[sel] = self.before(self._current_ids(list(range(self.b)), n), whole)[idx]
         scores = self.constraint.mask_(scores, state)
         if self.after:
             scores = self.after(self._current_ids(rows), scores)
@@ -637,6 +644,10 @@ def fast_forward_generate(
             "fast_forward_generate does not take distinct lists (what a list may emit changes at every entry): use "
             "model.generate(..., logits_processor=[TrieLogitsProcessor(trie, on_complete='repeat', distinct=True)])")
     if not hooked and verified():
+        unsupported = sorted({"streamer", "stop_strings"} & set(kwargs))
+        if unsupported:  # generate would drop a streamer before the hook, and this loop has no stop strings
+            raise ConstraintConfigError(f"fast_forward_generate does not handle {unsupported}: use model.generate(..., "
+                                        "logits_processor=[TrieLogitsProcessor(trie)]) instead")
         # The plain call is the hook's: generate prepares the processors (repetition penalty, min_new_tokens,
         # renormalize_logits, the warpers ...), the stopping criteria and the cache from the options as for any
         # call, then calls back with them; the options it does not know ride in the bound hook.

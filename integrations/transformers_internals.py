@@ -57,6 +57,7 @@ except ImportError as exc:  # pragma: no cover - import guard
 __all__ = [
     "VERIFIED",
     "around_user_processors",
+    "holds_batch_state",
     "UnverifiedTransformersWarning",
     "verified",
     "warn_unverified",
@@ -301,7 +302,7 @@ def drop_cache_rows(cache: Any, keep: torch.Tensor) -> bool:
 def around_user_processors(processors: Any) -> tuple[LogitsProcessorList, LogitsProcessorList]:
     """``generate``'s prepared processors split where it merges a user's (where a ``TrieLogitsProcessor`` runs):
     after its own (min_new_tokens, bad_words, ...), before what it appends after them (the sampling
-    ``*LogitsWarper`` s, then ``LogitNormalization`` for ``renormalize_logits``). Checked against 5.19 and 5.24
+    ``*LogitsWarper`` s, a watermark, then ``LogitNormalization`` for ``renormalize_logits``). Checked against 5.19 and 5.24
     (``GenerationMixin._get_logits_processor``).
 
     Example:
@@ -312,6 +313,18 @@ def around_user_processors(processors: Any) -> tuple[LogitsProcessorList, Logits
         (['MinNewTokensLengthLogitsProcessor'], ['TopKLogitsWarper', 'LogitNormalization'])
     """
     procs = list(processors or ())
-    at = next((i for i, p in enumerate(procs)
-               if type(p).__name__.endswith("LogitsWarper") or isinstance(p, LogitNormalization)), len(procs))
+    at = next((i for i, p in enumerate(procs) if type(p).__name__.endswith("LogitsWarper")
+               or type(p).__name__ in _AFTER_USER_PROCESSORS or isinstance(p, LogitNormalization)), len(procs))
     return LogitsProcessorList(procs[:at]), LogitsProcessorList(procs[at:])
+
+
+#: What ``generate`` appends after the warpers, before ``LogitNormalization`` (watermarks: "after all logits processing").
+_AFTER_USER_PROCESSORS = ("WatermarkLogitsProcessor", "SynthIDTextWatermarkLogitsProcessor")
+
+
+def holds_batch_state(processors: Any, batch: int) -> bool:
+    """Whether a processor keeps per-row state sized for ``generate``'s whole batch (a tensor attribute whose first
+    dimension is the batch: 5.24's repetition penalty keeps each row's prompt padding), so that it must be called on
+    every row of the batch, never on some of them."""
+    return any(isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == batch
+               for p in processors for v in getattr(p, "__dict__", {}).values())

@@ -371,6 +371,12 @@ def test_bad_arguments_are_named(tiny_llama, tokenizer, small_tries):
         fast_forward_generate(tiny_llama, **inputs, trie=small_tries[:2], max_new_tokens=4)
     with pytest.raises(TypeError, match="TokenTrie"):
         fast_forward_generate(tiny_llama, **inputs, trie=["not a trie"], max_new_tokens=4)
+    from transformers import TextStreamer
+
+    for option in ({"streamer": TextStreamer(tokenizer)}, {"stop_strings": ["."]}):  # generate would drop or need more
+        with pytest.raises(ConstraintConfigError, match=rf"does not handle \['{next(iter(option))}'\]"):
+            fast_forward_generate(tiny_llama, **inputs, trie=small_tries[0], tokenizer=tokenizer, max_new_tokens=4,
+                                  **option)
 
 
 def test_the_end_token_is_found_alike_inside_and_outside_the_verified_transformers(

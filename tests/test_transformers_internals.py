@@ -274,3 +274,29 @@ def test_prefix_hash_fallback_needs_no_layout():
             warnings.simplefilter("ignore")  # warned once per process, above
             assert beam_parents(other, 6, 0, check=True) is None
     assert beam_parents(parents, 6, 0, check=False).tolist() == [0, 0, 1, 3, 4, 4]  # unchecked: read as it is
+
+
+def test_the_trie_runs_where_generate_runs_a_users_processors(tiny_llama):
+    """around_user_processors splits generate's own list (captured through the custom_generate hook) where it merges
+    a user's processors: its penalties before, its warpers, watermark and normalization after."""
+    seen = {}
+
+    def capture(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None, **kwargs):
+        seen["processors"] = list(logits_processor)
+        return input_ids
+
+    ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    tiny_llama.generate(ids, attention_mask=torch.ones_like(ids), custom_generate=capture, max_new_tokens=2,
+                        do_sample=True, top_k=5, repetition_penalty=1.3, min_new_tokens=1, renormalize_logits=True)
+    from trie_decode.integrations import transformers_internals as internals
+
+    before, after = internals.around_user_processors(seen["processors"])
+    names = [type(p).__name__ for p in before]
+    assert "RepetitionPenaltyLogitsProcessor" in names and any("MinNewTokens" in n for n in names), names
+    assert [type(p).__name__ for p in after] == ["TopKLogitsWarper", "LogitNormalization"]
+    watermark = type("WatermarkLogitsProcessor", (), {})()  # generate appends it after the warpers
+    assert internals.around_user_processors([before[0], watermark])[1][0] is watermark
+    # per-row state made for the whole batch is found (5.24's penalty keeps each row's padding), none is invented
+    holder = type("Holder", (), {})()
+    holder.lengths = torch.zeros(2)
+    assert internals.holds_batch_state([holder], 2) and not internals.holds_batch_state([holder], 3)

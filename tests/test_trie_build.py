@@ -349,6 +349,8 @@ def test_subset_prunes_to_the_arrays_a_build_of_those_entries_gives(seed):
             assert getattr(got, name).dtype == getattr(want, name).dtype, name
             assert np.array_equal(getattr(got, name), getattr(want, name)), name
         assert [got.entry(i).key for i in range(len(entries))] == [trie.entry(int(e)).key for e in entries]
+    with pytest.raises(ValueError, match="given twice"):  # few entries of a larger trie: the build path
+        trie.subset(np.array([3, 3]))
 
 
 def test_subset_names_a_bad_index(small):

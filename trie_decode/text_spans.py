@@ -65,7 +65,7 @@ import numpy as np
 import torch
 
 from .errors import InvalidTokenError, TrieDecodeError
-from .tokenizers import token_bytes
+from .tokenizers import added_tokens_decoder, token_bytes
 
 __all__ = [
     "Trigger",
@@ -384,14 +384,7 @@ class TextTriggers:
 def _special_ids(tokenizer: Any) -> set[int]:
     """Ids whose text is markup, not output text: special ids, added tokens flagged special, unk/bos/eos/pad."""
     found = {int(i) for i in (getattr(tokenizer, "all_special_ids", None) or [])}
-    decoder = getattr(tokenizer, "added_tokens_decoder", None)
-    if callable(decoder):  # MistralCommonBackend exposes it as a method
-        try:
-            decoder = decoder()
-        except Exception:  # noqa: BLE001 - an exotic loader: the special ids above are enough
-            decoder = None
-    if isinstance(decoder, dict):
-        found |= {int(i) for i, t in decoder.items() if getattr(t, "special", False)}
+    found |= {int(i) for i, t in added_tokens_decoder(tokenizer).items() if getattr(t, "special", False)}
     for name in ("unk_token_id", "bos_token_id", "eos_token_id", "pad_token_id"):
         try:
             value = getattr(tokenizer, name, None)

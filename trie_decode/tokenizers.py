@@ -140,11 +140,20 @@ def _mistral_inner(tokenizer: Any) -> Any:
     return inner if inner is not None and hasattr(inner, "n_words") else None
 
 
-def _added_tokens(tokenizer: Any) -> dict[int, str]:
+def added_tokens_decoder(tokenizer: Any) -> dict[int, Any]:
+    """The tokenizer's ``added_tokens_decoder`` (id -> ``AddedToken`` or text), or {} where it has none: a
+    ``MistralCommonBackend`` exposes it as a method that raises (its special tokens are ``all_special_tokens``)."""
     decoder = getattr(tokenizer, "added_tokens_decoder", None)
-    if not isinstance(decoder, dict):
-        return {}
-    return {int(i): str(getattr(t, "content", t)) for i, t in decoder.items()}
+    if callable(decoder):
+        try:
+            decoder = decoder()
+        except Exception:  # noqa: BLE001 - not implemented by this loader
+            decoder = None
+    return decoder if isinstance(decoder, dict) else {}
+
+
+def _added_tokens(tokenizer: Any) -> dict[int, str]:
+    return {int(i): str(getattr(t, "content", t)) for i, t in added_tokens_decoder(tokenizer).items()}
 
 
 def _mistral_bytes(inner: Any) -> list[bytes]:
@@ -465,9 +474,7 @@ def special_token_strings(tokenizer: Any) -> frozenset[str]:
     if cached is not None and cached[0] is tokenizer and cached[1] == size:
         return cached[2]
     found = {str(t) for t in (getattr(tokenizer, "all_special_tokens", None) or [])}
-    decoder = getattr(tokenizer, "added_tokens_decoder", None)
-    if isinstance(decoder, dict):
-        found |= {str(getattr(t, "content", t)) for t in decoder.values()}
+    found |= set(_added_tokens(tokenizer).values())
     result = frozenset(t for t in found if t)
     _SPECIAL_CACHE[id(tokenizer)] = (tokenizer, size, result)
     return result
