@@ -189,6 +189,23 @@ def test_bad_row_tries_are_named():
         c.replay([[3, END]], None, [[5], [6]])
 
 
+@pytest.mark.parametrize("kernel", ["native", "numpy", "torch"])
+def test_filters_for_other_rows_are_named(kernel):
+    """Per-row filters made for 3 rows, used with 2 (the core API called directly): a named error in mask_ and
+    advance on every kernel, never an error inside torch or a mask read past the filters' rows."""
+    trie = TokenTrie.from_sequences([[3], [4], [5, 6]], vocab_size=V)
+    c = TrieConstraint(trie, SpanRules(end_token_id=END), "cpu", kernel=kernel)
+    filters = c.filters(3, deny=[[0], [1], [2]])
+    state = c.start(2)
+    with pytest.raises(ConstraintConfigError, match="sets for 3 rows, the state has 2 rows"):
+        c.mask_(torch.zeros(2, V), state, filters=filters)
+    with pytest.raises(ConstraintConfigError, match="sets for 3 rows, the state has 2 rows"):
+        c.advance(state, torch.tensor([3, 4]), filters=filters)
+    with pytest.raises(ConstraintConfigError, match="sets for 3 rows, the state has 2 rows"):
+        c.mask_(torch.zeros(2, V), state, filters=c.filters(3, deny=[0]))  # one set for 3 rows: still for 3 rows
+    c.mask_(torch.zeros(2, V), state, filters=c.filters(2, deny=[0]))
+
+
 def test_replay_of_text_spans_reads_each_value_in_its_own_spans_trie():
     """A row moves from span to span: each value it completed is read in the trie of the span it was in (not in the
     row's first trie), and a span's ``after`` that ends in the prompt opens that span."""

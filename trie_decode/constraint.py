@@ -277,6 +277,8 @@ class TrieConstraint:
         """
         if tokens.dtype is not torch.long or tokens.device != self.device:
             tokens = tokens.to(self.device, torch.long)
+        if filters is not None:
+            filters.check_rows(len(tokens))
         if (self._free_row_is_free and filters is None and tokens.numel() == 1 and state.node.is_cpu
                 and int(state.node) == FREE):
             return self._fields_move(state, tokens, state.node)  # only its text moves
@@ -380,6 +382,8 @@ class TrieConstraint:
                 blocked too.
         """
         InvalidTokenError.check_logits_width(logits.shape[-1], self.needed_width)
+        if filters is not None:
+            filters.check_rows(len(state))
         if (self._free_row_is_free and filters is None and out is None and inplace and state.node.numel() == 1
                 and state.node.is_cpu and int(state.node) == FREE):
             self.rules.fields.free_rows_(logits, state.node, state.text, rows)  # the kernel would leave it as it is

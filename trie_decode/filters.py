@@ -473,6 +473,14 @@ class RowFilters:
             self._flags = NodeFlags(rows, torch.tensor(per_row, dtype=torch.long), num_nodes=trie.num_nodes)
         return self._flags
 
+    def check_rows(self, num_rows: int) -> None:
+        """Raise :class:`ConstraintConfigError` unless these filters were made for ``num_rows`` state rows (rows
+        that share one set included). Sizes only: no host read."""
+        rows = self.deny_count.shape[0]
+        if rows != num_rows:
+            raise ConstraintConfigError(f"the filters have sets for {rows} rows, the state has {num_rows} rows: "
+                                        "build them with TrieConstraint.filters(num_rows, ...) for these rows")
+
     def select(self, index: torch.Tensor) -> "RowFilters":
         """Rows ``index`` of these filters (beam reordering). Filters that every row shares, with no distinct list,
         are the same whatever the rows: returned as they are."""
