@@ -220,4 +220,7 @@ def test_replay_of_text_spans_reads_each_value_in_its_own_spans_trie():
     rest = [11, 8, 4, 12, 3, 4, 13, 14, 9, 0]  # Rome", "country": "France"}
     names = lambda found: [[e.name for e in row] for row in found]  # noqa: E731
     assert names(c.replay([[1, 2, 3, 4] + rest])) == [["Rome", "France"]]
+    with pytest.raises(ConstraintConfigError, match="closed by the end token: give end_token_id"):
+        FieldRules.from_tokens([cities], ['"city": "'], None, vocab)  # end=None: the end token closes the span
+    assert FieldRules.from_tokens([cities], ['"city": "'], None, vocab, end_token_id=0).ends[0].ids.tolist() == [0]
     assert names(c.replay([rest, [4] + rest], None, [[1, 2, 3, 4], [1, 2, 3]])) == [["Rome", "France"]] * 2

@@ -342,12 +342,14 @@ class FieldRules:
 
     @classmethod
     def from_tokens(cls, tries: Sequence[TokenTrie], afters: Sequence[Union[str, Trigger]],
-                    end: Union[str, Sequence[str]], vocab: Sequence[bytes]) -> "FieldRules":
-        """From the spans' tries, their ``after`` patterns, their ``end`` (one for all, or one per span) and a token
-        byte table."""
+                    end: Union[None, str, Sequence[Optional[str]]], vocab: Sequence[bytes],
+                    end_token_id: Optional[int] = None) -> "FieldRules":
+        """From the spans' tries, their ``after`` patterns, their ``end`` (one for all, or one per span; None: the
+        span is closed by ``end_token_id``) and a token byte table."""
         vocab = list(vocab)
         triggers = _span_triggers(afters, vocab)
-        return cls(triggers, _end_tables([end] * len(tries) if isinstance(end, str) else list(end), vocab), vocab, tries)
+        ends = [end] * len(tries) if end is None or isinstance(end, str) else list(end)
+        return cls(triggers, _end_tables(ends, vocab, end_token_id), vocab, tries)
 
     @classmethod
     def build(cls, spans: Sequence[Span], tokenizer: Any, end_token_id: Optional[int] = None,
