@@ -161,6 +161,13 @@ def test_vocab_size_and_offsets_that_are_not_token_ids_are_named():
     for token_offset in (2**70, -1, 10, 1.5):
         with pytest.raises(InvalidTokenError, match="token_offset"):
             catalog_from_codes(np.array([[1, 2]]), codebook_size=4, token_offset=token_offset, vocab_size=10)
+    # codebook sizes and level offsets: a huge int overflowed inside numpy, a float was truncated, a wrong length
+    # failed in a broadcast
+    for name, value, message in (("codebook_size", 2**70, "fit int64"), ("codebook_size", 4.5, "must be integers"),
+                                 ("codebook_size", True, "must be integers"), ("codebook_size", [4, 4, 4], "one per level"),
+                                 ("level_offsets", [2**70, 1], "fit int64"), ("level_offsets", [1.5, 2.0], "must be integers")):
+        with pytest.raises(InvalidEntryError, match=message):
+            catalog_from_codes(np.array([[1, 2]]), vocab_size=10, **{name: value})
 
 
 @pytest.mark.parametrize("change, message", [

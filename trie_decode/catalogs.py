@@ -26,7 +26,7 @@ Dimension letters: N items, L levels, E entries (distinct codes), K nodes.
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 
@@ -35,6 +35,17 @@ from .errors import InvalidEntryError, InvalidTokenError
 from .trie import TokenTrie, is_vocab_size
 
 __all__ = ["catalog_from_codes", "items_of", "item_keys_of", "item_entries", "item_key_table"]
+
+
+def _level_ints(value: Any, name: str, levels: int) -> np.ndarray:
+    """``value`` (one integer, or one per level) as an int64 array of one per level, or a named error: not integers
+    (a float, a bool, an int too large for int64), or a length other than ``levels``. Shape: (L,), int64."""
+    arr = np.asarray(value)
+    if arr.dtype.kind not in "iu" or (arr.dtype.kind == "u" and arr.size and int(arr.max()) > np.iinfo(np.int64).max):
+        raise InvalidEntryError(f"{name} must be integers (one, or one per level) that fit int64, got {value!r:.60}")
+    if arr.ndim > 1 or (arr.ndim == 1 and len(arr) != levels):
+        raise InvalidEntryError(f"{name} must give one integer, or one per level ({levels}), got shape {arr.shape}")
+    return np.broadcast_to(arr.astype(np.int64), (levels,))
 
 
 def catalog_from_codes(
@@ -88,7 +99,7 @@ def catalog_from_codes(
     if level_offsets is None:
         if codebook_size is None:
             raise InvalidEntryError("give codebook_size (codes per level) or level_offsets (token of code 0 per level)")
-        sizes = np.broadcast_to(np.asarray(codebook_size, dtype=np.int64), (levels,))
+        sizes = _level_ints(codebook_size, "codebook_size", levels)
         if (sizes < 1).any():
             raise InvalidEntryError(f"codebook_size must be at least 1 per level, got {codebook_size!r}")
         high = np.minimum(sizes - 1, highest)  # a bound on each level's largest code
@@ -104,9 +115,9 @@ def catalog_from_codes(
             raise InvalidTokenError(f"token_offset must be a token id in [0, {vocab_size}), got {token_offset!r:.40}")
         offsets = token_offset + np.concatenate([[0], np.cumsum(sizes)[:-1]])
     else:
-        offsets = np.asarray(level_offsets, dtype=np.int64)
-        if offsets.shape != (levels,):
-            raise InvalidEntryError(f"level_offsets has shape {offsets.shape}, expected ({levels},)")
+        if np.shape(level_offsets) != (levels,):
+            raise InvalidEntryError(f"level_offsets has shape {np.shape(level_offsets)}, expected ({levels},)")
+        offsets = _level_ints(level_offsets, "level_offsets", levels)
         high = _per_level(codes, np.max)
         sizes = high + 1
     if int(offsets.min()) < 0:
