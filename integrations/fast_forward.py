@@ -183,7 +183,7 @@ class _Run:
         self.attn = attention_mask.long() if attention_mask is not None else torch.ones_like(input_ids)
         self.padded = bool((self.attn == 0).any())  # once True, the 2-D mask is always passed
         self.next_pos = self.attn.sum(1)  # (B,) position of each row's next token
-        self.processors, self.generator = processors, generator
+        self.generator = generator
         self.before, self.after = around_user_processors(processors)
         self.batch_state = holds_batch_state(self.before, b)
         self.stop_set = set(stop_ids)
