@@ -13,7 +13,8 @@ telling the processor; each row's state is then keyed by its generated prefix, a
 index, generated tokens) computed as one integer dot product over the batch, and each row finds its parent row of
 the previous step by the hash of its prefix minus the last token (argsort + searchsorted: no host read). Which
 loop calls the processor is read from the caller's frames (:class:`GenerateLoop`); an unknown caller gets the
-beam-search treatment.
+beam-search treatment. Under assisted decoding a call's prefix may be shorter than the last one's (a rejected
+draft): the processor keeps the states of the prefix it saw last and resumes from the longest one they share.
 
 Masking writes into the scores in place when ``generate`` allows it (it does not keep them, i.e. not
 ``output_logits=True`` in greedy/sampling), and otherwise into a reused output buffer, never into a tensor someone
@@ -111,6 +112,12 @@ _SPAN_TAIL = 64
 #: How many (batch size, device) forms of a processor's static filters it keeps built (see ``_begin``).
 _STATIC_FILTERS_KEPT = 4
 
+#: What one generation of a processor holds (``_switch`` keeps it aside while another generation calls), and how
+#: many generations it keeps aside at most.
+_GENERATION = ("_state", "_hashes", "_groups", "_start", "_last_len", "_loop", "_parents_checked", "_filters",
+               "_prompt", "_trail", "_seen", "steps", "_view", "tries", "_max_depth")
+_GENERATIONS_KEPT = 4
+
 
 def _span_tries(tokenizer: Any, spans: Any, on_complete: str, separator: Any, trigger: Any, allow: Any, deny: Any,
                 distinct: bool, check_prompt: bool, end_token_id: Optional[int] = None,
@@ -136,7 +143,8 @@ def _span_tries(tokenizer: Any, spans: Any, on_complete: str, separator: Any, tr
 class TrieLogitsProcessor(LogitsProcessor):
     r"""Constrain generation to the entries of a token trie (one trie for all prompts, or one per prompt).
 
-    Works with greedy search, sampling, beam search, ``num_return_sequences``, and left-padded batches. Scores
+    Works with greedy search, sampling, beam search, ``num_return_sequences``, assisted decoding (prompt lookup, an
+    assistant model: a call's prefix may be shorter than the last call's), and left-padded batches. Scores
     may be raw logits or log-probs, and may be wider than the trie's vocabulary (padded embeddings). The
     constrained span starts where generation starts (or after ``trigger``); a new ``generate`` call starts afresh
     even when the same instance is reused.
@@ -279,6 +287,10 @@ class TrieLogitsProcessor(LogitsProcessor):
         self._parents_checked: Optional[GenerateLoop] = None
         self._filters = None
         self._fused = None
+        self._prompt: Optional[torch.Tensor] = None
+        self._trail: Optional[list[RowState]] = None
+        self._seen: Optional[torch.Tensor] = None
+        self._kept: dict[int, tuple] = {}  # generations kept aside (_switch), by id of their LogitsProcessorList
         self._buffers = _OutputBuffers()
         self.steps = 0
 
@@ -323,19 +335,29 @@ class TrieLogitsProcessor(LogitsProcessor):
         constraint = self.constraint(device)
         # With spans every row may enter every span's trie: its tree is the span it is in, not its prompt's.
         self._groups = prompt_groups(batch, 1 if self.rules.fields is not None else len(self.tries), device)
-        self._state = constraint.start(batch, self._groups, self._trigger_tails(input_ids, starting=True))
+        self._state = self._fresh(input_ids, device)
         self._hashes = self._hasher.hash(self._groups, input_ids[:, :0]) if loop.reorders and loop.parents is None else None
-        # A live catalog's view denies the entries removed since the catalog was built: filters even with none given.
-        self._filters = self._filters_for(batch, device) if self._filtered or self._live is not None else None
         self._start = cur
         self._loop = loop
         self.steps = 0
+        # A loop whose calls may rewind keeps each state of the generated prefix it last saw (rows in place, and
+        # filters that never change; otherwise a rewind replays the prefix from the start).
+        self._prompt, self._seen = input_ids, input_ids[:, cur:]
+        keeps = loop.rewinds and not loop.reorders and not self._filter_specs[2]
+        self._trail = [self._state] if keeps else None
         # Inside generate's own loops (rows in place, or beam search's recorded parents), with no filters or static
         # ones, the next steps are one C call each on a CPU (see TrieConstraint.fused_step), None elsewhere.
-        follows = not loop.reorders or (loop.parents is not None and self._hashes is None)
+        follows = (not loop.reorders or (loop.parents is not None and self._hashes is None)) and not loop.rewinds
         self._fused = constraint.fused_step(self._state, self._filters) if follows else None
         if self._check_with is not None:
             self._warn_prompts(input_ids)
+
+    def _fresh(self, prompts: torch.Tensor, device: torch.device) -> RowState:
+        """The rows' state where generation starts after ``prompts`` (Shape: (B, P)), with their filters as they are
+        there (a live catalog's view denies the entries removed since the catalog was built: filters even with
+        none given)."""
+        self._filters = self._filters_for(len(prompts), device) if self._filtered or self._live is not None else None
+        return self.constraint(device).start(len(prompts), self._groups, self._trigger_tails(prompts, starting=True))
 
     def _filters_for(self, batch: int, device: torch.device) -> Any:
         """The filters of a generation of ``batch`` rows on ``device`` (:meth:`TrieConstraint.filters`): a live
@@ -395,7 +417,15 @@ class TrieLogitsProcessor(LogitsProcessor):
         fused, self._fused = self._fused, None  # it holds the rows' nodes: from here on they are this path's
         if fused is not None and fused.filters is not None:  # and their filters, as their parent rows left them
             self._filters = self._filters.following(fused.filters)
-        if self._state is None or cur != self._last_len + 1 or batch != len(self._state) or not loop.continues(self._loop):
+        if self._state is None:
+            return False
+        if not loop.continues(self._loop) and not self._switch(loop):
+            return False
+        if batch != len(self._state):
+            return False
+        if loop.rewinds and (self._trail is not None or cur != self._last_len + 1):
+            return self._rewind(input_ids, device)
+        if cur != self._last_len + 1:
             return False
         ids = input_ids if input_ids.device == device else input_ids.to(device)
         constraint = self.constraint(device)
@@ -431,6 +461,59 @@ class TrieLogitsProcessor(LogitsProcessor):
         state.node = torch.where(found, state.node, torch.full_like(state.node, DONE))
         self._state = state
         self._hashes = prev + ids[:, -1].long() * self._hasher.weights(cur - self._start, device)[-1]
+        return True
+
+    def _switch(self, loop: GenerateLoop) -> bool:
+        """Keep the current generation aside and resume ``loop``'s if it was kept aside (True then): another
+        ``generate`` may call this processor inside one, as an assistant model's does in assisted decoding."""
+        kept = self._kept
+        for key in [key for key, (ref, _) in kept.items() if ref() is None]:
+            del kept[key]
+        owner = self._loop.owner() if self._loop is not None else None
+        if owner is not None:
+            if len(kept) >= _GENERATIONS_KEPT:
+                kept.pop(next(iter(kept)))
+            kept[id(owner)] = (weakref.ref(owner), tuple(getattr(self, name) for name in _GENERATION))
+        new = loop.owner()
+        ref, values = kept.pop(id(new), (None, ())) if new is not None else (None, ())
+        if ref is None or ref() is not new:
+            return False
+        for name, value in zip(_GENERATION, values):
+            setattr(self, name, value)
+        return True
+
+    def _rewind(self, input_ids: torch.Tensor, device: torch.device) -> bool:
+        """Set the rows' state to that of ``input_ids``, a prefix of this generation that may be shorter than the
+        last call's (assisted decoding: :class:`GenerateLoop`); False if it is not this generation's (another
+        prompt, or longer than the last call's by more than one token).
+
+        With a trail (rows in place, static filters) the state of the longest prefix seen before is kept and only
+        the tokens after it are fed; otherwise the generated prefix is fed from the start. Either way it costs
+        O(tokens fed) advances, and the state is the one a token-by-token generation of this prefix reaches.
+        """
+        start, cur = self._start, input_ids.shape[1]
+        ids = input_ids if input_ids.device == device else input_ids.to(device)
+        if not start <= cur <= self._last_len + 1 or not torch.equal(ids[:, :start], self._prompt):
+            return False
+        generated, kept = ids[:, start:], 0
+        if self._trail is not None:
+            n = min(generated.shape[1], self._seen.shape[1])
+            differs = (generated[:, :n] != self._seen[:, :n]).any(0).tolist()
+            kept = differs.index(True) if True in differs else n
+            del self._trail[kept + 1:]
+            state = self._trail[kept]
+        else:
+            state = self._fresh(ids[:, :start], device)
+        constraint = self.constraint(device)
+        for t in range(start + kept, cur):
+            state = constraint.advance(state, ids[:, t], self._trigger_tails(ids[:, : t + 1]), filters=self._filters)
+            if self._trail is not None:
+                self._trail.append(state)
+        self._state = state
+        if self._trail is not None:
+            self._seen = generated.clone()  # the caller may write into its tensor later
+        if self._hashes is not None:
+            self._hashes = self._hasher.hash(self._groups, generated)
         return True
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:

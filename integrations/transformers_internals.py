@@ -15,8 +15,12 @@ internal                                      outside the verified range / when 
 ============================================  ==========================================================
 caller frames: ``GenerationMixin._sample``    every call is treated as an unknown caller: rows found
 (locals ``output_logits``,                    by prefix hash, scores masked out of place (a reused
-``return_dict_in_generate``) and              buffer)
-``GenerationMixin._beam_search``
+``return_dict_in_generate``) and              buffer); the ``LogitsProcessorList`` calling (type-checked
+``GenerationMixin._beam_search``              on any version) still tells one generation from another
+``GenerationMixin._assisted_decoding``        calls under one ``LogitsProcessorList`` are one generation
+(locals ``logits_processor``,                 whose prefixes may rewind; an assistant model's calls
+``candidate_generator``) and an assistant's   are a generation of their own (kept apart, correct;
+``generate`` below it                         its drafts are accepted less often)
 ``_beam_search``'s ``running_beam_indices``   checked (:func:`beam_parents`) before it is trusted: shape
 (batch, beams, new tokens), int, flat parent  (batch, beams, n), values in each row's own prompt, the
 rows of each step                             next column unwritten; else the prefix-hash lookup
@@ -124,18 +128,30 @@ class GenerateLoop:
       raw logits are kept.
     - ``_beam_search`` reorders rows, and passes fresh log-probs (it keeps raw logits separately): in place. It
       records each running beam's parent row of every step in ``running_beam_indices`` (see :func:`beam_parents`).
+    - ``_assisted_decoding`` (``prompt_lookup_num_tokens``, ``assistant_model``; one row) calls the processors of
+      one generation from three places: itself, on each candidate prefix of a round (in place); a prompt-lookup
+      ``get_candidates``, on the prefixes it proposes (its scores are reused: out of place); and the assistant
+      model's own ``generate``, whose ``_sample`` calls are this generation's too (found by walking up from it).
+      Each call's prefix may rewind to a shorter one (``rewinds``): the processor finds the state of the longest
+      prefix it has seen, not its last call's.
     - Any other caller (a user's own loop, or any loop of an unverified transformers): rows may be reordered, and
-      the scores are left untouched.
+      the scores are left untouched. Called by a ``LogitsProcessorList`` (that it is one is checked on any version),
+      a call whose prefix is not the previous one plus a token is a rewind of the same generation.
 
     A new ``generate`` call is recognized by its new ``LogitsProcessorList``. Reading the frames costs a few
     microseconds: the sampling loop's many locals are read only when a generation starts.
     """
 
-    __slots__ = ("reorders", "in_place", "parents", "_owner")
+    __slots__ = ("reorders", "in_place", "parents", "rewinds", "_owner")
 
-    def __init__(self, reorders: bool, in_place: bool, owner: Any, parents: Optional[torch.Tensor] = None) -> None:
-        self.reorders, self.in_place, self.parents = reorders, in_place, parents
+    def __init__(self, reorders: bool, in_place: bool, owner: Any, parents: Optional[torch.Tensor] = None,
+                 rewinds: bool = False) -> None:
+        self.reorders, self.in_place, self.parents, self.rewinds = reorders, in_place, parents, rewinds
         self._owner = weakref.ref(owner) if owner is not None else None
+
+    def owner(self) -> Any:
+        """The ``LogitsProcessorList`` whose generation this call belongs to, or None (unknown, or no longer alive)."""
+        return self._owner() if self._owner is not None else None
 
     def continues(self, previous: Optional["GenerateLoop"]) -> bool:
         """Whether this call belongs to the same generation as ``previous``."""
@@ -144,40 +160,71 @@ class GenerateLoop:
         return self._owner is None or self._owner() is previous._owner()
 
     @classmethod
-    def unknown(cls) -> "GenerateLoop":
-        """The general caller: rows may move, scores are not ours to overwrite."""
-        return cls(reorders=True, in_place=False, owner=None)
+    def unknown(cls, owner: Any = None) -> "GenerateLoop":
+        """The general caller: rows may move, scores are not ours to overwrite; called by a ``LogitsProcessorList``
+        (``owner``), its calls may rewind."""
+        return cls(reorders=True, in_place=False, owner=owner, rewinds=owner is not None)
 
     @classmethod
     def of_caller(cls, previous: Optional["GenerateLoop"], depth: int = 2) -> "GenerateLoop":
         """The loop calling the processor (``depth``: frames between this call and the processor's caller;
         ``previous``: the loop of the processor's last call, reused when the same generation calls again)."""
-        if not _VERIFIED:
-            warn_unverified("TrieLogitsProcessor (caller detection)")
-            return cls.unknown()
         frame = sys._getframe(depth)
-        owner = None
+        owner, above = None, 0  # the LogitsProcessorList calling, and the frames walked above its __call__
         for _ in range(4):
             if frame is None:
                 break
             code = frame.f_code.co_name
-            if code == "__call__":
-                candidate = frame.f_locals.get("self")
-                if isinstance(candidate, LogitsProcessorList):
-                    owner = candidate
+            if owner is None:
+                if code == "__call__" and isinstance(frame.f_locals.get("self"), LogitsProcessorList):
+                    owner = frame.f_locals["self"]
+                    if not _VERIFIED:
+                        break
+            elif not _VERIFIED:
+                break
             elif code == "_sample" and "output_logits" in frame.f_code.co_varnames:
                 if (previous is not None and not previous.reorders and previous._owner is not None
-                        and owner is not None and previous._owner() is owner):
+                        and previous._owner() is owner):
                     return previous  # the same generation: its locals were read at its first call
                 local = frame.f_locals
                 keeps_raw = bool(local.get("return_dict_in_generate")) and bool(local.get("output_logits"))
-                return cls(reorders=False, in_place=not keeps_raw, owner=owner)
+                outer = _assisted_owner(frame.f_back)  # an assistant model's generate inside assisted decoding
+                return cls(reorders=False, in_place=not keeps_raw, owner=outer if outer is not None else owner,
+                           rewinds=outer is not None)
             elif code == "_beam_search":
                 # Read at every call: the loop rebinds running_beam_indices to a new tensor at every step.
                 return cls(reorders=True, in_place=True, owner=owner,
                            parents=_checked_parents(frame.f_locals.get("running_beam_indices")))
+            elif code == "_assisted_decoding":
+                # Called by the loop itself the scores are a fresh slice; by a prompt lookup's get_candidates
+                # (one frame between) they are a tensor it passes again for its next candidate.
+                return cls(reorders=False, in_place=above == 1, owner=owner, rewinds=True)
+            above += owner is not None
             frame = frame.f_back
-        return cls.unknown()
+        if not _VERIFIED:
+            warn_unverified("TrieLogitsProcessor (caller detection)")
+        return cls.unknown(owner)
+
+
+#: The candidate generators whose assistant model drafts in the main model's vocabulary through its own ``generate``
+#: (with the main loop's processors): their drafts are masked as the main generation's. Any other one (different
+#: tokenizers, multi-token heads) calls the processor as a generation of its own, kept apart.
+_SAME_VOCAB_DRAFTERS = frozenset(("AssistedCandidateGenerator", "EarlyExitCandidateGenerator"))
+
+
+def _assisted_owner(frame: Any, levels: int = 10) -> Optional[LogitsProcessorList]:
+    """The ``LogitsProcessorList`` of the ``_assisted_decoding`` loop ``frame`` runs under (an assistant model's
+    ``generate`` is a few frames below it) when its drafter shares the main model's vocabulary, or None."""
+    for _ in range(levels):
+        if frame is None:
+            return None
+        if frame.f_code.co_name == "_assisted_decoding":
+            local = frame.f_locals
+            found = local.get("logits_processor")
+            drafter = type(local.get("candidate_generator")).__name__
+            return found if isinstance(found, LogitsProcessorList) and drafter in _SAME_VOCAB_DRAFTERS else None
+        frame = frame.f_back
+    return None
 
 
 _parent_layout_warned = False

@@ -300,3 +300,40 @@ def test_the_trie_runs_where_generate_runs_a_users_processors(tiny_llama):
     holder = type("Holder", (), {})()
     holder.lengths = torch.zeros(2)
     assert internals.holds_batch_state([holder], 2) and not internals.holds_batch_state([holder], 3)
+
+
+def test_assisted_decoding_calls_the_processors_as_the_processor_reads_it():
+    """``_assisted_decoding``: processors run on each candidate prefix of a round (then partly rejected: rewinds),
+    on a tensor nothing else keeps (in place is safe); a prompt lookup passes one scores tensor again for each
+    candidate (out of place); the assistant model's generate gets the main loop's processors."""
+    from transformers.generation import candidate_generator as drafters
+    from transformers.generation.utils import GenerationMixin
+
+    from trie_decode.integrations.transformers_internals import _SAME_VOCAB_DRAFTERS
+
+    src = inspect.getsource(GenerationMixin._assisted_decoding)
+    assert "candidate_generator = self._get_candidate_generator(" in src
+    clone = src.index("next_token_logits = new_logits.clone()")
+    call = src.index("new_logits[:, i, :] = logits_processor(candidate_input_ids[:, : cur_len + i], new_logits[:, i, :])")
+    assert clone < call
+    lookup = inspect.getsource(drafters.PromptLookupCandidateGenerator.get_candidates)
+    assert "fake_output_logits = self.logits_processor(sequence_with_candidate, fake_input_logits)" in lookup
+    assisted = inspect.getsource(drafters.AssistedCandidateGenerator)
+    assert '"logits_processor": self.logits_processor' in assisted
+    assert "self.assistant_model.generate(" in assisted
+    for name in _SAME_VOCAB_DRAFTERS:
+        assert issubclass(getattr(drafters, name), drafters.AssistedCandidateGenerator)
+
+
+@pytest.mark.parametrize("assist, in_place", [
+    (dict(prompt_lookup_num_tokens=2), {True, False}),  # the loop's own calls in place, the lookup's out of place
+    ("tiny", {True}),
+])
+def test_assisted_decoding_masks_in_place_only_where_the_loop_allows(tiny_llama, assist, in_place):
+    trie = TokenTrie.from_sequences(ENTRIES, vocab_size=tiny_llama.config.vocab_size)
+    spy = _Spy(trie, end_token_id=END)
+    assist = dict(assistant_model=tiny_llama) if assist == "tiny" else assist
+    inputs = {"input_ids": torch.tensor([[100, 200, 300, 5, 100]]), "attention_mask": torch.ones(1, 5, dtype=torch.long)}
+    tiny_llama.generate(**inputs, logits_processor=[spy], max_new_tokens=4, pad_token_id=END, eos_token_id=END,
+                        do_sample=False, **assist)
+    assert spy.seen and {s[1] for s in spy.seen} == in_place and not any(s[2] for s in spy.seen), spy.seen
