@@ -61,7 +61,7 @@ from trie_decode.fields import ESCAPES, FieldRules, Span
 from trie_decode.templates import Template
 from trie_decode.filters import entry_indices
 from trie_decode.options import (OptionNames, check_alone, check_filter_mode, check_normalize, check_on_complete,
-                                  check_separator, first_eos, rule_args, text_or_ids, token_tuple)
+                                  check_separator, first_eos, given_filters, rule_args, text_or_ids, token_tuple)
 from trie_decode.text_spans import WHITESPACE_MODES, Trigger
 from trie_decode.tokenizers import fingerprint_matches, tokenizer_fingerprint, tokenizer_vocab_size
 from trie_decode.trie import TokenTrie
@@ -435,7 +435,7 @@ def parse_trie_request(
         _fail("extra_args['prefix'] and ['stop_at_forced'] need on_complete='eos' and no trigger")
     allow = _filter_option(extra_args.get("allow"), "extra_args['allow']")
     deny = _filter_option(extra_args.get("deny"), "extra_args['deny']")
-    check_filter_mode(on_complete, [k for k, v in (("allow", allow), ("deny", deny)) if v is not None], EXTRA_ARGS)
+    check_filter_mode(on_complete, given_filters(allow, deny), EXTRA_ARGS)
     return TrieRequest(
         source=source,
         payload=payload,

@@ -32,7 +32,7 @@ from .filters import (CHILD_EXCLUDED, END_EXCLUDED, EntryOrder, RowFilters, appl
 from .kernels.grouped import row_groups
 from .kernels.vectorized import plans_to_bool, plans_to_lists
 from .bitmask import pack_bitmask
-from .options import check_distinct, check_filter_mode, row_specs
+from .options import check_distinct, check_filter_mode, given_filters, row_specs
 from .spans import ANCHOR, DONE, FREE, ON_COMPLETE_MODES, ON_TOKEN, OTHERWISE, SpanRules, completes_entry, forced_tokens, span_moves
 from .trie import TokenTrie
 
@@ -510,8 +510,7 @@ class TrieConstraint:
         if len(self.tries) != 1:
             raise ConstraintConfigError("filters restrict one shared trie: this constraint has several tries")
         # A released row is unconstrained, so no filter could apply to it: refused even before any set is given.
-        given = [k for k, v in (("allow", allow), ("deny", deny)) if v is not None]
-        check_filter_mode(self.rules.on_complete, given or ["allow", "deny"])
+        check_filter_mode(self.rules.on_complete, given_filters(allow, deny) or ["allow", "deny"])
         check_distinct(self.rules.on_complete, distinct, max_entries)
         trie = self.tries[0]
 

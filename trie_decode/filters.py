@@ -39,7 +39,7 @@ import torch
 from .catalogs import item_entries, item_key_table
 from .errors import ConstraintConfigError
 from .kernels.rules import NEG_INF, floor_rule, kept_alive
-from .options import check_filter_mode, check_positive, filter_rows, prompt_filters
+from .options import check_filter_mode, check_positive, given_filters, filter_rows, prompt_filters
 from .options import is_per_row  # the per-row rule (trie_decode.options), part of this module's API
 from .spans import completes_entry
 from .trie import TokenTrie
@@ -250,7 +250,7 @@ def filtered_tries(tries: Sequence[TokenTrie], allow: Any, deny: Any, on_complet
         >>> [t.sequences() for t in filtered_tries([trie], None, [[0], [1, 2]], "eos")]
         [[(6,), (7,)], [(5,)]]
     """
-    check_filter_mode(on_complete, [k for k, v in (("allow", allow), ("deny", deny)) if v is not None])
+    check_filter_mode(on_complete, given_filters(allow, deny))
     n = prompt_filters(allow, deny)
     if batch is not None:
         filter_rows(allow if allow is not None else deny, n, batch)  # per-prompt filters fit the batch

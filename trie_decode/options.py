@@ -295,6 +295,11 @@ def rule_args(
 
 
 # ------------------------------------------------------------------------------------------------- filter modes
+def given_filters(allow: Any, deny: Any) -> list[str]:
+    """The names of the filters given (``["allow"]``, ``["allow", "deny"]``, ...), for :func:`check_filter_mode`."""
+    return [name for name, spec in (("allow", allow), ("deny", deny)) if spec is not None]
+
+
 def check_filter_mode(on_complete: str, given: Sequence[str], names: OptionNames = KEYWORDS) -> None:
     """Filters (the options named in ``given``, e.g. ``["allow"]``) need ``on_complete`` "eos" or "repeat": a
     released row is unconstrained."""
