@@ -64,6 +64,7 @@ try:
     from .transformers_internals import (
         CACHE_INPUT_NAMES,
         around_user_processors,
+        generate_streamer,
         holds_batch_state,
         cache_input_name,
         drop_cache_rows,
@@ -173,8 +174,10 @@ class _Run:
         max_new: int,
         max_time: Optional[float],
         generator: Optional[torch.Generator],
+        streamer: Any = None,
     ) -> None:
         self.model, self.cache, self.constraint = model, cache, constraint
+        self.streamer = streamer  # gets each committed block of the one row (generate put the prompt)
         self.window = sliding_window_slots(cache)
         self.device = input_ids.device
         b, p = input_ids.shape
@@ -336,6 +339,8 @@ class _Run:
             n = len(block)
             self.gen[r, self.n_gen[r] : self.n_gen[r] + n] = torch.tensor(block, device=self.device)
             self.n_gen[r] += n
+            if self.streamer is not None and n:
+                self.streamer.put(torch.tensor(block))
             if self.n_gen[r] >= self.max_new:
                 self.finished[r] = True
         return starts
@@ -604,7 +609,8 @@ def fast_forward_generate(
         generator (`torch.Generator`, optional): the random source of sampling.
         kwargs: ``attention_mask`` (Shape: (B, P)), and on the plain path any ``generate`` option
             (``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``repetition_penalty``,
-            ``output_scores``, ``output_logits``, ``return_dict_in_generate``, ``eos_token_id``, ...).
+            ``output_scores``, ``output_logits``, ``return_dict_in_generate``, ``eos_token_id``, ``streamer`` (one
+            prompt: it gets each block of tokens as it is committed), ...).
 
     Returns:
         With ``return_dict_in_generate``, a :class:`FastForwardOutput` (``sequences``, ``scores``, ``logits``,
@@ -644,9 +650,8 @@ def fast_forward_generate(
             "fast_forward_generate does not take distinct lists (what a list may emit changes at every entry): use "
             "model.generate(..., logits_processor=[TrieLogitsProcessor(trie, on_complete='repeat', distinct=True)])")
     if not hooked and verified():
-        unsupported = sorted({"streamer", "stop_strings"} & set(kwargs))
-        if unsupported:  # generate would drop a streamer before the hook, and this loop has no stop strings
-            raise ConstraintConfigError(f"fast_forward_generate does not handle {unsupported}: use model.generate(..., "
+        if "stop_strings" in kwargs:  # this loop has no stop strings
+            raise ConstraintConfigError("fast_forward_generate does not handle stop_strings: use model.generate(..., "
                                         "logits_processor=[TrieLogitsProcessor(trie)]) instead")
         # The plain call is the hook's: generate prepares the processors (repetition penalty, min_new_tokens,
         # renormalize_logits, the warpers ...), the stopping criteria and the cache from the options as for any
@@ -657,6 +662,10 @@ def fast_forward_generate(
         return model.generate(input_ids, generation_config=generation_config, logits_processor=logits_processor,
                               stopping_criteria=stopping_criteria, custom_generate=hook, **kwargs)
     attention_mask = kwargs.pop("attention_mask", None)
+    streamer = generate_streamer() if hooked else None  # generate put the prompt into it, and keeps it from the hook
+    if streamer is not None and input_ids.shape[0] != 1:
+        raise ConstraintConfigError(f"fast_forward_generate streams one prompt ({input_ids.shape[0]} given; rows "
+                                    "advance by different numbers of tokens per pass): call it without streamer")
     if hooked:
         config, model_kwargs = generation_config, kwargs
         _check_hooked_inputs(logits_processor, stopping_criteria)
@@ -726,9 +735,12 @@ def fast_forward_generate(
         max_length - input_ids.shape[1],
         config.max_time,
         generator,
+        streamer,
     )
     t0 = time.perf_counter()
     run.run()
+    if streamer is not None:
+        streamer.end()
     row_forced = [n - d for n, d in zip(run.n_gen, run.decided)]
     stats = FastForwardStats(
         forward_passes=run.passes,

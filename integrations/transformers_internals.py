@@ -35,6 +35,8 @@ the cache model input: ``cache`` (5.24) or    read from ``model.forward``'s sign
 ``custom_generate`` calling convention        ``fast_forward_generate`` runs the plain loop
 (``logits_processor``, ``stopping_criteria``, (``generate`` with a ``TrieLogitsProcessor``): same tokens,
 ``generation_config`` + model inputs)         one forward pass per token
+``generate``'s local ``streamer`` (not passed ``fast_forward_generate`` refuses a ``streamer`` (the
+to a callable ``custom_generate``)            plain call) or streams nothing after the prompt (the hook)
 where ``generate`` merges a user's            (:func:`around_user_processors`, read on every version)
 processors: after its own, before the
 ``*LogitsWarper`` s and ``LogitNormalization``
@@ -61,6 +63,7 @@ except ImportError as exc:  # pragma: no cover - import guard
 __all__ = [
     "VERIFIED",
     "around_user_processors",
+    "generate_streamer",
     "holds_batch_state",
     "UnverifiedTransformersWarning",
     "verified",
@@ -344,6 +347,24 @@ def drop_cache_rows(cache: Any, keep: torch.Tensor) -> bool:
         return False
     select(keep)
     return True
+
+
+def generate_streamer(levels: int = 4) -> Any:
+    """The ``streamer`` of the ``generate`` call that called a ``custom_generate`` hook (the caller of the caller of
+    this function, through ``torch.no_grad``'s wrapper), or None. ``generate`` puts the prompt into it, then calls a
+    callable hook without it (5.19, 5.24: ``_extract_generation_mode_kwargs`` keeps only the hook's own options):
+    the hook streams the rest and ends it. None outside the verified versions."""
+    if not _VERIFIED:
+        return None
+    frame = sys._getframe(2)
+    for _ in range(levels):
+        if frame is None:
+            return None
+        if frame.f_code.co_name == "generate" and "streamer" in frame.f_code.co_varnames:
+            streamer = frame.f_locals.get("streamer")
+            return streamer if streamer is not None and callable(getattr(streamer, "put", None)) else None
+        frame = frame.f_back
+    return None
 
 
 def around_user_processors(processors: Any) -> tuple[LogitsProcessorList, LogitsProcessorList]:

@@ -371,12 +371,42 @@ def test_bad_arguments_are_named(tiny_llama, tokenizer, small_tries):
         fast_forward_generate(tiny_llama, **inputs, trie=small_tries[:2], max_new_tokens=4)
     with pytest.raises(TypeError, match="TokenTrie"):
         fast_forward_generate(tiny_llama, **inputs, trie=["not a trie"], max_new_tokens=4)
-    from transformers import TextStreamer
+    with pytest.raises(ConstraintConfigError, match="does not handle stop_strings"):  # this loop has none
+        fast_forward_generate(tiny_llama, **inputs, trie=small_tries[0], tokenizer=tokenizer, max_new_tokens=4,
+                              stop_strings=["."])
+    with pytest.raises(ConstraintConfigError, match="streams one prompt.*without streamer"):
+        fast_forward_generate(tiny_llama, **inputs, trie=small_tries[0], max_new_tokens=4, streamer=_Collect())
 
-    for option in ({"streamer": TextStreamer(tokenizer)}, {"stop_strings": ["."]}):  # generate would drop or need more
-        with pytest.raises(ConstraintConfigError, match=rf"does not handle \['{next(iter(option))}'\]"):
-            fast_forward_generate(tiny_llama, **inputs, trie=small_tries[0], tokenizer=tokenizer, max_new_tokens=4,
-                                  **option)
+
+class _Collect:
+    """A streamer (transformers' ``BaseStreamer`` interface) that keeps what it is given."""
+
+    def __init__(self):
+        self.puts, self.ended = [], 0
+
+    def put(self, value):
+        assert self.ended == 0, "put after end"
+        self.puts.append(value.tolist())
+
+    def end(self):
+        self.ended += 1
+
+
+@pytest.mark.parametrize("call", ["hook", "plain"])
+def test_a_streamer_gets_the_prompt_then_each_committed_block(tiny_llama, tokenizer, small_tries, call):
+    # generate puts the prompt, then calls a callable custom_generate without the streamer: the hook streams the rest.
+    inputs = tiny_inputs(tokenizer, n=1)
+    streamer = _Collect()
+    if call == "hook":
+        out = tiny_llama.generate(**inputs, custom_generate=fast_forward_generate, trie=small_tries[0],
+                                  max_new_tokens=16, do_sample=False, streamer=streamer)
+    else:
+        out = fast_forward_generate(tiny_llama, **inputs, trie=small_tries[0], max_new_tokens=16, streamer=streamer)
+    prompt = inputs["input_ids"].shape[1]
+    assert streamer.ended == 1 and streamer.puts[0] == inputs["input_ids"].tolist()
+    streamed = [t for block in streamer.puts[1:] for t in block]
+    assert streamed == out[0, prompt:].tolist()
+    assert 1 <= len(streamer.puts) - 1 <= out.stats.forward_passes  # at most a block per pass: forced runs whole
 
 
 def test_the_end_token_is_found_alike_inside_and_outside_the_verified_transformers(
