@@ -83,6 +83,7 @@ from .vllm_requests import (
     TrieRequestError,
     TrieResolver,
     _trie_nbytes,
+    check_stray_options,
     is_trie_request,
     parse_trie_request,
     trie_args,
@@ -145,6 +146,19 @@ def _resolver_for(model_config: Any) -> TrieResolver:
     return found
 
 
+def check_alone_constraint(sampling_params: Any) -> None:
+    """Refuse a ``trie`` or ``template`` request that also asks for ``structured_outputs``: each decides the whole
+    output, so a row soon has no token both allow, and vLLM's grammar then ends the request with an error (an HTTP
+    500). Spans are made to run beside a grammar (each value inside the JSON it shapes)."""
+    extra = sampling_params.extra_args
+    if getattr(sampling_params, "structured_outputs", None) is not None and "spans" not in extra:
+        main = "template" if "template" in extra else "trie"
+        raise TrieRequestError(
+            f"extra_args[{main!r}] decides the whole output, and so do structured outputs (response_format, "
+            "structured_outputs): send one of them, or put the catalog inside the structured output with "
+            "extra_args['spans'] (a span per catalog-valued field)")
+
+
 def validate_trie_params(sampling_params: Any) -> None:
     """Check a request's trie arguments completely (shared by both processor classes' ``validate_params``).
 
@@ -163,7 +177,9 @@ def validate_trie_params(sampling_params: Any) -> None:
     """
     extra = getattr(sampling_params, "extra_args", None)
     if not is_trie_request(extra):
+        check_stray_options(extra)  # trie options without a trie, or "tries": the request would run unconstrained
         return
+    check_alone_constraint(sampling_params)
     try:
         limits = current_limits()
         req = parse_trie_request(extra, max_entries=limits.max_inline_entries, max_bytes=limits.max_inline_bytes)

@@ -138,8 +138,9 @@ class TrieBeamLogitsProcessor(TrieLogitsProcessor):
     For requests with ``extra_args["raw_logprobs"] = True`` the row is replaced by its ``log_softmax`` before the
     trie mask, and (under ``logprobs_mode="processed_logprobs"``) the mass of every refused token is put on one
     refused token, so that the log-probs vLLM returns for the allowed tokens are the model's raw log-probs (see the
-    module docstring). Sampling is unchanged (softmax is shift-invariant); only the processed log-probs differ.
-    Other requests are handled exactly as by the parent class.
+    module docstring). Such a request is one scoring step (``max_tokens=1``, refused otherwise): its log-probs are
+    what it is for, and its sampled token may be the sink, a token the trie refuses. Other requests are handled
+    exactly as by the parent class.
 
     Load it *instead of* ``TrieLogitsProcessor`` (both would mask twice, and the plain one first would renormalize).
     """
@@ -154,6 +155,12 @@ class TrieBeamLogitsProcessor(TrieLogitsProcessor):
         extra = getattr(sampling_params, "extra_args", None)
         if extra and RAW_LOGPROBS_KEY in extra and extra[RAW_LOGPROBS_KEY] not in (True, False, 0, 1):
             raise TrieRequestError(f"extra_args[{RAW_LOGPROBS_KEY!r}] must be a boolean, got {extra[RAW_LOGPROBS_KEY]!r:.40}")
+        if _wants_raw(sampling_params) and getattr(sampling_params, "max_tokens", None) != 1:
+            # The refused mass sits on a refused token (the sink), which the sampler may take: one scoring step only.
+            raise TrieRequestError(
+                f"extra_args[{RAW_LOGPROBS_KEY!r}] asks for one step's raw log-probs, as beam_search sends it: it "
+                f"needs max_tokens=1 (got {getattr(sampling_params, 'max_tokens', None)}); its sampled token is not "
+                "constrained")
         super().validate_params(sampling_params)
 
     # V1 runner
@@ -483,6 +490,10 @@ def _prepare(vllm_config: Any, prompts: Sequence[Union[str, Sequence[int]]], tri
         for key in ("trie", "prefix", RAW_LOGPROBS_KEY, "stop_at_forced"):
             if key in extra:
                 raise ValueError(f"extra_args[{i}] sets {key!r}, which beam_search sets itself")
+        for key in ("spans", "template", "slots"):
+            if key in extra:
+                raise ValueError(f"extra_args[{i}] sets {key!r}: beam_search searches the entries of a trie (tries=), "
+                                 "not spans or templates")
         wire = os.fspath(spec) if isinstance(spec, os.PathLike) else (spec if isinstance(spec, str) else [list(s) if not isinstance(s, str) else s for s in spec])
         extra = {**extra, "trie": wire}
         req = parse_trie_request(extra)

@@ -91,6 +91,7 @@ __all__ = [
     "SPAN_KEYS",
     "SpanRequest",
     "is_trie_request",
+    "check_stray_options",
 ]
 
 TRIE_KEY = "trie"
@@ -99,6 +100,17 @@ OPTION_KEYS = (
     "forced_tail_only",
     "allow", "deny", "spans", "template", "slots",
 )
+#: The keys that ask for a constraint: a request with none of them is not this processor's.
+MAIN_KEYS = ("trie", "spans", "template")
+#: Options of trie_decode's Python front doors that a vLLM request does not take: refused by name (silently ignored,
+#: the request would run without what the client asked for).
+NOT_REQUEST_OPTIONS = {
+    "distinct": "distinct lists are the transformers processor's (TrieLogitsProcessor(..., distinct=True))",
+    "max_entries": "distinct lists are the transformers processor's (TrieLogitsProcessor(..., distinct=True))",
+    "end_token_id": "the end token is the model's EOS on vLLM",
+    "check_prompt": "check the prompt before sending it (trie_decode.check_prompt)",
+    "keys": "an inline list has no keys; give a trie file built with keys (trie-decode build) to filter by key",
+}
 #: The keys of one span dict in ``extra_args["spans"]`` (a :class:`trie_decode.fields.Span`).
 SPAN_KEYS = ("after", "values", "trie", "end", "escape", "whitespace", "allow", "deny")
 logger = logging.getLogger("trie_decode.vllm")
@@ -167,6 +179,38 @@ def is_trie_request(extra_args: Optional[dict]) -> bool:
     """Whether a request's ``extra_args`` asks for a constraint (``"trie"``, ``"spans"`` or ``"template"``)."""
     return bool(extra_args) and (TRIE_KEY in extra_args or "spans" in extra_args  # type: ignore[operator]
                                  or "template" in extra_args)
+
+
+def _meant_option(key: Any, among: Sequence[str] = OPTION_KEYS) -> Optional[str]:
+    """The option of ``among`` that ``key`` looks like a misspelling of: another case (``"Trie"``), a near match
+    (``"span"``), or one of them with more after it (``"tries"``, ``"denylist"``, ``"allow_list"``); else None."""
+    if not isinstance(key, str):
+        return None
+    lower = key.lower()
+    close = difflib.get_close_matches(lower, among, n=1, cutoff=0.75)
+    if close:
+        return close[0]
+    return next((name for name in among if len(name) >= 4 and lower.startswith(name)), None)
+
+
+def check_stray_options(extra_args: Optional[dict]) -> None:
+    """Refuse a request that is not a trie request (:func:`is_trie_request`) but carries this processor's options
+    or a misspelling of ``trie``, ``spans`` or ``template``: it would run unconstrained. Keys of other processors
+    pass.
+
+    Raises:
+        TrieRequestError: naming the keys, and the key meant where one is close.
+    """
+    if not extra_args:
+        return
+    for key in extra_args:
+        meant = _meant_option(key, MAIN_KEYS)
+        if meant is not None:
+            _fail(f"unknown option extra_args[{key!r}] (did you mean {meant!r}?): without 'trie', 'spans' or "
+                  "'template' the request would not be constrained")
+    ours = sorted(k for k in extra_args if k in OPTION_KEYS or k in NOT_REQUEST_OPTIONS)
+    if ours:
+        _fail(f"extra_args has {ours} but none of 'trie', 'spans', 'template': the request would not be constrained")
 
 
 @dataclass(frozen=True)
@@ -389,7 +433,8 @@ def parse_trie_request(
         TrieRequestError: a malformed or oversized value, or an unknown ``trie*`` option.
     """
     if not is_trie_request(extra_args):
-        return None  # not ours: untouched, and one dict lookup is all it costs
+        check_stray_options(extra_args)
+        return None  # not ours: untouched
     if max_entries is None or max_bytes is None:
         limits = current_limits()
         max_entries = limits.max_inline_entries if max_entries is None else max_entries
@@ -397,9 +442,11 @@ def parse_trie_request(
     for key in extra_args:
         if key in OPTION_KEYS or key == STAMP_KEY or not isinstance(key, str):
             continue
-        close = difflib.get_close_matches(key, OPTION_KEYS, n=1, cutoff=0.75)
-        if key.lower().startswith("trie") or close:
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
+        if key in NOT_REQUEST_OPTIONS:
+            _fail(f"extra_args[{key!r}] is not a vLLM request option: {NOT_REQUEST_OPTIONS[key]}")
+        meant = _meant_option(key)
+        if meant is not None or key.lower().startswith("trie"):
+            hint = f" (did you mean {meant!r}?)" if meant else ""
             _fail(f"unknown trie option extra_args[{key!r}]{hint}; known options: {list(OPTION_KEYS)}")
     if "slots" in extra_args and "template" not in extra_args:
         _fail("extra_args['slots'] holds a template's slot values: it needs extra_args['template']")

@@ -207,6 +207,8 @@ def test_per_request_tries_options_and_extra_args(llm, tokenizer, trie_dir, coun
     assert [b.score for b in norm] == sorted((b.score for b in norm), reverse=True)
     with pytest.raises(ValueError, match="sets 'prefix'"):
         beam_search(llm, prompts[:1], [colors], 2, extra_args={"prefix": [1]})
+    with pytest.raises(ValueError, match="sets 'spans': beam_search searches the entries of a trie"):
+        beam_search(llm, prompts[:1], [colors], 2, extra_args={"spans": [{"after": "x=", "values": colors}]})
     with pytest.raises(ValueError, match="one trie spec per prompt"):
         beam_search(llm, prompts, [colors], 2)
     with pytest.raises(ValueError, match="on_complete"):

@@ -50,3 +50,65 @@ def test_a_context_that_merges_with_the_entries_is_refused_with_the_fix(resolver
     req = parse_trie_request({"trie": NAMES, "context": "The answer is "})
     with pytest.raises(TrieRequestError, match=r"extra_args\['trie'\]: context 'The answer is ' .*rstrip"):
         resolver.admit(req)
+
+
+# ---------------------------------------------------------------------------------------------- requests that would run unconstrained
+@pytest.mark.parametrize("extra, match", [
+    ({"tries": NAMES, "leading_space": True}, r"extra_args\['tries'\] \(did you mean 'trie'\?\)"),
+    ({"Trie": NAMES}, r"did you mean 'trie'"),
+    ({"span": [{"after": "x=", "values": ["a"]}]}, r"did you mean 'spans'"),
+    ({"templates": "A: {x}.", "slots": {"x": ["a"]}}, r"did you mean 'template'"),
+    ({"leading_space": True, "deny": ["Italy"]}, r"has \['deny', 'leading_space'\] but none of 'trie'"),
+    ({"distinct": True}, r"has \['distinct'\] but none of 'trie'"),
+])
+def test_trie_options_without_a_trie_are_refused(extra, match):
+    """A misspelt ``trie`` (or options with no trie) used to leave the request unconstrained, with no error."""
+    with pytest.raises(TrieRequestError, match=match):
+        parse_trie_request(extra)
+
+
+@pytest.mark.parametrize("extra, match", [
+    ({"trie": NAMES, "denylist": ["Japan"]}, r"extra_args\['denylist'\] \(did you mean 'deny'\?\)"),
+    ({"trie": NAMES, "allow_list": ["Japan"]}, r"did you mean 'allow'"),
+    ({"trie": NAMES, "distinct": True}, r"extra_args\['distinct'\] is not a vLLM request option: distinct lists"),
+    ({"trie": NAMES, "max_entries": 3}, r"extra_args\['max_entries'\] is not a vLLM request option"),
+    ({"trie": NAMES, "end_token_id": 5}, r"the end token is the model's EOS"),
+])
+def test_misspelt_or_python_only_options_of_a_trie_request_are_refused(extra, match):
+    """They were left to other processors: the filter or list the client asked for was silently not applied."""
+    with pytest.raises(TrieRequestError, match=match):
+        parse_trie_request(extra)
+
+
+def test_other_processors_keys_pass():
+    assert parse_trie_request({"denylist": ["x"], "my_plugin": 1}) is None  # no trie option of ours, not ours
+    assert parse_trie_request({"trie": NAMES, "my_plugin": 1, "raw_logprobs": True}) is not None
+
+
+def test_the_front_end_refuses_what_would_run_unconstrained_or_fail_in_the_grammar():
+    """vLLM's validator of custom processors' params (HTTP 400): options without a trie; a trie or template beside
+    structured outputs, which vLLM's grammar ended with an error (500) once no token was allowed by both; a beam
+    request's raw log-probs beyond one step (its sampled token is not constrained)."""
+    from vllm import SamplingParams
+    from vllm.exceptions import VLLMValidationError
+    from vllm.sampling_params import StructuredOutputsParams
+    from vllm.v1.worker.gpu.sample.logits_processor import build_custom_logits_processors_params_validator
+
+    validate = build_custom_logits_processors_params_validator(["trie_decode.integrations.vllm:TrieLogitsProcessor"])
+    beam = build_custom_logits_processors_params_validator(["trie_decode.integrations.vllm_beam:TrieBeamLogitsProcessor"])
+    json_schema = StructuredOutputsParams(json={"type": "object"})
+    validate(SamplingParams(max_tokens=4, extra_args={"my_plugin": 1}))
+    validate(SamplingParams(max_tokens=4, structured_outputs=json_schema,
+                            extra_args={"spans": [{"after": '"city": "', "values": ["Paris"]}]}))
+    beam(SamplingParams(max_tokens=1, extra_args={"trie": NAMES, "raw_logprobs": True}))
+    for check, params, match in [
+        (validate, SamplingParams(max_tokens=4, extra_args={"tries": NAMES}), "did you mean 'trie'"),
+        (validate, SamplingParams(max_tokens=4, extra_args={"trie": NAMES}, structured_outputs=json_schema),
+         r"extra_args\['trie'\] decides the whole output, and so do structured outputs"),
+        (validate, SamplingParams(max_tokens=4, extra_args={"template": "A: {x}.", "slots": {"x": ["a"]}},
+                                  structured_outputs=json_schema), r"extra_args\['template'\] decides the whole"),
+        (beam, SamplingParams(max_tokens=8, extra_args={"trie": NAMES, "raw_logprobs": True}),
+         r"needs max_tokens=1 \(got 8\)"),
+    ]:
+        with pytest.raises(VLLMValidationError, match=match):
+            check(params)
