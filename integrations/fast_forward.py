@@ -50,7 +50,7 @@ from typing import Any, Optional, Union
 import torch
 
 from trie_decode.constraint import RowState, TrieConstraint
-from trie_decode.errors import ConstraintConfigError
+from trie_decode.errors import ConstraintConfigError, InvalidTokenError
 from trie_decode.filters import filtered_tries
 from trie_decode.options import TrieArg, as_tries, check_one_source, end_token, first_eos, prompt_groups
 from trie_decode.templates import Template
@@ -597,6 +597,8 @@ def fast_forward_generate(
             ``generate`` consumes its own ``tokenizer=`` argument before calling the hook, so through the hook
             pass token ids for ``separator``/``trigger``.
         end_token_id (`int`, optional): ends an entry; defaults to the generation config's first EOS id.
+            Generation stops at the EOS ids, as ``generate``'s does: to stop at another end token, pass it as
+            ``eos_token_id=`` too (otherwise it is repeated to ``max_new_tokens``, as with the processor).
         on_complete (`str`, defaults to ``"eos"``), separator, trigger: as for
             :class:`~trie_decode.integrations.transformers.TrieLogitsProcessor`.
         allow, deny (optional): entries a row may / may not use, as for
@@ -645,6 +647,13 @@ def fast_forward_generate(
     check_one_source("fast_forward_generate", {"trie": trie, "template": template},
                      hints={"trie": "a TokenTrie, or one per prompt"})
     hooked = logits_processor is not None and stopping_criteria is not None and generation_config is not None
+    if hooked and tokenizer is None:
+        text = [name for name, value in (("separator", separator), ("trigger", trigger)) if isinstance(value, str)]
+        if text:  # generate keeps tokenizer= for itself, so it never reaches the hook
+            raise ConstraintConfigError(
+                f"{text[0]} given as text needs a tokenizer, and generate(custom_generate=fast_forward_generate, "
+                f"tokenizer=...) keeps its tokenizer from the hook: pass {text[0]} as token ids, or call "
+                "fast_forward_generate(model, ..., tokenizer=tokenizer) directly")
     if {"distinct", "max_entries"} & set(kwargs):
         raise ConstraintConfigError(
             "fast_forward_generate does not take distinct lists (what a list may emit changes at every entry): use "
@@ -713,7 +722,12 @@ def fast_forward_generate(
 
     processor = _processor(*options, input_ids.shape[0])
     rules = processor.rules
-    stop_ids = sorted(set(eos_ids) | ({rules.end_token_id} if rules.on_complete in ("eos", "repeat") else set()))
+    # Forced tokens reach the model without a mask that would check the logits' width: check the trie against it.
+    width = getattr(model.config, "vocab_size", None)
+    if isinstance(width, int):
+        InvalidTokenError.check_logits_width(width, processor.constraint(input_ids.device).needed_width)
+    # generate stops at its EOS only: an end token that is not one is written as generate writes it (repeated).
+    stop_ids = sorted(set(eos_ids))
     pad_id = first_eos(config.pad_token_id)
     if pad_id is None:
         pad_id = eos_ids[0] if eos_ids else rules.end_token_id

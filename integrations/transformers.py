@@ -172,8 +172,9 @@ class TrieLogitsProcessor(LogitsProcessor):
             ``"repeat"``: entries separated by ``separator`` until the end token.
         separator (`str` or token ids, *optional*): used by ``"repeat"``.
         trigger (`str` or token ids, *optional*): the constraint starts only after this token sequence.
-        allow, deny (*optional*): entries (keys, names or indices) each prompt may use / may not use, over one
-            shared trie and with no rebuild: one list for every prompt, or a list of lists, one per prompt
+        allow, deny (*optional*): entries (keys, or names in a trie without keys, or indices) each prompt may use /
+            may not use, over one shared trie and with no rebuild: one list for every prompt, or a list of lists, one
+            per prompt
             (``None`` items: no filter). See :mod:`trie_decode.filters`. With one trie per prompt, each prompt's
             filter gives it the trie of the entries it leaves (:func:`trie_decode.filters.filtered_tries`, built
             here, O(entries); a filter that leaves a prompt no entry is an error then).
@@ -453,6 +454,8 @@ class TrieLogitsProcessor(LogitsProcessor):
         sorted_hashes = self._hashes[order]
         pos = torch.searchsorted(sorted_hashes, prev).clamp(max=batch - 1)
         found = sorted_hashes[pos] == prev
+        if loop.owner() is None and not bool(found.any()):
+            return False  # a caller of its own (no LogitsProcessorList) started a new prompt one token longer
         parent = order[pos]
         if self._filters is not None:
             self._filters = self._filters.select(parent)
@@ -628,13 +631,17 @@ def rank(
         inputs: the tokenized prompts (``input_ids``, ``attention_mask``), left-padded for a batch.
         trie: one trie, or one per prompt.
         k: number of distinct entries per prompt; fewer are returned when the trie (or the filters) hold fewer.
-        num_beams: beams of the search (default ``k``); more beams give more room when beams end on duplicates.
+        num_beams: beams of the search (default ``k``, at least 2: one beam is greedy search, which scores no
+            sequence); more beams give more room when beams end on duplicates.
         length_normalize: rank by the mean log-probability per token instead of the sum.
         renormalize: report log-probabilities renormalized within the trie (at each step, over the tokens the
             trie allowed), by rescoring the results in one forward pass: the probability of the entry among the
             trie's entries, summing to 1 over all of them.
         allow, deny: per-prompt or shared entry filters (see :class:`TrieLogitsProcessor`).
-        generate_kwargs: passed to ``generate`` (``max_new_tokens`` defaults to the deepest trie + 1).
+        generate_kwargs: passed to ``generate`` (``max_new_tokens`` defaults to the deepest trie + 1). The search
+            is exhaustive (``early_stopping="never"``: no beam stops while a longer entry could still rank higher);
+            what ``rank`` sets itself (``num_beams``, ``num_return_sequences``, ``do_sample``, ``length_penalty``,
+            ``output_scores``, ``return_dict_in_generate``, ``eos_token_id``, ``logits_processor``) is refused here.
 
     Returns:
         Per prompt, a :class:`RankedList` of :class:`RankedEntry`, best first. The log-probability is the sum of the
@@ -652,6 +659,11 @@ def rank(
     beams = k if num_beams is None else int(num_beams)
     if beams < k:
         raise ConstraintConfigError(f"num_beams ({beams}) must be at least k ({k})")
+    beams = max(beams, 2)  # one beam is greedy search, which scores no sequence
+    own = sorted(set(generate_kwargs) & _RANK_SETS)
+    if own:
+        raise ConstraintConfigError(f"rank sets {own} itself: use its own options (k, num_beams, length_normalize, "
+                                    "end_token_id, allow, deny)")
     processor = TrieLogitsProcessor(
         trie, tokenizer, end_token_id=end_token_id if end_token_id is not None else _model_eos(model), allow=allow, deny=deny
     )
@@ -664,11 +676,12 @@ def rank(
         num_return_sequences=beams,
         do_sample=False,
         length_penalty=1.0 if length_normalize else 0.0,
-        early_stopping=True,
+        # Exhaustive: with early_stopping=True the search ended once it held num_beams finished beams, before a
+        # longer entry that outranks them could finish. "never" bounds what a running beam may still reach.
+        **{"early_stopping": "never", **generate_kwargs},
         output_scores=True,
         return_dict_in_generate=True,
         eos_token_id=processor.rules.end_token_id,
-        **generate_kwargs,
     )
     entries = processor.match(out.sequences)
     scores = out.sequences_scores.tolist()
@@ -694,6 +707,10 @@ def rank(
         ranked.append(best)
     return ranked
 
+
+#: The generate options rank sets itself.
+_RANK_SETS = frozenset(("num_beams", "num_return_sequences", "do_sample", "length_penalty", "output_scores",
+                        "return_dict_in_generate", "eos_token_id", "logits_processor"))
 
 #: transformers' beam search adds -1e9 to a beam it must not return (one that did not finish): such beams are
 #: padding, not results.

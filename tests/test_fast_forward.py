@@ -7,7 +7,7 @@ import torch
 
 from trie_decode import TokenTrie
 from trie_decode.constraint import SpanRules
-from trie_decode.errors import ConstraintConfigError
+from trie_decode.errors import ConstraintConfigError, InvalidTokenError
 from trie_decode.integrations.fast_forward import FastForwardOutput, fast_forward_generate
 from trie_decode.integrations.transformers import TrieLogitsProcessor, match_all
 
@@ -376,6 +376,31 @@ def test_bad_arguments_are_named(tiny_llama, tokenizer, small_tries):
                               stop_strings=["."])
     with pytest.raises(ConstraintConfigError, match="streams one prompt.*without streamer"):
         fast_forward_generate(tiny_llama, **inputs, trie=small_tries[0], max_new_tokens=4, streamer=_Collect())
+
+
+def test_an_end_token_that_is_not_eos_is_written_as_generate_writes_it(tiny_llama, tokenizer, small_tries):
+    # generate stops at its EOS only: after an entry the end token is forced again and again. fast-forward stopped
+    # at the end token instead (shorter output, not generate's tokens).
+    inputs = tiny_inputs(tokenizer)
+    dot = tokenizer.convert_tokens_to_ids(".")
+    ref, out = _both(tiny_llama, inputs, small_tries, tokenizer, end_token_id=dot, max_new_tokens=12)
+    assert out.tolist() == ref.tolist()
+    assert (out[:, -1] == dot).any()
+
+
+def test_a_trie_wider_than_the_model_is_refused(tiny_llama, tokenizer):
+    # Forced tokens reach the model unmasked: a trie of ids the model has not got was fed (and returned) silently.
+    wide = tiny_llama.config.vocab_size + 400
+    trie = TokenTrie.from_sequences([[wide - 10, wide - 9]], vocab_size=wide)
+    with pytest.raises(InvalidTokenError, match=f"logits have {tiny_llama.config.vocab_size} columns but the trie"):
+        fast_forward_generate(tiny_llama, **tiny_inputs(tokenizer, n=1), trie=trie, end_token_id=2, max_new_tokens=4)
+
+
+def test_text_options_through_the_hook_name_what_to_do(tiny_llama, tokenizer, small_tries):
+    # generate keeps tokenizer= from the hook: the message said "pass tokenizer=", which the user had done.
+    with pytest.raises(ConstraintConfigError, match=r"keeps its tokenizer from the hook: pass separator as token ids"):
+        tiny_llama.generate(**tiny_inputs(tokenizer, n=1), custom_generate=fast_forward_generate, trie=small_tries[0],
+                            tokenizer=tokenizer, on_complete="repeat", separator=",", max_new_tokens=4)
 
 
 class _Collect:

@@ -90,6 +90,55 @@ def test_rank_real_model(model, left_tok, countries):
     assert scores == sorted(scores, reverse=True) and all(s < 0 for s in scores)
 
 
+def _exact_log_prob(model, prompt_ids: list[int], tokens: list[int], end: int) -> float:
+    """The model's summed raw log-prob of ``tokens`` then ``end`` after the prompt, by one forward pass."""
+    ids = torch.tensor([prompt_ids + tokens + [end]])
+    with torch.no_grad():
+        lp = torch.log_softmax(model(ids).logits[0].float(), -1)
+    return sum(lp[len(prompt_ids) - 1 + j, t].item() for j, t in enumerate(tokens + [end]))
+
+
+def test_rank_does_not_stop_before_a_longer_entry_that_ranks_higher(model, left_tok):
+    # The best entry has 3 tokens, the others 1: with early_stopping=True the search ended once it held num_beams
+    # finished beams (after 2 steps), and the best entry was missing from [Italy, France].
+    trie = TokenTrie.from_strings(["United Arab Emirates", "Italy", "France"], left_tok, leading_space=True)
+    inputs = left_tok([chat(left_tok, "Which country is Dubai in?")], return_tensors="pt")
+    prompt = inputs["input_ids"][0].tolist()
+    exact = sorted(((_exact_log_prob(model, prompt, list(trie.entry(i).tokens), left_tok.eos_token_id), trie.entry(i).name)
+                    for i in range(3)), reverse=True)
+    for k, beams in ((2, 4), (3, 3), (1, None)):
+        ranked = rank(model, inputs, trie, k, tokenizer=left_tok, num_beams=beams)[0]
+        assert [r.entry.name for r in ranked] == [name for _, name in exact[:k]], (k, beams)
+        assert [round(r.log_prob, 3) for r in ranked] == [round(lp, 3) for lp, _ in exact[:k]]
+    with pytest.raises(ConstraintConfigError, match=r"rank sets \['do_sample'\] itself"):
+        rank(model, inputs, trie, 2, tokenizer=left_tok, do_sample=True)
+
+
+def test_own_loop_with_a_new_prompt_one_token_longer_starts_afresh(model, left_tok, countries):
+    # Called directly (no LogitsProcessorList): a new prompt exactly one token longer than the last call looked like
+    # the next step; its prefix was found in no row, every row could only end, and the output was the end token.
+    processor = TrieLogitsProcessor(countries, left_tok)
+
+    def own_loop(ids: torch.Tensor, steps: int = 3) -> list[int]:
+        start = ids.shape[1]
+        for _ in range(steps):
+            with torch.no_grad():
+                nxt = processor(ids, model(ids).logits[:, -1, :]).argmax(-1, keepdim=True)
+            ids = torch.cat([ids, nxt], 1)
+            if nxt.item() == left_tok.eos_token_id:
+                break
+        return ids[0, start:].tolist()
+
+    first = left_tok(chat(left_tok, QUESTIONS[0]), return_tensors="pt")["input_ids"]
+    own_loop(first)
+    other = left_tok(chat(left_tok, "Which country is New York City in? Give a long answer"), return_tensors="pt")["input_ids"]
+    other = torch.cat([other[:, :1], other[:, -processor._last_len:]], 1)  # one token longer than the last call
+    assert other.shape[1] == processor._last_len + 1
+    got = own_loop(other)
+    processor.reset()
+    assert got == own_loop(other) and countries.lookup(got[:-1]) is not None
+
+
 def test_batch_with_different_tries_and_left_padding(model, left_tok):
     tries = [
         TokenTrie.from_strings(["France", "Spain", "Portugal"], left_tok, leading_space=True),
