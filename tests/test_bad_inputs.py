@@ -326,3 +326,25 @@ def test_duplicates_are_merged_and_counted_not_rejected():
     payload = _payload({"path": "p", "leaves": [GOOD_LEAF, dict(GOOD_LEAF, name="again")]})
     trie = tries_from_token_tree_payload(json.dumps(payload), 10)["p"]
     assert trie.num_entries == 1 and trie.num_duplicates == 1 and trie.names() == ["ok"]
+
+
+# ------------------------------------------------------------------ names, keys and the tokenizer
+
+
+@pytest.mark.parametrize("kwargs, pattern", [
+    (dict(names=[None]), r"names\[0\] is NoneType None: a name is a string"),
+    (dict(names=["a", 7]), r"names\[1\] is int 7: a name is a string"),
+    (dict(keys=[None]), r"keys\[0\] is None"),
+])
+def test_a_name_that_is_not_a_string_or_a_none_key_is_refused(kwargs, pattern):
+    n = len(next(iter(kwargs.values())))
+    _raises(InvalidEntryError, pattern, TokenTrie.from_sequences, [[i + 1] for i in range(n)], 10, **kwargs)
+
+
+def test_a_number_key_is_its_text():
+    assert TokenTrie.from_sequences([[1]], 10, keys=[7]).entry(0).key == "7"
+
+
+@pytest.mark.parametrize("tokenizer", [None, "gpt2"])
+def test_from_strings_without_a_tokenizer_is_named(tokenizer):
+    _raises(InvalidEntryError, "from_strings needs the model's tokenizer", TokenTrie.from_strings, ["a"], tokenizer)

@@ -3,6 +3,7 @@ and bad input is a named error (exit status 1) or a usage error (exit status 2).
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from trie_decode import TokenTrie
@@ -58,3 +59,111 @@ def test_entry_options_with_another_source_are_usage_errors(tmp_path, flags):
     with pytest.raises(SystemExit) as exc:
         main(["build", "-o", str(tmp_path / "o"), *flags])
     assert exc.value.code == 2
+
+
+# ------------------------------------------------------------------ advice names the command line's flags
+
+
+def test_context_errors_recommend_flags_and_on_unstable_raw_builds(tmp_path, tokenizer, smollm2_dir, capsys):
+    entries = "-hello\nFrance\n"
+    code, _ = _build(tmp_path, "--tokenizer", smollm2_dir, "--context", '"country": "', entries=entries)
+    err = capsys.readouterr().err
+    assert code == 1 and "--on-unstable raw" in err and "on_unstable=" not in err
+    code, _ = _build(tmp_path, "--tokenizer", smollm2_dir, "--context", "The answer is ")
+    err = capsys.readouterr().err
+    assert code == 1 and "--context 'The answer is' or --leading-space" in err and "leading_space=" not in err
+    code, out = _build(tmp_path, "--tokenizer", smollm2_dir, "--context", '"country": "', "--on-unstable", "raw",
+                       entries=entries)
+    ref = TokenTrie.from_strings(["-hello", "France"], tokenizer, context='"country": "', on_unstable="raw")
+    assert code == 0 and TokenTrie.load(out).sequences() == ref.sequences()
+    assert TokenTrie.load(out).options == ref.options
+
+
+# ------------------------------------------------------------------ input and output errors: one line, status 1
+
+
+def _error(capsys):
+    err = capsys.readouterr().err
+    assert err.startswith("trie-decode build: error: ") and "Traceback" not in err and err.count("\n") == 1, err
+    return err
+
+
+def test_unreadable_inputs_and_outputs_are_named_errors(tmp_path, smollm2_dir, capsys):
+    (tmp_path / "bad.txt").write_bytes(b"France\n\xff\xfe bad\n")
+    (tmp_path / "ok.txt").write_text("France\n")
+    ok, out = str(tmp_path / "ok.txt"), str(tmp_path / "o.trie")
+    assert main(["build", str(tmp_path / "bad.txt"), "--tokenizer", smollm2_dir, "-o", out]) == 1
+    assert "bad.txt:2: not UTF-8 text (byte 0xff" in _error(capsys)
+    missing = str(tmp_path / "nonexistent")
+    assert main(["build", ok, "--tokenizer", missing, "-o", out]) == 1
+    assert f"--tokenizer {missing}: no such folder" in _error(capsys)
+    (tmp_path / "d.json").write_text('{"start_token_id": 1, "end_token_id": 2, "prefix_dict": {"1": [3]}}')
+    assert main(["build", "--prefix-dict", str(tmp_path / "d.json"), "--tokenizer", missing, "-o", out]) == 1
+    assert f"--tokenizer {missing}: no such folder" in _error(capsys)
+    (tmp_path / "empty_dir").mkdir()
+    assert main(["build", ok, "--tokenizer", str(tmp_path / "empty_dir"), "-o", out]) == 1
+    assert "cannot load a tokenizer" in _error(capsys)
+    assert main(["build", ok, "--tokenizer", smollm2_dir, "-o", str(tmp_path / "no" / "o.trie")]) == 1
+    assert "the folder" in _error(capsys)
+    assert main(["build", ok, "--tokenizer", smollm2_dir, "-o", str(tmp_path)]) == 1
+    assert "it is a folder" in _error(capsys)
+    np.save(tmp_path / "codes.npy", np.array([[0, 1], [1, 0]]))
+    assert main(["build", "--codes", str(tmp_path / "codes.npy"), "--codebook-size", "2", "--vocab-size", "8",
+                 "--keys", str(tmp_path / "missing.txt"), "-o", out]) == 1
+    assert "keys file not found" in _error(capsys)
+
+
+# ------------------------------------------------------------------ options of another kind of source: status 2
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--codes", "c.npy", "--codebook-size", "2", "--vocab-size", "8", "--leading-space"],
+     "--leading-space only applies to an entries file"),
+    (["--codes", "c.npy", "--codebook-size", "2", "--vocab-size", "8", "--strict"],
+     "--strict only applies to --prefix-dict"),
+    (["--codes", "c.npy", "--codebook-size", "2", "--vocab-size", "8", "--context", "x"],
+     "--context only applies to an entries file"),
+    (["--codes", "c.npy", "--codebook-size", "2", "--vocab-size", "8", "--tokenizer", "t"],
+     "--tokenizer only applies to an entries file or --prefix-dict"),
+    (["names.txt", "--tokenizer", "t", "--token-offset", "5"], "--token-offset only applies to --codes"),
+    (["names.txt", "--tokenizer", "t", "--vocab-size", "5"], "--vocab-size only applies to --prefix-dict or --codes"),
+    (["--prefix-dict", "d.json", "--vocab-size", "9", "--on-unstable", "raw"],
+     "--on-unstable only applies to an entries file"),
+    (["--codes", "c.npy", "--codebook-size", "2", "--vocab-size", "-1"],
+     "--vocab-size must be an integer in [1, 2**31], got -1"),
+    (["--prefix-dict", "d.json", "--vocab-size", "-1"], "--vocab-size must be an integer in [1, 2**31], got -1"),
+    (["--codes", "c.npy", "--codebook-size", "0", "--vocab-size", "8"], "--codebook-size must be a positive integer"),
+    (["--codes", "c.npy", "--codebook-size", "2", "--vocab-size", "8", "--token-offset", "-1"],
+     "--token-offset must be a non-negative token id"),
+])
+def test_options_of_another_source_and_bad_values_are_usage_errors(tmp_path, flags, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["build", "-o", str(tmp_path / "o"), *flags])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ entries files: ids and byte-order marks
+
+
+@pytest.mark.parametrize("line, shown", [('{"id": null, "text": "blue"}', "null"),
+                                         ('{"id": ["x"], "text": "blue"}', '["x"]'),
+                                         ('{"id": true, "text": "blue"}', "true")])
+def test_a_jsonl_id_that_is_not_a_string_or_a_number_is_refused(tmp_path, smollm2_dir, capsys, line, shown):
+    lines = '{"id": "A1", "text": "red"}\n' + line + "\n"
+    code, out = _build(tmp_path, "--tokenizer", smollm2_dir, entries=lines, suffix=".jsonl")
+    assert code == 1 and f"entries.jsonl:2: 'id' is {shown}" in _error(capsys) and not out.exists()
+
+
+def test_a_jsonl_number_id_is_its_text(tmp_path, smollm2_dir):
+    code, out = _build(tmp_path, "--tokenizer", smollm2_dir, entries='{"id": 7, "text": "red"}\n', suffix=".jsonl")
+    assert code == 0 and TokenTrie.load(out).entry(0).key == "7"
+
+
+@pytest.mark.parametrize("suffix, entries", [(".txt", "France\nJapan\n"),
+                                             (".jsonl", '{"text": "France"}\n{"text": "Japan"}\n')])
+def test_a_byte_order_mark_is_skipped(tmp_path, smollm2_dir, suffix, entries):
+    src = tmp_path / f"entries{suffix}"
+    src.write_bytes(b"\xef\xbb\xbf" + entries.encode())
+    out = tmp_path / "out.trie"
+    assert main(["build", str(src), "--tokenizer", smollm2_dir, "-o", str(out)]) == 0
+    assert TokenTrie.load(out).names() == ["France", "Japan"]

@@ -584,3 +584,12 @@ def test_filters_name_a_catalogs_items_over_a_view():
     f = view.filters(c, 1, deny=["c", "e"])  # c: the id it shares with a
     assert c.mask_(torch.zeros(1, 200), state, filters=f).isfinite().nonzero()[:, 1].tolist() == [110]
     assert isinstance(view, CatalogView) and constraint_for(catalog, SpanRules(END), "cpu") is c
+
+
+def test_adding_strings_without_a_tokenizer_points_to_add_s_tokenizer_argument():
+    catalog = LiveCatalog(TokenTrie.from_sequences([[1]], vocab_size=10, keys=["a"]))
+    with pytest.raises(CatalogUpdateError, match=r"pass tokenizer=") as info:
+        catalog.add(["Chile"], keys=["CL"])
+    assert "from_strings" not in str(info.value)
+    with pytest.raises(CatalogUpdateError, match=r"pass tokenizer="):
+        catalog.add("Chile", keys=["CL"])

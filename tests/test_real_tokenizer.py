@@ -10,6 +10,7 @@ import copy
 import pytest
 
 from trie_decode import (
+    InvalidEntryError,
     TokenizerMismatchError,
     TokenTrie,
     tokenize_strings,
@@ -170,3 +171,34 @@ def test_duplicate_strings_are_merged(tokenizer):
     trie = TokenTrie.from_strings(["Chad", "Peru", "Chad"], tokenizer, keys=["TD", "PE", "XX"])
     assert trie.num_entries == 2 and trie.num_duplicates == 1
     assert trie.lookup(_ids(tokenizer, ["Chad"])[0]).key == "TD"
+
+
+# ------------------------------------------------------------------ an entry that merges with its context
+
+
+def test_context_error_advice_can_be_followed(tokenizer):
+    """The fix a ContextError recommends is a keyword from_strings has: on_unstable='raw' keeps the entry's own
+    tokens (the ids the model writes after the context's own), and is recorded."""
+    from trie_decode.options import FLAGS
+    from trie_decode.tokenizers import ContextError
+
+    context = '"country": "'
+    with pytest.raises(ContextError, match=r"build with on_unstable='raw'") as info:
+        TokenTrie.from_strings(["-hello", "France"], tokenizer, context=context)
+    assert "--on-unstable raw" in info.value.message_for(FLAGS)
+    trie = TokenTrie.from_strings(["-hello", "France"], tokenizer, context=context, on_unstable="raw")
+    assert trie.sequences() == [tuple(_ids(tokenizer, ["-hello"])[0]),
+                                tuple(TokenTrie.from_strings(["France"], tokenizer, context=context).sequences()[0])]
+    assert trie.options["on_unstable"] == "raw"
+    with pytest.raises(InvalidEntryError, match=r"on_unstable must be one of \('raise', 'raw'\), got 'skip'"):
+        TokenTrie.from_strings(["France"], tokenizer, on_unstable="skip")
+
+
+def test_context_error_for_a_trailing_space_names_each_front_door_s_options(tokenizer):
+    from trie_decode.options import FLAGS
+    from trie_decode.tokenizers import ContextError
+
+    with pytest.raises(ContextError) as info:
+        TokenTrie.from_strings(["France"], tokenizer, context="The answer is ")
+    assert "context='The answer is' or leading_space=True" in str(info.value)
+    assert "--context 'The answer is' or --leading-space" in info.value.message_for(FLAGS)

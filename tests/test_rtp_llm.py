@@ -614,7 +614,7 @@ def test_cli_build_prefix_dict_strict(tmp_path, capsys):
         (["-o", "x", "--vocab-size", "9"], "exactly one of: an entries file"),
         (["names.txt", "-o", "x"], "--tokenizer is required"),
         (["names.txt", "--tokenizer", "t", "--strict", "-o", "x"], "--strict only applies to --prefix-dict"),
-        (["--prefix-dict", "d.json", "--vocab-size", "0", "-o", "x"], "--vocab-size must be positive"),
+        (["--prefix-dict", "d.json", "--vocab-size", "0", "-o", "x"], "--vocab-size must be an integer in [1, 2**31]"),
     ],
 )
 def test_cli_build_usage_errors(args, message, capsys):

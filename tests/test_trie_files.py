@@ -333,3 +333,14 @@ def test_a_trie_and_what_is_derived_from_it_are_freed_together():
     del trie, c, f
     gc.collect()
     assert alive() is None
+
+
+def test_saving_where_no_file_can_be_written_is_named(trie, tmp_path):
+    with pytest.raises(TrieFileError, match="it is a folder"):
+        trie.save(tmp_path)
+    with pytest.raises(TrieFileError, match=r"the folder .*missing does not exist"):
+        trie.save(tmp_path / "missing" / "t.trie")
+    (tmp_path / "plain").write_text("x")
+    with pytest.raises(TrieFileError, match="is not a folder"):
+        trie.save(tmp_path / "plain" / "t.trie")
+    assert list(tmp_path.iterdir()) == [tmp_path / "plain"]  # no temporary file left behind

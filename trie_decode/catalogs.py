@@ -32,7 +32,7 @@ import numpy as np
 
 from .entries import ITEM_IDS, ITEM_KEYS_BLOB, ITEM_KEYS_OFFSETS, ITEM_PTR, StringTable, catalog_key_table
 from .errors import InvalidEntryError, InvalidTokenError
-from .trie import TokenTrie, is_vocab_size
+from .trie import VOCAB_SIZE, TokenTrie, check_vocab_size
 
 __all__ = ["catalog_from_codes", "items_of", "item_keys_of", "item_entries", "item_key_table"]
 
@@ -85,8 +85,7 @@ def catalog_from_codes(
     n, levels = codes.shape
     if n == 0 or levels == 0:
         raise InvalidEntryError(f"codes has shape {codes.shape}: a catalog needs at least one item and one level")
-    if not is_vocab_size(vocab_size):
-        raise InvalidTokenError(f"vocab_size must be an integer in [1, 2**31], got {vocab_size!r}")
+    check_vocab_size(vocab_size, VOCAB_SIZE)
     if keys is not None and len(keys) != n:
         raise InvalidEntryError(f"keys has {len(keys)} items but codes has {n} rows")
     if codes.dtype == np.uint64 and int(codes.max()) >= 1 << 62:

@@ -15,47 +15,94 @@ benchmark suites of a source checkout (they are not part of the installed packag
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import sys
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
-from .errors import DescriptorError, TrieDecodeError
-from .options import NORMAL_FORMS
+from .errors import ConstraintConfigError, DescriptorError, TrieDecodeError
+from .fileio import check_writable
+from .options import FLAGS, NORMAL_FORMS, ON_UNSTABLE_MODES, check_positive, check_vocab_size, token_id
+from .tokenizers import ContextError
 
 __all__ = ["main", "read_entries", "checkout_root"]
+
+
+def _read_text(path: Path, what: str) -> str:
+    """The text of the input file ``path`` (``what`` it is, for the message): UTF-8, a byte-order mark at its start
+    skipped (as Python's ``utf-8-sig`` does).
+
+    Raises:
+        DescriptorError: the file is missing, a folder or unreadable, or not UTF-8 (the line is named).
+    """
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError as exc:
+        raise DescriptorError(f"{what} not found: {path}") from exc
+    except IsADirectoryError as exc:
+        raise DescriptorError(f"{what} {path} is a folder, not a file") from exc
+    except OSError as exc:
+        raise DescriptorError(f"cannot read the {what} {path}: {exc.strerror or exc}") from exc
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise DescriptorError(f"{path}:{line}: not UTF-8 text (byte {raw[exc.start]:#04x}: {exc.reason}); save the "
+                              "file as UTF-8") from exc
 
 
 def read_entries(path: Path) -> tuple[list[str], Optional[list[str]]]:
     """Read entries: ``.jsonl`` lines with ``text`` (and optional ``id``), or plain text, one entry per line.
 
+    The file is UTF-8 (a byte-order mark at its start is skipped, in either kind). A JSONL ``id`` is a string or a
+    number (its text is the key); ``null`` or any other value is refused, as is an ``id`` on some lines only.
+
     Raises:
-        DescriptorError: a JSONL line that is not an object with a string ``text`` (the line number is named).
+        DescriptorError: a missing or non-UTF-8 file; a JSONL line that is not an object with a string ``text``, or
+            whose ``id`` is not a string or a number (the line number is named).
     """
     texts: list[str] = []
     keys: list[str] = []
     jsonl = path.suffix.lower() in (".jsonl", ".ndjson")
-    with open(path, encoding="utf-8") as handle:
-        for lineno, line in enumerate(handle, 1):
-            line = line.rstrip("\r\n")
-            if not line.strip():
-                continue
-            if not jsonl:
-                texts.append(line)
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DescriptorError(f"{path}:{lineno}: invalid JSON ({exc.msg})") from exc
-            if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-                raise DescriptorError(f"{path}:{lineno}: expected an object with a string field 'text'")
-            texts.append(obj["text"])
-            if "id" in obj:
-                keys.append(str(obj["id"]))
+    # newline=None: "\n", "\r\n" and "\r" end a line, as when reading the file in text mode.
+    for lineno, line in enumerate(io.StringIO(_read_text(path, "entries file"), newline=None), 1):
+        line = line.rstrip("\r\n")
+        if not line.strip():
+            continue
+        if not jsonl:
+            texts.append(line)
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DescriptorError(f"{path}:{lineno}: invalid JSON ({exc.msg})") from exc
+        if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+            raise DescriptorError(f"{path}:{lineno}: expected an object with a string field 'text'")
+        texts.append(obj["text"])
+        if "id" in obj:
+            key = obj["id"]
+            if isinstance(key, bool) or not isinstance(key, (str, int, float)):
+                raise DescriptorError(f"{path}:{lineno}: 'id' is {json.dumps(key)[:40]}; an id is a string or a "
+                                      "number (leave 'id' out on every line for entries without keys)")
+            keys.append(str(key))
     if jsonl and keys and len(keys) != len(texts):
         raise DescriptorError(f"{path}: 'id' is present on {len(keys)} of {len(texts)} lines; give it on all or none")
     return texts, (keys if keys else None)
+
+
+def _load_tokenizer(name: str) -> Any:
+    """``--tokenizer``: a Hugging Face tokenizer folder or name, or :class:`DescriptorError` naming it."""
+    from transformers import AutoTokenizer
+
+    if (name.startswith((".", "/", "~")) or "\\" in name) and not Path(name).expanduser().is_dir():
+        raise DescriptorError(f"--tokenizer {name}: no such folder")
+    try:
+        return AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError) as exc:  # transformers' "not found", "not a valid model identifier", bad files
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise DescriptorError(f"--tokenizer {name}: cannot load a tokenizer ({first})") from exc
 
 
 def _cmd_build_prefix_dict(args: argparse.Namespace) -> int:
@@ -66,11 +113,9 @@ def _cmd_build_prefix_dict(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     vocab_size, fingerprint = args.vocab_size, ""
     if args.tokenizer:
-        from transformers import AutoTokenizer
-
         from .tokenizers import tokenizer_fingerprint, tokenizer_vocab_size
 
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+        tokenizer = _load_tokenizer(args.tokenizer)
         fingerprint = tokenizer_fingerprint(tokenizer)
         vocab_size = vocab_size or tokenizer_vocab_size(tokenizer)
     t1 = time.perf_counter()
@@ -107,10 +152,11 @@ def _cmd_build_codes(args: argparse.Namespace) -> int:
         raise DescriptorError(f"{path} is not a .npy array of integer codes ({exc})") from exc
     keys = None
     if args.keys:
-        keys = Path(args.keys).read_text(encoding="utf-8").splitlines()
+        keys = _read_text(Path(args.keys), "keys file").splitlines()
     t0 = time.perf_counter()
+    offset = 0 if args.token_offset is None else args.token_offset
     trie = catalog_from_codes(np.asarray(codes), vocab_size=args.vocab_size, codebook_size=args.codebook_size,
-                              token_offset=args.token_offset, keys=keys)
+                              token_offset=offset, keys=keys)
     t1 = time.perf_counter()
     trie.save(args.output)
     t2 = time.perf_counter()
@@ -125,8 +171,6 @@ def _cmd_build(args: argparse.Namespace) -> int:
         return _cmd_build_prefix_dict(args)
     if args.codes:
         return _cmd_build_codes(args)
-    from transformers import AutoTokenizer
-
     from .trie import TokenTrie
 
     path = Path(args.entries)
@@ -137,14 +181,14 @@ def _cmd_build(args: argparse.Namespace) -> int:
         if text == "":
             raise DescriptorError(f"{path}: entry {i} is empty")
     t0 = time.perf_counter()
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    tokenizer = _load_tokenizer(args.tokenizer)
     t1 = time.perf_counter()
     spaces = [True, False] if args.both_spaces else (True if args.leading_space else None)
     if len(texts) >= 200_000:
         print(f"tokenizing {len(texts):,} entries ...", file=sys.stderr)
     context = args.context[0] if args.context and len(args.context) == 1 else args.context
     trie = TokenTrie.from_strings(texts, tokenizer, leading_space=spaces, context=context, keys=keys,
-                                  normalize=args.normalize)
+                                  normalize=args.normalize, on_unstable=args.on_unstable or "raise")
     t2 = time.perf_counter()
     trie.save(args.output)
     t3 = time.perf_counter()
@@ -212,32 +256,41 @@ def _cmd_bench(argv: Sequence[str]) -> int:
     return int(benchmarks.main(list(argv)) or 0)
 
 
+#: The options of ``build`` that each kind of source takes (by their ``args`` names); any other is a usage error.
+_SOURCE_OPTIONS = {
+    "entries": ("tokenizer", "leading_space", "both_spaces", "context", "normalize", "on_unstable"),
+    "prefix_dict": ("tokenizer", "vocab_size", "strict"),
+    "codes": ("vocab_size", "codebook_size", "token_offset", "keys"),
+}
+_SOURCE_NAMES = {"entries": "an entries file", "prefix_dict": "--prefix-dict", "codes": "--codes"}
+
+
 def _check_build_args(build: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Usage errors of ``build`` (argparse exits with status 2 and the message)."""
-    sources = [x is not None for x in (args.entries, args.prefix_dict, args.codes)]
-    if sum(sources) != 1:
+    given = [source for source in _SOURCE_OPTIONS if getattr(args, source) is not None]
+    if len(given) != 1:
         build.error("give exactly one of: an entries file, --prefix-dict FILE, --codes FILE")
-    if args.codes is not None:
-        if args.vocab_size is None or args.codebook_size is None:
-            build.error("--codes needs --vocab-size and --codebook-size (and usually --token-offset)")
-        return
-    if args.codebook_size is not None or args.keys is not None:
-        build.error("--codebook-size and --keys only apply to --codes")
-    if args.prefix_dict is not None:
-        if args.vocab_size is None and not args.tokenizer:
-            build.error("--prefix-dict needs --vocab-size (the model's logits width) or --tokenizer")
-        if args.vocab_size is not None and args.vocab_size <= 0:
-            build.error(f"--vocab-size must be positive, got {args.vocab_size}")
-        for flag, given in (("--leading-space", args.leading_space), ("--both-spaces", args.both_spaces),
-                            ("--context", args.context), ("--normalize", args.normalize)):
-            if given:
-                build.error(f"{flag} only applies to an entries file")
-        return
-    if not args.tokenizer:
+    source = given[0]
+    for option in dict.fromkeys(o for options in _SOURCE_OPTIONS.values() for o in options):
+        value = getattr(args, option)
+        if value is not None and value is not False and option not in _SOURCE_OPTIONS[source]:
+            takers = " or ".join(_SOURCE_NAMES[s] for s, options in _SOURCE_OPTIONS.items() if option in options)
+            build.error(f"{FLAGS(option)} only applies to {takers}")
+    if source == "codes" and (args.vocab_size is None or args.codebook_size is None):
+        build.error("--codes needs --vocab-size and --codebook-size (and usually --token-offset)")
+    if source == "prefix_dict" and args.vocab_size is None and not args.tokenizer:
+        build.error("--prefix-dict needs --vocab-size (the model's logits width) or --tokenizer")
+    if source == "entries" and not args.tokenizer:
         build.error("--tokenizer is required to build from an entries file")
-    for flag, given in (("--strict", args.strict), ("--vocab-size", args.vocab_size is not None)):
-        if given:
-            build.error(f"{flag} only applies to --prefix-dict")
+    try:  # the rules of options.py, spelled as flags
+        if args.vocab_size is not None:
+            check_vocab_size(args.vocab_size, FLAGS)
+        if args.codebook_size is not None:
+            check_positive(args.codebook_size, "codebook_size", FLAGS)
+        if args.token_offset is not None:
+            token_id(args.token_offset, "token_offset", FLAGS)
+    except ConstraintConfigError as exc:
+        build.error(str(exc))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -262,13 +315,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                             "(repeatable: one form per context)")
     build.add_argument("--normalize", choices=NORMAL_FORMS,
                        help="Unicode-normalize entries before tokenizing (NFC for Qwen); recorded in the file")
+    build.add_argument("--on-unstable", choices=ON_UNSTABLE_MODES,
+                       help="with --context: an entry that merges with the context's last token is an error (raise, "
+                            "the default) or keeps its own tokens there (raw); recorded in the file")
     build.add_argument(
         "--prefix-dict", metavar="FILE", help="build from an RTP-LLM prefix dict (tree_decode_config JSON)"
     )
     build.add_argument("--vocab-size", type=int, help="with --prefix-dict or --codes: the model's logits width")
     build.add_argument("--codes", metavar="FILE", help="build a semantic-id catalog from an .npy array (items x levels)")
     build.add_argument("--codebook-size", type=int, help="with --codes: codes per level")
-    build.add_argument("--token-offset", type=int, default=0, help="with --codes: the token of level 0's code 0")
+    build.add_argument("--token-offset", type=int, help="with --codes: the token of level 0's code 0 (default 0)")
     build.add_argument("--keys", metavar="FILE", help="with --codes: one item key per line")
     build.add_argument(
         "--strict", action="store_true", help="with --prefix-dict: refuse what RTP-LLM would accept silently"
@@ -283,9 +339,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.command == "build":
         _check_build_args(build, args)
     try:
+        if args.command == "build":
+            check_writable(args.output)  # before the work, not after it
         return {"build": _cmd_build, "info": _cmd_info}[args.command](args)
     except TrieDecodeError as exc:
-        print(f"trie-decode {args.command}: error: {exc}", file=sys.stderr)
+        # An error whose fix names an option names it as a flag here (--context, not context=).
+        message = exc.message_for(FLAGS) if isinstance(exc, ContextError) else str(exc)
+        print(f"trie-decode {args.command}: error: {message}", file=sys.stderr)
         return 1
 
 

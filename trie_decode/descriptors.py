@@ -37,7 +37,7 @@ import numpy as np
 
 from ._build import RaggedTokens, token_paths
 from .errors import DescriptorError, InvalidEntryError, InvalidTokenError
-from .trie import TokenTrie, is_vocab_size
+from .trie import VOCAB_SIZE, TokenTrie, check_vocab_size
 
 __all__ = ["read_json", "tries_from_token_tree_payload", "trie_from_prefix_dict"]
 
@@ -493,8 +493,7 @@ def trie_from_prefix_dict(
         >>> sorted(trie_from_prefix_dict(rtp, vocab_size=70000).sequences())
         [(64000,), (64003, 64001), (64003, 64004), (64006,)]
     """
-    if not is_vocab_size(vocab_size):
-        raise InvalidTokenError(f"vocab_size must be an integer in [1, 2**31], got {vocab_size!r}")
+    check_vocab_size(vocab_size, VOCAB_SIZE)
     vocab_size = int(vocab_size)
     parsed = _parse_prefix_dict(payload)
     if parsed.end >= vocab_size:

@@ -24,7 +24,15 @@ import numpy as np
 
 from .errors import TrieFileError
 
-__all__ = ["write_arrays", "read_arrays", "check_vectors", "open_regular_file", "FORMAT_NAME", "FORMAT_VERSION"]
+__all__ = [
+    "write_arrays",
+    "check_writable",
+    "read_arrays",
+    "check_vectors",
+    "open_regular_file",
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+]
 
 FORMAT_NAME = "trie_decode.TokenTrie"
 FORMAT_VERSION = 1
@@ -36,9 +44,30 @@ def _crc(array: np.ndarray) -> int:
     return zlib.crc32(np.ascontiguousarray(array).view(np.uint8).reshape(-1)) & 0xFFFFFFFF
 
 
+def check_writable(path: str | os.PathLike[str]) -> None:
+    """Raise :class:`TrieFileError` unless a file can be written at ``path``: not a folder, in a folder that exists.
+
+    ``trie-decode build`` calls it before building, so that a wrong ``-o`` fails before the work, not after it.
+    """
+    target = Path(path)
+    if target.is_dir():
+        raise TrieFileError(f"cannot write {target}: it is a folder (give a file name in it)")
+    folder = target.parent
+    if not folder.is_dir():
+        problem = "is not a folder" if folder.exists() else "does not exist"
+        raise TrieFileError(f"cannot write {target}: the folder {folder} {problem}")
+
+
 def write_arrays(path: str | os.PathLike[str], arrays: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> None:
-    """Write ``arrays`` and ``metadata`` as a safetensors file, adding the format tag and per-array CRC-32s."""
+    """Write ``arrays`` and ``metadata`` as a safetensors file, adding the format tag and per-array CRC-32s.
+
+    Raises:
+        TrieFileError: ``path`` cannot be written (a folder, a missing folder, no permission, a full disk).
+    """
+    from safetensors import SafetensorError
     from safetensors.numpy import save_file
+
+    check_writable(path)
 
     meta = dict(metadata)
     meta["format"] = FORMAT_NAME
@@ -49,6 +78,9 @@ def write_arrays(path: str | os.PathLike[str], arrays: Mapping[str, np.ndarray],
     try:
         save_file({name: np.ascontiguousarray(a) for name, a in arrays.items()}, str(tmp), metadata=meta)
         os.replace(tmp, path)
+    except (OSError, SafetensorError) as exc:  # safetensors reports an I/O failure as a SafetensorError
+        tmp.unlink(missing_ok=True)
+        raise TrieFileError(f"cannot write {os.fspath(path)}: {getattr(exc, 'strerror', None) or exc}") from exc
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

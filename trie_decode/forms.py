@@ -34,7 +34,9 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
 
 from .errors import InvalidEntryError
+from .options import check_on_unstable
 from .tokenizers import (
+    _ENTRY_OPTIONS,
     ContextError,
     _split_after,
     normalize_strings,
@@ -100,7 +102,12 @@ def resolve_forms(leading_space: Any = None, context: Any = None) -> list[FormSp
 
 
 def tokenize_forms(
-    strings: Sequence[str], tokenizer: Any, forms: Sequence[FormSpec], *, normalize: Optional[str] = None
+    strings: Sequence[str],
+    tokenizer: Any,
+    forms: Sequence[FormSpec],
+    *,
+    normalize: Optional[str] = None,
+    on_unstable: str = "raise",
 ) -> tuple[list[list[int]], list[int]]:
     """Token sequences of every (form, string) pair, form by form, and the string index of each sequence.
 
@@ -110,10 +117,14 @@ def tokenize_forms(
         forms: from :func:`resolve_forms`.
         normalize: a Unicode normal form applied to each string before tokenizing (``"NFC"`` for Qwen, whose
             tokenizer normalizes its input, so that ``decode(tokens)`` gives the normalized string back).
+        on_unstable: what a context form does with an entry that merges with the context: ``"raise"`` or
+            ``"raw"`` (see :func:`~trie_decode.tokenizers.tokenize_in_context`).
 
     Raises:
-        ContextError: a context merges with an entry (see :func:`~trie_decode.tokenizers.tokenize_in_context`).
+        ContextError: a context merges with an entry and ``on_unstable="raise"``.
+        InvalidEntryError: ``on_unstable`` or ``normalize`` is not one of its values.
     """
+    check_on_unstable(on_unstable, _ENTRY_OPTIONS)
     texts = normalize_strings(strings, normalize)
     sequences: list[list[int]] = []
     source: list[int] = []
@@ -121,7 +132,7 @@ def tokenize_forms(
         if kind == "leading_space":
             seqs = tokenize_strings(texts, tokenizer, leading_space=bool(value))
         elif kind == "context":
-            seqs = tokenize_in_context(texts, tokenizer, str(value))
+            seqs = tokenize_in_context(texts, tokenizer, str(value), on_unstable=on_unstable)
         else:
             raise InvalidEntryError(f"unknown form kind {kind!r}")
         sequences += seqs

@@ -836,6 +836,10 @@ class LiveCatalog:
             for label, value in (("leading_space", leading_space), ("context", context), ("normalize", normalize)):
                 if value is not None:
                     raise CatalogUpdateError(f"{label}= applies to strings: pass tokenizer= too")
+            strings = isinstance(entries, (list, tuple)) and any(isinstance(e, str) for e in entries)
+            if strings or isinstance(entries, str):
+                raise CatalogUpdateError("entries given as strings need the base's tokenizer: pass tokenizer= (or "
+                                         "give token-id sequences)")
             ragged = to_ragged(entries)
             for label, column in (("names", names), ("keys", keys)):
                 if column is not None and len(column) != len(ragged):

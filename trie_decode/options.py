@@ -5,7 +5,9 @@ Why this exists: the same options reach the core through several front doors (``
 own constructors such as :class:`~trie_decode.spans.SpanRules`), and each must reject the same mistakes with the
 same message. Each rule is one function or constant here; a front door calls it with its :class:`OptionNames`, so
 that the message names the option as that caller wrote it (``on_complete`` or ``template=`` for a keyword,
-``extra_args['on_complete']`` in a vLLM request) and raises that front door's error class.
+``extra_args['on_complete']`` in a vLLM request, ``--vocab-size`` on the command line: :data:`FLAGS`) and raises that
+front door's error class. An error whose fix names an option (``ContextError``) spells it with
+:meth:`OptionNames.given`, so each front door can recommend its own spelling.
 
 The rules, and who calls them:
 
@@ -14,6 +16,10 @@ The rules, and who calls them:
                      fast-forward, the vLLM resolver), vLLM request parsing.
     normalize forms  :data:`NORMAL_FORMS`, :func:`check_normalize`: ``TokenTrie.from_strings`` (through
                      ``tokenizers.normalize_strings``), vLLM request parsing, the CLI's ``--normalize`` choices.
+    merging entries  :data:`ON_UNSTABLE_MODES`, :func:`check_on_unstable` (what ``from_strings`` does with an entry
+                     that merges with its context): ``tokenizers.tokenize_in_context``, the CLI's ``--on-unstable``.
+    vocabulary size  :func:`is_vocab_size`, :func:`check_vocab_size` (an integer in ``[1, 2**31]``): the trie
+                     builders, the CLI's ``--vocab-size``.
     token arguments  :func:`token_tuple` (token ids), :func:`token_id` (one id), :func:`text_or_ids` (a trigger or
                      separator as text or ids), :func:`tokens_arg` (text tokenized now), :func:`end_token` and
                      :func:`first_eos` (the end token and its defaults), gathered by :func:`rule_args`:
@@ -59,6 +65,7 @@ Example:
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass
 from typing import Any, NoReturn, Optional, Sequence, Union
 
@@ -71,11 +78,17 @@ __all__ = [
     "OptionNames",
     "KEYWORDS",
     "KEYWORD_ARGS",
+    "FLAGS",
     "ON_COMPLETE_MODES",
     "check_on_complete",
     "check_separator",
     "NORMAL_FORMS",
     "check_normalize",
+    "ON_UNSTABLE_MODES",
+    "check_on_unstable",
+    "MAX_VOCAB_SIZE",
+    "is_vocab_size",
+    "check_vocab_size",
     "token_tuple",
     "token_id",
     "text_or_ids",
@@ -105,6 +118,11 @@ TrieArg = Union["TokenTrie", Sequence["TokenTrie"]]
 ON_COMPLETE_MODES = ("eos", "release", "repeat")
 #: Unicode normal forms accepted by ``normalize=`` (recorded in the trie's options).
 NORMAL_FORMS = ("NFC", "NFKC", "NFD", "NFKD")
+#: What ``from_strings`` does with an entry that merges with its context: refuse it (:class:`ContextError`), or keep
+#: the entry's own tokens for it.
+ON_UNSTABLE_MODES = ("raise", "raw")
+#: The largest vocabulary a trie holds: token ids are stored as int32 (a larger one would wrap ids around silently).
+MAX_VOCAB_SIZE = 1 << 31
 
 
 @dataclass(frozen=True)
@@ -114,17 +132,30 @@ class OptionNames:
     Args:
         template: the spelling of an option ``key``, with ``{}`` (or ``{!r}``) where the key goes.
         error: the exception class of this front door's refusals.
+        flag: command-line flags: the key's underscores are dashes, and a value follows the flag after a space.
 
     Example:
         >>> OptionNames("extra_args[{!r}]")("separator")
         "extra_args['separator']"
+        >>> KEYWORDS.given("context", "The answer is"), FLAGS.given("context", "The answer is")
+        ("context='The answer is'", "--context 'The answer is'")
+        >>> KEYWORDS.given("leading_space", True), FLAGS.given("leading_space", True)
+        ('leading_space=True', '--leading-space')
     """
 
     template: str = "{}"
     error: type = ConstraintConfigError
+    flag: bool = False
 
     def __call__(self, key: str) -> str:
-        return self.template.format(key)
+        return self.template.format(key.replace("_", "-") if self.flag else key)
+
+    def given(self, key: str, value: Any) -> str:
+        """Option ``key`` set to ``value``, as the caller writes it (``context='...'``, ``--context '...'``; a flag
+        set to True is the flag alone)."""
+        if not self.flag:
+            return f"{self(key)}={value!r}"
+        return self(key) if value is True else f"{self(key)} {shlex.quote(str(value))}"
 
     def fail(self, message: str) -> NoReturn:
         raise self.error(message)
@@ -135,6 +166,8 @@ class OptionNames:
 KEYWORDS = OptionNames()
 #: The same keyword arguments named on their own: ``template= does not combine with ...``, ``needs trie=``.
 KEYWORD_ARGS = OptionNames("{}=")
+#: The ``trie-decode`` command line's flags: ``--vocab-size``, ``--leading-space``.
+FLAGS = OptionNames("--{}", flag=True)
 
 
 # ------------------------------------------------------------------------------------------------- modes
@@ -160,6 +193,39 @@ def check_normalize(value: Any, names: OptionNames = KEYWORDS) -> Optional[str]:
     if value is not None and (not isinstance(value, str) or value not in NORMAL_FORMS):
         names.fail(f"{names('normalize')} must be one of {NORMAL_FORMS} (or unset), got {value!r:.20}")
     return value
+
+
+# ------------------------------------------------------------------------------------------------- merging entries
+def check_on_unstable(value: Any, names: OptionNames = KEYWORDS) -> str:
+    """``value`` if it is one of :data:`ON_UNSTABLE_MODES`, else ``names``' error."""
+    if not isinstance(value, str) or value not in ON_UNSTABLE_MODES:
+        names.fail(f"{names('on_unstable')} must be one of {ON_UNSTABLE_MODES}, got {value!r:.20}")
+    return value
+
+
+# ------------------------------------------------------------------------------------------------- vocabulary size
+def is_vocab_size(value: Any) -> bool:
+    """Whether ``value`` is a vocabulary size a trie can hold: an integer (not a bool) in ``[1, 2**31]`` (token ids
+    are stored as int32: a larger vocabulary would wrap ids around silently)."""
+    return (
+        not isinstance(value, (bool, np.bool_))
+        and isinstance(value, (int, np.integer))
+        and 0 < value <= MAX_VOCAB_SIZE
+    )
+
+
+def check_vocab_size(value: Any, names: OptionNames = KEYWORDS) -> int:
+    """``value`` as an int if :func:`is_vocab_size`, else ``names``' error.
+
+    Example:
+        >>> check_vocab_size(-1, FLAGS)
+        Traceback (most recent call last):
+        ...
+        trie_decode.errors.ConstraintConfigError: --vocab-size must be an integer in [1, 2**31], got -1
+    """
+    if not is_vocab_size(value):
+        names.fail(f"{names('vocab_size')} must be an integer in [1, 2**31], got {value!r:.40}")
+    return int(value)
 
 
 # ------------------------------------------------------------------------------------------------- token arguments

@@ -37,7 +37,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from .errors import InvalidEntryError, TrieDecodeError
-from .options import NORMAL_FORMS, OptionNames, check_normalize
+from .options import KEYWORDS, NORMAL_FORMS, OptionNames, check_normalize, check_on_unstable
 
 __all__ = [
     "tokenizer_fingerprint",
@@ -74,8 +74,18 @@ class ContextError(TrieDecodeError, ValueError):
 
     Typical causes: a prompt that ends with a space (the model writes the space *inside* the entry's first token,
     ``" France"``), or a prompt whose last character glues to the entry (``'"'`` before a name in Llama 3's
-    pre-tokenizer). The message names the first entry affected and the fix.
+    pre-tokenizer). The message names the first entry affected and the fix, with ``from_strings``' keywords
+    (``context=``, ``leading_space=True``, ``on_unstable='raw'``); :meth:`message_for` spells the fix for another
+    front door (the command line's ``--context``, ``--leading-space``, ``--on-unstable raw``).
     """
+
+    def __init__(self, message: str, *, details: Optional[tuple] = None) -> None:
+        super().__init__(message)
+        self.details = details  # (context, entry, index, context ids, ids with the entry): for message_for
+
+    def message_for(self, names: OptionNames) -> str:
+        """The message, its fix naming the options as ``names`` spells them (:data:`~trie_decode.options.FLAGS`)."""
+        return _unstable_message(*self.details, names) if self.details is not None else str(self)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -443,8 +453,7 @@ def tokenize_in_context(
         >>> tokenize_in_context(["Paris"], tok, "Answer:\\n") == [tok("Paris")["input_ids"]]         # doctest: +SKIP
         True
     """
-    if on_unstable not in ("raise", "raw"):
-        raise InvalidEntryError(f"on_unstable must be 'raise' or 'raw', got {on_unstable!r}")
+    check_on_unstable(on_unstable, _ENTRY_OPTIONS)
     texts, split, head = _split_after(strings, tokenizer, context, separator)
     out: list[list[int]] = []
     raw_needed: list[int] = []
@@ -453,8 +462,8 @@ def tokenize_in_context(
             out.append(ids)
             continue
         if on_unstable == "raise":
-            full = encode_texts(tokenizer, [context + texts[i]])[0]
-            raise ContextError(_unstable_message(tokenizer, context, texts[i], i, head, full))
+            details = (context, texts[i], i, head, encode_texts(tokenizer, [context + texts[i]])[0])
+            raise ContextError(_unstable_message(*details), details=details)
         out.append([])
         raw_needed.append(i)
     if raw_needed:
@@ -508,18 +517,22 @@ def _split_after(
     return texts, [ids[k:] if ids[:k] == head and len(ids) > k else None for ids in full], head
 
 
-def _unstable_message(tokenizer: Any, context: str, entry: str, index: int, head: list[int], ids: list[int]) -> str:
+def _unstable_message(
+    context: str, entry: str, index: int, head: list[int], ids: list[int], names: OptionNames = KEYWORDS
+) -> str:
+    """:class:`ContextError`'s message; the fix names ``from_strings``' options as ``names`` spells them."""
     stripped = context.rstrip(" \t")
     if stripped != context:
         fix = (
             f"the context ends with whitespace ({context[len(stripped):]!r}); the model writes the space inside the "
             f"entry's first token. End the prompt without it (prompt.rstrip(' ')) and build with "
-            f"context={stripped[-40:]!r} or leading_space=True"
+            f"{names.given('context', stripped[-40:])} or {names.given('leading_space', True)}"
         )
     else:
         fix = (
             f"its last token merges with the entry. Either end the prompt one token earlier and start the entries "
-            f"with that text (token healing), or build with on_unstable='raw' to keep the entry's own tokens there"
+            f"with that text (token healing), or build with {names.given('on_unstable', 'raw')} to keep the entry's "
+            "own tokens there (the ids the model writes after the context's own)"
         )
     return (
         f"context {context[-40:]!r} is not a stable prefix of entry {index} ({entry!r:.60}): alone it is {head[-4:]} "

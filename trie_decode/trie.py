@@ -36,13 +36,12 @@ from .entries import ITEM_DTYPES, Entry, StringTable, catalog_item_keys, catalog
 from .errors import EmptyTrieError, InvalidEntryError, InvalidTokenError, TokenizerMismatchError, TrieFileError
 from .fileio import check_vectors, read_arrays, write_arrays
 from .forms import resolve_forms, tokenize_forms
+from .options import MAX_VOCAB_SIZE, OptionNames, check_vocab_size, is_vocab_size  # noqa: F401 (re-exported)
 from .tokenizers import fingerprint_matches, tokenizer_fingerprint, tokenizer_vocab_size
 
 _MISSING = object()
 
 __all__ = ["TokenTrie", "TrieStats"]
-
-MAX_VOCAB_SIZE = 1 << 31
 
 #: The trie's own arrays and their dtypes (the layout above): what save() writes, load() requires, validate() checks.
 ARRAYS = {
@@ -56,14 +55,8 @@ ARRAYS = {
 TABLES = ("names", "keys")
 
 
-def is_vocab_size(value: Any) -> bool:
-    """Whether ``value`` is a vocabulary size a trie can hold: an integer (not a bool) in ``[1, 2**31]`` (token ids
-    are stored as int32: a larger vocabulary would wrap ids around silently)."""
-    return (
-        not isinstance(value, (bool, np.bool_))
-        and isinstance(value, (int, np.integer))
-        and 0 < value <= MAX_VOCAB_SIZE
-    )
+#: ``vocab_size`` of the builders; a bad one is an :class:`InvalidTokenError` (every token id is checked against it).
+VOCAB_SIZE = OptionNames(error=InvalidTokenError)
 
 
 class TrieStats(dict):
@@ -195,22 +188,32 @@ class TokenTrie:
             sequences: a list of token-id sequences (lists, tuples, 1-D arrays), a 2-D integer array, or
                 :class:`~trie_decode._build.RaggedTokens`.
             vocab_size: every token id must be in ``[0, vocab_size)``.
-            names: optional text per input sequence (same length as ``sequences``).
-            keys: optional external id per input sequence (converted with ``str``).
+            names: optional text per input sequence (same length as ``sequences``); each a ``str``.
+            keys: optional external id per input sequence (converted with ``str``; None is refused, not ``"None"``).
             fingerprint: the tokenizer's :func:`~trie_decode.tokenizer_fingerprint`, if known.
             options: builder options recorded in the file's metadata.
 
         Raises:
-            EmptyTrieError: no sequences. InvalidEntryError: an empty or non-sequence entry.
+            EmptyTrieError: no sequences. InvalidEntryError: an empty or non-sequence entry, a name that is not a
+                string, a key that is None.
             InvalidTokenError: a token id that is not an integer or is outside ``[0, vocab_size)``.
         """
-        if not is_vocab_size(vocab_size):
-            raise InvalidTokenError(f"vocab_size must be an integer in [1, 2**31], got {vocab_size!r}")
+        check_vocab_size(vocab_size, VOCAB_SIZE)
         ragged = to_ragged(sequences)
         check_tokens(ragged, int(vocab_size))
         for label, column in (("names", names), ("keys", keys)):
             if column is not None and len(column) != len(ragged):
                 raise InvalidEntryError(f"{label} has {len(column)} items but there are {len(ragged)} sequences")
+        if names is not None:
+            bad = next((i for i, name in enumerate(names) if not isinstance(name, str)), None)
+            if bad is not None:
+                raise InvalidEntryError(f"names[{bad}] is {type(names[bad]).__name__} {names[bad]!r:.40}: a name is a "
+                                        "string (leave names= out for entries without names)")
+        if keys is not None:
+            bad = next((i for i, key in enumerate(keys) if key is None), None)
+            if bad is not None:
+                raise InvalidEntryError(f"keys[{bad}] is None: a key is a string or a number (leave keys= out for "
+                                        "entries without keys)")
         built = build_arrays(ragged, int(vocab_size))
         source = built.entry_source.tolist()
         name_table = StringTable.from_strings([str(names[i]) for i in source]) if names is not None else None
@@ -252,6 +255,7 @@ class TokenTrie:
         context: Any = None,
         keys: Optional[Sequence[Any]] = None,
         normalize: Optional[str] = None,
+        on_unstable: str = "raise",
     ) -> "TokenTrie":
         """Build a trie from entry strings with the model's tokenizer, holding the ids the model writes in context.
 
@@ -276,10 +280,15 @@ class TokenTrie:
             keys: optional external id per string (shared by the string's forms).
             normalize: ``"NFC"`` (or ``"NFKC"``, ``"NFD"``, ``"NFKD"``): normalize each string before tokenizing,
                 as Qwen's tokenizer does to its input; recorded in ``options``. Names stay as given.
+            on_unstable: what a ``context`` does with an entry whose first characters merge with the context's last
+                token (``'"'`` before ``"-hello"``): ``"raise"`` (:class:`~trie_decode.tokenizers.ContextError`
+                naming it) or ``"raw"`` (store the entry's own tokens there, the ids the model can write after the
+                context's own; recorded in ``options``).
 
         Raises:
-            InvalidEntryError: not a list of non-empty strings, or a bad option. EmptyTrieError: no strings.
-            ContextError: a context merges with an entry (e.g. it ends with a space).
+            InvalidEntryError: no tokenizer, not a list of non-empty strings, or a bad option. EmptyTrieError: no
+                strings.
+            ContextError: a context merges with an entry (e.g. it ends with a space) and ``on_unstable="raise"``.
 
         Example:
             >>> from transformers import AutoTokenizer                      # doctest: +SKIP
@@ -289,6 +298,9 @@ class TokenTrie:
             >>> [both.entry(i).name for i in range(both.num_entries)]                                # doctest: +SKIP
             ['France', 'France']
         """
+        if tokenizer is None or not callable(tokenizer):
+            raise InvalidEntryError(f"from_strings needs the model's tokenizer (a Hugging Face tokenizer) to "
+                                    f"tokenize the strings, got {type(tokenizer).__name__}")
         if isinstance(strings, (str, bytes)):
             raise InvalidEntryError("expected a collection of strings, got a single string")
         strings = list(strings)
@@ -302,7 +314,7 @@ class TokenTrie:
         if keys is not None and len(keys) != len(strings):
             raise InvalidEntryError(f"keys has {len(keys)} items but there are {len(strings)} strings")
         forms = resolve_forms(leading_space, context)
-        sequences, source = tokenize_forms(strings, tokenizer, forms, normalize=normalize)
+        sequences, source = tokenize_forms(strings, tokenizer, forms, normalize=normalize, on_unstable=on_unstable)
         options: dict[str, Any] = {"source": "strings"}
         spaces = [v for kind, v in forms if kind == "leading_space"]
         contexts = [v for kind, v in forms if kind == "context"]
@@ -312,6 +324,8 @@ class TokenTrie:
             options["context"] = contexts[0] if isinstance(context, str) else contexts
         if normalize is not None:
             options["normalize"] = normalize
+        if contexts and on_unstable != "raise":
+            options["on_unstable"] = on_unstable
         if len(forms) > 1:
             options["forms"] = len(forms)
         return cls.from_sequences(
