@@ -195,7 +195,12 @@ class _Run:
         self.want_scores = bool(config.return_dict_in_generate and config.output_scores)
         self.want_logits = bool(config.return_dict_in_generate and config.output_logits)
         self.trig = len(constraint.rules.trigger)
-        self.hist = input_ids[:, p - self.trig :].clone() if self.trig else None  # (B, t) last tokens, for triggers
+        self.hist = None  # (B, t) last tokens, for triggers; a prompt shorter than the trigger padded with -1
+        if self.trig:
+            self.hist = torch.full((b, self.trig), -1, dtype=input_ids.dtype, device=input_ids.device)
+            keep = min(p, self.trig)
+            if keep:
+                self.hist[:, self.trig - keep :] = input_ids[:, p - keep :]
         self.state = constraint.start(b, groups, self.hist)
         self.gen = torch.full((b, max(max_new, 1)), pad_id, dtype=torch.long, device=self.device)
         self.n_gen = [0] * b

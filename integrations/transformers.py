@@ -325,7 +325,12 @@ class TrieLogitsProcessor(LogitsProcessor):
         """The rows' last tokens the constraint reads: a token trigger's length at every step; with spans, the
         prompt's tail at a generation's start only (``starting``; later steps feed the automaton token by token)."""
         t = _SPAN_TAIL if starting and self.rules.fields is not None else len(self.rules.trigger)
-        return input_ids[:, -t:] if t else None
+        if not t:
+            return None
+        tails = input_ids[:, -t:]
+        if self.rules.trigger and tails.shape[1] < t:  # a history shorter than the trigger: -1 never matches it
+            tails = torch.nn.functional.pad(tails, (t - tails.shape[1], 0), value=-1)
+        return tails
 
     def _begin(self, input_ids: torch.Tensor, device: torch.device, loop: "GenerateLoop") -> None:
         batch, cur = input_ids.shape

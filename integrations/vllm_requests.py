@@ -55,8 +55,8 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Collection, Hashable, Optional, Sequence, Union
 
-from trie_decode.constraint import SpanRules
-from trie_decode.errors import TrieDecodeError
+from trie_decode.constraint import SpanRules, check_end_token_outside_entries
+from trie_decode.errors import ConstraintConfigError, TrieDecodeError
 from trie_decode.fields import ESCAPES, FieldRules, Span
 from trie_decode.templates import Template
 from trie_decode.filters import entry_indices
@@ -902,7 +902,10 @@ class TrieResolver:
             self.spans(req, admit=True)
             return make_stamp(None)
         trie, origin = self._trie(req, admit=True)
-        self.rules(req)
+        try:  # what the engine's constraint would refuse, refused here as a 400 (cached on the trie per end token)
+            check_end_token_outside_entries(trie, self.rules(req))
+        except ConstraintConfigError as exc:
+            raise TrieRequestError(f"extra_args['trie']: {exc}") from None
         self._check_prefix(req, trie)
         self.filters(req, trie)
         return make_stamp(origin[:4] if origin is not None else None)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import random
+import re
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -224,3 +226,113 @@ def test_replay_of_text_spans_reads_each_value_in_its_own_spans_trie():
         FieldRules.from_tokens([cities], ['"city": "'], None, vocab)  # end=None: the end token closes the span
     assert FieldRules.from_tokens([cities], ['"city": "'], None, vocab, end_token_id=0).ends[0].ids.tolist() == [0]
     assert names(c.replay([rest, [4] + rest], None, [[1, 2, 3, 4], [1, 2, 3]])) == [["Rome", "France"]] * 2
+
+
+# ------------------------------------------------------------------ inputs every kernel takes, checked once
+
+KERNELS = ["native", "numpy", "torch"]
+
+
+def _small(kernel: str, **rules) -> TrieConstraint:
+    trie = TokenTrie.from_sequences([[3, 4], [3, 5], [6]], vocab_size=10)
+    return TrieConstraint(trie, SpanRules(0, **rules), "cpu", kernel=kernel)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_logits_rows_no_state_covers_are_left_as_they_are(kernel):
+    """Logits with more rows than the state, no row map: the rows past the state's are no state's (the numpy
+    kernel set them all to -inf, in place and through out=)."""
+    c = _small(kernel)
+    logits = torch.ones(3, 10)
+    c.mask_(logits, c.start(2))
+    assert logits[2].tolist() == [1.0] * 10
+    assert logits[:2].isfinite().nonzero()[:, 1].tolist() == [3, 6, 3, 6]
+    out = torch.full((2, 10), 7.0)
+    c.mask_(torch.ones(2, 10), c.start(1), out=out)
+    assert out[1].tolist() == [1.0] * 10 and out[0].isfinite().nonzero().flatten().tolist() == [3, 6]
+    assert c.mask_(torch.ones(3, 10), c.start(2), inplace=False)[2].tolist() == [1.0] * 10
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_logits_that_no_kernel_takes_are_named(kernel):
+    """(B, 1, V) logits were masked wrongly without error (native, numpy) and 1-D ones raised IndexError; a leaf
+    requiring grad was masked in place by the C kernel and raised autograd's error on the others."""
+    c = _small(kernel)
+    for logits in (torch.zeros(2, 1, 10), torch.zeros(10), torch.zeros(1, 2, 1, 10)):
+        with pytest.raises(ConstraintConfigError, match=r"logits must be Shape \(B, V\).*got " + re.escape(
+                str(tuple(logits.shape)))):
+            c.mask_(logits, c.start(2))
+    with pytest.raises(ConstraintConfigError, match="floating-point.*torch.int64"):
+        c.mask_(torch.zeros(2, 10, dtype=torch.long), c.start(2))
+    with pytest.raises(TypeError, match="logits must be a torch.Tensor"):
+        c.mask_(np.zeros((2, 10), dtype=np.float32), c.start(2))
+    leaf = torch.zeros(2, 10, requires_grad=True)
+    for kwargs in ({}, {"inplace": False}):
+        with pytest.raises(ConstraintConfigError, match=r"logits require grad.*logits.detach\(\).*torch.no_grad\(\)"):
+            c.mask_(leaf, c.start(2), **kwargs)
+    assert leaf.eq(0).all()
+    assert c.mask_(leaf.detach(), c.start(2)).isfinite().sum() == 4
+    with torch.no_grad():
+        assert c.mask_(leaf, c.start(2)).isfinite().sum() == 4
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_row_map_that_does_not_fit_is_named(kernel):
+    """rows= out of range or of the wrong length: the C kernel named it, numpy and torch failed inside torch (and
+    numpy would have read a negative row from the end)."""
+    c = _small(kernel)
+    for rows, bad in (([5, 0], 5), ([0, -1], -1), ([0, 3], 3)):
+        with pytest.raises(IndexError, match=f"logits row {bad} is outside the batch of 3 rows"):
+            c.mask_(torch.zeros(3, 10), c.start(2), rows=torch.tensor(rows))
+    for rows in (torch.tensor([1]), torch.tensor([[0], [1]]), torch.tensor([0.0, 1.0]), torch.tensor([True, False])):
+        with pytest.raises(ConstraintConfigError, match=r"rows must hold one integer logits row per state row: \(2,\)"):
+            c.mask_(torch.zeros(3, 10), c.start(2), rows=rows)
+    out = c.mask_(torch.ones(3, 10), c.start(2), rows=torch.tensor([2, 0], dtype=torch.int32))
+    assert out[1].tolist() == [1.0] * 10 and out[2].isfinite().nonzero().flatten().tolist() == [3, 6]
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_tokens_of_another_shape_than_the_state_are_named(kernel):
+    """tokens (1,) for 2 rows gave both rows the token, (2, 1) a 2-D state (numpy, torch); only the C kernel refused."""
+    c = _small(kernel)
+    for tokens in (torch.tensor([3]), torch.tensor([[3], [6]]), torch.tensor([3.0, 6.0]), torch.tensor(3)):
+        with pytest.raises(ConstraintConfigError, match=r"one integer token per state row: \(2,\) for the state's 2 rows"):
+            c.advance(c.start(2), tokens)
+    assert c.advance(c.start(2), torch.tensor([3, 6], dtype=torch.int32)).node.tolist() == [1, 2]
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_trigger_needs_tails_as_wide_as_itself(kernel):
+    """Without tails= (or with tails narrower than the trigger) the trigger silently never fired."""
+    c = _small(kernel, on_complete="release", trigger=(7, 8))
+    state = c.start(1)
+    with pytest.raises(ConstraintConfigError, match=r"advance needs tails= with a trigger.*\(1, >= 2\)"):
+        c.advance(state, torch.tensor([7]))
+    for tails in (torch.tensor([[8]]), torch.tensor([7, 8]), torch.tensor([[7, 8], [7, 8]])):
+        with pytest.raises(ConstraintConfigError, match=r"tails must hold each row's last 2 tokens.*pad"):
+            c.advance(state, torch.tensor([8]), tails=tails)
+    with pytest.raises(ConstraintConfigError, match="tails must hold"):
+        c.start(1, tails=torch.tensor([[8]]))
+    state = c.advance(state, torch.tensor([7]), tails=torch.tensor([[-1, 7]]))  # a history shorter than the trigger
+    state = c.advance(state, torch.tensor([8]), tails=torch.tensor([[7, 8]]))
+    assert c.allowed_tokens(state) == [[3, 6]]
+    assert c.start(1).node.tolist() == [-2]  # start without tails: no prompt ends with the trigger
+
+
+def test_an_entry_holding_the_end_token_is_refused_where_the_end_token_ends_generation():
+    """The entry [7158, 2, 7158] with end token 2: generation stopped inside it (the output was no entry). In
+    "repeat" a separator inside an entry stays fine; "release" is not refused."""
+    trie = TokenTrie.from_sequences([[5], [7158, 2, 7158]], vocab_size=8000, names=["a", "x"])
+    for rules in (SpanRules(2), SpanRules(2, on_complete="repeat", separator=(9,))):
+        with pytest.raises(ConstraintConfigError, match=r"entry 1 \('x'\), tokens \[7158, 2, 7158\], contains the end "
+                                                          r"token 2: generation would stop inside it.*end_token_id="):
+            TrieConstraint(trie, rules, "cpu")
+    TrieConstraint(trie, SpanRules(2, on_complete="release"), "cpu")
+    TrieConstraint(trie, SpanRules(3), "cpu")
+    TrieConstraint(trie, SpanRules(3, on_complete="repeat", separator=(2,)), "cpu")  # the separator inside: fine
+    keyed = TokenTrie.from_sequences([[4, 1, 6, 7], [4, 5]], vocab_size=10, keys=["k1", "k2"])
+    with pytest.raises(ConstraintConfigError, match=r"entry 0 \('k1'\), tokens \[4, 1, 6, 7\], contains the end token 1"):
+        TrieConstraint(keyed, SpanRules(1), "cpu")
+    bare = TokenTrie.from_sequences([[4, 5], [6, 1]], vocab_size=10)
+    with pytest.raises(ConstraintConfigError, match=r"entry 1, tokens \[6, 1\], contains the end token 1"):
+        TrieConstraint([TokenTrie.from_sequences([[4]], vocab_size=10), bare], SpanRules(1), "cpu")

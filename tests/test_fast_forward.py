@@ -482,3 +482,15 @@ def test_outside_the_verified_transformers_it_decodes_token_by_token_with_the_sa
     assert torch.equal(general, fast_forward_generate(tiny_llama, **inputs, trie=small_tries, deny=deny,
                                                       end_token_id=end, **kwargs))
     assert hooked.stats.forced_tokens == 0 and hooked.stats.forward_passes == ref.shape[1] - inputs["input_ids"].shape[1]
+
+
+def test_tiny_trigger_longer_than_the_prompt(tiny_llama, tokenizer, small_tries):
+    """A prompt shorter than the trigger: its history is padded with -1 (the core refuses tails narrower than the
+    trigger, where the trigger could never fire), in the processor and the fast-forward loop alike."""
+    inputs = {"input_ids": torch.tensor([[5]]), "attention_mask": torch.ones(1, 1, dtype=torch.long)}
+    free = tiny_llama.generate(**inputs, max_new_tokens=3, do_sample=False)[0, 1:].tolist()
+    ref, out = _both(tiny_llama, inputs, [small_tries[0]], tokenizer, max_new_tokens=12, trigger=free[:3])
+    assert out.tolist() == ref.tolist()
+    seq = out[0].tolist()
+    fired = next(i for i in range(3, len(seq) + 1) if seq[i - 3 : i] == free[:3])  # the prompt's token counts too
+    assert fired < len(seq) and small_tries[0].walk(seq[fired : fired + 1]) > 0  # an entry starts there

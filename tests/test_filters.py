@@ -650,3 +650,22 @@ def test_masking_with_filters_keeps_no_rules_alive():
     rules = run()
     gc.collect()
     assert rules() is None
+
+
+def test_a_spec_may_mix_keys_and_indices_as_a_live_catalog_takes_it():
+    """["a", 2] raised "must hold entry keys (str) or entry indices (int), got 'a'" although 'a' is a key, while a
+    live catalog's view took the same spec: one rule (filters.spec_items) for both."""
+    from trie_decode.live import LiveCatalog
+
+    trie = TokenTrie.from_sequences([[3, 4], [3, 5], [6]], vocab_size=V, keys=["a", "b", "c"])
+    c = TrieConstraint(trie, SpanRules(end_token_id=END), "cpu")
+    mixed = c.filters(1, allow=["a", 2])
+    assert _allowed(c, c.start(1), mixed, V) == _allowed(c, c.start(1), c.filters(1, allow=[0, 2]), V) == [{3, 6}]
+    assert _allowed(c, c.start(1), c.filters(1, deny=np.array(["b", 2], dtype=object)), V) == [{3}]
+    view = LiveCatalog(trie).snapshot().view(SpanRules(end_token_id=END))
+    assert view.entry_indices(["a", 2], "allow").tolist() == [0, 2]
+    for spec in (["a", 1.5], [2, None], ["a", True]):
+        with pytest.raises(ConstraintConfigError, match="entry keys .str. or entry indices .int., got"):
+            c.filters(1, allow=spec)
+        with pytest.raises(ConstraintConfigError, match="entry keys .str. or entry numbers .int., got"):
+            view.entry_indices(spec, "allow")

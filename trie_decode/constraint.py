@@ -30,6 +30,7 @@ from .errors import ConstraintConfigError, InvalidTokenError
 from .filters import (CHILD_EXCLUDED, END_EXCLUDED, EntryOrder, RowFilters, apply_filters_, completed_ranks,
                       entry_indices)
 from .kernels.grouped import row_groups
+from .kernels.interface import check_logits, check_row_range, check_rows
 from .kernels.vectorized import plans_to_bool, plans_to_lists
 from .bitmask import pack_bitmask
 from .options import check_distinct, check_filter_mode, given_filters, row_specs
@@ -55,6 +56,39 @@ def _excluded_moves(node: Any, new: Any, parent_of_new: Any, own_bits: Any, new_
     off_child = went_down & ((new_bits & CHILD_EXCLUDED) != 0)
     excluded_end = (node >= 0) & ((own_bits & END_EXCLUDED) != 0) & ~(went_down & ~off_child)
     return off_child, excluded_end
+
+
+def check_end_token_outside_entries(trie: TokenTrie, rules: SpanRules) -> None:
+    """Refuse a trie with an entry that contains the end token, where that token ends generation (``"eos"`` and
+    ``"repeat"``): a row would stop inside the entry, and its output would be no entry (a span's value that contains
+    its end is refused the same way, :func:`trie_decode.fields.value_trie`). A separator inside an entry is fine.
+
+    One numpy pass over the trie's edge tokens (about a millisecond per million nodes), kept on the trie per end
+    token: a constraint built again over the same trie reads it back.
+
+    Raises:
+        ConstraintConfigError: naming one such entry and the end token.
+    """
+    if rules.on_complete not in ("eos", "repeat"):
+        return
+    end = rules.end_token_id
+
+    def first_node() -> int:
+        hit = trie.token == end  # the root's token is -1: never the end token
+        at = int(hit.argmax())
+        return at if hit[at] else -1
+
+    node = trie.derived(("end_token_node", end), first_node)
+    if node < 0:
+        return
+    while trie.node_entry[node] < 0:  # an entry through the node: down its first children to a terminal
+        node = int(trie.child_ptr[node])
+    entry = trie.entry(int(trie.node_entry[node]))
+    label = "" if entry.name is None and entry.key is None else f" ({entry.name if entry.key is None else entry.key!r})"
+    raise ConstraintConfigError(
+        f"entry {entry.index}{label}, tokens {list(entry.tokens)[:20]}, contains the end token {end}: generation "
+        f"would stop inside it (on_complete={rules.on_complete!r}) and the output would be no entry; give "
+        "end_token_id= the model's own end token (one no entry contains), or build the trie without such entries")
 
 
 @dataclass
@@ -143,6 +177,8 @@ class TrieConstraint:
         self.device = torch.device(device)
         self.vocab_size = max(t.vocab_size for t in tries)
         rules.check_vocab(self.vocab_size)
+        for t in tries:
+            check_end_token_outside_entries(t, rules)
         # The narrowest logits this constraint can mask: every trie token and every rule token must fit.
         self.needed_width = 1 + max([t.max_token for t in tries] + [rules.end_token_id]
                                     + list(rules.separator) + list(rules.trigger))
@@ -177,8 +213,9 @@ class TrieConstraint:
         Args:
             num_rows: R.
             tree: each row's trie index (default 0). Shape: (R,), int64.
-            tails: the rows' last tokens before generation (at least ``len(trigger)`` columns); used only with a
-                trigger: a prompt that already ends with the trigger starts inside the entry.
+            tails: the rows' last tokens before generation (at least ``len(trigger)`` columns; a shorter prompt
+                padded on the left with -1); used only with a trigger: a prompt that already ends with the trigger
+                starts inside the entry (without tails, every row waits for the trigger).
         """
         dev = self.device
         if tree is None:
@@ -192,6 +229,7 @@ class TrieConstraint:
                 raise ConstraintConfigError(f"row trie indices must be in [0, {len(self.tries)})")
         node = torch.zeros(num_rows, dtype=torch.long, device=dev)
         if self.rules.trigger:
+            self._check_tails(tails, num_rows, "start")
             node = torch.where(self._tail_is_trigger(tails, num_rows), node, torch.full_like(node, FREE))
         if self.rules.fields is not None:
             return self._start_fields(num_rows, tails)
@@ -252,9 +290,28 @@ class TrieConstraint:
             new, tree = torch.from_numpy(node_np).to(self.device), torch.from_numpy(tree_np).to(self.device)
         return RowState(new, tree, torch.from_numpy(text).to(self.device))
 
-    def _tail_is_trigger(self, tails: Optional[torch.Tensor], num_rows: int) -> torch.Tensor:
+    def _check_tails(self, tails: Optional[torch.Tensor], num_rows: int, where: str) -> None:
+        """With a trigger: ConstraintConfigError unless ``tails`` holds each row's last ``len(trigger)`` tokens or more,
+        Shape: (R, T >= len(trigger)) (without them the trigger would never fire). ``start`` may go without: no
+        prompt then ends with the trigger."""
         t = len(self.rules.trigger)
-        if tails is None or tails.shape[-1] < t:
+        if tails is None:
+            if where == "start":
+                return
+            raise ConstraintConfigError(
+                f"{where} needs tails= with a trigger: each row's last {t} tokens, the new one included, Shape: "
+                f"({num_rows}, >= {t}) (pad a shorter history on the left with -1); without them the trigger never "
+                "fires")
+        if not isinstance(tails, torch.Tensor) or tails.dim() != 2 or tails.shape[0] != num_rows or tails.shape[1] < t:
+            got = tuple(tails.shape) if isinstance(tails, torch.Tensor) else type(tails).__name__
+            raise ConstraintConfigError(
+                f"tails must hold each row's last {t} tokens (the trigger's length) or more: ({num_rows}, >= {t}), "
+                f"got {got}; pad a shorter history on the left with -1")
+
+    def _tail_is_trigger(self, tails: Optional[torch.Tensor], num_rows: int) -> torch.Tensor:
+        """Rows whose ``tails`` (checked: :meth:`_check_tails`) end with the trigger. Shape: (R,), bool."""
+        t = len(self.rules.trigger)
+        if tails is None:
             return torch.zeros(num_rows, dtype=torch.bool, device=self.device)
         return (tails[:, -t:].to(self.device) == self._trigger).all(dim=1)
 
@@ -270,12 +327,21 @@ class TrieConstraint:
         Args:
             state: the rows' state before the tokens.
             tokens: the token each row appended. Shape: (R,), int64.
-            tails: the rows' last tokens *including* ``tokens`` (at least ``len(trigger)`` columns); needed only
-                with a trigger.
+            tails: the rows' last tokens *including* ``tokens`` (at least ``len(trigger)`` columns; a shorter
+                history padded on the left with -1); required with a trigger, unused without. Shape: (R, T).
             filters: the rows' filters; when they are ``distinct``, each entry a row completes is denied to it
                 from now on (updated in place).
         """
-        if tokens.dtype is not torch.long or tokens.device != self.device:
+        # Every kernel's inputs, checked here once (attributes only).
+        dtype = tokens.dtype if isinstance(tokens, torch.Tensor) else None
+        if dtype is None or tokens.shape != state.node.shape or (dtype is not torch.long and (
+                dtype.is_floating_point or dtype.is_complex or dtype is torch.bool)):
+            got = f"{tuple(tokens.shape)} {tokens.dtype}" if isinstance(tokens, torch.Tensor) else type(tokens).__name__
+            raise ConstraintConfigError(f"tokens must hold one integer token per state row: ({len(state)},) for the "
+                                        f"state's {len(state)} rows, got {got}")
+        if self.rules.trigger:
+            self._check_tails(tails, len(state), "advance")
+        if dtype is not torch.long or tokens.device != self.device:
             tokens = tokens.to(self.device, torch.long)
         if filters is not None:
             filters.check_rows(len(tokens))
@@ -372,16 +438,22 @@ class TrieConstraint:
         """Set every disallowed logit of the constrained rows to -inf; return the masked logits.
 
         Args:
-            logits: Shape: (B, V), V >= the tries' vocabulary (wider logits, e.g. padded embeddings, are masked too).
+            logits: Shape: (B, V), float, V >= the tries' vocabulary (wider logits, e.g. padded embeddings, are
+                masked too); not requiring grad (the mask is not recorded by autograd).
             state: the state of the rows to mask.
-            rows: logits row of each state row (default: state row i is logits row i).
+            rows: logits row of each state row (default: state row i is logits row i; logits rows no state row
+                names are left as they are). Shape: (R,), integer; a CPU tensor is checked against B.
             inplace: modify ``logits`` (default) or return a new tensor and leave ``logits`` unchanged.
             out: write the result into this tensor (same shape, dtype and device; its contents are overwritten)
                 and leave ``logits`` unchanged: out-of-place masking without an allocation per step.
             filters: per-row allow/deny sets (:meth:`filters`): children whose entries are all excluded are
                 blocked too.
         """
-        InvalidTokenError.check_logits_width(logits.shape[-1], self.needed_width)
+        # Every kernel's inputs, checked here once (attributes only; the rows' range only where no device is read).
+        check_logits(logits)
+        InvalidTokenError.check_logits_width(logits.shape[1], self.needed_width)
+        if rows is not None:
+            rows = check_rows(rows, len(state), logits.shape[0], logits.device, self.kernel.reads_host)
         if filters is not None:
             filters.check_rows(len(state))
         if (self._free_row_is_free and filters is None and out is None and inplace and state.node.numel() == 1
@@ -392,7 +464,7 @@ class TrieConstraint:
         covers_all = self.kernel.writes_every_row and rows is None and len(state) == logits.shape[0]
         if out is not None:
             if out.shape != logits.shape or out.dtype != logits.dtype or out.device != logits.device:
-                raise ValueError(f"out must match the logits ({tuple(logits.shape)}, {logits.dtype}, {logits.device}), "
+                raise ConstraintConfigError(f"out must match the logits ({tuple(logits.shape)}, {logits.dtype}, {logits.device}), "
                                  f"got {tuple(out.shape)}, {out.dtype}, {out.device}")
             if out is not logits and not covers_all:
                 out.copy_(logits)  # rows no state covers must be copied: copy, then mask in place
@@ -403,16 +475,20 @@ class TrieConstraint:
             out = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         else:
             out = src = logits.clone()  # rows no state covers must be copied: clone, then mask in place
-        if rows is not None and rows.device != logits.device:
-            rows = rows.to(logits.device)
+        flags = None
         if (filters is not None and not filters.distinct and self.kernel.supports_filters
                 and self.kernel.takes_filters(out, src)):
             # Static filters in the kernel's own pass (their per-node bits, built once per filter).
             filters.node_flags(self.tries[0])
-            self.kernel.mask_rows(self._prepared, out, src, state.node, state.tree, rows,
-                                  filters.built_node_flags(len(state)))
+            flags = filters.built_node_flags(len(state))
+        try:
+            self.kernel.mask_rows(self._prepared, out, src, state.node, state.tree, rows, flags)
+        except IndexError:
+            if rows is not None:  # a kernel that reads no host (torch) indexed a row out of range: name it (an error
+                check_row_range(rows, logits.shape[0])  # path, where reading the rows is fine)
+            raise
+        if flags is not None:
             return out
-        self.kernel.mask_rows(self._prepared, out, src, state.node, state.tree, rows)
         if filters is not None:
             apply_filters_(out, state.node, filters, self.dtries[0], self.rules, rows)
         if self.rules.fields is not None:

@@ -44,7 +44,7 @@ from .options import is_per_row  # the per-row rule (trie_decode.options), part 
 from .spans import completes_entry
 from .trie import TokenTrie
 
-__all__ = ["EntryOrder", "KeyIndex", "NodeFlags", "RowFilters", "entry_indices", "restricted_trie", "filtered_tries", "is_per_row", "apply_filters_", "distinct_capacity",
+__all__ = ["EntryOrder", "KeyIndex", "NodeFlags", "RowFilters", "entry_indices", "spec_items", "restricted_trie", "filtered_tries", "is_per_row", "apply_filters_", "distinct_capacity",
            "CHILD_EXCLUDED", "END_EXCLUDED", "usable_count", "filter_bits"]
 
 
@@ -277,29 +277,47 @@ def filtered_tries(tries: Sequence[TokenTrie], allow: Any, deny: Any, on_complet
 _MADE_HERE: "weakref.WeakValueDictionary[int, np.ndarray]" = weakref.WeakValueDictionary()
 
 
+def spec_items(spec: Any, what: str, numbers: str = "entry indices") -> tuple[list[Any], list[int]]:
+    """The keys (str) and the entry numbers (int) a filter spec names, each in its order: the one rule of a spec, for
+    a trie (:func:`entry_indices`) and for a live catalog (:meth:`~trie_decode.live.CatalogView.entry_indices`). A
+    spec is a list (or an array) of keys, of numbers, or of both mixed. Refused with a named error: a single string
+    (a list of its characters is never what was meant) and an item that is neither (a bool, a float, None).
+
+    Args:
+        numbers: what the caller's numbers are called in errors (``"entry indices"``, ``"entry numbers"``).
+    """
+    if isinstance(spec, (str, bytes)):
+        raise ConstraintConfigError(f"{what} must be a list of entry keys or {numbers}, got the string {spec!r:.60}")
+    items = spec.ravel().tolist() if isinstance(spec, np.ndarray) else list(spec)
+    kinds = set(map(type, items))
+    if all(issubclass(k, str) for k in kinds):
+        return items, []
+    if all(issubclass(k, (int, np.integer)) and not issubclass(k, (bool, np.bool_)) for k in kinds):
+        return [], items
+    keys = [x for x in items if isinstance(x, str)]
+    nums = [x for x in items if not isinstance(x, str)]
+    for x in nums:
+        if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)):
+            raise ConstraintConfigError(f"{what} must hold entry keys (str) or {numbers} (int), got {x!r:.40}")
+    return keys, nums
+
+
 def entry_indices(trie: TokenTrie, spec: Any, what: str) -> np.ndarray:
     """Entry indices from a filter spec: entry indices (ints), keys (strings, see :class:`KeyIndex`: a key stands for
-    every entry that carries it), or a numpy array of indices (returned as it is) or of keys. Indices made from a list
-    or keys come back read only. Raises a named error for an unknown key, an index out of range, a single string (a
-    list of its characters is never what was meant) or an item that is neither a key nor an index (a bool mask, a
-    float)."""
+    every entry that carries it), both mixed, or a numpy array of indices (returned as it is) or of keys. Indices
+    made from a list or keys come back read only. Raises a named error for an unknown key, an index out of range, a
+    single string or an item that is neither a key nor an index (a bool mask, a float): see :func:`spec_items`."""
     if spec is None:
         return np.zeros(0, dtype=np.int64)
-    if isinstance(spec, (str, bytes)):
-        raise ConstraintConfigError(f"{what} must be a list of entry keys or indices, got the string {spec!r:.60}")
     if isinstance(spec, np.ndarray) and spec.dtype.kind in "iu":
         idx = spec.astype(np.int64, copy=False)
         idx = idx if idx.ndim == 1 else idx.ravel()  # the array itself where it can be (see EntryOrder.sorted_ranks)
-    else:  # a list, or an array of keys (or of anything else: each item is checked below)
-        items = spec.ravel().tolist() if isinstance(spec, np.ndarray) else list(spec)
-        kinds = set(map(type, items))
-        if items and all(issubclass(k, str) for k in kinds):
-            idx = KeyIndex.of(trie).entries(items, what)
-        else:
-            for x in items:
-                if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
-                    raise ConstraintConfigError(f"{what} must hold entry keys (str) or entry indices (int), got {x!r:.40}")
-            idx = np.asarray(items, dtype=np.int64)
+    else:  # a list, or an array of keys (or of anything else: spec_items checks each item)
+        keys, nums = spec_items(spec, what)
+        idx = np.asarray(nums, dtype=np.int64)
+        if keys:
+            found = KeyIndex.of(trie).entries(keys, what)
+            idx = found if not nums else np.concatenate([found, idx])
         idx.setflags(write=False)  # made here and never changed: EntryOrder.sorted_ranks may keep its ranks
         _MADE_HERE[id(idx)] = idx
     if idx.size and (idx.min() < 0 or idx.max() >= trie.num_entries):

@@ -51,7 +51,7 @@ from .device import DeviceTrie
 from .entries import Entry, StringTable
 from .errors import CatalogUpdateError, ConstraintConfigError, EmptyTrieError, TrieFileError
 from .fileio import check_vectors, read_arrays, write_arrays
-from .filters import EntryOrder, KeyIndex, RowFilters
+from .filters import EntryOrder, KeyIndex, RowFilters, spec_items
 from .options import row_specs
 from .trie import TokenTrie
 
@@ -563,14 +563,11 @@ class CatalogView:
                 is neither.
         """
         snap = self.snapshot
-        if isinstance(spec, (str, bytes)):
-            raise ConstraintConfigError(f"{what} must be a list of keys or entry numbers, got the string {spec!r:.60}")
-        items = spec.ravel().tolist() if isinstance(spec, np.ndarray) else list(spec)
+        keys, numbers = spec_items(spec, what, "entry numbers")  # the spec rule of every filter (mixed specs too)
         nb, added = snap.base.num_entries, list(snap.added())
         base_idx: list[int] = []
         delta_idx: list[int] = []
         missing: list[str] = []
-        keys = [x for x in items if isinstance(x, str)]
         if keys:
             base_keys, delta_keys = _key_index(snap.base), snap.delta_keys()
             for x in keys:
@@ -583,11 +580,7 @@ class CatalogView:
             if missing:
                 raise ConstraintConfigError(
                     f"{what}: {len(missing)} keys are not entries of the catalog, e.g. {missing[:3]}")
-        for x in items:
-            if isinstance(x, str):
-                continue
-            if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
-                raise ConstraintConfigError(f"{what} must hold entry keys (str) or entry numbers (int), got {x!r:.40}")
+        for x in numbers:
             i = int(x)
             if not 0 <= i < nb + len(added):
                 raise ConstraintConfigError(f"{what}: entry number {i} is outside the snapshot's {nb + len(added)} "

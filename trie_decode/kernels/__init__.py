@@ -16,11 +16,17 @@ these, never a kernel's name:
     device_kinds         the device types it runs on (None: any); runs_on(device), available() (built),
                          default_on(device) (chosen by default there)
     writes_every_row     out of place, it writes every row itself (no copy of the logits first)
+    reads_host           its step reads on the host anyway (CPU kernels): a CPU row map's range is checked before
+                         dispatch; the torch kernel reads nothing on the host, wherever it runs
     supports_filters     it applies static filters in its own pass, from their per-node bits
                          (``advance_rows``/``mask_rows`` take ``filter_bits``; ``takes_filters(out, src)`` says
                          whether it can for these logits); otherwise trie_decode.filters' pass applies them
     supports_fused_step  ``fused_step(table, nodes, needed_width)`` gives a one-call step (advance, then mask) for
                          a caller that owns its rows' state
+
+The inputs every kernel takes are checked once, before dispatch (``TrieConstraint.mask_``/``advance``, with
+:func:`.interface.check_logits` and :func:`.interface.check_rows`): (B, V) float logits not requiring grad, a row
+map of one integer row per state row, one token per state row. A kernel states none of these checks again.
 
 The mask contract, as a reference loop (``table`` holds a trie and its span rules, see :mod:`trie_decode.spans`)::
 

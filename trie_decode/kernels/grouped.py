@@ -51,6 +51,7 @@ class GroupedKernel(Kernel):
     :class:`~.interface.Kernel`); by default these kernels run on the CPU only."""
 
     device_kinds: Optional[frozenset] = frozenset({"cpu"})
+    reads_host = True  # the rows are grouped by trie on the host
 
     def advance(self, table: Any, node: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError

@@ -11,7 +11,56 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["Kernel", "check_state_rows"]
+from ..errors import ConstraintConfigError
+
+__all__ = ["Kernel", "check_state_rows", "check_logits", "check_rows", "check_row_range"]
+
+
+def check_logits(logits: Any) -> None:
+    """The logits every kernel takes, checked once before dispatch (``TrieConstraint.mask_``): a (B, V) floating
+    tensor that masking may write outside autograd (the C kernel writes its memory, so no kernel records the mask
+    in a graph). Attributes only: no host read.
+
+    Raises:
+        TypeError: ``logits`` is not a tensor.
+        ConstraintConfigError: not two dimensions, not a float dtype, or a tensor that requires grad while grad
+            mode is on.
+    """
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"logits must be a torch.Tensor of Shape (B, V), got {type(logits).__name__}")
+    if len(logits.shape) != 2:
+        raise ConstraintConfigError(f"logits must be Shape (B, V), one row per sequence, got {tuple(logits.shape)} "
+                                    "(for (B, L, V) model outputs pass the last position, logits[:, -1, :])")
+    if not logits.is_floating_point():
+        raise ConstraintConfigError(f"logits must be a floating-point tensor (-inf marks a masked token), got "
+                                    f"{logits.dtype}")
+    if logits.requires_grad and torch.is_grad_enabled():
+        raise ConstraintConfigError("logits require grad: the mask is written outside autograd and would not be "
+                                    "differentiable; pass logits.detach(), or mask under torch.no_grad()")
+
+
+def check_rows(rows: Any, num_states: int, batch: int, device: torch.device, host_range: bool) -> torch.Tensor:
+    """The row map of ``TrieConstraint.mask_`` (logits row of each state row), checked once before dispatch and
+    returned as int64 on the logits' device. Its shape and dtype are always checked; its range only where that
+    reads no device: a CPU tensor, for a kernel that reads its step on the host anyway (``host_range``: the
+    kernel's ``reads_host``). The torch kernel's step reads nothing on the host wherever it runs (no GPU
+    synchronization): there the kernel's indexing is the range check.
+
+    Args:
+        rows: Shape: (R,), an integer tensor. num_states: R. batch: B, the logits rows.
+    Raises:
+        ConstraintConfigError: not an (R,) integer tensor. IndexError: a CPU row outside ``[0, B)`` (the C kernel's
+            own message, ``_kernel.c``).
+    """
+    if (not isinstance(rows, torch.Tensor) or rows.shape != (num_states,) or rows.is_floating_point()
+            or rows.is_complex() or rows.dtype is torch.bool):
+        got = f"{tuple(rows.shape)} {rows.dtype}" if isinstance(rows, torch.Tensor) else type(rows).__name__
+        raise ConstraintConfigError(f"rows must hold one integer logits row per state row: ({num_states},), got {got}")
+    if host_range and num_states and rows.is_cpu:
+        check_row_range(rows, batch)
+    if rows.device != device or rows.dtype is not torch.int64:
+        rows = rows.to(device, torch.int64)
+    return rows
 
 
 def check_state_rows(num_states: int, batch: int) -> None:
@@ -19,6 +68,17 @@ def check_state_rows(num_states: int, batch: int) -> None:
     as logits rows (the C kernel's own check, ``_kernel.c``, with its message). Sizes only: no host read."""
     if num_states > batch:
         raise IndexError(f"{num_states} states for a batch of {batch} logits rows")
+
+
+def check_row_range(rows: torch.Tensor, batch: int) -> None:
+    """IndexError naming the first of ``rows`` outside ``[0, batch)`` (the C kernel's message, ``_kernel.c``). Reads
+    the rows on the host: before dispatch only for CPU rows (:func:`check_rows`), else on an error path."""
+    if not rows.numel():
+        return
+    lo, hi = torch.aminmax(rows)
+    if int(lo) < 0 or int(hi) >= batch:
+        bad = int(rows[(rows < 0) | (rows >= batch)][0])
+        raise IndexError(f"logits row {bad} is outside the batch of {batch} rows")
 
 
 class Kernel:
@@ -30,6 +90,9 @@ class Kernel:
     #: The device types it runs on (None: any).
     device_kinds: Optional[frozenset] = None
     writes_every_row = False
+    #: Its step reads the rows on the host anyway (a CPU kernel): a CPU row map's range is checked before dispatch
+    #: (:func:`check_rows`). False for a kernel whose step must never read on the host (no GPU synchronization).
+    reads_host = False
     supports_filters = False
     supports_fused_step = False
 

@@ -36,9 +36,11 @@ class MaskPlan:
     Attributes:
         rows: logits row of each kept pair. Shape: (K,), int64.
         cols: column of each kept pair (duplicates allowed). Shape: (K,), int64.
-        masked_rows: the logits rows this plan masks, or None for "every row". Shape: (R,), int64.
+        masked_rows: the logits rows this plan masks, or None for "logits rows 0 .. num_rows - 1" (state row i is
+            logits row i; logits rows past them are no state's and are left as they are). Shape: (R,), int64.
         dense_rows: logits rows that also keep a dense row. Shape: (D,), int64, or None.
         dense_blocked: the columns those rows block. Shape: (D, V_trie), bool.
+        num_rows: R, the number of state rows planned.
     """
 
     rows: torch.Tensor
@@ -46,6 +48,7 @@ class MaskPlan:
     masked_rows: Optional[torch.Tensor] = None
     dense_rows: Optional[torch.Tensor] = None
     dense_blocked: Optional[torch.Tensor] = None
+    num_rows: int = 0
 
 
 class VectorizedKernel(GroupedKernel):
@@ -110,6 +113,7 @@ class VectorizedKernel(GroupedKernel):
         else:
             total, n_free, n_dense = torch.stack([count.sum(), (anchor < 0).sum(), (slot >= 0).sum()]).tolist()
         masked_rows = rows
+        num_rows = info.shape[0]
         if n_free:
             keep = ops.nonzero(anchor >= 0)
             if len(keep) == 0:
@@ -134,7 +138,8 @@ class VectorizedKernel(GroupedKernel):
         missing = col_flat < 0
         col_flat = col_flat + missing * (anchor[row_flat] - col_flat)
         logits_rows = row_flat if masked_rows is None else masked_rows[row_flat]
-        plan = MaskPlan(_to_torch(logits_rows), _to_torch(col_flat), None if masked_rows is None else _to_torch(masked_rows))
+        plan = MaskPlan(_to_torch(logits_rows), _to_torch(col_flat), None if masked_rows is None else _to_torch(masked_rows),
+                        num_rows=num_rows)
         if n_dense:
             dense_pos = ops.nonzero(slot >= 0)
             plan.dense_rows = _to_torch(dense_pos if masked_rows is None else masked_rows[dense_pos])
@@ -169,10 +174,10 @@ def apply_plans_(logits: torch.Tensor, plans: Sequence[MaskPlan]) -> torch.Tenso
     flat = [p.rows * width + p.cols for p in plans]
     kept = [torch.take(logits, f) for f in flat]
     dense = [logits.index_select(0, p.dense_rows) if p.dense_rows is not None else None for p in plans]
-    if any(p.masked_rows is None for p in plans):
-        logits.fill_(NEG_INF)
-    else:
-        for p in plans:
+    for p in plans:
+        if p.masked_rows is None:  # the first num_rows rows: rows past them are no state's, left as they are
+            (logits if p.num_rows == logits.shape[0] else logits[: p.num_rows]).fill_(NEG_INF)
+        else:
             logits.index_fill_(0, p.masked_rows, NEG_INF)
     for i, (p, d) in enumerate(zip(plans, dense)):
         # How many kept values of each row are not -inf (Shape: (B,)): rows with none get the floor.
@@ -196,7 +201,8 @@ def _on(plan: MaskPlan, device: torch.device) -> MaskPlan:
     if plan.rows.device == device:
         return plan
     move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
-    return MaskPlan(move(plan.rows), move(plan.cols), move(plan.masked_rows), move(plan.dense_rows), move(plan.dense_blocked))
+    return MaskPlan(move(plan.rows), move(plan.cols), move(plan.masked_rows), move(plan.dense_rows), move(plan.dense_blocked),
+                    plan.num_rows)
 
 
 def plans_to_bool(plans: Sequence[MaskPlan], batch_size: int, width: int) -> torch.Tensor:
@@ -209,7 +215,7 @@ def plans_to_bool(plans: Sequence[MaskPlan], batch_size: int, width: int) -> tor
     mask = torch.ones((batch_size, width), dtype=torch.bool, device=device)
     for p in plans:
         if p.masked_rows is None:
-            mask[:] = False
+            mask[: p.num_rows] = False
         else:
             mask[p.masked_rows] = False
         if p.dense_rows is not None:
@@ -225,7 +231,7 @@ def plans_to_lists(plans: Sequence[MaskPlan], batch_size: int, width: int) -> li
     """
     out: list[Optional[list[int]]] = [None] * batch_size
     for p in plans:
-        masked = range(batch_size) if p.masked_rows is None else p.masked_rows.tolist()
+        masked = range(p.num_rows) if p.masked_rows is None else p.masked_rows.tolist()
         for r in masked:
             out[r] = []
         rows, cols = p.rows.cpu(), p.cols.cpu()
