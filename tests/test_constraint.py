@@ -302,18 +302,20 @@ def test_tokens_of_another_shape_than_the_state_are_named(kernel):
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-def test_a_trigger_needs_tails_as_wide_as_itself(kernel):
-    """Without tails= (or with tails narrower than the trigger) the trigger silently never fired."""
+def test_a_trigger_needs_tails(kernel):
+    """Without tails= the trigger silently never fired; tails of another row count are named. Tails narrower than
+    the trigger are a history that short (it cannot end with the trigger yet)."""
     c = _small(kernel, on_complete="release", trigger=(7, 8))
     state = c.start(1)
     with pytest.raises(ConstraintConfigError, match=r"advance needs tails= with a trigger.*\(1, >= 2\)"):
         c.advance(state, torch.tensor([7]))
-    for tails in (torch.tensor([[8]]), torch.tensor([7, 8]), torch.tensor([[7, 8], [7, 8]])):
-        with pytest.raises(ConstraintConfigError, match=r"tails must hold each row's last 2 tokens.*pad"):
+    for tails in (torch.tensor([7, 8]), torch.tensor([[7, 8], [7, 8]])):
+        with pytest.raises(ConstraintConfigError, match=r"tails must hold each row's last tokens"):
             c.advance(state, torch.tensor([8]), tails=tails)
     with pytest.raises(ConstraintConfigError, match="tails must hold"):
-        c.start(1, tails=torch.tensor([[8]]))
-    state = c.advance(state, torch.tensor([7]), tails=torch.tensor([[-1, 7]]))  # a history shorter than the trigger
+        c.start(1, tails=torch.tensor([8]))
+    assert c.start(1, tails=torch.tensor([[8]])).node.tolist() == [-2]
+    state = c.advance(state, torch.tensor([7]), tails=torch.tensor([[7]]))  # a history shorter than the trigger
     state = c.advance(state, torch.tensor([8]), tails=torch.tensor([[7, 8]]))
     assert c.allowed_tokens(state) == [[3, 6]]
     assert c.start(1).node.tolist() == [-2]  # start without tails: no prompt ends with the trigger
@@ -321,18 +323,18 @@ def test_a_trigger_needs_tails_as_wide_as_itself(kernel):
 
 def test_an_entry_holding_the_end_token_is_refused_where_the_end_token_ends_generation():
     """The entry [7158, 2, 7158] with end token 2: generation stopped inside it (the output was no entry). In
-    "repeat" a separator inside an entry stays fine; "release" is not refused."""
+    "repeat" a separator inside an entry stays fine; "release" is not refused; an entry ending with it is fine."""
+    from trie_decode.constraint import check_end_token_outside_entries as check
+
     trie = TokenTrie.from_sequences([[5], [7158, 2, 7158]], vocab_size=8000, names=["a", "x"])
     for rules in (SpanRules(2), SpanRules(2, on_complete="repeat", separator=(9,))):
         with pytest.raises(ConstraintConfigError, match=r"entry 1 \('x'\), tokens \[7158, 2, 7158\], contains the end "
                                                           r"token 2: generation would stop inside it.*end_token_id="):
-            TrieConstraint(trie, rules, "cpu")
-    TrieConstraint(trie, SpanRules(2, on_complete="release"), "cpu")
-    TrieConstraint(trie, SpanRules(3), "cpu")
-    TrieConstraint(trie, SpanRules(3, on_complete="repeat", separator=(2,)), "cpu")  # the separator inside: fine
+            check(trie, rules)
+    check(trie, SpanRules(2, on_complete="release"))
+    check(trie, SpanRules(3))
+    check(trie, SpanRules(3, on_complete="repeat", separator=(2,)))  # the separator inside: fine
+    check(TokenTrie.from_sequences([[5, 2], [2], [6]], vocab_size=10), SpanRules(2))  # entries that end with it
     keyed = TokenTrie.from_sequences([[4, 1, 6, 7], [4, 5]], vocab_size=10, keys=["k1", "k2"])
     with pytest.raises(ConstraintConfigError, match=r"entry 0 \('k1'\), tokens \[4, 1, 6, 7\], contains the end token 1"):
-        TrieConstraint(keyed, SpanRules(1), "cpu")
-    bare = TokenTrie.from_sequences([[4, 5], [6, 1]], vocab_size=10)
-    with pytest.raises(ConstraintConfigError, match=r"entry 1, tokens \[6, 1\], contains the end token 1"):
-        TrieConstraint([TokenTrie.from_sequences([[4]], vocab_size=10), bare], SpanRules(1), "cpu")
+        check(keyed, SpanRules(1))

@@ -59,12 +59,14 @@ def _excluded_moves(node: Any, new: Any, parent_of_new: Any, own_bits: Any, new_
 
 
 def check_end_token_outside_entries(trie: TokenTrie, rules: SpanRules) -> None:
-    """Refuse a trie with an entry that contains the end token, where that token ends generation (``"eos"`` and
-    ``"repeat"``): a row would stop inside the entry, and its output would be no entry (a span's value that contains
-    its end is refused the same way, :func:`trie_decode.fields.value_trie`). A separator inside an entry is fine.
+    """Refuse a trie with an entry that holds the end token before its last token, where that token ends generation
+    (``"eos"`` and ``"repeat"``): a row would stop inside the entry, and its output would be no entry (a span's value
+    that contains its end is refused the same way, :func:`trie_decode.fields.value_trie`). An entry that ends with
+    the end token, and a separator inside an entry, are fine.
 
     One numpy pass over the trie's edge tokens (about a millisecond per million nodes), kept on the trie per end
-    token: a constraint built again over the same trie reads it back.
+    token. vLLM's admission calls it for a request's trie (a 400); the core's constraint does not (a trie decoded
+    with another end token, or token-level tests, may hold it).
 
     Raises:
         ConstraintConfigError: naming one such entry and the end token.
@@ -74,14 +76,17 @@ def check_end_token_outside_entries(trie: TokenTrie, rules: SpanRules) -> None:
     end = rules.end_token_id
 
     def first_node() -> int:
-        hit = trie.token == end  # the root's token is -1: never the end token
+        # A node the end token leads to that has children: what lies past it can never be written. An entry that
+        # ends with the end token is fine (generation stops where the entry ends). The root's token is -1.
+        hit = (trie.token == end) & (trie.child_ptr[1:] > trie.child_ptr[:-1])
         at = int(hit.argmax())
         return at if hit[at] else -1
 
     node = trie.derived(("end_token_node", end), first_node)
     if node < 0:
         return
-    while trie.node_entry[node] < 0:  # an entry through the node: down its first children to a terminal
+    node = int(trie.child_ptr[node])  # an entry past the end token: down first children to a terminal
+    while trie.node_entry[node] < 0:
         node = int(trie.child_ptr[node])
     entry = trie.entry(int(trie.node_entry[node]))
     label = "" if entry.name is None and entry.key is None else f" ({entry.name if entry.key is None else entry.key!r})"
@@ -177,8 +182,6 @@ class TrieConstraint:
         self.device = torch.device(device)
         self.vocab_size = max(t.vocab_size for t in tries)
         rules.check_vocab(self.vocab_size)
-        for t in tries:
-            check_end_token_outside_entries(t, rules)
         # The narrowest logits this constraint can mask: every trie token and every rule token must fit.
         self.needed_width = 1 + max([t.max_token for t in tries] + [rules.end_token_id]
                                     + list(rules.separator) + list(rules.trigger))
@@ -291,27 +294,26 @@ class TrieConstraint:
         return RowState(new, tree, torch.from_numpy(text).to(self.device))
 
     def _check_tails(self, tails: Optional[torch.Tensor], num_rows: int, where: str) -> None:
-        """With a trigger: ConstraintConfigError unless ``tails`` holds each row's last ``len(trigger)`` tokens or more,
-        Shape: (R, T >= len(trigger)) (without them the trigger would never fire). ``start`` may go without: no
-        prompt then ends with the trigger."""
+        """With a trigger: ConstraintConfigError unless ``tails`` holds each row's last tokens, Shape: (R, T) (T below
+        ``len(trigger)`` only for a history that short: it cannot end with the trigger yet). Without them the
+        trigger would never fire; ``start`` may go without: no prompt then ends with the trigger."""
         t = len(self.rules.trigger)
         if tails is None:
             if where == "start":
                 return
             raise ConstraintConfigError(
                 f"{where} needs tails= with a trigger: each row's last {t} tokens, the new one included, Shape: "
-                f"({num_rows}, >= {t}) (pad a shorter history on the left with -1); without them the trigger never "
-                "fires")
-        if not isinstance(tails, torch.Tensor) or tails.dim() != 2 or tails.shape[0] != num_rows or tails.shape[1] < t:
+                f"({num_rows}, >= {t}) (all of a shorter history); without them the trigger never fires")
+        if not isinstance(tails, torch.Tensor) or tails.dim() != 2 or tails.shape[0] != num_rows:
             got = tuple(tails.shape) if isinstance(tails, torch.Tensor) else type(tails).__name__
             raise ConstraintConfigError(
-                f"tails must hold each row's last {t} tokens (the trigger's length) or more: ({num_rows}, >= {t}), "
-                f"got {got}; pad a shorter history on the left with -1")
+                f"tails must hold each row's last tokens, {t} (the trigger's length) or more, or all of a shorter "
+                f"history: ({num_rows}, T), got {got}")
 
     def _tail_is_trigger(self, tails: Optional[torch.Tensor], num_rows: int) -> torch.Tensor:
         """Rows whose ``tails`` (checked: :meth:`_check_tails`) end with the trigger. Shape: (R,), bool."""
         t = len(self.rules.trigger)
-        if tails is None:
+        if tails is None or tails.shape[1] < t:  # a history shorter than the trigger cannot end with it
             return torch.zeros(num_rows, dtype=torch.bool, device=self.device)
         return (tails[:, -t:].to(self.device) == self._trigger).all(dim=1)
 

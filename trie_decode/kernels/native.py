@@ -442,6 +442,9 @@ class NativeKernel(GroupedKernel):
     name = "native"
     device_kinds = frozenset({"cpu"})
     writes_every_row = True  # out of place, every row is written (masked, or copied through): no clone needed
+    #: The C code names a row outside the batch itself (``_kernel.c``), so nothing is read before dispatch: a V2 or
+    #: GPU-resident row map stays unread on the host.
+    reads_host = False
     #: Static filters are applied in the kernel's own pass, from their per-node bits (see :func:`mask_rows`).
     supports_filters = True
     #: A caller that owns its rows' state can step them in one C call (:class:`FusedStep`).
