@@ -644,7 +644,8 @@ def rank(
             trie's entries, summing to 1 over all of them.
         allow, deny: per-prompt or shared entry filters (see :class:`TrieLogitsProcessor`).
         generate_kwargs: passed to ``generate`` (``max_new_tokens`` defaults to the deepest trie + 1). The search
-            is exhaustive (``early_stopping="never"``: no beam stops while a longer entry could still rank higher);
+            does not stop early (``early_stopping="never"``: it runs while a longer entry could still outrank the
+            finished ones);
             what ``rank`` sets itself (``num_beams``, ``num_return_sequences``, ``do_sample``, ``length_penalty``,
             ``output_scores``, ``return_dict_in_generate``, ``eos_token_id``, ``logits_processor``) is refused here.
 
@@ -681,7 +682,7 @@ def rank(
         num_return_sequences=beams,
         do_sample=False,
         length_penalty=1.0 if length_normalize else 0.0,
-        # Exhaustive: with early_stopping=True the search ended once it held num_beams finished beams, before a
+        # No early stop: with early_stopping=True the search ended once it held num_beams finished beams, before a
         # longer entry that outranks them could finish. "never" bounds what a running beam may still reach.
         **{"early_stopping": "never", **generate_kwargs},
         output_scores=True,
