@@ -102,6 +102,10 @@ OPTION_KEYS = (
 )
 #: The keys that ask for a constraint: a request with none of them is not this processor's.
 MAIN_KEYS = ("trie", "spans", "template")
+#: Options no other processor is likely to name: without a main key they mean a trie request that lost its trie
+#: (refused). Generic names (``allow``, ``deny``, ``prefix``, ``context``, ``distinct``, ...) are left to other
+#: processors when no main key is given.
+OWN_KEYS = ("on_complete", "leading_space", "stop_at_forced", "forced_tail_only")
 #: Options of trie_decode's Python front doors that a vLLM request does not take: refused by name (silently ignored,
 #: the request would run without what the client asked for).
 NOT_REQUEST_OPTIONS = {
@@ -194,9 +198,9 @@ def _meant_option(key: Any, among: Sequence[str] = OPTION_KEYS) -> Optional[str]
 
 
 def check_stray_options(extra_args: Optional[dict]) -> None:
-    """Refuse a request that is not a trie request (:func:`is_trie_request`) but carries this processor's options
-    or a misspelling of ``trie``, ``spans`` or ``template``: it would run unconstrained. Keys of other processors
-    pass.
+    """Refuse a request that is not a trie request (:func:`is_trie_request`) but carries options only this
+    processor takes (:data:`OWN_KEYS`) or a misspelling of ``trie``, ``spans`` or ``template``: it would run
+    unconstrained. Keys other processors may use too (``allow``, ``deny``, ``prefix``, ...) pass.
 
     Raises:
         TrieRequestError: naming the keys, and the key meant where one is close.
@@ -208,7 +212,7 @@ def check_stray_options(extra_args: Optional[dict]) -> None:
         if meant is not None:
             _fail(f"unknown option extra_args[{key!r}] (did you mean {meant!r}?): without 'trie', 'spans' or "
                   "'template' the request would not be constrained")
-    ours = sorted(k for k in extra_args if k in OPTION_KEYS or k in NOT_REQUEST_OPTIONS)
+    ours = sorted(k for k in extra_args if k in OWN_KEYS)
     if ours:
         _fail(f"extra_args has {ours} but none of 'trie', 'spans', 'template': the request would not be constrained")
 

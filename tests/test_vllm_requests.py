@@ -58,8 +58,8 @@ def test_a_context_that_merges_with_the_entries_is_refused_with_the_fix(resolver
     ({"Trie": NAMES}, r"did you mean 'trie'"),
     ({"span": [{"after": "x=", "values": ["a"]}]}, r"did you mean 'spans'"),
     ({"templates": "A: {x}.", "slots": {"x": ["a"]}}, r"did you mean 'template'"),
-    ({"leading_space": True, "deny": ["Italy"]}, r"has \['deny', 'leading_space'\] but none of 'trie'"),
-    ({"distinct": True}, r"has \['distinct'\] but none of 'trie'"),
+    ({"leading_space": True, "deny": ["Italy"]}, r"has \['leading_space'\] but none of 'trie'"),
+    ({"on_complete": "repeat", "separator": ","}, r"has \['on_complete'\] but none of 'trie'"),
 ])
 def test_trie_options_without_a_trie_are_refused(extra, match):
     """A misspelt ``trie`` (or options with no trie) used to leave the request unconstrained, with no error."""
@@ -82,6 +82,8 @@ def test_misspelt_or_python_only_options_of_a_trie_request_are_refused(extra, ma
 
 def test_other_processors_keys_pass():
     assert parse_trie_request({"denylist": ["x"], "my_plugin": 1}) is None  # no trie option of ours, not ours
+    # Names another processor may take as well: without trie, spans or template the request is not ours.
+    assert parse_trie_request({"allow": [1, 2], "deny": [3], "prefix": [4], "distinct": True, "keys": ["a"]}) is None
     assert parse_trie_request({"trie": NAMES, "my_plugin": 1, "raw_logprobs": True}) is not None
 
 
