@@ -312,7 +312,7 @@ class TemplateRules(FieldRules):
         resume = [int(text.base[k + 1]) for k in range(len(names))]
         super().__init__(text, ends, vocab, tries, resume=resume)  # type: ignore[arg-type]
         self.text, self.end_token_id = text, end_token_id
-        self._keep = torch.from_numpy(text.keep)
+        self._keep = {torch.device("cpu"): torch.from_numpy(text.keep)}  # by device: copied once, not per step
         self._runs: Optional[tuple[np.ndarray, np.ndarray]] = None
 
     def start_state(self, ids: Sequence[int]) -> tuple[int, int]:
@@ -333,7 +333,10 @@ class TemplateRules(FieldRules):
         free = (node == FREE).nonzero().flatten()
         if not len(free):
             return
-        keep = self._keep.to(logits.device)[text[free]]
+        keep = self._keep.get(logits.device)
+        if keep is None:
+            keep = self._keep[logits.device] = self._keep[torch.device("cpu")].to(logits.device)
+        keep = keep[text[free]]
         r = free if rows is None else rows[free]
         kept = logits[r, keep]
         if len(r) == logits.shape[0] and rows is None:
