@@ -603,7 +603,9 @@ def fast_forward_generate(
             pass token ids for ``separator``/``trigger``.
         end_token_id (`int`, optional): ends an entry; defaults to the generation config's first EOS id.
             Generation stops at the EOS ids, as ``generate``'s does: to stop at another end token, pass it as
-            ``eos_token_id=`` too (otherwise it is repeated to ``max_new_tokens``, as with the processor).
+            ``eos_token_id=`` too (otherwise it is repeated to ``max_new_tokens``, as with the processor). An end
+            token that is one of the EOS ids may not occur in an entry before its last token (refused before the
+            prefill, as by the processor: ``TrieLogitsProcessor.check_stop_ids``).
         on_complete (`str`, defaults to ``"eos"``), separator, trigger: as for
             :class:`~trie_decode.integrations.transformers.TrieLogitsProcessor`.
         allow, deny (optional): entries a row may / may not use, as for
@@ -626,7 +628,8 @@ def fast_forward_generate(
 
     Raises:
         ConstraintConfigError: beam search (use the processor instead), an unsupported stopping criterion, a
-            ``TrieLogitsProcessor`` in ``logits_processor``, a cache or model input this loop cannot handle.
+            ``TrieLogitsProcessor`` in ``logits_processor``, a cache or model input this loop cannot handle, an
+            entry that holds the end token before its last token when the end token is an EOS id.
 
     Examples:
 
@@ -694,11 +697,13 @@ def fast_forward_generate(
         )
     eos_ids = eos_token_ids(config)
     end = end_token(end_token_id, tokenizer, eos_ids[0] if eos_ids else None)  # on both paths alike
-    options = (trie, template, tokenizer, end, on_complete, separator, trigger, allow, deny)
+    processor = _processor(trie, template, tokenizer, end, on_complete, separator, trigger, allow, deny,
+                           input_ids.shape[0])
+    # Both paths stop a row at the EOS ids only: an entry holding the end token, when it is one, is refused here.
+    processor.check_stop_ids(eos_ids)
     if not verified():
-        return _general_path(model, input_ids, attention_mask, _processor(*options, input_ids.shape[0]),
-                             logits_processor if hooked else None, stopping_criteria if hooked else None, config,
-                             model_kwargs)
+        return _general_path(model, input_ids, attention_mask, processor, logits_processor if hooked else None,
+                             stopping_criteria if hooked else None, config, model_kwargs)
     max_length, processors = config.max_length, logits_processor
     unknown = set(model_kwargs) - _KNOWN_MODEL_KWARGS
     if unknown:
@@ -725,7 +730,6 @@ def fast_forward_generate(
     if cache.get_seq_length() > 0:
         raise ConstraintConfigError("fast_forward_generate starts from an empty cache; do not pass a filled one")
 
-    processor = _processor(*options, input_ids.shape[0])
     rules = processor.rules
     # Forced tokens reach the model without a mask that would check the logits' width: check the trie against it.
     width = getattr(model.config, "vocab_size", None)

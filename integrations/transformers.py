@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from trie_decode.constraint import DONE, RowState, SpanRules, TrieConstraint
+from trie_decode.constraint import DONE, RowState, SpanRules, TrieConstraint, check_end_token_outside_entries
 from trie_decode.entries import Entry
 from trie_decode.fields import FieldRules, Span
 from trie_decode.templates import Template
@@ -109,6 +109,10 @@ class _OutputBuffers:
 _SPAN_TAIL = 64
 
 
+#: How a user of the processor (or of ``fast_forward_generate``) picks the end token: named in the error of an entry
+#: that holds it (:meth:`TrieLogitsProcessor.check_stop_ids`).
+_END_TOKEN_OPTIONS = "end_token_id= (and generate's eos_token_id=)"
+
 #: How many (batch size, device) forms of a processor's static filters it keeps built (see ``_begin``).
 _STATIC_FILTERS_KEPT = 4
 
@@ -166,7 +170,9 @@ class TrieLogitsProcessor(LogitsProcessor):
             end token. Needs ``tokenizer``.
         end_token_id (`int`, *optional*):
             The token that ends an entry, and the fallback allowed token of any row with nothing else. Defaults to
-            the tokenizer's EOS.
+            the tokenizer's EOS. When it is one of ``generate``'s stop ids (``eos_token_id``), no entry may hold it
+            before its last token (``"eos"``, ``"repeat"``): the row would stop inside the entry, so ``generate``
+            raises :class:`~trie_decode.ConstraintConfigError` at its first step (see :meth:`check_stop_ids`).
         on_complete (`str`, defaults to ``"eos"``):
             ``"eos"``: the end token is forced after an entry; ``"release"``: generation continues unconstrained;
             ``"repeat"``: entries separated by ``separator`` until the end token.
@@ -338,6 +344,7 @@ class TrieLogitsProcessor(LogitsProcessor):
             self._view = self._live.snapshot().view(self.rules)
             self.tries = [self._view.trie]
             self._max_depth = self._view.trie.max_depth
+        self.check_stop_ids(loop.stop_ids())  # before the first token: generate stops at its own stop ids
         constraint = self.constraint(device)
         # With spans every row may enter every span's trie: its tree is the span it is in, not its prompt's.
         self._groups = prompt_groups(batch, 1 if self.rules.fields is not None else len(self.tries), device)
@@ -357,6 +364,31 @@ class TrieLogitsProcessor(LogitsProcessor):
         self._fused = constraint.fused_step(self._state, self._filters) if follows else None
         if self._check_with is not None:
             self._warn_prompts(input_ids)
+
+    def check_stop_ids(self, stop_ids: Optional[Sequence[int]], *, change: str = _END_TOKEN_OPTIONS) -> None:
+        """Refuse tries whose end token would cut an entry short: when the end token is one of ``stop_ids`` (the
+        tokens the generation loop stops a row at) and an entry holds it before its last token, in ``"eos"`` and
+        ``"repeat"`` mode (:func:`~trie_decode.constraint.check_end_token_outside_entries`, on every trie the
+        processor decodes). An entry that ends with the end token is fine, and so is an end token that is not a stop
+        id (the processor then only uses it to end entries).
+
+        ``generate`` calls it at each generation's first step, with its own stop ids (``eos_token_id`` given to
+        ``generate``, else the generation config's), before any token is chosen; ``fast_forward_generate`` before
+        its prefill. Where the caller is unknown (a loop of one's own, or a transformers outside the verified
+        versions) nothing is checked: such a loop may call it with its own stop ids. The check is kept on each
+        trie per end token (:meth:`TokenTrie.derived`): after a trie's first generation it costs nothing.
+
+        Args:
+            stop_ids: the loop's stop tokens; None (unknown): nothing is checked.
+            change: the options that pick the end token, named in the error's fix.
+
+        Raises:
+            ConstraintConfigError: naming the entry, the end token and the fix.
+        """
+        if stop_ids is None or self.rules.end_token_id not in stop_ids:
+            return
+        for trie in self.tries:
+            check_end_token_outside_entries(trie, self.rules, change=change)
 
     def _fresh(self, prompts: torch.Tensor, device: torch.device) -> RowState:
         """The rows' state where generation starts after ``prompts`` (Shape: (B, P)), with their filters as they are
@@ -649,6 +681,10 @@ def rank(
             what ``rank`` sets itself (``num_beams``, ``num_return_sequences``, ``do_sample``, ``length_penalty``,
             ``output_scores``, ``return_dict_in_generate``, ``eos_token_id``, ``logits_processor``) is refused here.
 
+    Raises:
+        ConstraintConfigError: besides bad options, an entry that holds the end token before its last token (beam
+            search stops at the end token: :meth:`TrieLogitsProcessor.check_stop_ids`).
+
     Returns:
         Per prompt, a :class:`RankedList` of :class:`RankedEntry`, best first. The log-probability is the sum of the
         model's raw log-probabilities of the entry's tokens and the end token (its mean with ``length_normalize``;
@@ -673,6 +709,8 @@ def rank(
     processor = TrieLogitsProcessor(
         trie, tokenizer, end_token_id=end_token_id if end_token_id is not None else _model_eos(model), allow=allow, deny=deny
     )
+    # generate stops at the end token (eos_token_id below): refused here with rank's own option in the fix.
+    processor.check_stop_ids([processor.rules.end_token_id], change="end_token_id=")
     depth = processor._max_depth
     generate_kwargs.setdefault("max_new_tokens", depth + 1)
     out = model.generate(

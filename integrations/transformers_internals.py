@@ -21,6 +21,8 @@ caller frames: ``GenerationMixin._sample``    every call is treated as an unknow
 (locals ``logits_processor``,                 whose prefixes may rewind; an assistant model's calls
 ``candidate_generator``) and an assistant's   are a generation of their own (kept apart, correct;
 ``generate`` below it                         its drafts are accepted less often)
+the loops' local ``generation_config`` (its   no stop ids known: an entry holding the end token is not
+stop ids, :func:`eos_token_ids`)              refused (``TrieLogitsProcessor.check_stop_ids``)
 ``_beam_search``'s ``running_beam_indices``   checked (:func:`beam_parents`) before it is trusted: shape
 (batch, beams, new tokens), int, flat parent  (batch, beams, n), values in each row's own prompt, the
 rows of each step                             next column unwritten; else the prefix-hash lookup
@@ -143,14 +145,23 @@ class GenerateLoop:
 
     A new ``generate`` call is recognized by its new ``LogitsProcessorList``. Reading the frames costs a few
     microseconds: the sampling loop's many locals are read only when a generation starts.
+
+    ``config`` is the loop's ``generation_config`` (an assistant model's loop: the main loop's), from which
+    :meth:`stop_ids` reads the tokens ``generate`` stops at; None for any other caller.
     """
 
-    __slots__ = ("reorders", "in_place", "parents", "rewinds", "_owner")
+    __slots__ = ("reorders", "in_place", "parents", "rewinds", "config", "_owner")
 
     def __init__(self, reorders: bool, in_place: bool, owner: Any, parents: Optional[torch.Tensor] = None,
-                 rewinds: bool = False) -> None:
+                 rewinds: bool = False, config: Any = None) -> None:
         self.reorders, self.in_place, self.parents, self.rewinds = reorders, in_place, parents, rewinds
+        self.config = config
         self._owner = weakref.ref(owner) if owner is not None else None
+
+    def stop_ids(self) -> Optional[list[int]]:
+        """The tokens the calling ``generate`` loop stops a row at (:func:`eos_token_ids` of its generation config),
+        or None when the caller is not one of ``generate``'s loops (a loop of one's own: its stops are unknown)."""
+        return None if self.config is None else eos_token_ids(self.config)
 
     def owner(self) -> Any:
         """The ``LogitsProcessorList`` whose generation this call belongs to, or None (unknown, or no longer alive)."""
@@ -191,17 +202,22 @@ class GenerateLoop:
                     return previous  # the same generation: its locals were read at its first call
                 local = frame.f_locals
                 keeps_raw = bool(local.get("return_dict_in_generate")) and bool(local.get("output_logits"))
-                outer = _assisted_owner(frame.f_back)  # an assistant model's generate inside assisted decoding
-                return cls(reorders=False, in_place=not keeps_raw, owner=outer if outer is not None else owner,
-                           rewinds=outer is not None)
+                # An assistant model's generate inside assisted decoding: the main loop's generation.
+                outer, config = _assisted_owner(frame.f_back)
+                assisted = outer is not None
+                return cls(reorders=False, in_place=not keeps_raw, owner=outer if assisted else owner,
+                           rewinds=assisted, config=config if assisted else local.get("generation_config"))
             elif code == "_beam_search":
                 # Read at every call: the loop rebinds running_beam_indices to a new tensor at every step.
+                local = frame.f_locals
                 return cls(reorders=True, in_place=True, owner=owner,
-                           parents=_checked_parents(frame.f_locals.get("running_beam_indices")))
+                           parents=_checked_parents(local.get("running_beam_indices")),
+                           config=local.get("generation_config"))
             elif code == "_assisted_decoding":
                 # Called by the loop itself the scores are a fresh slice; by a prompt lookup's get_candidates
                 # (one frame between) they are a tensor it passes again for its next candidate.
-                return cls(reorders=False, in_place=above == 1, owner=owner, rewinds=True)
+                return cls(reorders=False, in_place=above == 1, owner=owner, rewinds=True,
+                           config=frame.f_locals.get("generation_config"))
             above += owner is not None
             frame = frame.f_back
         if not _VERIFIED:
@@ -215,19 +231,22 @@ class GenerateLoop:
 _SAME_VOCAB_DRAFTERS = frozenset(("AssistedCandidateGenerator", "EarlyExitCandidateGenerator"))
 
 
-def _assisted_owner(frame: Any, levels: int = 10) -> Optional[LogitsProcessorList]:
-    """The ``LogitsProcessorList`` of the ``_assisted_decoding`` loop ``frame`` runs under (an assistant model's
-    ``generate`` is a few frames below it) when its drafter shares the main model's vocabulary, or None."""
+def _assisted_owner(frame: Any, levels: int = 10) -> tuple[Optional[LogitsProcessorList], Any]:
+    """The ``LogitsProcessorList`` and the ``generation_config`` of the ``_assisted_decoding`` loop ``frame`` runs
+    under (an assistant model's ``generate`` is a few frames below it) when its drafter shares the main model's
+    vocabulary, or (None, None)."""
     for _ in range(levels):
         if frame is None:
-            return None
+            return None, None
         if frame.f_code.co_name == "_assisted_decoding":
             local = frame.f_locals
             found = local.get("logits_processor")
             drafter = type(local.get("candidate_generator")).__name__
-            return found if isinstance(found, LogitsProcessorList) and drafter in _SAME_VOCAB_DRAFTERS else None
+            if isinstance(found, LogitsProcessorList) and drafter in _SAME_VOCAB_DRAFTERS:
+                return found, local.get("generation_config")
+            return None, None
         frame = frame.f_back
-    return None
+    return None, None
 
 
 _parent_layout_warned = False

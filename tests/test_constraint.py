@@ -329,8 +329,11 @@ def test_an_entry_holding_the_end_token_is_refused_where_the_end_token_ends_gene
     trie = TokenTrie.from_sequences([[5], [7158, 2, 7158]], vocab_size=8000, names=["a", "x"])
     for rules in (SpanRules(2), SpanRules(2, on_complete="repeat", separator=(9,))):
         with pytest.raises(ConstraintConfigError, match=r"entry 1 \('x'\), tokens \[7158, 2, 7158\], contains the end "
-                                                          r"token 2: generation would stop inside it.*end_token_id="):
-            check(trie, rules)
+                                                          r"token 2: generation stops at it, so it would stop inside this "
+                                                          r"entry.*; build the trie without such entries$"):
+            check(trie, rules)  # the end token is not the caller's to pick (vLLM: the model's EOS)
+    with pytest.raises(ConstraintConfigError, match=r"; give end_token_id= a token no entry contains, or build the trie"):
+        check(trie, SpanRules(2), change="end_token_id=")
     check(trie, SpanRules(2, on_complete="release"))
     check(trie, SpanRules(3))
     check(trie, SpanRules(3, on_complete="repeat", separator=(2,)))  # the separator inside: fine

@@ -58,18 +58,24 @@ def _excluded_moves(node: Any, new: Any, parent_of_new: Any, own_bits: Any, new_
     return off_child, excluded_end
 
 
-def check_end_token_outside_entries(trie: TokenTrie, rules: SpanRules) -> None:
+def check_end_token_outside_entries(trie: TokenTrie, rules: SpanRules, *, change: Optional[str] = None) -> None:
     """Refuse a trie with an entry that holds the end token before its last token, where that token ends generation
     (``"eos"`` and ``"repeat"``): a row would stop inside the entry, and its output would be no entry (a span's value
     that contains its end is refused the same way, :func:`trie_decode.fields.value_trie`). An entry that ends with
     the end token, and a separator inside an entry, are fine.
 
     One numpy pass over the trie's edge tokens (about a millisecond per million nodes), kept on the trie per end
-    token. vLLM's admission calls it for a request's trie (a 400); the core's constraint does not (a trie decoded
-    with another end token, or token-level tests, may hold it).
+    token. Called where the end token does end generation: vLLM's admission, for a request's trie (a 400), and the
+    transformers processor and fast-forward when the end token is one of ``generate``'s stop ids
+    (:meth:`~trie_decode.integrations.transformers.TrieLogitsProcessor.check_stop_ids`). The core's constraint does
+    not call it (a trie decoded with another end token, or token-level tests, may hold it).
+
+    Args:
+        change: the options by which the caller's user picks the end token (e.g. ``"end_token_id="``), named in the
+            fix; None where the end token is not the user's to pick (vLLM: the model's EOS).
 
     Raises:
-        ConstraintConfigError: naming one such entry and the end token.
+        ConstraintConfigError: naming one such entry, the end token and the fix.
     """
     if rules.on_complete not in ("eos", "repeat"):
         return
@@ -90,10 +96,11 @@ def check_end_token_outside_entries(trie: TokenTrie, rules: SpanRules) -> None:
         node = int(trie.child_ptr[node])
     entry = trie.entry(int(trie.node_entry[node]))
     label = "" if entry.name is None and entry.key is None else f" ({entry.name if entry.key is None else entry.key!r})"
+    fix = (f"give {change} a token no entry contains, or " if change else "") + "build the trie without such entries"
     raise ConstraintConfigError(
         f"entry {entry.index}{label}, tokens {list(entry.tokens)[:20]}, contains the end token {end}: generation "
-        f"would stop inside it (on_complete={rules.on_complete!r}) and the output would be no entry; give "
-        "end_token_id= the model's own end token (one no entry contains), or build the trie without such entries")
+        f"stops at it, so it would stop inside this entry (on_complete={rules.on_complete!r}) and the output would be "
+        f"no entry; {fix}")
 
 
 @dataclass
