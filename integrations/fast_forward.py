@@ -603,9 +603,9 @@ def fast_forward_generate(
             pass token ids for ``separator``/``trigger``.
         end_token_id (`int`, optional): ends an entry; defaults to the generation config's first EOS id.
             Generation stops at the EOS ids, as ``generate``'s does: to stop at another end token, pass it as
-            ``eos_token_id=`` too (otherwise it is repeated to ``max_new_tokens``, as with the processor). An end
-            token that is one of the EOS ids may not occur in an entry before its last token (refused before the
-            prefill, as by the processor: ``TrieLogitsProcessor.check_stop_ids``).
+            ``eos_token_id=`` too (otherwise it is repeated to ``max_new_tokens``, as with the processor). No entry
+            may hold an EOS id before its last token (refused before the prefill, as by the processor:
+            ``TrieLogitsProcessor.check_stop_ids``).
         on_complete (`str`, defaults to ``"eos"``), separator, trigger: as for
             :class:`~trie_decode.integrations.transformers.TrieLogitsProcessor`.
         allow, deny (optional): entries a row may / may not use, as for
@@ -629,7 +629,7 @@ def fast_forward_generate(
     Raises:
         ConstraintConfigError: beam search (use the processor instead), an unsupported stopping criterion, a
             ``TrieLogitsProcessor`` in ``logits_processor``, a cache or model input this loop cannot handle, an
-            entry that holds the end token before its last token when the end token is an EOS id.
+            entry that holds an EOS id before its last token.
 
     Examples:
 

@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from trie_decode.constraint import DONE, RowState, SpanRules, TrieConstraint, check_end_token_outside_entries
+from trie_decode.constraint import DONE, RowState, SpanRules, TrieConstraint, check_stop_tokens_outside_entries
 from trie_decode.entries import Entry
 from trie_decode.fields import FieldRules, Span
 from trie_decode.templates import Template
@@ -109,9 +109,9 @@ class _OutputBuffers:
 _SPAN_TAIL = 64
 
 
-#: How a user of the processor (or of ``fast_forward_generate``) picks the end token: named in the error of an entry
+#: How a user of the processor (or of ``fast_forward_generate``) picks the stop tokens: named in the error of an entry
 #: that holds it (:meth:`TrieLogitsProcessor.check_stop_ids`).
-_END_TOKEN_OPTIONS = "end_token_id= (and generate's eos_token_id=)"
+_END_TOKEN_OPTIONS = "end_token_id= and generate's eos_token_id="
 
 #: How many (batch size, device) forms of a processor's static filters it keeps built (see ``_begin``).
 _STATIC_FILTERS_KEPT = 4
@@ -170,9 +170,9 @@ class TrieLogitsProcessor(LogitsProcessor):
             end token. Needs ``tokenizer``.
         end_token_id (`int`, *optional*):
             The token that ends an entry, and the fallback allowed token of any row with nothing else. Defaults to
-            the tokenizer's EOS. When it is one of ``generate``'s stop ids (``eos_token_id``), no entry may hold it
-            before its last token (``"eos"``, ``"repeat"``): the row would stop inside the entry, so ``generate``
-            raises :class:`~trie_decode.ConstraintConfigError` at its first step (see :meth:`check_stop_ids`).
+            the tokenizer's EOS. No entry may hold one of ``generate``'s stop ids (``eos_token_id``; the end token when
+            it is one) before its last token: the row would stop inside the entry, so ``generate`` raises
+            :class:`~trie_decode.ConstraintConfigError` at its first step (see :meth:`check_stop_ids`).
         on_complete (`str`, defaults to ``"eos"``):
             ``"eos"``: the end token is forced after an entry; ``"release"``: generation continues unconstrained;
             ``"repeat"``: entries separated by ``separator`` until the end token.
@@ -366,29 +366,29 @@ class TrieLogitsProcessor(LogitsProcessor):
             self._warn_prompts(input_ids)
 
     def check_stop_ids(self, stop_ids: Optional[Sequence[int]], *, change: str = _END_TOKEN_OPTIONS) -> None:
-        """Refuse tries whose end token would cut an entry short: when the end token is one of ``stop_ids`` (the
-        tokens the generation loop stops a row at) and an entry holds it before its last token, in ``"eos"`` and
-        ``"repeat"`` mode (:func:`~trie_decode.constraint.check_end_token_outside_entries`, on every trie the
-        processor decodes). An entry that ends with the end token is fine, and so is an end token that is not a stop
+        """Refuse tries that a stop token would cut short: an entry that holds one of ``stop_ids`` (the tokens the
+        generation loop stops a row at: the end token when it is one, or any other) before its last token, in every
+        ``on_complete`` mode (:func:`~trie_decode.constraint.check_stop_tokens_outside_entries`, on every trie the
+        processor decodes). An entry that ends with a stop token is fine, and so is an end token that is not a stop
         id (the processor then only uses it to end entries).
 
         ``generate`` calls it at each generation's first step, with its own stop ids (``eos_token_id`` given to
         ``generate``, else the generation config's), before any token is chosen; ``fast_forward_generate`` before
         its prefill. Where the caller is unknown (a loop of one's own, or a transformers outside the verified
         versions) nothing is checked: such a loop may call it with its own stop ids. The check is kept on each
-        trie per end token (:meth:`TokenTrie.derived`): after a trie's first generation it costs nothing.
+        trie per stop token (:meth:`TokenTrie.derived`): after a trie's first generation it costs nothing.
 
         Args:
             stop_ids: the loop's stop tokens; None (unknown): nothing is checked.
-            change: the options that pick the end token, named in the error's fix.
+            change: the options that pick the stop tokens, named in the error's fix.
 
         Raises:
-            ConstraintConfigError: naming the entry, the end token and the fix.
+            ConstraintConfigError: naming the entry, the stop token and the fix.
         """
-        if stop_ids is None or self.rules.end_token_id not in stop_ids:
+        if stop_ids is None:
             return
         for trie in self.tries:
-            check_end_token_outside_entries(trie, self.rules, change=change)
+            check_stop_tokens_outside_entries(trie, stop_ids, change=change)
 
     def _fresh(self, prompts: torch.Tensor, device: torch.device) -> RowState:
         """The rows' state where generation starts after ``prompts`` (Shape: (B, P)), with their filters as they are

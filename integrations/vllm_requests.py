@@ -58,7 +58,7 @@ from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Collection, Hashable, MutableMapping, Optional, Sequence, Union
 
-from trie_decode.constraint import SpanRules, check_end_token_outside_entries
+from trie_decode.constraint import SpanRules, check_stop_tokens_outside_entries
 from trie_decode.errors import ConstraintConfigError, TrieDecodeError
 from trie_decode.fields import ESCAPES, FieldRules, Span
 from trie_decode.templates import Template
@@ -911,8 +911,8 @@ class TrieResolver:
             self.spans(req, admit=True)
             return make_stamp(None)
         trie, origin = self._trie(req, admit=True)
-        try:  # what the engine's constraint would refuse, refused here as a 400 (cached on the trie per end token)
-            check_end_token_outside_entries(trie, self.rules(req))
+        try:  # an entry the model's EOS would cut, refused here as a 400 (cached on the trie per stop token)
+            check_stop_tokens_outside_entries(trie, [self.rules(req).end_token_id])
         except ConstraintConfigError as exc:
             raise TrieRequestError(f"extra_args['trie']: {exc}") from None
         self._check_prefix(req, trie)

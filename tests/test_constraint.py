@@ -321,23 +321,21 @@ def test_a_trigger_needs_tails(kernel):
     assert c.start(1).node.tolist() == [-2]  # start without tails: no prompt ends with the trigger
 
 
-def test_an_entry_holding_the_end_token_is_refused_where_the_end_token_ends_generation():
-    """The entry [7158, 2, 7158] with end token 2: generation stopped inside it (the output was no entry). In
-    "repeat" a separator inside an entry stays fine; "release" is not refused; an entry ending with it is fine."""
-    from trie_decode.constraint import check_end_token_outside_entries as check
+def test_an_entry_holding_a_stop_token_is_refused():
+    """The entry [7158, 2, 7158] with stop token 2: generation stopped inside it (the output was no entry), whatever
+    on_complete is. A separator inside an entry is fine (it is no stop token); an entry ending with it is fine."""
+    from trie_decode.constraint import check_stop_tokens_outside_entries as check
 
     trie = TokenTrie.from_sequences([[5], [7158, 2, 7158]], vocab_size=8000, names=["a", "x"])
-    for rules in (SpanRules(2), SpanRules(2, on_complete="repeat", separator=(9,))):
-        with pytest.raises(ConstraintConfigError, match=r"entry 1 \('x'\), tokens \[7158, 2, 7158\], contains the end "
-                                                          r"token 2: generation stops at it, so it would stop inside this "
-                                                          r"entry.*; build the trie without such entries$"):
-            check(trie, rules)  # the end token is not the caller's to pick (vLLM: the model's EOS)
-    with pytest.raises(ConstraintConfigError, match=r"; give end_token_id= a token no entry contains, or build the trie"):
-        check(trie, SpanRules(2), change="end_token_id=")
-    check(trie, SpanRules(2, on_complete="release"))
-    check(trie, SpanRules(3))
-    check(trie, SpanRules(3, on_complete="repeat", separator=(2,)))  # the separator inside: fine
-    check(TokenTrie.from_sequences([[5, 2], [2], [6]], vocab_size=10), SpanRules(2))  # entries that end with it
+    with pytest.raises(ConstraintConfigError, match=r"entry 1 \('x'\), tokens \[7158, 2, 7158\], contains token 2, "
+                                                      r"at which generation stops: a row would stop inside this "
+                                                      r"entry.*; build the trie without such entries$"):
+        check(trie, [2])  # the stop tokens are not the caller's to pick (vLLM: the model's EOS)
+    with pytest.raises(ConstraintConfigError, match=r"; stop at a token no entry contains \(end_token_id=\), or build"):
+        check(trie, [3, 2], change="end_token_id=")
+    check(trie, [3])
+    check(trie, [])
+    check(TokenTrie.from_sequences([[5, 2], [2], [6]], vocab_size=10), [2])  # entries that end with it
     keyed = TokenTrie.from_sequences([[4, 1, 6, 7], [4, 5]], vocab_size=10, keys=["k1", "k2"])
-    with pytest.raises(ConstraintConfigError, match=r"entry 0 \('k1'\), tokens \[4, 1, 6, 7\], contains the end token 1"):
-        check(keyed, SpanRules(1))
+    with pytest.raises(ConstraintConfigError, match=r"entry 0 \('k1'\), tokens \[4, 1, 6, 7\], contains token 1"):
+        check(keyed, [9, 1])

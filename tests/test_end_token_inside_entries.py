@@ -4,8 +4,8 @@ Generation stops at ``generate``'s own stop ids (``eos_token_id``). When the pro
 and an entry holds it before its end (end token "." and the entry " U.S. Virgin Islands"), the row stopped inside
 the entry and its output was no entry: a silently wrong answer. ``generate`` now refuses such a trie at its first
 step, before any token is chosen (the processor, greedy, sampling, beam search, assisted decoding, ``rank``), and
-``fast_forward_generate`` before its prefill. An end token that is not a stop id, an entry that ends with it,
-``on_complete="release"`` and a caller of one's own run as before.
+``fast_forward_generate`` before its prefill, in every ``on_complete`` mode, for every stop id (the end token or
+another). An end token that is not a stop id, an entry that ends with it and a caller of one's own run as before.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ END = 30  # "." in SmolLM2's vocabulary (the tiny models share it)
 EOS = 2
 # Entry 1 holds the end token before its last token; entries 0 and 2 do not.
 ENTRIES = [[5071], [7158, END, 7158, 4000], [7158, 4001]]
-INSIDE = r"entry 1, tokens \[7158, 30, 7158, 4000\], contains the end token 30: generation stops at it"
+INSIDE = r"entry 1, tokens \[7158, 30, 7158, 4000\], contains token 30, at which generation stops"
 
 
 def _inputs(rows: int = 2) -> dict:
@@ -71,8 +71,8 @@ def test_generate_refuses_an_entry_that_holds_its_stop_token(tiny_llama, mode, r
     processor = TrieLogitsProcessor(_trie(), end_token_id=END, **rules)
     forwards = _Forwards(tiny_llama)
     try:
-        with pytest.raises(ConstraintConfigError, match=INSIDE + r".*give end_token_id= \(and generate's "
-                                                               r"eos_token_id=\) a token no entry contains"):
+        with pytest.raises(ConstraintConfigError, match=INSIDE + r".*stop at a token no entry contains "
+                                                               r"\(end_token_id= and generate's eos_token_id=\)"):
             tiny_llama.generate(**_inputs(rows), logits_processor=[processor], max_new_tokens=6, eos_token_id=END,
                                 pad_token_id=EOS, **kwargs)
     finally:
@@ -89,7 +89,7 @@ def test_the_stop_ids_come_from_generate(tiny_llama):
                             pad_token_id=EOS, do_sample=False)
     assert tiny_llama.generation_config.eos_token_id == EOS
     at_eos = _trie([[5071], [7158, EOS, 7158]])
-    with pytest.raises(ConstraintConfigError, match=r"entry 1, .*contains the end token 2"):
+    with pytest.raises(ConstraintConfigError, match=r"entry 1, .*contains token 2, at which"):
         tiny_llama.generate(**_inputs(), logits_processor=[TrieLogitsProcessor(at_eos, end_token_id=EOS)],
                             max_new_tokens=6, pad_token_id=EOS, do_sample=False)
 
@@ -105,7 +105,7 @@ def test_every_trie_of_the_processor_is_checked(tiny_llama):
 def test_fast_forward_refuses_it_before_the_prefill(tiny_llama, call):
     forwards = _Forwards(tiny_llama)
     try:
-        with pytest.raises(ConstraintConfigError, match=INSIDE + r".*give end_token_id= \(and generate's eos_token_id="):
+        with pytest.raises(ConstraintConfigError, match=INSIDE + r".*\(end_token_id= and generate's eos_token_id=\)"):
             if call == "hook":
                 tiny_llama.generate(**_inputs(), custom_generate=fast_forward_generate, trie=_trie(), end_token_id=END,
                                     max_new_tokens=6, eos_token_id=END, pad_token_id=EOS, do_sample=False)
@@ -118,8 +118,8 @@ def test_fast_forward_refuses_it_before_the_prefill(tiny_llama, call):
 
 
 def test_rank_names_its_own_option(tiny_llama):
-    with pytest.raises(ConstraintConfigError, match=INSIDE + r".*; give end_token_id= a token no entry contains, or "
-                                                             r"build the trie without such entries$"):
+    with pytest.raises(ConstraintConfigError, match=INSIDE + r".*; stop at a token no entry contains \(end_token_id=\), "
+                                                             r"or build the trie without such entries$"):
         rank(tiny_llama, _inputs(1), _trie(), 2, end_token_id=END, pad_token_id=EOS)
 
 
@@ -177,14 +177,26 @@ def test_an_entry_that_ends_with_the_stop_token_is_fine(tiny_llama):
     assert ff.tolist() == out.tolist()
 
 
-def test_release_is_not_refused(tiny_llama):
-    """on_complete="release" does not end an entry with the end token (check_end_token_outside_entries' own rule)."""
+def test_release_is_refused_too(tiny_llama):
+    """on_complete="release" stopped inside the entry all the same: generate stops at its stop ids in every mode."""
     processor = TrieLogitsProcessor(_trie(), end_token_id=END, on_complete="release")
-    tiny_llama.generate(**_inputs(), logits_processor=[processor], max_new_tokens=6, eos_token_id=END,
-                        pad_token_id=EOS, do_sample=False)
-    assert processor.steps > 0
-    fast_forward_generate(tiny_llama, **_inputs(), trie=_trie(), end_token_id=END, on_complete="release",
-                          max_new_tokens=6, eos_token_id=END, pad_token_id=EOS, do_sample=False)
+    with pytest.raises(ConstraintConfigError, match=INSIDE):
+        tiny_llama.generate(**_inputs(), logits_processor=[processor], max_new_tokens=6, eos_token_id=END,
+                            pad_token_id=EOS, do_sample=False)
+    with pytest.raises(ConstraintConfigError, match=INSIDE):
+        fast_forward_generate(tiny_llama, **_inputs(), trie=_trie(), end_token_id=END, on_complete="release",
+                              max_new_tokens=6, eos_token_id=END, pad_token_id=EOS, do_sample=False)
+
+
+def test_a_stop_id_that_is_not_the_end_token_is_checked(tiny_llama):
+    """End token EOS, generate stopping at EOS and ".": an entry holding "." was cut at it."""
+    processor = TrieLogitsProcessor(_trie(), end_token_id=EOS)
+    with pytest.raises(ConstraintConfigError, match=INSIDE):
+        tiny_llama.generate(**_inputs(), logits_processor=[processor], max_new_tokens=6, eos_token_id=[EOS, END],
+                            pad_token_id=EOS, do_sample=False)
+    out = tiny_llama.generate(**_inputs(), logits_processor=[TrieLogitsProcessor(_trie(), end_token_id=EOS)],
+                              max_new_tokens=6, eos_token_id=EOS, pad_token_id=EOS, do_sample=False)
+    assert out.shape[1] > 4
 
 
 def test_the_check_is_kept_on_the_trie(tiny_llama):
@@ -193,7 +205,7 @@ def test_the_check_is_kept_on_the_trie(tiny_llama):
     for _ in range(2):
         tiny_llama.generate(**_inputs(), logits_processor=[TrieLogitsProcessor(trie, end_token_id=END)],
                             max_new_tokens=3, eos_token_id=END, pad_token_id=EOS, do_sample=False)
-        assert trie._derived[("end_token_node", END)] == -1
+        assert trie._derived[("stop_token_node", END)] == -1
 
 
 def test_the_loops_keep_their_generation_config():

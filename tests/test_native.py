@@ -457,7 +457,7 @@ def test_rows_spread_over_many_tries_mask_as_the_numpy_kernel(with_rows):
     """Many tries in one batch (per-prompt tries, 100 spans): the C kernel's one sort and one call per trie present
     masks every row as the numpy kernel does, with and without a logits-row map, in place and out of place."""
     rng = np.random.default_rng(5)
-    # Tokens from 1: an entry holding the end token (0) is refused (check_end_token_outside_entries).
+    # Tokens from 1: an entry holding the end token (0) is refused (check_stop_tokens_outside_entries).
     tries = [TokenTrie.from_sequences([rng.integers(1, 40, rng.integers(1, 4)).tolist() for _ in range(6)],
                                       vocab_size=40) for _ in range(7)]
     rules = SpanRules(end_token_id=0)

@@ -58,49 +58,48 @@ def _excluded_moves(node: Any, new: Any, parent_of_new: Any, own_bits: Any, new_
     return off_child, excluded_end
 
 
-def check_end_token_outside_entries(trie: TokenTrie, rules: SpanRules, *, change: Optional[str] = None) -> None:
-    """Refuse a trie with an entry that holds the end token before its last token, where that token ends generation
-    (``"eos"`` and ``"repeat"``): a row would stop inside the entry, and its output would be no entry (a span's value
-    that contains its end is refused the same way, :func:`trie_decode.fields.value_trie`). An entry that ends with
-    the end token, and a separator inside an entry, are fine.
+def check_stop_tokens_outside_entries(trie: TokenTrie, stop_ids: Sequence[int], *, change: Optional[str] = None) -> None:
+    """Refuse a trie with an entry that holds a token generation stops at (``stop_ids``: the end token where it
+    ends generation, and any other stop token of the loop) before its last token: a row would stop inside the entry,
+    and its output would be no entry, whatever ``on_complete`` is (a span's value that contains its end is refused
+    the same way, :func:`trie_decode.fields.value_trie`). An entry that ends with a stop token, and a separator inside
+    an entry, are fine.
 
-    One numpy pass over the trie's edge tokens (about a millisecond per million nodes), kept on the trie per end
-    token. Called where the end token does end generation: vLLM's admission, for a request's trie (a 400), and the
-    transformers processor and fast-forward when the end token is one of ``generate``'s stop ids
+    One numpy pass over the trie's edge tokens per stop token (about a millisecond per million nodes), kept on the
+    trie. Called where the stop tokens are known: vLLM's admission, for a request's trie (a 400: the end token is the
+    model's EOS), and the transformers processor and fast-forward with ``generate``'s stop ids
     (:meth:`~trie_decode.integrations.transformers.TrieLogitsProcessor.check_stop_ids`). The core's constraint does
-    not call it (a trie decoded with another end token, or token-level tests, may hold it).
+    not call it (a trie decoded in a loop that does not stop at its end token, or token-level tests, may hold it).
 
     Args:
-        change: the options by which the caller's user picks the end token (e.g. ``"end_token_id="``), named in the
-            fix; None where the end token is not the user's to pick (vLLM: the model's EOS).
+        stop_ids: the tokens the generation loop stops a row at.
+        change: the options by which the caller's user picks those tokens (e.g. ``"end_token_id="``), named in the
+            fix; None where they are not the user's to pick (vLLM: the model's EOS).
 
     Raises:
-        ConstraintConfigError: naming one such entry, the end token and the fix.
+        ConstraintConfigError: naming one such entry, the stop token and the fix.
     """
-    if rules.on_complete not in ("eos", "repeat"):
-        return
-    end = rules.end_token_id
+    for stop in dict.fromkeys(int(t) for t in stop_ids):
 
-    def first_node() -> int:
-        # A node the end token leads to that has children: what lies past it can never be written. An entry that
-        # ends with the end token is fine (generation stops where the entry ends). The root's token is -1.
-        hit = (trie.token == end) & (trie.child_ptr[1:] > trie.child_ptr[:-1])
-        at = int(hit.argmax())
-        return at if hit[at] else -1
+        def first_node(stop: int = stop) -> int:
+            # A node the stop token leads to that has children: what lies past it can never be written. An entry
+            # that ends with the stop token is fine (generation stops where the entry ends). The root's token is -1.
+            hit = (trie.token == stop) & (trie.child_ptr[1:] > trie.child_ptr[:-1])
+            at = int(hit.argmax())
+            return at if hit[at] else -1
 
-    node = trie.derived(("end_token_node", end), first_node)
-    if node < 0:
-        return
-    node = int(trie.child_ptr[node])  # an entry past the end token: down first children to a terminal
-    while trie.node_entry[node] < 0:
-        node = int(trie.child_ptr[node])
-    entry = trie.entry(int(trie.node_entry[node]))
-    label = "" if entry.name is None and entry.key is None else f" ({entry.name if entry.key is None else entry.key!r})"
-    fix = (f"give {change} a token no entry contains, or " if change else "") + "build the trie without such entries"
-    raise ConstraintConfigError(
-        f"entry {entry.index}{label}, tokens {list(entry.tokens)[:20]}, contains the end token {end}: generation "
-        f"stops at it, so it would stop inside this entry (on_complete={rules.on_complete!r}) and the output would be "
-        f"no entry; {fix}")
+        node = trie.derived(("stop_token_node", stop), first_node)
+        if node < 0:
+            continue
+        node = int(trie.child_ptr[node])  # an entry past the stop token: down first children to a terminal
+        while trie.node_entry[node] < 0:
+            node = int(trie.child_ptr[node])
+        entry = trie.entry(int(trie.node_entry[node]))
+        label = "" if entry.name is None and entry.key is None else f" ({entry.name if entry.key is None else entry.key!r})"
+        fix = (f"stop at a token no entry contains ({change}), or " if change else "") + "build the trie without such entries"
+        raise ConstraintConfigError(
+            f"entry {entry.index}{label}, tokens {list(entry.tokens)[:20]}, contains token {stop}, at which generation "
+            f"stops: a row would stop inside this entry and its output would be no entry; {fix}")
 
 
 @dataclass
