@@ -81,7 +81,7 @@ from typing import Any, BinaryIO, Iterator, Optional
 import numpy as np
 
 from trie_decode.errors import TrieDecodeError, TrieFileError
-from trie_decode.fileio import open_regular_file
+from trie_decode.fileio import open_regular_file, text_lines
 from trie_decode.live import apply_delta_file, delta_path_for
 from trie_decode.trie import TokenTrie
 
@@ -720,7 +720,7 @@ def read_filter_file(value: str, what: str, cache: Any = None) -> tuple:
                 raise ValueError(f"expected a 1-D integer array, got {arr.dtype} {arr.shape}")
             items = tuple(int(i) for i in arr)
         else:
-            items = tuple(line for line in data.decode("utf-8").splitlines() if line)
+            items = tuple(line for line in text_lines(data) if line)
     except (ValueError, UnicodeDecodeError, OSError, EOFError) as exc:
         _log("load", logging.WARNING, "trie_decode: filter file %s does not load: %s", resolved.path, exc)
         raise bad from None

@@ -159,6 +159,16 @@ def test_a_jsonl_number_id_is_its_text(tmp_path, smollm2_dir):
     assert code == 0 and TokenTrie.load(out).entry(0).key == "7"
 
 
+def test_a_keys_file_is_split_at_line_ends_only(tmp_path, capsys):
+    """A key holding U+2028 or a form feed is one key (str.splitlines made 4 keys of 3 lines, refused)."""
+    np.save(tmp_path / "codes.npy", np.array([[0, 1], [1, 0], [1, 1]]))
+    (tmp_path / "keys.txt").write_bytes("\ufeffa\u2028b\r\nc\x0cd\ne".encode())
+    out = tmp_path / "k.trie"
+    assert main(["build", "--codes", str(tmp_path / "codes.npy"), "--codebook-size", "2", "--vocab-size", "8",
+                 "--keys", str(tmp_path / "keys.txt"), "-o", str(out)]) == 0
+    assert [TokenTrie.load(out).entry(i).key for i in range(3)] == ["a\u2028b", "c\x0cd", "e"]
+
+
 @pytest.mark.parametrize("suffix, entries", [(".txt", "France\nJapan\n"),
                                              (".jsonl", '{"text": "France"}\n{"text": "Japan"}\n')])
 def test_a_byte_order_mark_is_skipped(tmp_path, smollm2_dir, suffix, entries):

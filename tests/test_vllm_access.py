@@ -535,6 +535,13 @@ def test_filter_files_under_the_same_policy(resolver, tree, monkeypatch):
     (allowed / "unknown.txt").write_text("purple\n")
     with pytest.raises(TrieRequestError, match="not entries of the trie"):
         _filters(resolver, deny={"file": str(allowed / "unknown.txt")})
+    # A byte-order mark is skipped (it was read as part of the first key, which was then no entry), and "\r\n" ends
+    # a line; "\x0c" does not (str.splitlines split there).
+    (allowed / "bom.txt").write_bytes(b"\xef\xbb\xbfred\r\nblue\r\n")
+    assert _filters(resolver, deny={"file": str(allowed / "bom.txt")})[1].tolist() == [0, 2]
+    (allowed / "ff.txt").write_bytes(b"red\x0cblue\n")
+    with pytest.raises(TrieRequestError, match="not entries of the trie"):
+        _filters(resolver, deny={"file": str(allowed / "ff.txt")})
 
 
 # ------------------------------------------------------------------ live catalog delta files

@@ -15,7 +15,6 @@ benchmark suites of a source checkout (they are not part of the installed packag
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import sys
 import time
@@ -23,7 +22,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from .errors import ConstraintConfigError, DescriptorError, TrieDecodeError
-from .fileio import check_writable
+from .fileio import check_writable, text_lines
 from .options import FLAGS, NORMAL_FORMS, ON_UNSTABLE_MODES, check_positive, check_vocab_size, token_id
 from .tokenizers import ContextError
 
@@ -66,9 +65,7 @@ def read_entries(path: Path) -> tuple[list[str], Optional[list[str]]]:
     texts: list[str] = []
     keys: list[str] = []
     jsonl = path.suffix.lower() in (".jsonl", ".ndjson")
-    # newline=None: "\n", "\r\n" and "\r" end a line, as when reading the file in text mode.
-    for lineno, line in enumerate(io.StringIO(_read_text(path, "entries file"), newline=None), 1):
-        line = line.rstrip("\r\n")
+    for lineno, line in enumerate(text_lines(_read_text(path, "entries file")), 1):
         if not line.strip():
             continue
         if not jsonl:
@@ -152,7 +149,7 @@ def _cmd_build_codes(args: argparse.Namespace) -> int:
         raise DescriptorError(f"{path} is not a .npy array of integer codes ({exc})") from exc
     keys = None
     if args.keys:
-        keys = _read_text(Path(args.keys), "keys file").splitlines()
+        keys = text_lines(_read_text(Path(args.keys), "keys file"))
     t0 = time.perf_counter()
     offset = 0 if args.token_offset is None else args.token_offset
     trie = catalog_from_codes(np.asarray(codes), vocab_size=args.vocab_size, codebook_size=args.codebook_size,

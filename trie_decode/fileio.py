@@ -13,6 +13,7 @@ import errno
 import json
 import math
 import os
+import re
 import stat
 import struct
 import threading
@@ -30,6 +31,7 @@ __all__ = [
     "read_arrays",
     "check_vectors",
     "open_regular_file",
+    "text_lines",
     "FORMAT_NAME",
     "FORMAT_VERSION",
 ]
@@ -38,6 +40,25 @@ FORMAT_NAME = "trie_decode.TokenTrie"
 FORMAT_VERSION = 1
 _MAX_HEADER = 100 * 1024 * 1024
 _DTYPES = {"I32": np.int32, "I64": np.int64, "U8": np.uint8, "F32": np.float32, "BOOL": np.bool_}
+
+
+_LINE_END = re.compile(r"\r\n|\r|\n")
+
+
+def text_lines(data: bytes | str) -> list[str]:
+    r"""The lines of a text file of one item per line (entries, keys, filter keys): UTF-8 with a byte-order mark at
+    its start skipped, lines ended by ``"\n"``, ``"\r\n"`` or ``"\r"`` only (a key may hold any other character,
+    U+2028 or a form feed included, which ``str.splitlines`` would split at); a last line without its end counts.
+
+    Raises:
+        UnicodeDecodeError: ``data`` is bytes that are not UTF-8.
+
+    >>> text_lines("\ufeffa\r\nb\u2028c\n".encode())
+    ['a', 'b\u2028c']
+    """
+    text = data.decode("utf-8-sig") if isinstance(data, bytes) else data.removeprefix("\ufeff")
+    lines = _LINE_END.split(text)
+    return lines[:-1] if lines and lines[-1] == "" else lines
 
 
 def _crc(array: np.ndarray) -> int:
