@@ -431,6 +431,92 @@ def test_node_flags_are_built_once_per_filter_and_stay_right(monkeypatch):
         assert torch.equal(table([spec])[0], fresh(spec))
 
 
+def test_a_batch_rebuilt_with_known_filters_finds_them_by_identity(monkeypatch):
+    """A batch whose filtered rows change (a vLLM request replaced) rebuilds its filters: the filters of arrays made
+    here (read only) are found by identity, with no hash of their ranks and no count; only a new filter is counted.
+    Found or counted, each row's flags are a fresh count of its own filter (rows that share a deny array but not
+    an allow set get their own flags), and the flags of a user's array (which its owner may change) are found by
+    content, every time."""
+    from trie_decode import filters as F
+    from trie_decode.filters import entry_indices
+
+    rng = random.Random(11)
+    trie = TokenTrie.from_sequences([[rng.randrange(3, V) for _ in range(rng.randrange(1, 4))] for _ in range(80)],
+                                    vocab_size=V)
+    c = TrieConstraint(trie, SpanRules(end_token_id=END), "cpu")
+    e = trie.num_entries
+    denies = [entry_indices(trie, rng.sample(range(e), 8), "deny") for _ in range(5)]
+    allows = [entry_indices(trie, rng.sample(range(e), 20), "allow") for _ in range(2)]
+    built, hashed = [], []
+    real = F._node_flags
+    monkeypatch.setattr(F, "_node_flags", lambda *a: built.append(1) or real(*a))
+
+    def table(allow, deny):
+        f = c.filters(len(deny), allow=allow, deny=deny)
+        flags = f.node_flags(trie)
+        got = torch.from_numpy(np.stack(flags.rows))[flags.filter_of_row]
+        allow_r, deny_r = f._host_sets
+        for i in range(len(deny)):  # each row's flags: a fresh count of its own filter
+            assert torch.equal(got[i], torch.from_numpy(real(f.order, trie, allow_r[i], deny_r[i])))
+        return flags
+
+    first = table([None, allows[0], allows[1], None], denies[:4])
+    assert len(built) == 4
+    monkeypatch.setattr(F, "hash", lambda x: hashed.append(1) or hash(x), raising=False)
+    again = table([allows[1], None, None, allows[0]], [denies[2], denies[0], denies[3], denies[1]])
+    assert len(built) == 4 and not hashed  # every row found by identity
+    assert {id(r) for r in again.rows} == {id(r) for r in first.rows}
+    table([None, allows[0], allows[1], None], [denies[0], denies[4], denies[2], denies[3]])  # one request replaced
+    assert len(built) == 5 and len(hashed) == 2  # the new filter's own sets (allow, deny) only
+    table([allows[0], allows[1]], [denies[0], denies[0]])  # one deny array, two allow sets: two filters
+    assert len(built) == 7
+    theirs = np.array(rng.sample(range(e), 8), dtype=np.int64)
+    theirs.setflags(write=False)
+    hashed.clear()
+    table([None], [theirs])
+    table([None], [theirs])
+    assert len(built) == 8 and len(hashed) == 2  # counted once, then found by content
+
+
+def test_filters_for_node_flags_build_their_padded_sets_only_when_read():
+    """Static filters for the C kernel (which masks and moves with node flags) build their padded rank sets when
+    first read, not at setup: a vLLM batch change builds only what is new. Built late, they are the sets built at
+    once (and so are their rows after a select), and the torch pass masks with them as with those."""
+    from trie_decode.filters import EntryOrder, RowFilters, apply_filters_, entry_indices
+
+    rng = random.Random(4)
+    trie = TokenTrie.from_sequences([[rng.randrange(3, V) for _ in range(rng.randrange(1, 4))] for _ in range(60)],
+                                    vocab_size=V)
+    rules = SpanRules(end_token_id=END)
+    c = TrieConstraint(trie, rules, "cpu", kernel="native")
+    e = trie.num_entries
+    allow = [None, rng.sample(range(e), 30), None, rng.sample(range(e), 5)]
+    deny = [rng.sample(range(e), 10), rng.sample(range(e), 4), None, []]
+    late = c.filters(4, allow=allow, deny=deny)
+    state = c.start(4)
+    masked = c.mask_(torch.zeros(4, V), state, filters=late)
+    c.advance(state, masked.argmax(1), filters=late)
+    assert late._allow is None and late._deny is None  # the kernel read the node flags only
+    spec = lambda s: None if s is None else entry_indices(trie, s, "filter")  # noqa: E731
+    now = RowFilters(EntryOrder.of(trie), [spec(a) for a in allow], [spec(d) for d in deny], "cpu")
+    assert now._allow is not None
+    names = ["allow", "deny", "has_allow", "deny_count", "deny_limit"]
+    index = torch.tensor([3, 0, 0, 2, 1])
+    picked = late.select(index)
+    for name in names:
+        assert torch.equal(getattr(late, name), getattr(now, name)), name
+        assert torch.equal(getattr(picked, name), getattr(now.select(index), name)), name
+    d = c.dtries[0]
+    for node in (state.node, torch.tensor([0, 1, 2, 3])):
+        assert torch.equal(apply_filters_(torch.zeros(4, V), node, late, d, rules),
+                           apply_filters_(torch.zeros(4, V), node, now, d, rules))
+    bigger = entry_indices(trie, [e - 1], "deny")  # made here for this trie: checked once, and again for a smaller
+    smaller = TokenTrie.from_sequences([[5], [6]], vocab_size=V)
+    assert entry_indices(trie, bigger, "deny") is bigger
+    with pytest.raises(ConstraintConfigError, match="outside the trie's 2 entries"):
+        entry_indices(smaller, bigger, "deny")
+
+
 def test_one_processor_reused_over_generations_filters_as_a_fresh_one(tiny_llama):
     """A processor keeps its static filters built between generations (per batch size): reused over generations of
     other widths, in any order, it gives what a fresh processor gives; a distinct list starts empty every time."""

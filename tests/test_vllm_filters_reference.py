@@ -49,8 +49,9 @@ def _finite(row) -> set[int]:
     return set(torch.isfinite(row).nonzero().flatten().tolist())
 
 
-def _case(seed: int, eos: int) -> list[tuple[dict, SpanReference, list[int]]]:
-    """Four requests over one random trie: (extra_args, the reference over the row's usable entries, prefix)."""
+def _case(seed: int, eos: int, count: int = 4) -> list[tuple[dict, SpanReference, list[int]]]:
+    """``count`` requests over one random trie: (extra_args, the reference over the row's usable entries, prefix).
+    The first four of a seed are the same whatever the count."""
     from trie_decode import TokenTrie
 
     rng = random.Random(seed)
@@ -64,7 +65,7 @@ def _case(seed: int, eos: int) -> list[tuple[dict, SpanReference, list[int]]]:
     entries = [tuple(trie.entry(i).tokens) for i in range(trie.num_entries)]
     rules = SpanRules(end_token_id=eos, **(dict(on_complete="repeat", separator=(SEP,)) if repeat else {}))
     out = []
-    for r in range(4):
+    for r in range(count):
         while True:
             allow = None if rng.random() < 0.4 else rng.sample(range(len(entries)), rng.randint(1, len(entries)))
             deny = rng.sample(range(len(entries)), rng.randint(0, max(len(entries) // 2, 1)))
@@ -141,6 +142,58 @@ def test_v1_repeat_separator_that_is_a_denied_entrys_token_continues_the_list(sm
         out.append(tok)
         proc.update_state(None)
     assert _finite(proc.apply(torch.zeros(1, len(tokenizer)))[0]) == ref.allowed() == {PARIS}
+
+
+@pytest.mark.parametrize("kernel", ["native", "torch"])
+@pytest.mark.parametrize("seed", range(12))
+def test_v1_a_request_replacing_another_in_its_slot_is_masked_as_by_a_fresh_processor(smollm2_dir, tokenizer,
+                                                                                      monkeypatch, seed, kernel):
+    """vLLM fills a finished request's slot with a new one (the slot is in ``added``, not in ``removed``): one row's
+    filter changes, and the processor counts only the new filter (the other rows' are found as they were). Every
+    step, each row allows exactly what the reference over its own usable entries allows, and the batch is masked
+    exactly as by a fresh processor given the same requests and outputs: nothing of a replaced request's filter
+    stays in its slot."""
+    import torch
+    from vllm import SamplingParams
+    from vllm.v1.sample.logits_processor import BatchUpdate
+
+    from trie_decode import kernels
+
+    if kernel == "torch":  # the kernel CUDA and MPS logits get (the padded rank sets, no node flags)
+        select = kernels.select
+        monkeypatch.setattr(kernels, "select", lambda device, name=None: select(device, name or "torch"))
+    eos, width = tokenizer.eos_token_id, len(tokenizer)
+    case = _case(seed, eos, count=12)
+    proc = _v1(smollm2_dir, tokenizer)
+    slots: dict[int, tuple[dict, SpanReference, list[int], list[int]]] = {}  # slot -> (extra, ref, prompt, outputs)
+
+    def add(slot: int, request: tuple) -> tuple:
+        extra, ref, prefix = request
+        slots[slot] = (extra, ref, [1, 5] + prefix, [])
+        return (slot, SamplingParams(extra_args=extra), slots[slot][2], slots[slot][3])
+
+    proc.update_state(BatchUpdate(batch_size=4, removed=[], moved=[], added=[add(i, case[i]) for i in range(4)]))
+    waiting = case[4:]
+    rng = random.Random(seed)
+    for step in range(16):
+        logits = proc.apply(torch.zeros(4, width))
+        fresh = _v1(smollm2_dir, tokenizer)
+        fresh.update_state(BatchUpdate(batch_size=4, removed=[], moved=[], added=[
+            (s, SamplingParams(extra_args=extra), prompt, list(out)) for s, (extra, _, prompt, out) in slots.items()]))
+        assert torch.equal(fresh.apply(torch.zeros(4, width)), logits), (seed, step)
+        for slot, (_, ref, _, out) in slots.items():
+            got = _finite(logits[slot])
+            assert got == ref.allowed(), (seed, step, slot, out, ref.state)
+            tok = rng.choice(sorted(got))
+            ref.step(tok)
+            out.append(tok)
+        added = []
+        if waiting and step % 2 == 0:  # a new request where one finished (sometimes two at once)
+            for slot in rng.sample(range(4), 1 + (rng.random() < 0.3)):
+                if waiting:
+                    added.append(add(slot, waiting.pop(0)))
+        proc.update_state(BatchUpdate(batch_size=4, removed=[], moved=[], added=added) if added else None)
+    assert not waiting
 
 
 @pytest.fixture()

@@ -607,10 +607,11 @@ class TrieConstraint:
                 out.append(None if s is None else seen[id(s)])
             return out
 
+        flagged = not distinct and self.kernel.supports_filters  # the kernel masks and moves with node flags
         out = RowFilters(EntryOrder.of(trie), per_row(allow, "allow"), per_row(deny, "deny"), self.device,
-                         distinct_capacity=max_entries if distinct else 0)
-        if not distinct and self.kernel.supports_filters:
-            out.node_flags(trie)  # the kernel masks with them: built now, as part of the filters' setup
+                         distinct_capacity=max_entries if distinct else 0, defer_sets=flagged)
+        if flagged:
+            out.node_flags(trie)  # built now, as part of the filters' setup (the padded sets only if read)
         return out
 
     def stop_at_forced(self, state: RowState, min_run: torch.Tensor, tail_only: torch.Tensor) -> RowState:

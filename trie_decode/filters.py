@@ -159,6 +159,9 @@ class EntryOrder:
         self._device: dict[str, tuple[torch.Tensor, ...]] = {}
         # id -> (a weak reference to an index array entry_indices made, its sorted ranks): see sorted_ranks
         self._ranks_of: dict[int, tuple[weakref.ref, np.ndarray]] = {}
+        # (allow ranks, deny ranks) made here -> the allow ranks not denied (see RowFilters)
+        self._usable_allow = _ByIdentity()
+        self._nothing: Optional[np.ndarray] = None  # see nothing_usable
 
     @classmethod
     def of(cls, trie: TokenTrie) -> "EntryOrder":
@@ -176,18 +179,31 @@ class EntryOrder:
         >>> order.sorted_ranks(np.array([2, 0, 0])).tolist()   # entry 0 ([6]) ranks 1, entry 2 ([7]) ranks 2
         [1, 2]
         """
-        made_here = _MADE_HERE.get(id(indices)) is indices
-        hit = self._ranks_of.get(id(indices)) if made_here else None
+        hit = self._ranks_of.get(id(indices))  # only arrays made here are kept
         if hit is not None and hit[0]() is indices:
             return hit[1]
+        made_here = _MADE_HERE.get(indices) is not None
         got = np.sort(self.rank[indices])
         got = got[np.concatenate([[True], got[1:] != got[:-1]])] if len(got) > 1 else got  # unique
         if made_here:
             got.setflags(write=False)
+            _RANKS_HERE.put((got,), True)
             key, memo = id(indices), self._ranks_of  # the callback holds the dict, not this order (no cycle)
             memo[key] = (weakref.ref(indices, lambda r, k=key: memo.pop(k) if memo.get(k, (None,))[0] is r else None),
                          got)
         return got
+
+    def nothing_usable(self) -> np.ndarray:
+        """The filter bits (:func:`filter_bits`) of every node for a filter that leaves no entry usable: where an
+        allow filter starts (:func:`_node_flags`). Counted once (a pass over every node), read only. Shape: (N,),
+        uint8."""
+        if self._nothing is None:
+            # same-shape arrays: numpy's broadcast of bools is slow
+            nothing = np.zeros(len(self.node_rank), dtype=np.bool_)
+            bits = filter_bits(nothing, nothing, self.node_rank >= 0)
+            bits.setflags(write=False)
+            self._nothing = bits
+        return self._nothing
 
     def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(lo, hi, node_rank) as int64 tensors on ``device`` (cached)."""
@@ -273,8 +289,46 @@ def filtered_tries(tries: Sequence[TokenTrie], allow: Any, deny: Any, on_complet
     return out
 
 
-#: The index arrays :func:`entry_indices` made, while they live (by id): the ones whose ranks may be kept.
-_MADE_HERE: "weakref.WeakValueDictionary[int, np.ndarray]" = weakref.WeakValueDictionary()
+class _ByIdentity:
+    """A value per tuple of live arrays, found by the arrays' identity (not their content): for arrays made here read
+    only, whose content never changes. An entry goes with the first of its arrays to go (None stands for itself)."""
+
+    def __init__(self) -> None:
+        self._found: dict[tuple, tuple[tuple, Any]] = {}
+
+    def get(self, *arrays: Optional[np.ndarray]) -> Any:
+        hit = self._found.get(tuple([id(a) for a in arrays]))
+        if hit is None:
+            return None
+        for r, a in zip(hit[0], arrays):  # the same objects, not others at the same address since
+            if (a is not None) if r is None else (r() is not a):
+                return None
+        return hit[1]
+
+    def put(self, arrays: Sequence[Optional[np.ndarray]], value: Any) -> None:
+        key, found = tuple(map(id, arrays)), self._found  # the callbacks hold the dict, not this object (no cycle)
+
+        def gone(ref: weakref.ref, k: tuple = key) -> None:
+            hit = found.get(k)
+            if hit is not None and any(r is ref for r in hit[0]):
+                found.pop(k, None)
+
+        found[key] = (tuple(None if a is None else weakref.ref(a, gone) for a in arrays), value)
+
+    def __len__(self) -> int:
+        return len(self._found)
+
+
+#: The index arrays :func:`entry_indices` made (read only), while they live, with their largest index (-1: empty):
+#: the ones whose ranks may be kept, and whose range is checked once.
+_MADE_HERE = _ByIdentity()
+#: The rank arrays made here read only (:meth:`EntryOrder.sorted_ranks` of the arrays above, an allow set with its
+#: denied ranks taken out): a filter made of them is found by identity (:class:`_NodeFlagCache`), not by content.
+_RANKS_HERE = _ByIdentity()
+#: No rank (the deny set of a row that has none).
+_NO_RANKS = np.zeros(0, dtype=np.int64)
+_NO_RANKS.setflags(write=False)
+_RANKS_HERE.put((_NO_RANKS,), True)
 
 
 def spec_items(spec: Any, what: str, numbers: str = "entry indices") -> tuple[list[Any], list[int]]:
@@ -312,6 +366,9 @@ def entry_indices(trie: TokenTrie, spec: Any, what: str) -> np.ndarray:
     if isinstance(spec, np.ndarray) and spec.dtype.kind in "iu":
         idx = spec.astype(np.int64, copy=False)
         idx = idx if idx.ndim == 1 else idx.ravel()  # the array itself where it can be (see EntryOrder.sorted_ranks)
+        top = _MADE_HERE.get(idx)  # made here: no index below 0, its largest known (a batch's rows come back often)
+        if top is not None and top < trie.num_entries:
+            return idx
     else:  # a list, or an array of keys (or of anything else: spec_items checks each item)
         keys, nums = spec_items(spec, what)
         idx = np.asarray(nums, dtype=np.int64)
@@ -319,7 +376,8 @@ def entry_indices(trie: TokenTrie, spec: Any, what: str) -> np.ndarray:
             found = KeyIndex.of(trie).entries(keys, what)
             idx = found if not nums else np.concatenate([found, idx])
         idx.setflags(write=False)  # made here and never changed: EntryOrder.sorted_ranks may keep its ranks
-        _MADE_HERE[id(idx)] = idx
+        if not idx.size or idx.min() >= 0:
+            _MADE_HERE.put((idx,), int(idx.max()) if idx.size else -1)
     if idx.size and (idx.min() < 0 or idx.max() >= trie.num_entries):
         bad = int(idx[(idx < 0) | (idx >= trie.num_entries)][0])
         raise ConstraintConfigError(f"{what}: entry index {bad} is outside the trie's {trie.num_entries} entries")
@@ -399,8 +457,15 @@ class RowFilters:
             set for the entries it emits; a full list ends, see the module docstring). Above 0, these filters are a
             distinct list's (:attr:`distinct`); 0 (the default), static filters.
         device: where the sets live.
+        defer_sets: static filters only: build the padded rank sets (:attr:`allow`, :attr:`deny`) when first read,
+            not now. For a kernel that masks and moves with :meth:`node_flags` and may never read them (the C
+            kernel): a vLLM batch whose filtered requests change then builds only what is new.
 
     Attributes:
+        allow, deny: per row, its usable allow ranks (the denied ones taken out) and its denied ranks, sorted and
+            padded with :attr:`sentinel`; rows that share one filter keep one row. Shape: (R or 1, A), (R or 1, D),
+            int64.
+        has_allow: which rows have an allow set. Shape: (R,), bool.
         deny_count, deny_limit: per row, the ranks in its deny set and the most it may hold. Shape: (R,), int64.
         distinct: whether each entry a row completes is denied to it from then on (``TrieConstraint.advance``).
     """
@@ -413,6 +478,7 @@ class RowFilters:
         device: torch.device | str,
         *,
         distinct_capacity: int = 0,
+        defer_sets: bool = False,
     ) -> None:
         r = len(allow)
         if len(deny) != r:  # else zip below would drop the rows one of them lacks
@@ -426,11 +492,21 @@ class RowFilters:
             key = (id(spec), id(minus))
             if key not in memo:
                 got = order.sorted_ranks(spec)
-                memo[key] = got if minus is None or not len(minus) else got[~np.isin(got, minus, assume_unique=True)]
+                if minus is not None and len(minus):
+                    # ranks made here (read only, never changed) are found by identity: once while they live
+                    here = _RANKS_HERE.get(got) is not None and _RANKS_HERE.get(minus) is not None
+                    usable = order._usable_allow.get(got, minus) if here else None
+                    if usable is None:
+                        usable = got[~np.isin(got, minus, assume_unique=True)]
+                        if here:
+                            usable.setflags(write=False)
+                            _RANKS_HERE.put((usable,), True)
+                            order._usable_allow.put((got, minus), usable)
+                    got = usable
+                memo[key] = got
             return memo[key]
 
-        empty = np.zeros(0, np.int64)
-        deny_r = [empty if d is None else sorted_ranks(d) for d in deny]
+        deny_r = [_NO_RANKS if d is None else sorted_ranks(d) for d in deny]
         # An allow set holds only usable entries: the denied ones are taken out of it here.
         allow_r = [None if a is None else sorted_ranks(a, d) for a, d in zip(allow, deny_r)]
         a_cap = max((len(a) for a in allow_r if a is not None), default=0)
@@ -446,23 +522,54 @@ class RowFilters:
         # searched by every row, which is also cheaper than R copies.
         shared = not capacity and r > 0 and all(a is allow_r[0] for a in allow_r) and all(
             d is deny_r[0] for d in deny_r)
-        rows = 1 if shared else r
-        allow_m = np.full((rows, max(a_cap, 1)), sentinel, dtype=np.int64)
-        deny_m = np.full((rows, max(d_cap, 1)), sentinel, dtype=np.int64)
-        for i in range(rows):
-            if allow_r[i] is not None:
-                allow_m[i, : len(allow_r[i])] = allow_r[i]
-            deny_m[i, : len(deny_r[i])] = deny_r[i]
         t = lambda a: torch.from_numpy(a).to(self.device)  # noqa: E731
-        self.allow, self.has_allow, self.deny = t(allow_m), t(has_allow), t(deny_m)
+        self.has_allow = t(has_allow)
         self.deny_count = t(np.array([len(d) for d in deny_r], dtype=np.int64))
         self.deny_limit = self.deny_count + capacity
         self.distinct = capacity > 0
         # Static (host) facts that let a step skip work: no row has an allow set / every row has one.
         self.any_allow, self.all_allow = bool(has_allow.any()), bool(has_allow.all())
-        # The host sets, for the per-node flags a CPU kernel masks with (node_flags); built on first use.
+        # The host sets, for the per-node flags a CPU kernel masks with (node_flags) and the padded sets; both
+        # built on first use.
         self._host_sets = (allow_r, deny_r)
         self._flags: Optional[NodeFlags] = None
+        self._allow: Optional[torch.Tensor] = None
+        self._deny: Optional[torch.Tensor] = None
+        self._shape = (1 if shared else r, max(a_cap, 1), max(d_cap, 1))  # of the padded sets
+        if not defer_sets or self.distinct:
+            self._build_sets()
+
+    def _build_sets(self) -> None:
+        """The padded rank sets (:attr:`allow`, :attr:`deny`) from the host sets, on the filters' device."""
+        allow_r, deny_r = self._host_sets
+        rows, a_cap, d_cap = self._shape
+        allow_m = np.full((rows, a_cap), self.sentinel, dtype=np.int64)
+        deny_m = np.full((rows, d_cap), self.sentinel, dtype=np.int64)
+        for i in range(rows):
+            if allow_r[i] is not None:
+                allow_m[i, : len(allow_r[i])] = allow_r[i]
+            deny_m[i, : len(deny_r[i])] = deny_r[i]
+        self._allow, self._deny = torch.from_numpy(allow_m).to(self.device), torch.from_numpy(deny_m).to(self.device)
+
+    @property
+    def allow(self) -> torch.Tensor:
+        if self._allow is None:
+            self._build_sets()
+        return self._allow
+
+    @allow.setter
+    def allow(self, value: torch.Tensor) -> None:
+        self._allow = value
+
+    @property
+    def deny(self) -> torch.Tensor:
+        if self._deny is None:
+            self._build_sets()
+        return self._deny
+
+    @deny.setter
+    def deny(self, value: torch.Tensor) -> None:
+        self._deny = value
 
     def built_node_flags(self, num_rows: int) -> Optional["NodeFlags"]:
         """The node flags if :meth:`node_flags` built them (else None), with each of ``num_rows`` rows' filter
@@ -502,15 +609,16 @@ class RowFilters:
     def select(self, index: torch.Tensor) -> "RowFilters":
         """Rows ``index`` of these filters (beam reordering). Filters that every row shares, with no distinct list,
         are the same whatever the rows: returned as they are."""
-        if not self.distinct and self.deny.shape[0] == 1 and len(index) == len(self.has_allow):
+        if not self.distinct and self._shape[0] == 1 and len(index) == len(self.has_allow):
             return self  # one shared set (and so one filter, in the node flags too): every row is alike
-        out = object.__new__(RowFilters)
+        out = object.__new__(RowFilters)  # with this object's sets indexed (built here if they were deferred)
         out.order, out.device, out.sentinel = self.order, self.device, self.sentinel
         out.has_allow, out.deny_count = self.has_allow[index], self.deny_count[index]
         out.deny_limit = self.deny_limit[index]
-        shared = self.deny.shape[0] == 1 and len(self.has_allow) != 1
+        shared = self._shape[0] == 1 and len(self.has_allow) != 1
         out.allow = self.allow if shared else self.allow[index]
         out.deny = self.deny if shared else self.deny[index]
+        out._shape = (out.deny.shape[0], out.allow.shape[1], out.deny.shape[1])
         out.distinct, out.any_allow, out.all_allow = self.distinct, self.any_allow, self.all_allow
         out._host_sets, out._flags = self._host_sets, None
         if self._flags is None and not self.distinct:
@@ -665,10 +773,12 @@ class _NodeFlagCache:
     """The node flags (:func:`_node_flags`) of the filters one trie saw, keyed by the filter's content. A filter's
     flags cost about 1 ms per million entries; with this a filter seen before costs a hash of its ranks: a new
     generation, a new processor with the same filter, or a vLLM batch whose filtered rows changed (every row's
-    filter is rebuilt then). Flags still in use elsewhere (a batch's :class:`NodeFlags` holds them) are always
-    found; of the others, the least recently used go first beyond :data:`NODE_FLAG_CACHE_BYTES`. So a batch of
-    filters whose flags together exceed the budget (64 requests with their own filters on a 1M-entry catalog) does
-    not count them all again at every change."""
+    filter is rebuilt then). A filter of rank arrays made here (read only: a request's filter from a list or keys)
+    is found by their identity first, without a hash: a batch change costs a lookup per unchanged row. Flags still
+    in use elsewhere (a batch's :class:`NodeFlags` holds them) are always found; of the others, the least recently
+    used go first beyond :data:`NODE_FLAG_CACHE_BYTES`. So a batch of filters whose flags together exceed the
+    budget (64 requests with their own filters on a 1M-entry catalog) does not count them all again at every
+    change."""
 
     def __init__(self) -> None:
         # key -> (a weak reference to the flags, the filter's allow and deny ranks): every filter whose flags live
@@ -677,9 +787,18 @@ class _NodeFlagCache:
         self._kept: OrderedDict[tuple, np.ndarray] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()  # a live catalog compacts in a background thread
+        # (allow, deny) rank arrays made here -> (key, a weak reference to their flags)
+        self._by_identity = _ByIdentity()
 
     def get(self, order: EntryOrder, trie: TokenTrie, allow: Optional[np.ndarray], deny: np.ndarray) -> np.ndarray:
         """The flags of one filter (arguments as :func:`_node_flags`'). The returned array is shared: read only."""
+        hit = self._by_identity.get(allow, deny)  # only rank arrays made here are kept
+        flags = hit[1]() if hit is not None else None
+        if flags is not None:
+            with self._lock:
+                self._keep(hit[0], flags)
+            return flags
+        here = (allow is None or _RANKS_HERE.get(allow) is not None) and _RANKS_HERE.get(deny) is not None
         key = (None if allow is None else hash(allow.tobytes()), hash(deny.tobytes()))
         with self._lock:
             known = self._known.get(key)
@@ -687,6 +806,8 @@ class _NodeFlagCache:
             if flags is not None and (known[1] is None) == (allow is None) and (
                     allow is None or np.array_equal(known[1], allow)) and np.array_equal(known[2], deny):
                 self._keep(key, flags)
+                if here:
+                    self._by_identity.put((allow, deny), (key, known[0]))
                 return flags
         flags = _node_flags(order, trie, allow, deny)
         flags.setflags(write=False)  # shared by every batch with this filter (the C kernel reads it in place)
@@ -697,10 +818,15 @@ class _NodeFlagCache:
             ref = weakref.ref(flags, lambda r, k=key: known.pop(k) if known.get(k, (None,))[0] is r else None)
             self._known[key] = (ref, allow, deny)
             self._keep(key, flags)
+            if here:
+                self._by_identity.put((allow, deny), (key, ref))
         return flags
 
     def _keep(self, key: tuple, flags: np.ndarray) -> None:
         """Keep ``flags`` as the most recently used (the lock held)."""
+        if self._kept.get(key) is flags:
+            self._kept.move_to_end(key)
+            return
         old = self._kept.pop(key, None)
         if old is not None:
             self._bytes -= old.nbytes
@@ -721,9 +847,8 @@ def _node_flags(order: EntryOrder, trie: TokenTrie, allow: Optional[np.ndarray],
     if allow is None:  # the bits of a node whose entries are all usable, at every node (no per-node array needed)
         usable = np.ones(1, dtype=np.bool_)
         flags = np.full(trie.num_nodes, filter_bits(usable, usable, usable)[0])
-    else:  # the bits of a node with no usable entry (same-shape arrays: numpy's broadcast of bools is slow)
-        nothing = np.zeros(trie.num_nodes, dtype=np.bool_)
-        flags = filter_bits(nothing, nothing, order.node_rank >= 0)
+    else:  # the bits of a node with no usable entry, at every node (the trie's, counted once)
+        flags = order.nothing_usable().copy()
     if not len(ranks):
         return flags
     # The nodes on the filter's paths, one gather per level. Ranks are sorted and nodes are numbered breadth-first
