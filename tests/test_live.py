@@ -576,7 +576,7 @@ def test_filters_name_a_catalogs_items_over_a_view():
     base = catalog_from_codes(codes, codebook_size=8, token_offset=100, vocab_size=200, keys=["a", "b", "c", "d"])
     catalog = LiveCatalog(base)
     catalog.add([[103, 111]], keys=["e"])
-    assert catalog.wait_compacted()  # the compacted trie has no item lists: keys resolve over the snapshot
+    assert catalog.wait_compacted()  # keys resolve over the snapshot (the compacted trie keeps the item lists too)
     view = catalog.snapshot().view()
     c = view.constraint(SpanRules(END), "cpu")
     state = c.advance(c.start(1), torch.tensor([103]))
@@ -593,3 +593,203 @@ def test_adding_strings_without_a_tokenizer_points_to_add_s_tokenizer_argument()
     assert "from_strings" not in str(info.value)
     with pytest.raises(CatalogUpdateError, match=r"pass tokenizer="):
         catalog.add("Chile", keys=["CL"])
+
+
+# ------------------------------------------------------------------ removed entries' keys, items, pinned snapshots
+def _keys_of(view: CatalogView, spec, what: str = "deny") -> list:
+    """The keys of the entries a filter spec names that the view serves (not denied as removed)."""
+    return sorted(view.trie.entry(int(i)).key for i in np.setdiff1d(view.entry_indices(spec, what), view.deny))
+
+
+def test_a_filter_that_names_a_removed_entry_keeps_working(tmp_path):
+    """A "seen items" deny list keeps working when an item is withdrawn, whether it was a base entry or an added
+    one, before and after a compaction, through a delta file and after a rebase; a key the catalog never held is
+    still an error."""
+    base = TokenTrie.from_sequences([[3, 4], [3, 5], [6]], vocab_size=10, keys=["a", "b", "c"])
+    catalog = LiveCatalog(base)
+    catalog.add([[7], [8]], keys=["n", "m"])
+    assert catalog.wait_compacted()
+    rules = SpanRules(END)
+    view = catalog.snapshot().view(rules)
+    c = view.constraint(rules, "cpu")
+    assert _keys_of(view, ["n"]) == ["n"]
+    catalog.remove(["n", "a"])  # an added entry and a base entry, removed after the compaction
+    for compacted in (False, True):
+        if compacted:
+            catalog.add([[9]], keys=["o"])
+            assert catalog.wait_compacted()  # a new compacted trie, without n and a
+        view = catalog.snapshot().view(rules)
+        c = view.constraint(rules, "cpu")
+        f = view.filters(c, 1, deny=["n", "a", "b"])
+        assert c.mask_(torch.zeros(1, 10), c.start(1), filters=f).isfinite().nonzero()[:, 1].tolist() == (
+            [6, 8, 9] if compacted else [6, 8])
+        assert _keys_of(view, ["n", "a", "b"]) == ["b"]
+        assert _keys_of(view, ["n", "c"], "allow") == ["c"]
+        with pytest.raises(ConstraintConfigError, match="holds no entry the catalog serves now"):
+            view.filters(c, 1, allow=["n"])
+        with pytest.raises(ConstraintConfigError, match="not entries of the catalog and never were"):
+            view.filters(c, 1, deny=["n", "zzz"])
+    assert catalog.snapshot().retired == {"n"}
+    with pytest.raises(CatalogUpdateError, match="not in the catalog"):
+        catalog.remove(["n"])  # known to filters, not held
+    catalog.add([[7]], keys=["n"])  # added again: held, no longer retired
+    assert catalog.snapshot().retired == frozenset() and _keys_of(catalog.snapshot().view(rules), ["n"]) == []
+    catalog.remove(["n"])
+    # A delta file keeps the retired keys; a rebase keeps every removed key in the new base.
+    again = LiveCatalog(base)
+    catalog.save_delta(tmp_path / "delta.safetensors")
+    again.load_delta(tmp_path / "delta.safetensors")
+    assert again.snapshot().retired == {"n"} and _keys_of(again.snapshot().view(rules), ["n", "a"]) == []
+    new_base = catalog.rebase()
+    assert sorted(new_base.sequences()) == [(3, 5), (6,), (8,), (9,)]
+    view = catalog.snapshot().view(rules)
+    assert _keys_of(view, ["n", "a", "m"]) == ["m"]
+    catalog.remove(["m"])
+    assert _keys_of(catalog.snapshot().view(rules), ["n", "a", "m"]) == []
+    with pytest.raises(ConstraintConfigError, match="never were"):
+        catalog.snapshot().view(rules).entry_indices(["zzz"], "deny")
+    from trie_decode.filters import entry_indices
+
+    assert entry_indices(new_base, ["n", "a", "b"], "deny").tolist() == [new_base.lookup([3, 5]).index]
+    with pytest.raises(ConstraintConfigError, match="not entries of the trie"):
+        entry_indices(new_base, ["zzz"], "deny")
+
+
+def test_a_names_only_catalog_keeps_removed_names_too():
+    catalog = LiveCatalog(TokenTrie.from_sequences([[3], [4]], vocab_size=8, names=["x", "y"]))
+    catalog.add([[5]], names=["z"])
+    catalog.remove(["z", "x"])
+    view = catalog.snapshot().view(SpanRules(END))
+    assert _keys_of(view, ["z", "x"]) == [] and view.entry_indices(["z"], "deny").tolist() == []
+    assert catalog.compact().extra["retired_keys_blob"].tobytes() == b"xz"
+
+
+def test_compaction_keeps_a_catalogs_items(tmp_path):
+    """A live catalog over catalog_from_codes keeps every entry's item keys through compactions and rebases: rank,
+    match and lookup results list them, filters name any item's key (a removed item's names nothing), items keep
+    their rows, and the compacted trie saves and loads."""
+    from trie_decode.catalogs import catalog_from_codes, item_entries, items_of
+
+    codes = np.array([[3, 1], [3, 2], [3, 1], [0, 5]])  # items s0 and s2 share one semantic id
+    base = catalog_from_codes(codes, codebook_size=8, token_offset=100, vocab_size=200, keys=["s0", "s1", "s2", "s3"])
+    catalog = LiveCatalog(base)
+    catalog.add([[103, 111]], keys=["new"])
+    catalog.remove(["s1"])
+    snap = catalog.snapshot()
+    assert snap.entry(3).item_keys == ("new",) and snap.lookup([103, 109]).item_keys == ("s0", "s2")
+    assert catalog.wait_compacted()
+    view = catalog.snapshot().view(SpanRules(END))
+    assert {e.key: e.item_keys for e in map(view.trie.entry, range(view.trie.num_entries))} == {
+        "s0": ("s0", "s2"), "s3": ("s3",), "new": ("new",)}
+    assert _keys_of(view, ["s2", "s1"]) == ["s0"]
+    new_base = catalog.rebase()
+    assert [new_base.entry(i).item_keys for i in range(new_base.num_entries)] == [("s0", "s2"), ("s3",), ("new",)]
+    assert items_of(new_base, 0).tolist() == [0, 2] and items_of(new_base, 2).tolist() == [4]  # rows kept
+    assert item_entries(new_base).tolist() == [0, -1, 0, 1, 2]  # s1 is held by no entry
+    assert catalog.remove(["s2"]) == 1  # an item key names its entry after a rebase too
+    assert _keys_of(catalog.snapshot().view(SpanRules(END)), ["s0", "s1", "s3"]) == ["s3"]
+    with pytest.raises(ConstraintConfigError, match="never were"):
+        catalog.snapshot().view(SpanRules(END)).entry_indices(["s9"], "deny")
+    new_base.save(tmp_path / "rebased.safetensors")
+    loaded = TokenTrie.load(tmp_path / "rebased.safetensors")  # validated: items and retired keys
+    assert loaded.entry(0).item_keys == ("s0", "s2") and loaded.extra.keys() == new_base.extra.keys()
+
+
+def test_a_pinned_snapshot_keeps_the_entries_it_could_generate():
+    """A snapshot is immutable: later compactions (the catalog keeps the newest two) never take away an added entry
+    it decoded, and one that was never decoded before its compaction was dropped gets its own."""
+    base = TokenTrie.from_sequences([[3, 4], [5]], vocab_size=10, keys=["a", "b"])
+    rules = SpanRules(END)
+    catalog = LiveCatalog(base)
+    catalog.add([[6]], keys=["x"])
+    assert catalog.wait_compacted()
+    pinned = catalog.snapshot()
+    assert pinned.view(rules).pending == 0
+    catalog.add([[7]], keys=["y"])
+    unseen = catalog.snapshot()  # never viewed, never compacted: the catalog changed again first
+    for key in ("z", "w"):
+        catalog.add([[8 if key == "z" else 9]], keys=[key])
+        assert catalog.wait_compacted()
+    assert min(r.version for r in catalog._compactor.records) > unseen.version
+    view = pinned.view(rules)
+    assert view.pending == 0 and sorted(view.trie.sequences()) == [(3, 4), (5,), (6,)]
+    c = view.constraint(rules, "cpu")
+    assert c.allowed_tokens(c.start(1)) == [[3, 5, 6]]
+    assert unseen.view(rules).pending == 2  # the base until its compaction, built for it in the background
+    catalog._compactor.wait(None)
+    view = unseen.view(rules)
+    assert view.pending == 0 and sorted(view.trie.sequences()) == [(3, 4), (5,), (6,), (7,)]
+    assert sorted(catalog.snapshot().view(rules).trie.sequences()) == [(3, 4), (5,), (6,), (7,), (8,), (9,)]
+
+
+def test_adding_strings_to_a_base_without_names(tokenizer):
+    """Strings name themselves only where the base has names: a base with keys and no names takes strings with
+    keys; a call with two column problems hears of both."""
+    ids = [tokenizer.encode(w, add_special_tokens=False) for w in (" Paris", " Rome")]
+    fingerprint = TokenTrie.from_strings(["x"], tokenizer).fingerprint
+    base = TokenTrie.from_sequences(ids, vocab_size=len(tokenizer), keys=["fr", "it"], fingerprint=fingerprint)
+    catalog = LiveCatalog(base)
+    assert catalog.add([" Lisbon"], tokenizer=tokenizer, keys=["pt"]) == 1
+    lisbon = tuple(tokenizer.encode(" Lisbon", add_special_tokens=False))
+    found = catalog.snapshot().lookup(lisbon)
+    assert found.key == "pt" and found.name is None and catalog.compact().names() is None
+    named = LiveCatalog(TokenTrie.from_strings(["Paris"], tokenizer))
+    with pytest.raises(CatalogUpdateError, match=r"pass names=.*leave keys= out"):
+        named.add([[5]], keys=["k"])  # both problems of the call, at once
+
+
+def test_remove_takes_a_list_and_says_so():
+    """``remove`` takes a list: a single item (an index, a key, anything else) gets a named error showing the list."""
+    catalog = LiveCatalog(TokenTrie.from_sequences([[3], [4]], vocab_size=8, keys=["fr", "it"]))
+    for single, shown in ((0, r"single integer 0: pass \[0\]"), (np.int64(1), "single integer"),
+                          ("fr", r"single string 'fr': pass \['fr'\]"), (1.5, "single float")):
+        with pytest.raises(CatalogUpdateError, match=shown):
+            catalog.remove(single)
+    assert catalog.remove([0]) == 1
+
+
+def test_a_served_delta_means_what_the_snapshot_means(tmp_path):
+    """The trie a server decodes for a trie file and its delta (apply_delta_file) resolves filters as the catalog's
+    snapshot does: entry numbers are the snapshot's (base indices, then the added entries), removed keys are
+    accepted and name nothing, a catalog's items keep their keys; the numbering saves, loads and is validated."""
+    from trie_decode.filters import entry_indices
+
+    base = TokenTrie.from_sequences([[3, 4], [3, 5], [6], [7]], vocab_size=12, keys=["r", "g", "b", "y"])
+    trie_path = tmp_path / "colors.safetensors"
+    base.save(trie_path)
+    catalog = LiveCatalog.open(trie_path)
+    catalog.add([[8], [9]], keys=["az", "t"])
+    catalog.remove(["r", "t"])
+    catalog.save_delta(delta_path_for(trie_path))
+    served = apply_delta_file(TokenTrie.load(trie_path), delta_path_for(trie_path))
+    live = LiveCatalog.open(trie_path, delta_path_for(trie_path))
+    assert live.wait_compacted()
+    view = live.snapshot().view(SpanRules(END))
+
+    def keys(trie, idx):
+        return sorted(trie.entry(int(i)).key for i in idx)
+
+    for spec in ([1], [0, 1], [4], (1, 4), ["r"], ["g", "r"], ["t", "b"], ["g", 2]):
+        assert keys(served, entry_indices(served, spec, "allow")) == keys(view.trie, view.entry_indices(spec, "allow"))
+    assert keys(served, entry_indices(served, [1, 4], "allow")) == ["az", "g"]
+    resolved = entry_indices(served, [1, 4], "allow")
+    assert entry_indices(served, resolved, "allow") is resolved  # resolved indices pass on as they are
+    with pytest.raises(ConstraintConfigError, match="entry number 5 is outside the catalog's 5 entry numbers"):
+        entry_indices(served, [5], "allow")
+    with pytest.raises(ConstraintConfigError, match="not entries of the trie"):
+        entry_indices(served, ["zzz"], "deny")
+    path = tmp_path / "served.safetensors"
+    served.save(path)
+    assert keys(served, entry_indices(TokenTrie.load(path), [1, 4], "allow")) == ["az", "g"]
+    served.extra["filter_number_entry"] = np.array([0, 0, 1, 2, -1], dtype=np.int64)
+    served.save(path)
+    with pytest.raises(TrieFileError, match="number every entry exactly once"):
+        TokenTrie.load(path)
+    # Nothing removed: the numbers are the compacted trie's own; only removed added keys: the base's arrays.
+    catalog = LiveCatalog.open(trie_path)
+    catalog.add([[10]], keys=["t"])
+    catalog.remove(["t"])
+    catalog.save_delta(delta_path_for(trie_path))
+    served = apply_delta_file(TokenTrie.load(trie_path), delta_path_for(trie_path))
+    assert "filter_number_entry" not in served.extra and served.num_entries == 4
+    assert entry_indices(served, ["t", "g"], "deny").tolist() == [1]

@@ -652,3 +652,78 @@ def test_a_delta_opened_outside_the_allowed_directories_is_refused(resolver, tre
                         lambda p: "/etc/passwd" if p in delta_fds else real_readlink(p))
     assert "is not a trie file this server makes available" in _refusal_of(resolver, str(allowed / "colors.trie"))
     assert delta_fds
+
+
+def test_filters_over_a_delta_file_mean_what_they_mean_in_process(resolver, tree, tokenizer, monkeypatch):
+    """A request's allow/deny over a trie file with a delta beside it names the entries the catalog's snapshot
+    names in-process (``LiveCatalog.open(trie, delta)``, what the transformers processor decodes): entry numbers
+    (inline or a .npy filter file) are the snapshot's, a removed key (base or added) is accepted and names nothing,
+    and a semantic-id catalog's second item key names its entry."""
+    import numpy as np
+    import torch
+
+    from trie_decode.catalogs import catalog_from_codes
+    from trie_decode.live import LiveCatalog, delta_path_for
+
+    allowed, _ = tree
+    monkeypatch.setenv(ENV_ALLOWED_DIRS, str(allowed))
+    colors = allowed / "keyed.trie"
+    TokenTrie.from_strings([" red", " green", " blue", " yellow"], tokenizer, keys=["r", "g", "b", "y"]).save(colors)
+    catalog = LiveCatalog.open(colors)
+    catalog.add([" azure", " teal"], tokenizer=tokenizer, keys=["az", "t"])
+    catalog.remove(["r", "t"])
+    catalog.save_delta(delta_path_for(colors))
+    codes = allowed / "codes.trie"
+    catalog_from_codes(np.array([[1, 2], [1, 3], [1, 2], [2, 0]]), vocab_size=len(tokenizer), codebook_size=4,
+                       token_offset=1000, keys=["s0", "s1", "s2", "s3"]).save(codes)
+    catalog = LiveCatalog.open(codes)
+    catalog.add([[1000, 1007]], keys=["new"])
+    catalog.remove(["s3"])
+    catalog.save_delta(delta_path_for(codes))
+    np.save(allowed / "one.npy", np.array([1]))
+
+    from trie_decode.constraint import TrieConstraint
+    from trie_decode.integrations.vllm import _engine_constraint
+
+    def first_tokens(c, filters):
+        return c.mask_(torch.zeros(1, c.vocab_size), c.start(1), filters=filters).isfinite().nonzero()[:, 1].tolist()
+
+    def served(path, **extra):
+        """The entries the request's filters name, and the first tokens the engine's step allows with them."""
+        req = parse_trie_request({"trie": str(path), **extra})
+        resolver.admit(req)
+        trie, rules, allow, deny = _engine_constraint(resolver, req)  # what the engine decodes
+        c = TrieConstraint(trie, rules, "cpu")
+        named = [None if f is None else sorted(trie.entry(int(i)).key for i in f) for f in (allow, deny)]
+        return named, first_tokens(c, c.filters(1, allow=[allow], deny=[deny]))
+
+    def in_process(path, allow=None, deny=None):
+        """The same for the transformers processor: the catalog's view of LiveCatalog.open(trie, delta)."""
+        live = LiveCatalog.open(path, delta_path_for(path))
+        assert live.wait_compacted()
+        view = live.snapshot().view()
+        named = [None if s is None else sorted(view.trie.entry(int(i)).key
+                                               for i in np.setdiff1d(view.entry_indices(s, what), view.deny))
+                 for s, what in ((allow, "allow"), (deny, "deny"))]
+        c = view.constraint(resolver.rules(parse_trie_request({"trie": str(path)})), "cpu")
+        return named, first_tokens(c, view.filters(c, 1, allow=allow, deny=deny))
+
+    cases = [
+        (colors, {"allow": [1]}, [["g"], None]),
+        (colors, {"allow": [4, 2]}, [["az", "b"], None]),
+        (colors, {"deny": ["r", "t"]}, [None, []]),
+        (colors, {"allow": ["g", "r"], "deny": ["t"]}, [["g"], []]),
+        (codes, {"deny": ["s2", "s3"]}, [None, ["s0"]]),
+        (codes, {"allow": ["s2", "new"]}, [["new", "s0"], None]),
+    ]
+    for path, extra, expected in cases:
+        got = served(path, **extra)
+        assert got == in_process(path, **extra) and got[0] == expected, (path, extra)
+    assert served(colors, allow={"file": str(allowed / "one.npy")}) == served(colors, allow=[1])
+    assert served(colors, allow=[1])[0] == [["g"], None]
+    with pytest.raises(TrieRequestError, match="entry number 6 is outside"):
+        served(colors, allow=[6])
+    with pytest.raises(TrieRequestError, match="not entries of the trie"):
+        served(colors, deny=["zzz"])
+    with pytest.raises(TrieRequestError, match="leaves no entry"):
+        served(colors, allow=[0])  # the removed red

@@ -34,7 +34,7 @@ from .entries import ITEM_IDS, ITEM_KEYS_BLOB, ITEM_KEYS_OFFSETS, ITEM_PTR, Stri
 from .errors import InvalidEntryError, InvalidTokenError
 from .trie import VOCAB_SIZE, TokenTrie, check_vocab_size
 
-__all__ = ["catalog_from_codes", "items_of", "item_keys_of", "item_entries", "item_key_table"]
+__all__ = ["catalog_from_codes", "items_of", "item_keys_of", "item_entries", "item_key_table", "compacted_items"]
 
 
 def _level_ints(value: Any, name: str, levels: int) -> np.ndarray:
@@ -330,7 +330,8 @@ def item_keys_of(trie: TokenTrie, entry: int) -> list[str]:
 
 
 def item_entries(trie: TokenTrie) -> np.ndarray:
-    """The entry of every item of a catalog (items that share a code share an entry). Shape: (N,), int64.
+    """The entry of every item of a catalog (items that share a code share an entry; -1: an item removed from a live
+    catalog, held by no entry). Shape: (N,), int64.
 
     Example:
         >>> import numpy as np
@@ -339,11 +340,59 @@ def item_entries(trie: TokenTrie) -> np.ndarray:
         [0, 1, 0]
     """
     ptr, ids = _item_lists(trie)
-    out = np.empty(len(ids), dtype=np.int64)
-    out[ids] = np.repeat(np.arange(len(ptr) - 1, dtype=np.int64), np.diff(ptr))
+    held = int(ptr[-1])  # the items after it are held by no entry (removed from a live catalog): -1
+    out = np.full(len(ids), -1, dtype=np.int64)
+    out[ids[:held]] = np.repeat(np.arange(len(ptr) - 1, dtype=np.int64), np.diff(ptr))
     return out
 
 
 def item_key_table(trie: TokenTrie) -> Optional[StringTable]:
     """Every item's key, in item order (None for a catalog built without keys, or a trie that is not a catalog)."""
     return catalog_key_table(trie.extra)
+
+
+def compacted_items(trie: TokenTrie, kept: np.ndarray, num_added: int = 0,
+                    added_keys: Optional[Sequence[str]] = None) -> dict[str, np.ndarray]:
+    """The catalog arrays of a trie made of the entries ``kept`` of catalog ``trie`` (in that order), then
+    ``num_added`` added entries (a live catalog's compaction, :mod:`trie_decode.live`); empty for a trie that is not
+    a catalog. Items keep their numbers (rows of the codes array): the kept entries keep their items, each added entry
+    is one new item numbered after every item of ``trie`` (with its key), and the items of the other entries are held
+    by no entry (after ``ITEM_PTR[-1]``: their keys stay known to filters, and name nothing).
+
+    Args:
+        kept: entries of ``trie``, distinct. Shape: (K,), int64.
+        num_added: the entries added after them.
+        added_keys: their keys (needed when the catalog has item keys).
+
+    Raises:
+        InvalidEntryError: entries added to a catalog with item keys, without their keys.
+
+    Example:
+        >>> import numpy as np
+        >>> trie = catalog_from_codes(np.array([[1, 2], [0, 3], [1, 2]]), codebook_size=4, vocab_size=8,
+        ...                           keys=["a", "b", "c"])
+        >>> arrays = compacted_items(trie, np.array([0]), 1, ["d"])
+        >>> arrays["catalog_item_ptr"].tolist(), arrays["catalog_item_ids"].tolist()
+        ([0, 2, 3], [0, 2, 3, 1])
+    """
+    if ITEM_PTR not in trie.extra:
+        return {}
+    ptr, ids = _item_lists(trie)
+    table = item_key_table(trie)
+    kept = np.asarray(kept, dtype=np.int64)
+    n, added = len(ids), int(num_added)
+    counts = np.diff(ptr)[kept]
+    new_ptr = np.zeros(len(kept) + added + 1, dtype=np.int64)
+    np.cumsum(np.concatenate([counts, np.ones(added, dtype=np.int64)]), out=new_ptr[1:])
+    start = new_ptr[: len(kept)]
+    kept_items = ids[np.repeat(ptr[kept] - start, counts) + np.arange(int(counts.sum()), dtype=np.int64)]
+    held = np.zeros(n, dtype=np.bool_)
+    held[kept_items] = True
+    new_ids = np.concatenate([kept_items, np.arange(n, n + added, dtype=np.int64), np.flatnonzero(~held)])
+    out = {ITEM_PTR: new_ptr, ITEM_IDS: new_ids}
+    if table is not None:
+        if (added_keys is None and added) or (added_keys is not None and len(added_keys) != added):
+            raise InvalidEntryError("the catalog has item keys: every added entry needs a key")
+        keys = table if not added else StringTable.concat([table, StringTable.from_strings(list(added_keys or []))])
+        out.update({ITEM_KEYS_BLOB: keys.blob, ITEM_KEYS_OFFSETS: keys.offsets})
+    return out

@@ -12,7 +12,8 @@ from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
-__all__ = ["Entry", "StringTable", "catalog_item_keys", "catalog_key_table", "catalog_problem"]
+__all__ = ["Entry", "StringTable", "catalog_item_keys", "catalog_key_table", "catalog_problem", "filter_number_map",
+           "retired_key_table", "filter_arrays_problem"]
 
 
 @dataclass(frozen=True)
@@ -126,7 +127,9 @@ class StringTable:
 
 # A semantic-id catalog (trie_decode.catalogs) keeps its items in the trie's extra arrays: the items of entry e are
 # ITEM_IDS[ITEM_PTR[e] : ITEM_PTR[e + 1]] (rows of the codes array), and their keys, when given, a StringTable in
-# item order. The layout is here, below the trie, so that an entry can carry its item keys.
+# item order. ITEM_IDS lists every item once; the items after ITEM_PTR[-1] are held by no entry (a compacted live
+# catalog's removed items: their keys stay known to filters, and name nothing). Items added to a live catalog are
+# numbered after the codes array's rows. The layout is here, below the trie, so that an entry can carry its item keys.
 ITEM_PTR, ITEM_IDS = "catalog_item_ptr", "catalog_item_ids"
 ITEM_KEYS_BLOB, ITEM_KEYS_OFFSETS = "catalog_item_keys_blob", "catalog_item_keys_offsets"
 
@@ -156,8 +159,9 @@ def catalog_problem(extra: Mapping[str, np.ndarray], num_entries: int) -> Option
     """What is wrong with the catalog arrays among ``extra`` for a trie of ``num_entries`` entries (None when nothing
     is, or when there are none): every reader above indexes with them without a check.
 
-    A catalog has ``ITEM_PTR`` (E+1 offsets from 0, one item or more per entry) and ``ITEM_IDS`` (every item exactly
-    once: a permutation of the item indices), and optionally the two arrays of the items' key table.
+    A catalog has ``ITEM_PTR`` (E+1 offsets from 0, one item or more per entry, up to at most every item: the rest
+    are held by no entry) and ``ITEM_IDS`` (every item exactly once: a permutation of the item indices), and
+    optionally the two arrays of the items' key table.
     """
     present = [name for name in ITEM_DTYPES if name in extra]
     if not present:
@@ -172,10 +176,57 @@ def catalog_problem(extra: Mapping[str, np.ndarray], num_entries: int) -> Option
             return f"array {name!r} must be a 1-D {np.dtype(ITEM_DTYPES[name]).name} array"
     ptr, ids = extra[ITEM_PTR], extra[ITEM_IDS]
     n = len(ids)
-    if len(ptr) != num_entries + 1 or ptr[0] != 0 or ptr[-1] != n or np.any(np.diff(ptr) < 1):
-        return f"{ITEM_PTR!r} is not a pointer array from 0 to {n} items with one item or more per entry"
+    if len(ptr) != num_entries + 1 or ptr[0] != 0 or ptr[-1] > n or np.any(np.diff(ptr) < 1):
+        return f"{ITEM_PTR!r} is not a pointer array from 0 to at most {n} items with one item or more per entry"
     if n and (int(ids.min()) < 0 or int(ids.max()) >= n or np.any(np.bincount(ids, minlength=n) != 1)):
         return f"{ITEM_IDS!r} does not list every item exactly once"
     table = catalog_key_table(extra)
     problem = table.problem(n) if table is not None else None
     return f"the item key table {problem}" if problem else None
+
+
+# What filters name in a trie besides its entries' keys (trie_decode.filters.entry_indices, KeyIndex), for a trie that
+# stands for a live catalog (trie_decode.live): the keys of the entries removed from it (RETIRED_KEYS_*, a StringTable:
+# a filter may name them, and they name no entry; kept by every compaction, so a "seen items" deny list that names a
+# withdrawn item keeps working), and the catalog snapshot's entry numbers (NUMBER_ENTRY, on the trie a server decodes
+# for a trie file with a delta file beside it: NUMBER_ENTRY[n] is the entry numbered n, -1 for a removed one; filter
+# numbers then mean what they mean on the catalog's snapshot, not the compacted trie's own entry indices).
+NUMBER_ENTRY = "filter_number_entry"
+RETIRED_KEYS_BLOB, RETIRED_KEYS_OFFSETS = "retired_keys_blob", "retired_keys_offsets"
+#: The dtype of each of these arrays (all 1-D).
+FILTER_DTYPES = {NUMBER_ENTRY: np.int64, RETIRED_KEYS_BLOB: np.uint8, RETIRED_KEYS_OFFSETS: np.int64}
+
+
+def retired_key_table(extra: Mapping[str, np.ndarray]) -> Optional[StringTable]:
+    """The keys of the entries removed from a trie (see ``RETIRED_KEYS_BLOB``), or None."""
+    if RETIRED_KEYS_BLOB not in extra:
+        return None
+    return StringTable(extra[RETIRED_KEYS_BLOB], extra[RETIRED_KEYS_OFFSETS])
+
+
+def filter_number_map(extra: Mapping[str, np.ndarray]) -> Optional[np.ndarray]:
+    """The entry of each filter number (-1: a removed entry), or None when filter numbers are entry indices."""
+    return extra.get(NUMBER_ENTRY)
+
+
+def filter_arrays_problem(extra: Mapping[str, np.ndarray], num_entries: int) -> Optional[str]:
+    """What is wrong with the filter arrays among ``extra`` (``NUMBER_ENTRY``, ``RETIRED_KEYS_*``) for a trie of
+    ``num_entries`` entries (None when nothing is, or when there are none): every entry has exactly one number."""
+    for name, dtype in FILTER_DTYPES.items():
+        array = extra.get(name)
+        if array is not None and (not isinstance(array, np.ndarray) or array.ndim != 1 or array.dtype != dtype):
+            return f"array {name!r} must be a 1-D {np.dtype(dtype).name} array"
+    if (RETIRED_KEYS_BLOB in extra) != (RETIRED_KEYS_OFFSETS in extra):
+        return f"has only half of the retired key table ({RETIRED_KEYS_BLOB}/{RETIRED_KEYS_OFFSETS})"
+    table = retired_key_table(extra)
+    problem = table.problem(max(len(table), 0)) if table is not None else None
+    if problem:
+        return f"the retired key table {problem}"
+    numbers = filter_number_map(extra)
+    if numbers is not None:
+        held = numbers[numbers >= 0]
+        if (numbers.size and int(numbers.min()) < -1) or len(held) != num_entries or (
+            held.size and (int(held.max()) >= num_entries or np.any(np.bincount(held, minlength=num_entries) != 1))
+        ):
+            return f"{NUMBER_ENTRY!r} does not number every entry exactly once (and nothing else but -1)"
+    return None

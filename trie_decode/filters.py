@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from .catalogs import item_entries, item_key_table
+from .entries import filter_number_map, retired_key_table
 from .errors import ConstraintConfigError
 from .kernels.rules import NEG_INF, floor_rule, kept_alive
 from .options import check_filter_mode, check_positive, given_filters, filter_rows, prompt_filters
@@ -360,9 +361,15 @@ def entry_indices(trie: TokenTrie, spec: Any, what: str) -> np.ndarray:
     """Entry indices from a filter spec: entry indices (ints), keys (strings, see :class:`KeyIndex`: a key stands for
     every entry that carries it), both mixed, or a numpy array of indices (returned as it is) or of keys. Indices
     made from a list or keys come back read only. Raises a named error for an unknown key, an index out of range, a
-    single string or an item that is neither a key nor an index (a bool mask, a float): see :func:`spec_items`."""
+    single string or an item that is neither a key nor an index (a bool mask, a float): see :func:`spec_items`.
+
+    A trie that stands for a live catalog's snapshot (:func:`trie_decode.live.apply_delta_file`) numbers its entries
+    as the snapshot does (``trie.extra`` ``NUMBER_ENTRY``, :mod:`trie_decode.entries`): the numbers of a list are
+    read through it, and a removed entry's number names nothing (as a removed entry's key). A numpy integer array
+    is the trie's own entry indices (what this function returns, resolved once and passed on), never renumbered."""
     if spec is None:
         return np.zeros(0, dtype=np.int64)
+    numbers = filter_number_map(trie.extra) if trie.extra else None
     if isinstance(spec, np.ndarray) and spec.dtype.kind in "iu":
         idx = spec.astype(np.int64, copy=False)
         idx = idx if idx.ndim == 1 else idx.ravel()  # the array itself where it can be (see EntryOrder.sorted_ranks)
@@ -372,6 +379,13 @@ def entry_indices(trie: TokenTrie, spec: Any, what: str) -> np.ndarray:
     else:  # a list, or an array of keys (or of anything else: spec_items checks each item)
         keys, nums = spec_items(spec, what)
         idx = np.asarray(nums, dtype=np.int64)
+        if numbers is not None and idx.size:
+            if idx.min() < 0 or idx.max() >= len(numbers):
+                bad = int(idx[(idx < 0) | (idx >= len(numbers))][0])
+                raise ConstraintConfigError(f"{what}: entry number {bad} is outside the catalog's {len(numbers)} "
+                                            "entry numbers")
+            idx = numbers[idx]
+            idx = idx[idx >= 0]  # removed entries
         if keys:
             found = KeyIndex.of(trie).entries(keys, what)
             idx = found if not nums else np.concatenate([found, idx])
@@ -393,6 +407,10 @@ class KeyIndex:
     (:func:`~trie_decode.catalogs.catalog_from_codes`) every item's key counts: an item that shares its semantic id
     with others stands for their common entry (generation cannot tell them apart).
 
+    A compacted live catalog (:mod:`trie_decode.live`) also knows the keys of the entries removed from it
+    (:attr:`retired`: its retired key table, and a catalog's items held by no entry): a filter may name them, and
+    they name no entry. A key the trie never knew is an error.
+
     Example:
         >>> from trie_decode import TokenTrie
         >>> trie = TokenTrie.from_sequences([[5], [6], [7]], vocab_size=8, keys=["a", "b", "a"])
@@ -402,8 +420,16 @@ class KeyIndex:
 
     def __init__(self, trie: TokenTrie) -> None:
         items = item_key_table(trie)
+        retired_table = retired_key_table(trie.extra) if trie.extra else None
+        retired = set(retired_table.to_list()) if retired_table is not None else set()
         if items is not None:
-            table, entry_of = items, item_entries(trie).tolist()
+            of_item = item_entries(trie)
+            held = of_item >= 0  # items held by no entry were removed from a live catalog
+            if held.all():
+                table, entry_of = items, of_item.tolist()
+            else:
+                retired.update(items.take(np.flatnonzero(~held)).to_list())
+                table, entry_of = items.take(np.flatnonzero(held)), of_item[held].tolist()
         else:
             table = trie._keys if trie._keys is not None else trie._names
             if table is None:
@@ -411,6 +437,8 @@ class KeyIndex:
             entry_of = list(range(len(table)))
         keys = table.to_list()
         self.first: dict[str, int] = dict(zip(reversed(keys), reversed(entry_of)))  # reversed: the first wins
+        #: keys of entries removed from the trie (a live catalog's): known, naming no entry
+        self.retired: frozenset[str] = frozenset(retired - self.first.keys())
         #: the keys of several entries -> all of them, in entry order (usually empty: one pass decides)
         self.more: dict[str, list[int]] = {}
         if len(self.first) < len(keys):
@@ -424,6 +452,10 @@ class KeyIndex:
         """The cached index of ``trie`` (built on first use, freed with the trie)."""
         return trie.derived("KeyIndex", lambda: cls(trie))
 
+    def knows(self, key: str) -> bool:
+        """Whether ``key`` is an entry's key or a removed entry's (:attr:`retired`)."""
+        return key in self.first or key in self.retired
+
     def get(self, key: str) -> list[int]:
         """Every entry of ``key`` (empty when no entry carries it)."""
         found = self.more.get(key)
@@ -433,12 +465,16 @@ class KeyIndex:
         return [] if one is None else [one]
 
     def entries(self, keys: Sequence[str], what: str) -> np.ndarray:
-        """Every entry of every key, or a named error listing keys that no entry carries. Shape: (K',), int64."""
+        """Every entry of every key (none for a removed entry's key, :attr:`retired`), or a named error listing keys
+        the trie never knew. Shape: (K',), int64."""
         first = self.first
         found = list(map(first.get, keys))  # one C-level pass of dict lookups
         if None in found:
-            missing = [x for x, i in zip(keys, found) if i is None]
-            raise ConstraintConfigError(f"{what}: {len(missing)} keys are not entries of the trie, e.g. {missing[:3]}")
+            missing = [x for x, i in zip(keys, found) if i is None and x not in self.retired]
+            if missing:
+                raise ConstraintConfigError(
+                    f"{what}: {len(missing)} keys are not entries of the trie, e.g. {missing[:3]}")
+            found = [i for i in found if i is not None]  # removed entries' keys name nothing
         idx = np.array(found, dtype=np.int64)
         if self.more:
             extra = [e for x in keys for e in self.more.get(x, ()) if e != first[x]]

@@ -6,7 +6,12 @@ is and records the changes beside it:
 
 - added entries go into a small *delta* (an entry list, and a small trie of it in each snapshot);
 - removed base entries become *tombstones* (sorted base entry indices);
-- removing an added entry drops it from the delta; adding an entry the base holds but that was removed revives it.
+- removing an added entry drops it from the delta (its key stays known: see below); adding an entry the base holds
+  but that was removed revives it.
+
+Filters name entries by key or by the snapshot's entry numbers (:class:`CatalogSnapshot`). A removed entry's key,
+base or added, stays known: a filter that names it keeps working and names nothing (a compaction keeps these keys,
+``retired`` keys, so a rebase keeps them too), while a key the catalog never held is an error.
 
 A :class:`CatalogSnapshot` is one immutable state (base, delta, tombstones, version). Decoding reads it as data, one
 ordinary :class:`~trie_decode.constraint.TrieConstraint` plus a deny filter (:class:`CatalogView`), never as a second
@@ -25,7 +30,8 @@ decodes its own compacted trie, built on first use (the request waits for it).
 
 What running requests see: a request decodes against the view it took when it started, to its end. A change never
 reaches a running request, so it never sees half of one; every request that starts after the change sees its
-removals at once and its additions once compacted.
+removals at once and its additions once compacted. A snapshot keeps the compaction it decoded as long as it lives,
+so one held across later changes never loses an entry it served.
 
 Changes are saved as a small *delta file* (:meth:`LiveCatalog.save_delta`, a safetensors file beside the trie file,
 by convention :func:`delta_path_for`) that names the base trie it belongs to: it is never applied to another base.
@@ -48,7 +54,9 @@ import torch
 from ._build import RaggedTokens, build_arrays, check_tokens, to_ragged
 from .constraint import SpanRules, TrieConstraint
 from .device import DeviceTrie
-from .entries import Entry, StringTable
+from .catalogs import compacted_items
+from .entries import NUMBER_ENTRY, RETIRED_KEYS_BLOB, RETIRED_KEYS_OFFSETS, Entry, StringTable, catalog_key_table
+from .entries import retired_key_table
 from .errors import CatalogUpdateError, ConstraintConfigError, EmptyTrieError, TrieFileError
 from .fileio import check_vectors, read_arrays, write_arrays
 from .filters import EntryOrder, KeyIndex, RowFilters, spec_items
@@ -67,7 +75,8 @@ __all__ = [
 
 DELTA_KIND = "trie_decode.live_delta"
 DELTA_VERSION = 1
-#: Compacted tries a catalog keeps besides its base (older snapshots still being viewed use the older one).
+#: Compacted tries a catalog keeps besides its base, for the snapshots to come; a snapshot keeps the newest one it
+#: read (or that was built for it) as long as it lives, so a pinned snapshot never loses an entry it could generate.
 KEEP_COMPACTIONS = 2
 #: Deny filters a view keeps built (one per device, kernel and batch size seen).
 KEEP_FILTERS = 8
@@ -140,6 +149,12 @@ def apply_delta_file(base: TokenTrie, delta: Union[str, "os.PathLike[str]", Bina
     is returned as it is when the delta changes nothing. Costs a compaction (about 1 s per million entries): cache
     the result by both files' identities.
 
+    Filters name its entries as they name the catalog's snapshot (``LiveCatalog.open(trie_path, delta_path)``), so
+    a request means the same entries here as in-process: numbers are the snapshot's entry numbers (base entries
+    keep their base index, added ones follow; the trie carries that numbering, ``trie.extra[NUMBER_ENTRY]``, read
+    by :func:`~trie_decode.filters.entry_indices`), removed entries' keys are accepted and name nothing, and a
+    catalog's item keys are kept (see :meth:`CatalogSnapshot.compact`).
+
     Args:
         delta: the delta file's path, or a binary file object opened on it (a server opens it through its access
             policy and passes the descriptor: the file read is the file checked).
@@ -150,7 +165,12 @@ def apply_delta_file(base: TokenTrie, delta: Union[str, "os.PathLike[str]", Bina
     catalog = LiveCatalog(base)
     catalog.load_delta(delta, verify=verify)
     snap = catalog.snapshot()
-    return base if snap.plain else snap.compact()
+    if snap.plain and not snap.retired:
+        return base
+    trie = snap.compact()
+    if snap.tombstones.size:  # compacted entries are renumbered: the filters' numbers stay the snapshot's
+        trie.extra[NUMBER_ENTRY] = snap.numbers()
+    return trie
 
 
 # ---------------------------------------------------------------------------------------------------------- snapshot
@@ -160,13 +180,16 @@ class CatalogSnapshot:
 
     Entries are numbered as the union: base entries keep their base index (removed ones are gone), added entries
     come after, ``base.num_entries + i`` for the delta's entry ``i``. These numbers hold within one snapshot (filters
-    over a live catalog take them); :meth:`compact` renumbers.
+    over a live catalog take them; so does the trie a server decodes for it, :func:`apply_delta_file`);
+    :meth:`compact` renumbers.
 
     Args:
         base: the base trie.
         delta: the added entries as a trie of the same vocabulary, or None.
         tombstones: removed base entry indices, sorted and unique. Shape: (T,), int64.
         version: the catalog's change counter when the snapshot was taken.
+        retired: keys (names in a catalog without keys) of added entries that were removed since: filters may
+            name them, as they name a removed base entry's key, and they name nothing.
 
     Example:
         >>> from trie_decode import TokenTrie
@@ -186,6 +209,7 @@ class CatalogSnapshot:
         tombstones: Optional[np.ndarray] = None,
         version: int = 0,
         *,
+        retired: Iterable[str] = (),
         _compactor: Optional["_Compactor"] = None,
         _added: Optional[dict[tuple[int, ...], int]] = None,
     ) -> None:
@@ -202,12 +226,16 @@ class CatalogSnapshot:
             raise CatalogUpdateError(f"tombstones must be sorted, unique base entry indices in [0, {base.num_entries})")
         tomb.flags.writeable = False
         self.base, self.delta, self.tombstones, self.version = base, delta, tomb, int(version)
+        self.retired: frozenset[str] = frozenset(retired)
         # The compacted versions of this base, shared by every snapshot of one catalog (a snapshot made on its own
         # has its own).
         self._compactor = _Compactor(base) if _compactor is None else _compactor
         self._lock = threading.Lock()
         self._view: Optional[CatalogView] = None
         self._added = _added  # see added(); given by the catalog, which knows the delta's entries in order
+        # The newest compaction this snapshot read or had built for it (_latest_view): kept while the snapshot
+        # lives, whatever compactions the catalog keeps for newer snapshots.
+        self._record: Optional[_Compaction] = None
 
     def snapshot(self) -> "CatalogSnapshot":
         """This snapshot (so that a snapshot and a :class:`LiveCatalog` are interchangeable where one is read)."""
@@ -260,7 +288,10 @@ class CatalogSnapshot:
         nd = self.delta.num_entries if self.delta is not None else 0
         if not nb <= index < nb + nd:
             raise IndexError(f"entry {index} is not in this snapshot ({nb} base entries, {nd} added)")
-        return replace(self.delta.entry(index - nb), index=index)
+        added = self.delta.entry(index - nb)
+        # In a catalog with item keys, an added entry is one item: its own key (as its compaction holds it).
+        items = (added.key,) if catalog_key_table(self.base.extra) is not None and added.key is not None else None
+        return replace(added, index=index, item_keys=items)
 
     def lookup(self, tokens: Iterable[int]) -> Optional[Entry]:
         """The live entry whose tokens are exactly ``tokens``, or None."""
@@ -303,10 +334,37 @@ class CatalogSnapshot:
         """key -> added entry indices (within the delta), or None without a delta."""
         return None if self.delta is None else _key_index(self.delta)
 
+    def numbers(self) -> np.ndarray:
+        """The entry of :meth:`compact`'s trie that each of this snapshot's entry numbers names (-1: a removed base
+        entry). Shape: (base entries + added entries,), int64."""
+        nb, nd = self.base.num_entries, self.delta.num_entries if self.delta is not None else 0
+        alive = self._alive_base()
+        out = np.full(nb + nd, -1, dtype=np.int64)
+        out[alive] = np.arange(len(alive), dtype=np.int64)
+        out[nb:] = len(alive) + np.arange(nd, dtype=np.int64)
+        return out
+
+    def retired_keys(self) -> list[str]:
+        """The keys (names in a catalog without keys) a filter may name that no entry of :meth:`compact`'s trie
+        holds: the base's own retired keys, the removed base entries', and :attr:`retired`, sorted."""
+        base = self.base
+        out = set(self.retired)
+        old = retired_key_table(base.extra) if base.extra else None
+        if old is not None:
+            out.update(old.to_list())
+        labels = base._keys if base._keys is not None else base._names
+        if labels is not None and self.tombstones.size:
+            out.update(labels.take(self.tombstones).to_list())
+        return sorted(out)
+
     def compact(self) -> TokenTrie:
         """One real trie: the base minus its removed entries, then the added ones (entries renumbered in that
-        order; names, keys, fingerprint and options kept). The base's ``extra`` arrays (a catalog's item lists) are
-        not carried over. Costs about 1 s per million entries; with removals only, a pruning of the base
+        order; names, keys, fingerprint and options kept). What filters name besides the entries is kept too
+        (``extra`` arrays, :mod:`trie_decode.entries`): a catalog's item lists (items keep their numbers; an added
+        entry is one new item, with its key; removed items are held by no entry,
+        :func:`~trie_decode.catalogs.compacted_items`), and the keys of every entry removed so far
+        (:meth:`retired_keys`: a filter that names one still works, and it names nothing). Other ``extra`` arrays
+        are not carried over. Costs about 1 s per million entries; with removals only, a pruning of the base
         (:meth:`TokenTrie.subset`, about 12 ms per million nodes).
 
         Raises:
@@ -315,20 +373,31 @@ class CatalogSnapshot:
         if self.num_entries == 0:
             raise EmptyTrieError("every entry of the catalog was removed: compact() would give an empty trie")
         alive = self._alive_base()
-        if self.delta is None:
-            return self.base.subset(alive)
-        built = build_arrays(self._ragged(), self.base.vocab_size)
-        # build_arrays numbers entries in the order of their first input: with no duplicate, entry i is input i.
-        assert built.num_duplicates == 0, "a live catalog never holds one sequence twice"
-
-        def column(base_table: Optional[StringTable], delta_table: Optional[StringTable]) -> Optional[StringTable]:
-            if base_table is None:
-                return None
-            return StringTable.concat([base_table.take(alive)] + ([delta_table] if delta_table is not None else []))
-
         base, delta = self.base, self.delta
-        return base._rebuilt(built, column(base._names, delta._names if delta is not None else None),
-                             column(base._keys, delta._keys if delta is not None else None))
+        if delta is None:
+            trie = base.subset(alive)
+        else:
+            built = build_arrays(self._ragged(), base.vocab_size)
+            # build_arrays numbers entries in the order of their first input: with no duplicate, entry i is input i.
+            assert built.num_duplicates == 0, "a live catalog never holds one sequence twice"
+
+            def column(base_table: Optional[StringTable], delta_table: Optional[StringTable]) -> Optional[StringTable]:
+                if base_table is None:
+                    return None
+                return StringTable.concat([base_table.take(alive)] + ([delta_table] if delta_table is not None else []))
+
+            trie = base._rebuilt(built, column(base._names, delta._names), column(base._keys, delta._keys))
+        added_labels = None
+        if delta is not None:
+            labels = delta._keys if delta._keys is not None else delta._names
+            added_labels = labels.to_list() if labels is not None else None
+        extra = compacted_items(base, alive, delta.num_entries if delta is not None else 0, added_labels)
+        retired = self.retired_keys()
+        if retired:
+            table = StringTable.from_strings(retired)
+            extra.update({RETIRED_KEYS_BLOB: table.blob, RETIRED_KEYS_OFFSETS: table.offsets})
+        trie.extra = extra
+        return trie
 
     # ------------------------------------------------------------------ decoding
     def view(self, rules: Optional[SpanRules] = None) -> "CatalogView":
@@ -347,20 +416,29 @@ class CatalogSnapshot:
         found = self._latest_view()
         if found.visible == 0 or (found.deny.size and rules is not None and rules.on_complete == "release"):
             # Nothing live is visible yet (only added entries remain), or "release" mode, which takes no deny filter:
-            # this snapshot compacted now, on this thread, and kept as the catalog's newest compaction.
+            # this snapshot compacted now, on this thread, kept by it and as the catalog's newest compaction.
             record = _Compaction.of(self)
+            self._keep(record)
             self._compactor.publish(record)
             found = self._latest_view()
-            if found.record.version != self.version:  # an old snapshot: the catalog keeps newer compactions
-                found = CatalogView(self, record)
         elif found.pending:
             self._compactor.request(self)
         return found
 
-    def _latest_view(self) -> "CatalogView":
-        """The view over the newest compaction this snapshot may read (cached while it stays the newest)."""
-        record = self._compactor.best(self.version)
+    def _keep(self, record: "_Compaction") -> None:
+        """Keep ``record`` (a compaction of this catalog at this snapshot's version or before) if it is the newest
+        this snapshot has."""
         with self._lock:
+            if self._record is None or record.version > self._record.version:
+                self._record = record
+
+    def _latest_view(self) -> "CatalogView":
+        """The view over the newest compaction this snapshot may read (cached while it stays the newest): the
+        catalog's, or the one this snapshot kept when the catalog no longer keeps it (newer ones replaced it)."""
+        record = self._compactor.best(self.version)
+        self._keep(record)
+        with self._lock:
+            record = self._record
             found = self._view
         if found is None or found.record is not record:
             found = CatalogView(self, record)
@@ -417,13 +495,16 @@ class _Compaction:
 
 class _Compactor:
     """The compacted tries of one base and the background thread that builds them, one at a time, always for the
-    newest snapshot that asked (:meth:`request`). Shared by a catalog and its snapshots."""
+    newest snapshot that asked (:meth:`request`); then for older snapshots that asked when the catalog had already
+    compacted newer ones, which they may not read (each keeps its own). Shared by a catalog and its snapshots."""
 
     def __init__(self, base: TokenTrie) -> None:
         self.base_record = _Compaction(base, -1, None, {})
         self.records: list[_Compaction] = []  # newest last
         self.cond = threading.Condition()
         self.wanted: Optional[CatalogSnapshot] = None
+        self.old: dict[int, CatalogSnapshot] = {}  # older snapshots to compact for themselves, by id
+        self.building = -2  # the version the thread is compacting (-2: none)
         self.running = False
         self.error: Optional[BaseException] = None
         self.failed_version = -2
@@ -446,11 +527,15 @@ class _Compactor:
         return self.base_record
 
     def request(self, snap: CatalogSnapshot) -> None:
-        """Compact ``snap`` in the background (coalesced: the thread takes the newest snapshot asked for)."""
+        """Compact ``snap`` in the background (coalesced: the thread takes the newest snapshot asked for). A snapshot
+        older than a compaction the catalog already has (which it may not read: it holds later additions) is
+        compacted for itself, after the newest, and keeps its compaction (:meth:`CatalogSnapshot._keep`)."""
         with self.cond:
-            if snap.version == self.failed_version or any(r.version >= snap.version for r in self.records):
+            if snap.version in (self.failed_version, self.building):
                 return
-            if self.wanted is None or snap.version > self.wanted.version:
+            if any(r.version >= snap.version for r in self.records):
+                self.old[id(snap)] = snap
+            elif self.wanted is None or snap.version > self.wanted.version:
                 self.wanted = snap
             if not self.running:
                 self.running = True
@@ -460,18 +545,28 @@ class _Compactor:
         while True:
             with self.cond:
                 snap, self.wanted = self.wanted, None
+                own = snap is None and bool(self.old)  # an older snapshot, compacted for itself only
+                if own:
+                    snap = self.old.pop(next(iter(self.old)))
                 warm = list(self.warm)
                 if snap is None:
-                    self.running = False
+                    self.running, self.building = False, -2
                     self.cond.notify_all()
                     return
+                self.building = snap.version
             try:
                 record = _Compaction.of(snap, warm)
             except Exception as exc:  # kept for wait_compacted(); requests keep the last compacted trie
                 with self.cond:
                     self.error, self.failed_version = exc, snap.version
                 continue
-            self.publish(record)
+            snap._keep(record)  # the snapshot that asked keeps it, whatever the catalog keeps later
+            if own:
+                with self.cond:
+                    self.error = None
+                    self.cond.notify_all()
+            else:
+                self.publish(record)
 
     def publish(self, record: _Compaction) -> None:
         """Keep ``record`` among the newest compactions (in version order)."""
@@ -556,10 +651,12 @@ class CatalogView:
     def entry_indices(self, spec: Any, what: str) -> np.ndarray:
         """The entries of :attr:`trie` that a filter spec names: entry keys (str: every entry of the snapshot that
         holds the key, a catalog's item keys included) or the snapshot's entry numbers (int, see
-        :class:`CatalogSnapshot`). Entries the trie lacks (added, not compacted yet) are left out. Shape: (K,), int64.
+        :class:`CatalogSnapshot`). Entries the trie lacks (added, not compacted yet) are left out, and so are removed
+        ones: a removed entry's key (a base entry's, an added entry's, or one removed before the last rebase) names
+        nothing, so a filter that names it keeps working. Shape: (K,), int64.
 
         Raises:
-            ConstraintConfigError: a key the snapshot never held, an entry number outside the snapshot, an item that
+            ConstraintConfigError: a key the catalog never held, an entry number outside the snapshot, an item that
                 is neither.
         """
         snap = self.snapshot
@@ -575,11 +672,12 @@ class CatalogView:
                 hits_d = delta_keys.get(x) if delta_keys is not None else []
                 base_idx += hits_b
                 delta_idx += hits_d
-                if not hits_b and not hits_d:
+                if not hits_b and not hits_d and not base_keys.knows(x) and x not in snap.retired:
                     missing.append(x)
             if missing:
                 raise ConstraintConfigError(
-                    f"{what}: {len(missing)} keys are not entries of the catalog, e.g. {missing[:3]}")
+                    f"{what}: {len(missing)} keys are not entries of the catalog and never were (check their "
+                    f"spelling), e.g. {missing[:3]}")
         for x in numbers:
             i = int(x)
             if not 0 <= i < nb + len(added):
@@ -697,7 +795,8 @@ class LiveCatalog:
 
     Entries are named as in filters: a string is an entry key (the base's keys, else its names), an integer a base
     entry index; ``sequences=`` names entries by their tokens. Added entries need the columns the base has: keys if
-    the base has keys, names if it has names (entries added from strings are named by them).
+    the base has keys, names if it has names (entries added from strings are named by them where the base has
+    names).
 
     Args:
         base: the trie to start from (loaded, memory-mapped: it is never copied or modified).
@@ -726,6 +825,9 @@ class LiveCatalog:
         # The added entries, in order of addition: tokens -> (name, key).
         self._delta: dict[tuple[int, ...], tuple[Optional[str], Optional[str]]] = {}
         self._delta_by_label: dict[str, dict[tuple[int, ...], None]] = {}
+        # The labels (keys, else names) of added entries removed since, that no added entry holds again: filters
+        # may still name them (CatalogSnapshot.retired). A rebase keeps them in the new base (its retired keys).
+        self._retired: set[str] = set()
         self._snap: Optional[CatalogSnapshot] = None
         self._compactor = _Compactor(base)
         self._identity: Optional[str] = None
@@ -803,7 +905,8 @@ class LiveCatalog:
 
         Args:
             entries: token-id sequences (as :meth:`TokenTrie.from_sequences` takes), or strings with ``tokenizer``.
-            names: a name per sequence (needed when the base has names; strings name themselves).
+            names: a name per sequence (needed when the base has names; strings name themselves, and their names are
+                dropped when the base has none).
             keys: a key per sequence or string (needed when the base has keys).
             tokenizer: the base's tokenizer (its fingerprint is checked), to add strings.
 
@@ -823,7 +926,7 @@ class LiveCatalog:
             built = TokenTrie.from_strings(entries, tokenizer, leading_space=leading_space, context=context,
                                            keys=keys, normalize=normalize)
             ragged = to_ragged(built.sequences())
-            names = built.names()
+            names = built.names() if base._names is not None else None  # a base without names keeps none
             keys = built._keys.to_list() if built._keys is not None else None
         else:
             for label, value in (("leading_space", leading_space), ("context", context), ("normalize", normalize)):
@@ -840,11 +943,14 @@ class LiveCatalog:
         if len(ragged) == 0:
             return 0
         check_tokens(ragged, base.vocab_size)
+        problems = []
         for label, column, table in (("names", names, base._names), ("keys", keys, base._keys)):
             if table is not None and column is None:
-                raise CatalogUpdateError(f"the base trie has entry {label}: pass {label}= (one per entry)")
+                problems.append(f"the base trie has entry {label}: pass {label}= (one per entry)")
             if table is None and column is not None:
-                raise CatalogUpdateError(f"the base trie has no entry {label}: they would be lost; leave {label}= out")
+                problems.append(f"the base trie has no entry {label}: they would be lost; leave {label}= out")
+        if problems:
+            raise CatalogUpdateError("; ".join(problems))
         names = [str(x) for x in names] if names is not None else None
         keys = [str(x) for x in keys] if keys is not None else None
         with self._lock:
@@ -866,6 +972,7 @@ class LiveCatalog:
                 label = key if by_label else name
                 if label is not None:
                     self._delta_by_label.setdefault(label, {})[seq] = None
+                    self._retired.discard(label)
                 changed += 1
             if changed:
                 self._changed()
@@ -877,7 +984,7 @@ class LiveCatalog:
         """Remove entries: by key (every entry holding it, base or added), by base entry index, or by tokens.
 
         Args:
-            items: entry keys (strings: the base's keys, else its names) and base entry indices (ints).
+            items: a list of entry keys (strings: the base's keys, else its names) and base entry indices (ints).
             sequences: token sequences of entries to remove.
             missing_ok: ignore entries the catalog does not hold (or no longer holds) instead of raising.
 
@@ -888,8 +995,11 @@ class LiveCatalog:
             CatalogUpdateError: an entry the catalog does not hold (unless ``missing_ok``), an index outside the
                 base, an item that is neither a key nor an index, keys on a catalog with neither keys nor names.
         """
-        if isinstance(items, (str, bytes)):
-            raise CatalogUpdateError(f"items must be a list of keys or indices, got the single string {items!r:.60}")
+        if isinstance(items, (str, bytes, int, np.integer)) or (items is not None and not hasattr(items, "__iter__")):
+            kind = ("string" if isinstance(items, (str, bytes)) else "integer" if isinstance(items, (int, np.integer))
+                    else type(items).__name__)
+            raise CatalogUpdateError(f"items must be a list of entry keys or base entry indices, got the single {kind} "
+                                     f"{items!r:.60}: pass [{items!r:.60}]")
         with self._lock:
             base = self._base
             nb = base.num_entries
@@ -939,6 +1049,7 @@ class LiveCatalog:
                     del group[seq]
                     if not group:
                         del self._delta_by_label[label]
+                        self._retired.add(label)  # filters may still name it (CatalogSnapshot.retired)
             changed = len(tomb_add) + len(delta_del)
             if changed:
                 self._changed()
@@ -952,7 +1063,7 @@ class LiveCatalog:
             if self._snap is None:
                 # The delta trie numbers its entries in the order of self._delta (from_sequences keeps input order).
                 self._snap = CatalogSnapshot(self._base, self._delta_trie(), np.array(sorted(self._tomb), dtype=np.int64),
-                                             self._version, _compactor=self._compactor,
+                                             self._version, retired=self._retired, _compactor=self._compactor,
                                              _added={seq: i for i, seq in enumerate(self._delta)})
             return self._snap
 
@@ -1008,8 +1119,9 @@ class LiveCatalog:
 
     # ------------------------------------------------------------------ files
     def save_delta(self, path: Union[str, "os.PathLike[str]"]) -> None:
-        """Write the changes (added entries with their names and keys, removed base entries) as a delta file that
-        names its base trie; written to a temporary file, then renamed (readers never see half a file)."""
+        """Write the changes (added entries with their names and keys, removed base entries, the keys of removed added
+        entries) as a delta file that names its base trie; written to a temporary file, then renamed (readers never
+        see half a file)."""
         with self._lock:
             snap = self.snapshot()
             identity = self.identity()
@@ -1025,6 +1137,9 @@ class LiveCatalog:
                 column = getattr(delta, f"_{label}") if delta is not None else StringTable.from_strings([])
                 arrays[f"{label}_blob"] = column.blob
                 arrays[f"{label}_offsets"] = column.offsets
+        if snap.retired:  # removed added entries' keys (optional: a file without them has none)
+            column = StringTable.from_strings(sorted(snap.retired))
+            arrays["retired_blob"], arrays["retired_offsets"] = column.blob, column.offsets
         metadata = {
             "kind": DELTA_KIND,
             "delta_version": str(DELTA_VERSION),
@@ -1057,7 +1172,7 @@ class LiveCatalog:
                 f"{base.num_entries} entries): a delta applies only to the trie it was saved with"
             )
         expected = {"delta_tokens": np.int32, "delta_offsets": np.int64, "tombstones": np.int64}
-        for t in ("names", "keys"):
+        for t in ("names", "keys", "retired"):
             expected.update({f"{t}_blob": np.uint8, f"{t}_offsets": np.int64})
         check_vectors(arrays, expected, label)
         for name in ("delta_tokens", "delta_offsets", "tombstones"):
@@ -1086,16 +1201,25 @@ class LiveCatalog:
                     columns[t] = column.to_list()
                 except UnicodeDecodeError as exc:
                     raise TrieFileError(f"{label}: the {t} table is not UTF-8 text") from exc
+        retired: list[str] = []
+        if "retired_blob" in arrays or "retired_offsets" in arrays:
+            column = StringTable(arrays.get("retired_blob", np.zeros(0, np.uint8)),
+                                 arrays.get("retired_offsets", np.zeros(0, np.int64)))
+            problem = column.problem(max(len(column), 0))
+            if problem:
+                raise TrieFileError(f"{label}: the retired key table {problem}")
+            retired = column.to_list()
         ragged = RaggedTokens(tokens.astype(np.int64), offsets.astype(np.int64))
         with self._lock:
-            saved = (self._tomb, self._delta, self._delta_by_label, self._snap)
-            self._tomb, self._delta, self._delta_by_label = set(tomb.tolist()), {}, {}
+            saved = (self._tomb, self._delta, self._delta_by_label, self._retired, self._snap)
+            self._tomb, self._delta, self._delta_by_label, self._retired = set(tomb.tolist()), {}, {}, set()
             try:
                 if k:
                     self.add(ragged, names=columns.get("names"), keys=columns.get("keys"))
             except Exception:
-                self._tomb, self._delta, self._delta_by_label, self._snap = saved
+                self._tomb, self._delta, self._delta_by_label, self._retired, self._snap = saved
                 raise
+            self._retired = set(retired) - set(self._delta_by_label)
             self._changed()
 
     def __repr__(self) -> str:

@@ -32,7 +32,8 @@ from typing import Any, BinaryIO, Callable, Hashable, Iterable, Mapping, Optiona
 import numpy as np
 
 from ._build import BuiltArrays, RaggedTokens, build_arrays, check_tokens, to_ragged, token_paths
-from .entries import ITEM_DTYPES, Entry, StringTable, catalog_item_keys, catalog_problem
+from .entries import (FILTER_DTYPES, ITEM_DTYPES, Entry, StringTable, catalog_item_keys, catalog_problem,
+                      filter_arrays_problem)
 from .errors import EmptyTrieError, InvalidEntryError, InvalidTokenError, TokenizerMismatchError, TrieFileError
 from .fileio import check_vectors, read_arrays, write_arrays
 from .forms import resolve_forms, tokenize_forms
@@ -690,6 +691,9 @@ class TokenTrie:
         problem = catalog_problem(self.extra, e)  # a catalog's item lists (trie_decode.catalogs), when it is one
         if problem:
             fail(f"the catalog {problem}")
+        problem = filter_arrays_problem(self.extra, e)  # a live catalog's retired keys and numbers (trie_decode.live)
+        if problem:
+            fail(f"the filter arrays: {problem}")
 
     def _tables(self) -> tuple[Optional[StringTable], Optional[StringTable]]:
         """The entry tables, in the order of ``TABLES``."""
@@ -740,7 +744,7 @@ class TokenTrie:
         if missing:
             raise TrieFileError(f"{label} is missing arrays {missing}")
         table_dtypes = {f"{t}_{part}": dt for t in TABLES for part, dt in (("blob", np.uint8), ("offsets", np.int64))}
-        check_vectors(arrays, {**ARRAYS, **table_dtypes, **ITEM_DTYPES}, label)
+        check_vectors(arrays, {**ARRAYS, **table_dtypes, **ITEM_DTYPES, **FILTER_DTYPES}, label)
         try:
             vocab_size = int(meta["vocab_size"])
             options = json.loads(meta.get("options", "{}"))
