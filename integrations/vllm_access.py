@@ -275,6 +275,12 @@ class Resolved:
     path: str
     value: str
     what: str = "trie"  # the request option that named it (a filter file: "allow" or "deny")
+    option: Optional[str] = None  # where in the request it was sent, when not extra_args[what] (a span's or slot's)
+
+    @property
+    def key(self) -> str:
+        """Where the request sent the string, as messages name it (``extra_args['trie']``)."""
+        return self.option or f"extra_args[{self.what!r}]"
 
     @property
     def label(self) -> str:
@@ -318,17 +324,20 @@ class AccessPolicy:
     def serves_files(self) -> bool:
         return bool(self.allowed_dirs or self.named)
 
-    def refusal(self, value: Any, what: str = "trie") -> TrieAccessError:
+    def refusal(self, value: Any, what: str = "trie", option: Optional[str] = None) -> TrieAccessError:
         """The one message for every string that is neither a registered name nor inside an allowed directory
         (the same whether the path exists, whatever it is): it repeats the client's own string and nothing else.
-        ``what``: the request option that named the file (``"trie"``, or a filter file's ``"allow"``/``"deny"``)."""
+        ``what``: the request option that named the file (``"trie"``, or a filter file's ``"allow"``/``"deny"``);
+        ``option``: where in the request it was sent, when not ``extra_args[what]`` (a span's ``'trie'``, a
+        template's slot), whose values may be sent inline as a list of strings instead."""
         label = f"{str(value)[:200]!r}"
         if what != "trie":
             how = (f"name a file inside a directory the operator allows ({ENV_ALLOWED_DIRS})" if self.allowed_dirs
                    else "this server serves no files: send the keys or entry indices inline")
             return TrieAccessError(f"extra_args[{what!r}]: {label} is not a file this server makes available; {how}")
+        inline = "the values as an inline list of strings" if option else "an inline list of strings or token-id lists"
         if not self.serves_files:
-            how = "this server serves no trie files: send an inline list of strings or token-id lists"
+            how = f"this server serves no trie files: send {inline}"
         else:
             names = sorted(self.named)
             shown = "none registered"
@@ -336,35 +345,37 @@ class AccessPolicy:
                 shown = f"registered names: {names[:20]}" + (" ..." if len(names) > 20 else "")
             how = (
                 f"send a registered trie name ({shown}), a path inside a directory the operator allows "
-                f"({ENV_ALLOWED_DIRS}), or an inline list"
+                f"({ENV_ALLOWED_DIRS}), or {inline}"
             )
-        return TrieAccessError(f"extra_args['trie']: {label} is not a trie file this server makes available; {how}")
+        where = option or "extra_args['trie']"
+        return TrieAccessError(f"{where}: {label} is not a trie file this server makes available; {how}")
 
-    def resolve(self, value: str, what: str = "trie") -> Resolved:
-        """Map a request's trie string to the file to open, or raise the generic refusal.
+    def resolve(self, value: str, what: str = "trie", option: Optional[str] = None) -> Resolved:
+        """Map a request's trie string to the file to open, or raise the generic refusal. ``option``: where in the
+        request the string was sent, when not ``extra_args[what]`` (messages name it).
 
         The check is lexical first (the path as sent, made absolute and normalized, must be inside an allowed
         directory: nothing outside them is touched), then on the real path (symbolic links resolved).
         """
         if what == "trie" and value in self.named:
-            return Resolved("named", self.named[value], value)
+            return Resolved("named", self.named[value], value, what, option)
         if not self.allowed_dirs or not isinstance(value, str) or not value or len(value) > MAX_PATH_CHARS:
-            raise self.refusal(value, what)
+            raise self.refusal(value, what, option)
         try:
             lexical = os.path.abspath(value)  # no expanduser: '~' is an ordinary character in a request
             if not any(_is_inside(lexical, d) for d in self._lexical):  # type: ignore[attr-defined]
                 _log("refused", logging.WARNING, "trie_decode: refused trie path %r: outside the allowed directories",
                      value[:300])
-                raise self.refusal(value, what)
+                raise self.refusal(value, what, option)
             real = os.path.realpath(lexical)
         except (ValueError, OSError):  # an embedded NUL byte, a path the OS cannot represent
-            raise self.refusal(value, what) from None
+            raise self.refusal(value, what, option) from None
         if not self._in_real_dirs(real):
             _log("refused", logging.WARNING,
                  "trie_decode: refused trie path %r: its real path %r is outside the allowed directories",
                  value[:300], real[:300])
-            raise self.refusal(value, what)
-        return Resolved("file", real, value, what)
+            raise self.refusal(value, what, option)
+        return Resolved("file", real, value, what, option)
 
     def _in_real_dirs(self, real: str) -> bool:
         """Whether a real path (links resolved) is strictly inside one of the allowed directories."""
@@ -378,18 +389,18 @@ class AccessPolicy:
             handle = open_regular_file(resolved.path, follow_symlinks=resolved.kind == "named")
         except TrieFileError as exc:
             _log("load", logging.WARNING, "trie_decode: cannot open %s (%s): %s", resolved.label, resolved.path, exc)
-            what, noun = resolved.what, "trie file" if resolved.what == "trie" else "file"
+            where, noun = resolved.key, "trie file" if resolved.what == "trie" else "file"
             if resolved.kind == "named":
                 raise TrieAccessError(
-                    f"extra_args[{what!r}]: {resolved.label} is registered but cannot be opened on the server "
+                    f"{where}: {resolved.label} is registered but cannot be opened on the server "
                     "(the operator's configuration; details in the server log)"
                 ) from None
             if "not found" in str(exc) and "directory" not in str(exc):
                 raise TrieAccessError(
-                    f"extra_args[{what!r}]: no {noun} {resolved.label} in the allowed directories"
+                    f"{where}: no {noun} {resolved.label} in the allowed directories"
                 ) from None
             raise TrieAccessError(
-                f"extra_args[{what!r}]: {resolved.label} cannot be opened as a {noun} (not a regular readable file)"
+                f"{where}: {resolved.label} cannot be opened as a {noun} (not a regular readable file)"
             ) from None
         self._check_opened(handle, resolved)
         return handle
@@ -408,7 +419,7 @@ class AccessPolicy:
             handle.close()
             _log("refused", logging.WARNING, "trie_decode: refused trie path %r: it opened %r, outside the "
                  "allowed directories (changed since the check)", resolved.value[:300], opened[:300])
-            raise self.refusal(resolved.value, resolved.what)
+            raise self.refusal(resolved.value, resolved.what, resolved.option)
 
     @contextlib.contextmanager
     def open_delta(self, resolved: Resolved) -> Iterator[Optional[BinaryIO]]:
@@ -430,7 +441,7 @@ class AccessPolicy:
                 return
             _log("load", logging.WARNING, "trie_decode: refused the delta file %s of %s: %s", path, resolved.label, exc)
             raise TrieAccessError(
-                f"extra_args[{resolved.what!r}]: {resolved.label} has a live catalog delta file beside it "
+                f"{resolved.key}: {resolved.label} has a live catalog delta file beside it "
                 f"({os.path.basename(path)!r}) that is not a regular file (a symbolic link, directory, FIFO or "
                 "device): it is refused, and so is the trie; the operator must replace it by a regular file"
             ) from None
@@ -457,7 +468,7 @@ class AccessPolicy:
         _log("load", logging.WARNING, "trie_decode: the delta file of %s (%s) does not load: %s: %s", resolved.label,
              resolved.path, type(exc).__name__, exc)
         return TrieAccessError(
-            f"extra_args[{resolved.what!r}]: {resolved.label} has a live catalog delta file beside it that is not a "
+            f"{resolved.key}: {resolved.label} has a live catalog delta file beside it that is not a "
             "valid delta for it (corrupted, or written for another trie; details in the server log)"
         )
 
@@ -466,7 +477,7 @@ class AccessPolicy:
         _log("load", logging.WARNING, "trie_decode: %s (%s) does not load: %s: %s", resolved.label, resolved.path,
              type(exc).__name__, exc)
         return TrieAccessError(
-            f"extra_args['trie']: {resolved.label} is not a valid trie file (truncated, corrupted, or not written by "
+            f"{resolved.key}: {resolved.label} is not a valid trie file (truncated, corrupted, or not written by "
             "TokenTrie.save / trie-decode build; details in the server log)"
         )
 

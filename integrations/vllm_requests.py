@@ -61,7 +61,7 @@ from typing import Any, Awaitable, Callable, Collection, Hashable, MutableMappin
 from trie_decode.constraint import SpanRules, check_stop_tokens_outside_entries
 from trie_decode.errors import ConstraintConfigError, TrieDecodeError
 from trie_decode.fields import ESCAPES, FieldRules, Span
-from trie_decode.templates import Template
+from trie_decode.templates import Template, template_slots
 from trie_decode.filters import entry_indices
 from trie_decode.options import (OptionNames, check_alone, check_filter_mode, check_normalize, check_on_complete,
                                   check_separator, first_eos, given_filters, rule_args, text_or_ids, token_tuple)
@@ -256,10 +256,11 @@ def _json_option(text: str, failure: str, what: str = "", max_bytes: Optional[in
         _fail(f"{failure}: {exc}")
 
 
-def _spans_option(value: Any, max_entries: int, max_bytes: int, key: str = "spans") -> tuple:
+def _spans_option(value: Any, max_entries: int, max_bytes: int, key: str = "spans", slots: bool = False) -> tuple:
     """``extra_args["spans"]`` checked: a non-empty list (or its JSON text) of span dicts, inline values within the
-    request's inline limits (counted over all spans). ``key``: the option the messages name (a template's slots
-    are checked as spans)."""
+    request's inline limits (counted over all spans). ``key``: the option the messages name; ``slots``: the spans
+    are a template's slots (each span's ``after`` is the slot's name; the messages name ``extra_args[key][name]``,
+    where its values or trie were sent)."""
     if isinstance(value, str):
         value = _json_option(value, f"extra_args[{key!r}] as a string must be JSON, and does not parse",
                              f"extra_args[{key!r}]", max_bytes)
@@ -298,15 +299,18 @@ def _spans_option(value: Any, max_entries: int, max_bytes: int, key: str = "span
             if isinstance(item.get(name), dict):
                 _fail(f"{what}[{name!r}] must be a list of entry keys or indices (a span takes no filter file)")
             filters[name] = _filter_option(item.get(name), f"{what}[{name!r}]")
+        sent = f"extra_args[{key!r}][{after!r}]" if slots else None  # where a slot's values or trie were sent
         if "trie" in item:
             path = item["trie"]
             if not isinstance(path, str) or not path.strip():
-                _fail(f"{what}['trie'] must be a registered trie name or a trie file path, got {path!r:.60}")
+                _fail(f"{sent or what + '[' + repr('trie') + ']'} must be a registered trie name or a trie file path, "
+                      f"got {path!r:.60}")
             out.append(SpanRequest(after, "file", path, end, escape, whitespace, **filters))
             continue
         values = item["values"]
         if not isinstance(values, (list, tuple)) or not values or not all(isinstance(v, str) and v for v in values):
-            _fail(f"{what}['values'] must be a non-empty list of non-empty strings")
+            _fail(f"{sent or what + '[' + repr('values') + ']'} must be a non-empty list of non-empty strings"
+                  + (" (or a registered trie name or trie file path)" if slots else ""))
         entries += len(values)
         size += sum(len(v.encode("utf-8", "surrogatepass")) for v in values)
         if entries > max_entries:
@@ -340,11 +344,18 @@ def _template_request(extra_args: dict, max_entries: int, max_bytes: int) -> Tri
         _fail("extra_args['template'] needs extra_args['slots']: an object of each slot's values (a list of strings) "
               f"or trie (a name or path), got {slots!r:.60}")
     try:
-        Template(text, **{str(name): ["x"] for name in slots})
+        names = list(dict.fromkeys(template_slots(text)[1]))
     except TrieDecodeError as exc:
         _fail(f"extra_args['template']: {exc}")
+    missing = [n for n in names if n not in slots]
+    if missing:
+        _fail(f"extra_args['template']: template slots without values: {missing}; add them to extra_args['slots'] "
+              f"({{{missing[0]!r}: [...]}})")
+    unused = [n for n in slots if n not in names]
+    if unused:
+        _fail(f"extra_args['slots'] holds values for slots the template does not have: {unused} (its slots: {names})")
     as_spans = [{"after": name, "trie" if isinstance(v, str) else "values": v} for name, v in slots.items()]
-    parsed = _spans_option(as_spans, max_entries, max_bytes, "slots")
+    parsed = _spans_option(as_spans, max_entries, max_bytes, "slots", slots=True)
     prefix, stop_at, tail_only = _fast_forward_options(extra_args)
     return TrieRequest(source="template", payload=text, on_complete="release", spans=parsed, prefix=prefix,
                        stop_at_forced=stop_at, forced_tail_only=tail_only)
@@ -708,6 +719,15 @@ def _trie_nbytes(trie: TokenTrie) -> int:
     return total
 
 
+class _RequestTemplate(Template):
+    """A request's template: its messages name the request's options (a request has no ``escape``)."""
+
+    def value_fixes(self, k: int) -> tuple[str, Optional[str]]:
+        name = self.slot_names[k]
+        return (f"change the text after {{{name}}} in extra_args['template'], or leave the value out of "
+                f"extra_args['slots'][{name!r}]", None)
+
+
 class TrieResolver:
     """Turns :class:`TrieRequest` s into tries and span rules for one tokenizer, with LRU caches.
 
@@ -749,9 +769,10 @@ class TrieResolver:
     # Loading a file: only a registered name or a file inside an allowed directory (.vllm_access); the cache key
     # holds the file's identity and modification time (from the opened descriptor), so a rewritten file is reloaded.
     # Returns the trie and that key (its first four fields are the stamp's file origin).
-    def _load_file(self, value: str, admit: bool = False) -> tuple[TokenTrie, tuple]:
+    def _load_file(self, value: str, admit: bool = False, option: Optional[str] = None) -> tuple[TokenTrie, tuple]:
         policy = current_policy()
-        resolved = policy.resolve(value)  # the same refusal for every path outside the allowed directories
+        # The same refusal for every path outside the allowed directories.
+        resolved = policy.resolve(value, option=option)
         # Regular files only, never blocking; a live catalog's delta file beside the trie file (trie_decode.live)
         # is opened once through the same policy and read from that descriptor.
         with policy.open(resolved) as handle, policy.open_delta(resolved) as delta:
@@ -811,25 +832,29 @@ class TrieResolver:
         """
         return self._trie(req, admit)[0]
 
-    def _trie(self, req: TrieRequest, admit: bool) -> tuple[TokenTrie, Optional[tuple]]:
-        """:meth:`trie`, and for a file its origin ``(real_path, st_dev, st_ino, st_mtime_ns, st_size)``."""
+    def _trie(self, req: TrieRequest, admit: bool, option: Optional[str] = None
+              ) -> tuple[TokenTrie, Optional[tuple]]:
+        """:meth:`trie`, and for a file its origin ``(real_path, st_dev, st_ino, st_mtime_ns, st_size)``.
+        ``option``: where in the request a file's name was sent, as messages name it (default
+        ``extra_args['trie']``; a span's or a template slot's own key)."""
         origin = None
+        where = option or f"extra_args[{TRIE_KEY!r}]"
         try:
             if req.source == "file":
-                trie, origin = self._load_file(req.payload, admit)
+                trie, origin = self._load_file(req.payload, admit, option)
             else:
                 trie = self._build_inline(req, admit)
         except TrieAccessError as exc:
             raise TrieRequestError(str(exc)) from None
         if trie.fingerprint and trie.fingerprint != self.fingerprint and not self._legacy_match(trie.fingerprint):
             raise TrieRequestError(
-                f"extra_args['trie']: the trie was built for a tokenizer with fingerprint {trie.fingerprint}, "
+                f"{where}: the trie was built for a tokenizer with fingerprint {trie.fingerprint}, "
                 f"the engine's tokenizer has {self.fingerprint}: rebuild it with the served model's tokenizer"
             )
         top = trie.max_token + 1  # the trie's tokens must fit the logits; its vocab_size may be wider
         if trie.vocab_size > self.vocab_size or (self.logits_width is not None and top > self.logits_width):
             raise TrieRequestError(
-                f"extra_args['trie']: the trie's vocabulary ({trie.vocab_size}, tokens up to {top - 1}) exceeds the "
+                f"{where}: the trie's vocabulary ({trie.vocab_size}, tokens up to {top - 1}) exceeds the "
                 f"engine's ({self.vocab_size} tokens, logits width {self.logits_width})"
             )
         return trie, origin
@@ -846,7 +871,9 @@ class TrieResolver:
         origins = []
         for i, s in enumerate(req.spans):
             if s.source == "file":
-                trie, origin = self._trie(TrieRequest(source="file", payload=s.payload), admit)
+                option = (f"extra_args['slots'][{s.after!r}]" if req.source == "template"
+                          else f"extra_args['spans'][{i}]['trie']")
+                trie, origin = self._trie(TrieRequest(source="file", payload=s.payload), admit, option)
                 file_tries[i] = trie
                 origins.append(origin)
         key = (req.trie_key(), tuple(origins))
@@ -857,7 +884,7 @@ class TrieResolver:
             try:
                 values = [file_tries[i] if s.source == "file" else list(s.payload) for i, s in enumerate(req.spans)]
                 if req.source == "template":  # each span is a slot, named by its ``after``
-                    template = Template(req.payload, **{s.after: v for s, v in zip(req.spans, values)})
+                    template = _RequestTemplate.from_slots(req.payload, {s.after: v for s, v in zip(req.spans, values)})
                     tries, fields = template.build(self.tokenizer, self.end_token_id)
                 else:
                     spans = [Span(v, after=s.after_pattern(), end=s.end, escape=s.escape, allow=s.allow, deny=s.deny)

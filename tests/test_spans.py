@@ -19,7 +19,7 @@ from trie_decode import TokenTrie
 from trie_decode.constraint import SpanRules, TrieConstraint
 from trie_decode.errors import ConstraintConfigError, InvalidEntryError, InvalidTokenError
 from trie_decode.fields import FieldRules, Span
-from trie_decode.text_spans import Trigger
+from trie_decode.text_spans import Trigger, end_token_table
 
 from reference import FieldReference
 
@@ -91,6 +91,25 @@ def test_a_value_can_only_end_where_an_entry_is_complete_and_then_any_end_token_
     assert s.node.tolist() == [-2]  # closed: free text again
 
 
+def test_the_bare_end_is_not_a_byte_fallback_piece():
+    """Of the shortest end tokens, the bare end (a complete entry that prefixes a longer one) is not a byte-fallback
+    piece (``<0x22>``, id 3 here) where an ordinary token (id 9) spells the same bytes; else the lowest id."""
+    vocab = [b"<eos>", b'{"', b"city", b'"', b"Paris", b" Texas", b'",', b'"}', b"x", b'"']
+    trie = TokenTrie.from_sequences([[4], [4, 5]], vocab_size=len(vocab), names=["Paris", "Paris Texas"])
+    triggers = FieldRules.from_tokens([trie], ['{"city'], '"', vocab).triggers
+    end = end_token_table('"', vocab)
+    assert FieldRules(triggers, end, vocab, [trie], byte_pieces={3}).bare_end == 9
+    assert FieldRules(triggers, end, vocab, [trie]).bare_end == 3
+    assert FieldRules(triggers, end, vocab, [trie], byte_pieces={3, 9}).bare_end == 3
+    # The narrowest logits the constraint masks hold every end token (the trie's tokens stop at id 5).
+    fields = FieldRules(triggers, end, vocab, [trie], byte_pieces={3})
+    c = TrieConstraint([trie], SpanRules(end_token_id=0, on_complete="release", fields=fields), "cpu")
+    assert c.needed_width == len(vocab)
+    s = c.start(1, tails=torch.tensor([[1, 2]]))
+    s = c.advance(s, torch.tensor([4]))  # "Paris": complete, and "Paris Texas" goes on
+    assert c.mask_(torch.zeros(1, c.needed_width), s)[0].isfinite().nonzero().flatten().tolist() == [5, 9]
+
+
 def test_options_that_do_not_combine_with_spans_are_named(tokenizer):
     from trie_decode.integrations.transformers import TrieLogitsProcessor
 
@@ -101,8 +120,11 @@ def test_options_that_do_not_combine_with_spans_are_named(tokenizer):
         TrieLogitsProcessor(spans=[span])
     with pytest.raises(ConstraintConfigError, match="not both"):
         TrieLogitsProcessor(TokenTrie.from_sequences([[1]], vocab_size=10), tokenizer, spans=[span])
-    with pytest.raises(InvalidEntryError, match="contains the span's end"):
+    with pytest.raises(InvalidEntryError, match=r"contains the span's end '\"'.*give escape='json'.*Span\.end"):
         TrieLogitsProcessor(tokenizer=tokenizer, spans=[Span(['say "hi"'], after="q: ", end='"', escape=None)])
+    with pytest.raises(InvalidEntryError) as err:  # escaping would not take '. ' out of the value: not offered
+        TrieLogitsProcessor(tokenizer=tokenizer, spans=[Span(["St. Louis"], after="q: ", end=". ")])
+    assert "escape" not in str(err.value) and "give the span another end (Span.end)" in str(err.value)
     with pytest.raises(ConstraintConfigError, match="after"):
         Span(["Paris"], after="")
     with pytest.raises(ConstraintConfigError, match="Span.values must be a TokenTrie or a list of strings, got NoneType"):

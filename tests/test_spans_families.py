@@ -158,3 +158,55 @@ def test_a_template_follows_the_tokenizers_own_ids_for_the_whole_json(family):
             assert t in allowed, (family, city, i, tok.convert_ids_to_tokens(ids[: i + 1]))
             assert int(s.node) != FREE or allowed == [t], (family, city, i)
             s = c.advance(s, torch.tensor([t]))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_complete_value_that_prefixes_a_longer_one_closes_with_the_quote_the_model_writes(family):
+    """After ``Paris`` (``Paris Texas`` goes on), beside the children only the bare quote is allowed: the ordinary
+    ``"`` piece, never the byte-fallback piece ``<0x22>`` of SentencePiece tokenizers (Mistral v1/v3, Gemma 3),
+    which has a lower id and that a model almost never writes. The same in a template (``New York`` / ``New York
+    City``)."""
+    from trie_decode.templates import Template
+
+    tok = load_tokenizer(family)
+    eos = tok.eos_token_id if tok.eos_token_id is not None else 0
+    tries, fields = FieldRules.build([Span(["Paris", "Paris Texas"], after='"city": "')], tok)
+    spans = (tries, SpanRules(end_token_id=eos, on_complete="release", fields=fields))
+    template = Template('{"city": "{city}"}', city=["New York", "New York City"]).rules(tok, eos)
+    for (tries, rules), start in ((spans, '{"city": "'), (template, None)):
+        fields = rules.fields
+        c = TrieConstraint(tries, rules, "cpu")
+        tail = None if start is None else torch.tensor([tok(start, add_special_tokens=False)["input_ids"]])
+        s = c.start(1) if start is None else c.start(1, None, tail)
+        for t in (c.forced_tokens(s)[0] if start is None else []):
+            s = c.advance(s, torch.tensor([t]))
+        for t in tries[0].sequences()[0]:  # the shorter value
+            s = c.advance(s, torch.tensor([int(t)]))
+        allowed = c.mask_(torch.zeros(1, c.needed_width), s)[0].isfinite().nonzero().flatten().tolist()
+        children = {int(t) for t in tries[0].children(int(s.node[0]))[0]}
+        closing = [t for t in allowed if t not in children]
+        assert closing == [fields.bare_ends[0]], (family, tok.convert_ids_to_tokens(closing))
+        assert not str(tok.convert_ids_to_tokens(closing[0])).startswith("<0x"), (family, closing)
+        assert vocabulary_bytes(tok)[closing[0]] == b'"'
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_value_is_spelled_exactly_where_it_merges_with_the_text_before_it(family):
+    """A value whose first character merges with the end of ``after`` (``' "('`` in SentencePiece) or of the text
+    before a slot is tokenized on its own; on SentencePiece tokenizers (Mistral v1/v3) that opened it with the
+    dummy-prefix space (``▁(Paris)``: the output was not a catalog entry). Every value's tokens spell exactly the
+    value, in spans and templates, whatever the text before it."""
+    from trie_decode.templates import Template
+
+    tok = load_tokenizer(family)
+    eos = tok.eos_token_id if tok.eos_token_id is not None else 0
+    vocab = vocabulary_bytes(tok)
+    values = ["(Paris)", ".NET", "'s-Hertogenbosch", "Paris", "[x]"]
+    built = [FieldRules.build([Span(values, after=after, end=end)], tok)[0][0]
+             for after, end in (('"city": "', '"'), ("Final answer: ", None), ("Final answer:", None), ("<b>", "<"))]
+    built.append(Template('{"city": "{city}"}', city=values).build(tok, eos)[0][0])
+    built.append(Template("City: {city};", city=values).build(tok, eos)[0][0])
+    for trie in built:
+        for entry, seq in enumerate(trie.sequences()):
+            assert b"".join(vocab[int(t)] for t in seq) == values[entry].encode(), (family, values[entry],
+                                                                                   tok.convert_ids_to_tokens(list(seq)))

@@ -48,8 +48,45 @@ def test_bad_templates_name_the_problem(args, kwargs, match):
 
 
 def test_a_value_containing_the_text_that_ends_it_is_refused(tokenizer):
-    with pytest.raises(InvalidEntryError, match=r"slot 'x' value 0.*contains the span's end '\.'"):
+    with pytest.raises(InvalidEntryError, match=r"slot 'x' value 0.*contains the text after \{x\} '\.'"):
         Template("A: {x}.", x=["St. Louis"]).build(tokenizer, tokenizer.eos_token_id)
+
+
+@pytest.mark.parametrize("escape", ["auto", "json", None])
+def test_the_refusal_of_a_value_containing_the_text_after_its_slot_names_only_fixes_a_template_has(tokenizer, escape):
+    """A template has no ``end``: the message says to change the text after the slot; ``escape='json'`` is offered
+    only where JSON escaping takes that text out of the value ('. Next' stays in it)."""
+    with pytest.raises(InvalidEntryError) as err:
+        Template("City: {city}. Next", city=["St. Louis. Next", "Paris"], escape=escape).build(
+            tokenizer, tokenizer.eos_token_id)
+    message = str(err.value)
+    assert "contains the text after {city} '. Next'" in message and "span" not in message
+    assert "change the template's text after {city}" in message
+    assert "escape=" not in message and "another end" not in message
+    with pytest.raises(InvalidEntryError, match=r"give escape='json'.*or change the template's text after \{x\}"):
+        Template('Q: "{x}"', x=['say "hi"'], escape=None).build(tokenizer, tokenizer.eos_token_id)
+
+
+def test_slots_may_be_named_like_the_templates_parameters(tokenizer):
+    """``text`` is positional-only, so a slot may be named ``text``; ``escape=`` is the escaping mode, so a slot
+    named ``escape`` takes its values through ``Template.from_slots`` (any name does), and the message for the
+    keyword form says so."""
+    t = Template('{"text": "{text}"}', text=["hello", "bye"])
+    assert t.slot_names == ["text"] and t.slots == {"text": ["hello", "bye"]}
+    t = Template.from_slots('{"escape": "{escape}", "text": "{text}"}', {"escape": ["yes"], "text": ["no"]},
+                            escape=None)
+    assert t.slot_names == ["escape", "text"] and t.escape is None and t.slots["escape"] == ["yes"]
+    tries, _ = t.build(tokenizer, tokenizer.eos_token_id)
+    assert [tr.num_entries for tr in tries] == [1, 1]
+    for kwargs in ({"escape": ["yes", "no"]}, {}):
+        with pytest.raises(ConstraintConfigError,
+                           match=r"slots without values: \['escape'\]; the slot \{escape\} takes its values through "
+                                 r"Template\.from_slots\(text, \{'escape': \[\.\.\.\]\}\)"):
+            Template('{"escape": "{escape}"}', **kwargs)
+    with pytest.raises(ConstraintConfigError, match=r"slots without values: \['x'\]; add them to the slots mapping"):
+        Template.from_slots("A: {x}.", {})
+    with pytest.raises(ConstraintConfigError, match=r"as a mapping \(slot name -> values\), got list"):
+        Template.from_slots("A: {x}.", [["a"]])
 
 
 # ------------------------------------------------------------------------------------------------ the core

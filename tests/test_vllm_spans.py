@@ -67,9 +67,12 @@ def test_trie_args_spans_round_trip_and_http_json_form(country_names):
     ({"spans": [{"after": "x=", "values": ["a"], "whitespace": "some"}]}, r"\['whitespace'\] must be one of"),
     ({"spans": [{"after": "x= ", "values": ["a"], "whitespace": "any"}]}, r"\['after'\].*ends with whitespace"),
     ({"template": "A: {x}."}, r"needs extra_args\['slots'\]"),
-    ({"template": "A: {x}.", "slots": {"y": ["a"]}}, r"extra_args\['template'\]: template slots without values: \['x'\]"),
+    ({"template": "A: {x}.", "slots": {"y": ["a"]}},
+     r"extra_args\['template'\]: template slots without values: \['x'\]; add them to extra_args\['slots'\]"),
     ({"template": "A: {x}{y}.", "slots": {"x": ["a"], "y": ["b"]}}, r"are adjacent"),
-    ({"template": "A: {x}.", "slots": {"x": []}}, r"extra_args\['slots'\]\[0\]\['values'\] must be a non-empty"),
+    ({"template": "A: {x}.", "slots": {"x": []}}, r"extra_args\['slots'\]\['x'\] must be a non-empty list"),
+    ({"template": "A: {x}.", "slots": {"x": ["a"], "y": ["b"]}},
+     r"extra_args\['slots'\] holds values for slots the template does not have: \['y'\]"),
     ({"template": "A: {x}.", "slots": "not json"}, r"extra_args\['slots'\] as a string must be JSON"),
     ({"template": "A: {x}.", "slots": {"x": ["a"]}, "trigger": "B"}, r"does not combine with \['trigger'\]"),
     ({"slots": {"x": ["a"]}, "trie": ["a"]}, r"needs extra_args\['template'\]"),
@@ -152,6 +155,38 @@ def test_resolver_builds_cached_span_tries_and_rules(tokenizer, country_names, t
     bad = parse_trie_request({"spans": [{"after": "q: ", "values": ['say "hi"'], "escape": None}]})
     with pytest.raises(TrieRequestError, match=r"extra_args\['spans'\].*contains the span's end"):
         resolver.spans(bad)
+
+
+def test_template_slots_may_have_any_name(tokenizer):
+    """A slot named like a parameter of Template (``text``, ``escape``) is an ordinary slot in a request."""
+    resolver = TrieResolver(tokenizer)
+    for name in ("text", "escape", "slots"):
+        req = parse_trie_request(trie_args(template=f'{{"{name}": "{{{name}}}"}}', slots={name: ["yes", "no"]}))
+        tries, rules = resolver.spans(req)
+        assert tries[0].num_entries == 2 and rules.fields.text.segments[0] == f'{{"{name}": "'.encode()
+
+
+def test_span_and_slot_refusals_name_the_key_the_client_sent(tokenizer, monkeypatch):
+    """A slot's or a span's trie name is refused naming where it was sent, with a fix that request has (values
+    inline); a template value containing the text after its slot names the template and the slot, not escape=."""
+    monkeypatch.delenv("TRIE_DECODE_ALLOWED_DIRS", raising=False)
+    monkeypatch.delenv("TRIE_DECODE_NAMED_TRIES", raising=False)
+    resolver = TrieResolver(tokenizer)
+    with pytest.raises(TrieRequestError) as err:
+        resolver.spans(parse_trie_request({"template": '{"city": "{city}"}', "slots": {"city": "Paris"}}))
+    assert str(err.value).startswith("extra_args['slots']['city']: 'Paris' is not a trie file")
+    assert "send the values as an inline list of strings" in str(err.value) and "token-id" not in str(err.value)
+    with pytest.raises(TrieRequestError, match=r"^extra_args\['spans'\]\[1\]\['trie'\]: 'Paris' is not a trie file"):
+        resolver.spans(parse_trie_request({"spans": [{"after": "a=", "values": ["x"]},
+                                                     {"after": "b=", "trie": "Paris"}]}))
+    with pytest.raises(TrieRequestError) as err:
+        resolver.spans(parse_trie_request({"template": "City: {city}. Next",
+                                           "slots": {"city": ["St. Louis. Next", "Rome"]}}))
+    message = str(err.value)
+    assert "contains the text after {city} '. Next'" in message
+    assert "escape" not in message and "another end" not in message
+    assert "change the text after {city} in extra_args['template'], or leave the value out of " \
+           "extra_args['slots']['city']" in message
 
 
 # ------------------------------------------------------------------------------------------------ the real engine

@@ -190,7 +190,8 @@ class TrieConstraint:
         rules.check_vocab(self.vocab_size)
         # The narrowest logits this constraint can mask: every trie token and every rule token must fit.
         self.needed_width = 1 + max([t.max_token for t in tries] + [rules.end_token_id]
-                                    + list(rules.separator) + list(rules.trigger))
+                                    + list(rules.separator) + list(rules.trigger)
+                                    + ([rules.fields.max_token] if rules.fields is not None else []))
         if dense_min_fanout is None:
             self.dtries = [DeviceTrie.get(t, self.device) for t in tries]
         else:

@@ -42,7 +42,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Collection, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -51,7 +51,7 @@ from .errors import ConstraintConfigError, InvalidEntryError, InvalidTokenError
 from .filters import restricted_trie
 from .spans import FREE
 from .text_spans import EndTokens, TextTriggers, TokenTriggers, Trigger, end_token_table, vocabulary_bytes
-from .tokenizers import tokenize_in_context, tokenizer_vocab_size
+from .tokenizers import byte_piece_ids, spelling_ids, token_bytes, tokenize_in_context, tokenizer_vocab_size
 from .trie import TokenTrie
 
 __all__ = ["Span", "FieldRules", "ESCAPES"]
@@ -121,7 +121,9 @@ class Span:
             InvalidEntryError: a value whose written text contains ``end`` (it would end the value early).
             ConstraintConfigError: an unknown key in ``allow``/``deny``, or no value left.
         """
-        trie = value_trie(self.values, tokenizer, self.after_text, self.end, self.escape, "Span")
+        trie = value_trie(self.values, tokenizer, self.after_text, self.end, self.escape, "Span",
+                          end_name="the span's end", fix="give the span another end (Span.end)",
+                          escape_fix="give escape='json' (the value is then written JSON-escaped)")
         return restricted_trie(trie, self.allow, self.deny, f"Span after {self.after_text!r}")
 
 
@@ -135,13 +137,17 @@ def check_values(values: Any, what: str) -> None:
 
 
 def value_trie(values: Union[TokenTrie, Sequence[str]], tokenizer: Any, context: str, end: Optional[str],
-               escape: Optional[str], what: str) -> TokenTrie:
+               escape: Optional[str], what: str, *, end_name: str = "the end", fix: str = "",
+               escape_fix: Optional[str] = None) -> TokenTrie:
     """The trie of a field's values: ``values`` itself, or the strings as written (escaped per ``escape``) and
     tokenized right after ``context``, so that the first token is the one the model writes there.
 
     Args:
         end: the text that ends a value (None: the end token); a value whose written text contains it is refused.
         what: how the caller names the field in errors (``"Span"``, ``"slot 'city'"``).
+        end_name, fix: how the caller names ``end`` (``"the span's end"``) and what its user can change when a value
+            contains it (an option that call really has); ``escape_fix``: how its user asks for JSON escaping, said
+            only where escaping would take ``end`` out of the value (None: the call has no such option).
 
     Raises:
         InvalidEntryError: an empty or non-string value, or one whose written text contains ``end``.
@@ -153,13 +159,45 @@ def value_trie(values: Union[TokenTrie, Sequence[str]], tokenizer: Any, context:
     for i, text in enumerate(texts):
         if not isinstance(text, str) or not text:
             raise InvalidEntryError(f"{what} value {i} must be a non-empty string, got {names[i]!r:.60}")
-        if end and end in (re.sub(r"\\.", "", text) if escape == "json" else text):  # escaped quotes do not end it
+        if _contains_end(text, end, escape):
+            escaping_helps = escape != "json" and not _contains_end(_written(names[i], "json"), end, "json")
+            fixes = ([escape_fix] if escape_fix and escaping_helps else []) + ([fix] if fix else [])
             raise InvalidEntryError(
-                f"{what} value {i} ({text!r:.60}) contains the span's end {end!r}: it would end the value "
-                "early; give escape='json' (for a JSON string) or another end"
+                f"{what} value {i} ({text!r:.60}) contains {end_name} {end!r}: it would end the value early"
+                + (f"; {' or '.join(fixes)}" if fixes else "")
             )
     seqs = tokenize_in_context(texts, tokenizer, context, separator="", on_unstable="raw")
+    vocab = token_bytes(tokenizer)
+    for i, seq in enumerate(seqs):
+        want = texts[i].encode("utf-8")
+        if _spelled(seq, vocab) == b" " + want:
+            seqs[i] = _spelled_exactly(texts[i], tokenizer, vocab)
     return TokenTrie.from_sequences(seqs, vocab_size=tokenizer_vocab_size(tokenizer), names=names)
+
+
+def _spelled(ids: Sequence[int], vocab: Sequence[bytes]) -> bytes:
+    return b"".join(vocab[t] if 0 <= t < len(vocab) else b"" for t in ids)
+
+
+def _spelled_exactly(text: str, tokenizer: Any, vocab: Sequence[bytes]) -> list[int]:
+    """Ids writing exactly ``text``, for a value that merges with its context (its own tokens are used) on a
+    SentencePiece tokenizer, whose own tokens of a text open with its dummy-prefix space (``▁(Paris)``, which is not
+    the value): the tokenizer's ids of ``text`` after a newline (which merges with nothing) when they spell it, else
+    the longest tokens (:func:`~trie_decode.tokenizers.spelling_ids`, byte-fallback pieces last)."""
+    want = text.encode("utf-8")
+    ids = tokenize_in_context([text], tokenizer, "\n", separator="", on_unstable="raw")[0]
+    if _spelled(ids, vocab) == want:
+        return ids
+    ids = spelling_ids(want, vocab, avoid=set(byte_piece_ids(tokenizer, range(len(vocab)))))
+    if ids is None:
+        raise InvalidEntryError(f"no tokens of this vocabulary write the value {text!r:.60}")
+    return ids
+
+
+def _contains_end(text: str, end: Optional[str], escape: Optional[str]) -> bool:
+    """Whether a value written as ``text`` contains ``end`` (in a JSON-escaped value, an escaped character never ends
+    it: ``\\"`` is not a closing quote)."""
+    return bool(end) and end in (re.sub(r"\\.", "", text) if escape == "json" else text)
 
 
 def _written(value: str, escape: Optional[str]) -> str:
@@ -213,12 +251,14 @@ class FieldRules:
         triggers: the automaton over every span's ``after`` (pattern ``k`` is span ``k``).
         ends: per span, the tokens beginning with its ``end`` (:class:`~trie_decode.text_spans.EndTokens`).
         bare_ends, end_rows: per span, the shortest end token (what a complete entry that prefixes a longer one
-            allows beside its children) and the dense row of a complete leaf entry.
+            allows beside its children; not a byte-fallback piece where another token has its bytes) and the dense
+            row of a complete leaf entry.
         resume: per span, the automaton state a closed value restarts from.
     """
 
     def __init__(self, triggers: TokenTriggers, end: Union[EndTokens, Sequence[EndTokens]], vocab: Sequence[bytes],
-                 tries: Sequence[TokenTrie], *, resume: Optional[Sequence[int]] = None):
+                 tries: Sequence[TokenTrie], *, resume: Optional[Sequence[int]] = None,
+                 byte_pieces: Collection[int] = ()):
         ends = [end] * len(tries) if isinstance(end, EndTokens) else list(end)
         if len(ends) != len(tries):
             raise ConstraintConfigError(f"{len(ends)} end-token tables for {len(tries)} spans")
@@ -231,17 +271,24 @@ class FieldRules:
                                         f"[0, {len(vocab)})")
         self.triggers, self.ends = triggers, ends
         self.vocab_size = len(vocab)
+        #: The largest token id these rules allow of their own (an end token; a template's fixed text too): the
+        #: logits must be wider (``TrieConstraint.needed_width``).
+        self.max_token = max(int(e.ids.max()) for e in ends) if ends else -1
         #: Per span: the token a complete entry that prefixes a longer one allows beside its children (the shortest
-        #: end token) and the dense row of a complete leaf entry (True where a column is blocked, Shape: (V,)).
+        #: end token; of several, not one of ``byte_pieces``, the byte-fallback pieces ``<0x22>`` a model almost never
+        #: writes where ``"`` spells the same byte, then the lowest id) and the dense row of a complete leaf entry
+        #: (True where a column is blocked, Shape: (V,)).
         self.bare_ends: list[int] = []
         self.end_rows: list[np.ndarray] = []
         rows: dict[int, tuple[int, np.ndarray]] = {}  # spans sharing one table share its row
         for e in ends:
             if id(e) not in rows:
                 lengths = [len(vocab[int(t)]) for t in e.ids]
+                shortest = [int(t) for t, n in zip(e.ids, lengths) if n == min(lengths)]  # ids sorted
+                bare = next((t for t in shortest if t not in byte_pieces), shortest[0])
                 blocked = np.ones(self.vocab_size, dtype=np.bool_)
                 blocked[e.ids] = False
-                rows[id(e)] = (int(e.ids[int(np.argmin(lengths))]), blocked)
+                rows[id(e)] = (bare, blocked)
             self.bare_ends.append(rows[id(e)][0])
             self.end_rows.append(rows[id(e)][1])
         #: Per span: the automaton state a row restarts from when it closes that span's value (fed the closing
@@ -375,7 +422,9 @@ class FieldRules:
         triggers = _span_triggers([s.after for s in spans], vocab)
         if end_token_id is None and any(s.end is None for s in spans):
             end_token_id = getattr(tokenizer, "eos_token_id", None)
-        return tries, cls(triggers, _end_tables([s.end for s in spans], vocab, end_token_id), vocab, tries)
+        ends = _end_tables([s.end for s in spans], vocab, end_token_id)
+        pieces = byte_piece_ids(tokenizer, sorted({int(t) for e in ends for t in e.ids}))
+        return tries, cls(triggers, ends, vocab, tries, byte_pieces=set(pieces))
 
     def __repr__(self) -> str:
         return (f"FieldRules(spans={len(self.root_by_bytes)}, ends={sorted({e.end for e in self.ends})!r}, "

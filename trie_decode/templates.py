@@ -27,7 +27,7 @@ Example:
 from __future__ import annotations
 
 import re
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Collection, Mapping, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -37,15 +37,48 @@ from .fields import FieldRules, check_values, value_trie
 from .kernels.rules import floor_rule, kept_alive
 from .spans import FREE, SpanRules
 from .text_spans import EndTokens, vocabulary_bytes
-from .tokenizers import tokenize_in_context
+from .tokenizers import byte_piece_ids, spelling_ids, tokenize_in_context
 from .trie import TokenTrie
 
-__all__ = ["Template", "TemplateText", "TemplateRules"]
+__all__ = ["Template", "TemplateText", "TemplateRules", "template_slots"]
 
 #: ``{name}`` (a Python identifier) is a slot; every other brace is text; ``{{name}}`` writes ``{name}`` literally.
 SLOT = re.compile(r"\{\{([A-Za-z_][A-Za-z0-9_]*)\}\}|\{([A-Za-z_][A-Za-z0-9_]*)\}")
 #: What a template's slot holds: a trie built for its position, or the value strings.
 SlotValues = Union[TokenTrie, Sequence[str]]
+
+
+def template_slots(text: str) -> tuple[list[str], list[str]]:
+    """A template text's fixed segments (one more than the slots) and its slot names, in order.
+
+    Raises:
+        ConstraintConfigError: not a non-empty str, no slot, or two slots with no text between them (nothing would
+            end the first).
+
+    Example:
+        >>> template_slots("A: {x}, {{y}} {z}.")
+        (['A: ', ', {y} ', '.'], ['x', 'z'])
+    """
+    if not isinstance(text, str) or not text:
+        raise ConstraintConfigError(f"a template must be a non-empty str, got {text!r:.60}")
+    segments, names, pos = [], [], 0
+    piece = ""
+    for m in SLOT.finditer(text):
+        if m.group(1) is not None:  # {{name}}: literal braces
+            piece += text[pos:m.start()] + "{" + m.group(1) + "}"
+        else:
+            segments.append(piece + text[pos:m.start()])
+            names.append(m.group(2))
+            piece = ""
+        pos = m.end()
+    segments.append(piece + text[pos:])
+    if not names:
+        raise ConstraintConfigError(f"the template {text!r:.80} has no slot: mark one with {{name}}")
+    for k in range(1, len(names)):
+        if not segments[k]:
+            raise ConstraintConfigError(f"slots {{{names[k - 1]}}} and {{{names[k]}}} are adjacent: put text "
+                                        "between them (the text after a slot is what ends its value)")
+    return segments, names
 
 
 class Template:
@@ -57,6 +90,8 @@ class Template:
         escape: how values are written: ``"json"`` (JSON-escaped), None (as given), or ``"auto"`` (default:
             ``"json"`` for a slot right after a ``"``).
         slots: each slot's values, by name (a list of strings, or a :class:`TokenTrie` built for the position).
+            A slot may be named ``text``; one named ``escape`` takes its values through :meth:`from_slots`
+            (``Template.from_slots(text, {"escape": [...]})``), as do slots named at run time.
 
     Raises:
         ConstraintConfigError: no slot, a slot without values (or values for no slot), two slots with no text
@@ -67,36 +102,45 @@ class Template:
         ['Capital: ', '.']
     """
 
-    def __init__(self, text: str, *, escape: Optional[str] = "auto", **slots: SlotValues):
-        if not isinstance(text, str) or not text:
-            raise ConstraintConfigError(f"a template must be a non-empty str, got {text!r:.60}")
-        segments, names, pos = [], [], 0
-        piece = ""
-        for m in SLOT.finditer(text):
-            if m.group(1) is not None:  # {{name}}: literal braces
-                piece += text[pos:m.start()] + "{" + m.group(1) + "}"
-            else:
-                segments.append(piece + text[pos:m.start()])
-                names.append(m.group(2))
-                piece = ""
-            pos = m.end()
-        segments.append(piece + text[pos:])
-        if not names:
-            raise ConstraintConfigError(f"the template {text!r:.80} has no slot: mark one with {{name}}")
+    def __init__(self, text: str, /, *, escape: Optional[str] = "auto", **slots: SlotValues):
+        self._init(text, escape, slots, keywords=True)
+
+    @classmethod
+    def from_slots(cls, text: str, slots: Mapping[str, SlotValues], /, *, escape: Optional[str] = "auto"
+                   ) -> "Template":
+        """A template whose slots' values are given as one mapping, by name: any slot name works, ``escape``
+        included (``Template(text, escape=[...])`` would set the escaping mode).
+
+        Example:
+            >>> Template.from_slots('{"escape": "{escape}"}', {"escape": ["yes", "no"]}).slot_names
+            ['escape']
+        """
+        if not isinstance(slots, Mapping):
+            raise ConstraintConfigError(f"Template.from_slots takes the slots' values as a mapping (slot name -> "
+                                        f"values), got {type(slots).__name__}")
+        template = cls.__new__(cls)
+        template._init(text, escape, dict(slots), keywords=False)
+        return template
+
+    def _init(self, text: str, escape: Optional[str], slots: dict, keywords: bool) -> None:
+        """The constructor's work; ``keywords``: the values came as keywords (what the messages suggest)."""
+        segments, names = template_slots(text)
         missing = [n for n in dict.fromkeys(names) if n not in slots]
         if missing:
-            raise ConstraintConfigError(f"template slots without values: {missing}; give them as keywords, "
-                                        f"e.g. Template(text, {missing[0]}=[...])")
+            if keywords and "escape" not in missing:
+                how = f"give them as keywords, e.g. Template(text, {missing[0]}=[...])"
+            elif keywords:  # escape= is the escaping mode: the slot's values go in a mapping
+                how = ("the slot {escape} takes its values through Template.from_slots(text, {'escape': [...]}) "
+                       "(escape= is how values are written)")
+            else:
+                how = f"add them to the slots mapping, e.g. Template.from_slots(text, {{{missing[0]!r}: [...]}})"
+            raise ConstraintConfigError(f"template slots without values: {missing}; {how}")
         unused = sorted(set(slots) - set(names))
         if unused:
             raise ConstraintConfigError(f"values given for slots the template does not have: {unused} "
                                         f"(its slots: {list(dict.fromkeys(names))})")
         for name in dict.fromkeys(names):
             check_values(slots[name], f"slot {name!r}")
-        for k in range(1, len(names)):
-            if not segments[k]:
-                raise ConstraintConfigError(f"slots {{{names[k - 1]}}} and {{{names[k]}}} are adjacent: put text "
-                                            "between them (the text after a slot is what ends its value)")
         if escape not in ("auto", "json", None):
             raise ConstraintConfigError(f"escape must be 'auto', 'json' or None, got {escape!r}")
         self.text, self.segments, self.slot_names, self.slots = text, segments, names, dict(slots)
@@ -108,6 +152,14 @@ class Template:
         if self.escape != "auto":
             return self.escape
         return "json" if self.segments[k].endswith('"') else None
+
+    def value_fixes(self, k: int) -> tuple[str, Optional[str]]:
+        """What the caller can change when a value of slot ``k`` contains the text after the slot (the messages of
+        :meth:`build` say it): the fix, and how to ask for JSON escaping (None: not offered). A front door with other
+        options (vLLM's requests: no ``escape``) overrides it."""
+        name = self.slot_names[k]
+        return (f"change the template's text after {{{name}}}, or leave the value out",
+                "give escape='json' (values are then written JSON-escaped)")
 
     def build(self, tokenizer: Any, end_token_id: int) -> tuple[list[TokenTrie], "TemplateRules"]:
         """The slots' tries and the rules the step engine reads (``SpanRules(..., fields=rules)``), built once per
@@ -143,7 +195,9 @@ class Template:
         for k, name in enumerate(self.slot_names):
             # A value may not contain the text after its slot (a reader could not tell where it ends).
             after, end = self.segments[k], self.segments[k + 1] or None
-            tries.append(value_trie(self.slots[name], tokenizer, after, end, self.slot_escape(k), f"slot {name!r}"))
+            fix, escape_fix = self.value_fixes(k)
+            tries.append(value_trie(self.slots[name], tokenizer, after, end, self.slot_escape(k), f"slot {name!r}",
+                                    end_name=f"the text after {{{name}}}", fix=fix, escape_fix=escape_fix))
         width = max([len(vocab), end_token_id + 1] + [t.vocab_size for t in tries])
         vocab += [b""] * (width - len(vocab))
         segments = [s.encode("utf-8") for s in self.segments]
@@ -157,7 +211,9 @@ class Template:
                 first = []
         text = TemplateText(segments, vocab)
         text.learn_tokens(tokenizer, end_token_id, first)
-        return tries, TemplateRules(text, vocab, tries, end_token_id, self.slot_names)
+        ends = {int(t) for k in range(len(self.slot_names)) for t in text.end_tokens(k).ids}
+        pieces = set(byte_piece_ids(tokenizer, sorted(ends)))
+        return tries, TemplateRules(text, vocab, tries, end_token_id, self.slot_names, byte_pieces=pieces)
 
     def rules(self, tokenizer: Any, end_token_id: int) -> tuple[list[TokenTrie], SpanRules]:
         """The slots' tries and the :class:`SpanRules` of a :class:`~trie_decode.constraint.TrieConstraint`.
@@ -268,14 +324,9 @@ class TemplateText:
                 return ids
         except UnicodeDecodeError:
             pass
-        out, pos = [], 0
-        by_len = sorted((i for i, b in enumerate(self.vocab) if b), key=lambda i: -len(self.vocab[i]))
-        while pos < len(rest):
-            tok = next((i for i in by_len if rest.startswith(self.vocab[i], pos)), None)
-            if tok is None:
-                raise ConstraintConfigError(f"no token writes the template text {rest[pos:]!r}")
-            out.append(tok)
-            pos += len(self.vocab[tok])
+        out = spelling_ids(rest, self.vocab)
+        if out is None:
+            raise ConstraintConfigError(f"no tokens write the template text {rest!r:.60}")
         return out
 
     def end_tokens(self, slot: int) -> EndTokens:
@@ -295,11 +346,12 @@ class TemplateRules(FieldRules):
     Args:
         text: the template's automaton (its :attr:`~TemplateText.keep` learned).
         vocab, tries: the token bytes and the slots' tries. end_token_id: ends the template (and a final slot).
-        names: the slots' names (for messages).
+        names: the slots' names (for messages). byte_pieces: the byte-fallback pieces among the end tokens (see
+            :attr:`~trie_decode.fields.FieldRules.bare_ends`).
     """
 
     def __init__(self, text: TemplateText, vocab: Sequence[bytes], tries: Sequence[TokenTrie], end_token_id: int,
-                 names: Sequence[str]):
+                 names: Sequence[str], byte_pieces: Collection[int] = ()):
         ends = []
         for k, name in enumerate(names):
             e = text.end_tokens(k)
@@ -310,8 +362,9 @@ class TemplateRules(FieldRules):
                                             f"{text.segments[k + 1]!r:.40}")
             ends.append(e)
         resume = [int(text.base[k + 1]) for k in range(len(names))]
-        super().__init__(text, ends, vocab, tries, resume=resume)  # type: ignore[arg-type]
+        super().__init__(text, ends, vocab, tries, resume=resume, byte_pieces=byte_pieces)  # type: ignore[arg-type]
         self.text, self.end_token_id = text, end_token_id
+        self.max_token = max(self.max_token, int(text.keep.max()))
         self._keep = {torch.device("cpu"): torch.from_numpy(text.keep)}  # by device: copied once, not per step
         self._runs: Optional[tuple[np.ndarray, np.ndarray]] = None
 

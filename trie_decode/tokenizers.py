@@ -32,7 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 import unicodedata
-from typing import Any, Optional, Sequence
+from typing import Any, Collection, Optional, Sequence
 
 import numpy as np
 
@@ -51,6 +51,8 @@ __all__ = [
     "ends_with_special_token",
     "token_bytes",
     "byte_scheme",
+    "byte_piece_ids",
+    "spelling_ids",
     "encode_texts",
     "normalize_strings",
     "ContextError",
@@ -193,6 +195,30 @@ def _mistral_bytes(inner: Any) -> list[bytes]:
     from mistral_common.tokens.tokenizers.base import SpecialTokenPolicy  # pragma: no cover - other backends
 
     return [bytes(inner.id_to_byte_piece(i, SpecialTokenPolicy.KEEP)) for i in range(n)]  # pragma: no cover
+
+
+def byte_piece_ids(tokenizer: Any, ids: Sequence[int]) -> list[int]:
+    """Of ``ids``, the byte-fallback pieces (``<0xNN>``: SentencePiece tokenizers such as Llama 2, Mistral v1/v3 and
+    Gemma): tokens whose bytes an ordinary piece often spells too, and which the tokenizer (and so the model) only
+    writes for bytes no other piece spells. Empty for other tokenizers.
+
+    Example:
+        >>> byte_piece_ids(object(), [1, 2])
+        []
+    """
+    scheme = byte_scheme(tokenizer)
+    ids = [int(i) for i in ids]
+    if scheme == "mistral-common":
+        model = getattr(_mistral_inner(tokenizer), "_model", None)
+        is_byte = getattr(model, "is_byte", None)
+        return [i for i in ids if 0 <= i < int(model.get_piece_size()) and is_byte(i)] if is_byte else []
+    if scheme != "sentencepiece":
+        return []
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    id_to_token = backend.id_to_token if backend is not None and hasattr(backend, "id_to_token") else (
+        lambda i: tokenizer.convert_ids_to_tokens(i))
+    added = _added_tokens(tokenizer)
+    return [i for i in ids if i not in added and id_to_token(i) in _BYTE_PIECES]
 
 
 def _token_strings(tokenizer: Any, n: int) -> list[Optional[str]]:
@@ -469,6 +495,34 @@ def tokenize_in_context(
     if raw_needed:
         for i, ids in zip(raw_needed, encode_texts(tokenizer, [texts[i] for i in raw_needed])):
             out[i] = ids
+    return out
+
+
+def spelling_ids(data: bytes, vocab: Sequence[bytes], avoid: Collection[int] = ()) -> Optional[list[int]]:
+    """Token ids whose bytes (``vocab``, by id) are exactly ``data``: the longest token at each position (of tokens
+    with the same bytes, one not in ``avoid``, such as byte-fallback pieces, then the lowest id); None when no token
+    begins the rest. The last resort of callers whose tokenizer's own ids do not spell
+    a text (fixed text a normalizer rewrote, a value SentencePiece would open with its dummy-prefix space).
+
+    Example:
+        >>> spelling_ids(b"abc", [b"a", b"ab", b"c", b"bc"])
+        [1, 2]
+    """
+    by_bytes: dict[bytes, int] = {}
+    for i, b in enumerate(vocab):
+        if b and (b not in by_bytes or (by_bytes[b] in avoid and i not in avoid)):
+            by_bytes[b] = i
+    longest = max(map(len, by_bytes), default=0)
+    out, pos = [], 0
+    while pos < len(data):
+        for n in range(min(longest, len(data) - pos), 0, -1):
+            tok = by_bytes.get(data[pos:pos + n])
+            if tok is not None:
+                out.append(tok)
+                pos += n
+                break
+        else:
+            return None
     return out
 
 
