@@ -36,11 +36,11 @@ from trie_decode.entries import Entry
 from trie_decode.fields import FieldRules, Span
 from trie_decode.templates import Template
 from trie_decode.errors import ConstraintConfigError
-from trie_decode.filters import entry_indices, filtered_tries
+from trie_decode.filters import entry_indices, filtered_restrictions
 from trie_decode.forms import entry_identity, warn_prompt
 from trie_decode.live import CatalogSnapshot, LiveCatalog, constraint_for
-from trie_decode.options import (TrieArg, as_tries, check_alone, check_instance, check_one_source, end_token, filter_rows,
-                                  first_eos, prompt_filters, prompt_groups, rule_args)
+from trie_decode.options import (TrieArg, as_tries, check_alone, check_distinct, check_instance, check_one_source,
+                                  end_token, filter_rows, first_eos, prompt_filters, prompt_groups, rule_args)
 from trie_decode.trie import TokenTrie
 
 from .transformers_internals import GenerateLoop, beam_parents, prefix_processor_start, reusable_buffer
@@ -125,7 +125,7 @@ _GENERATIONS_KEPT = 4
 
 def _span_tries(tokenizer: Any, spans: Any, on_complete: str, separator: Any, trigger: Any, allow: Any, deny: Any,
                 distinct: bool, check_prompt: bool, end_token_id: Optional[int] = None,
-                ) -> tuple[list[TokenTrie], FieldRules]:
+                max_entries: Optional[int] = None) -> tuple[list[TokenTrie], FieldRules]:
     """The tries and field rules of ``spans=`` or ``template=`` (:mod:`trie_decode.fields`,
     :mod:`trie_decode.templates`), or a named error for options that do not combine with them. A template built
     beforehand (``template.build(tok, eos)``) needs no tokenizer when ``end_token_id`` is given (fast-forward's hook,
@@ -136,7 +136,7 @@ def _span_tries(tokenizer: Any, spans: Any, on_complete: str, separator: Any, tr
         raise ConstraintConfigError(f"{key}= needs the tokenizer (values and triggers are matched on text)")
     others = {"on_complete": on_complete != "eos", "separator": separator is not None, "trigger": trigger is not None,
               "allow": allow is not None, "deny": deny is not None, "distinct": bool(distinct),
-              "check_prompt": bool(check_prompt)}
+              "max_entries": max_entries is not None, "check_prompt": bool(check_prompt)}
     check_alone(key, [k for k, v in others.items() if v])
     if isinstance(spans, Template):
         end = end_token(end_token_id, tokenizer)
@@ -183,12 +183,14 @@ class TrieLogitsProcessor(LogitsProcessor):
             per prompt
             (``None`` items: no filter). See :mod:`trie_decode.filters`. With one trie per prompt, each prompt's
             filter gives it the trie of the entries it leaves (:func:`trie_decode.filters.filtered_tries`, built
-            here, O(entries); a filter that leaves a prompt no entry is an error then).
+            here, O(entries); a filter that leaves a prompt no entry is an error then); ``match`` and ``rank`` still
+            report the entries of the tries given (their indices, keys and item keys). A 2-D numpy array is one row
+            per prompt, as a list of lists.
         distinct (`bool`, defaults to False): with ``on_complete="repeat"``, an entry appears at most once in a
-            row's list.
-        max_entries (`int`, defaults to 64): with ``distinct``, the most entries a row's list holds; a full list
-            ends with the end token (:func:`trie_decode.filters.distinct_capacity` gives the most a token budget
-            allows).
+            row's list; entries that share a key (the forms of one string) count as one.
+        max_entries (`int`, defaults to 64 with ``distinct``): with ``distinct`` (only), the most entries a row's
+            list holds; a full list ends with the end token (:func:`trie_decode.filters.distinct_capacity` gives the
+            most a token budget allows).
         check_prompt (`bool`, defaults to False): at the start of each generation, check every prompt against its
             trie (:func:`trie_decode.check_prompt`; needs ``tokenizer``, and no ``trigger``) and issue a
             :class:`~trie_decode.PromptMismatchWarning` with the exact fix for each disagreement: a prompt that ends
@@ -229,7 +231,7 @@ class TrieLogitsProcessor(LogitsProcessor):
         allow: Any = None,
         deny: Any = None,
         distinct: bool = False,
-        max_entries: int = 64,
+        max_entries: Optional[int] = None,
         check_prompt: bool = False,
     ) -> None:
         check_one_source("TrieLogitsProcessor", {"tries": tries, "spans": spans, "template": template},
@@ -238,7 +240,7 @@ class TrieLogitsProcessor(LogitsProcessor):
             spans = check_instance(template, Template, "template")
         if spans is not None:
             tries, fields = _span_tries(tokenizer, spans, on_complete, separator, trigger, allow, deny, distinct,
-                                        check_prompt, end_token_id)
+                                        check_prompt, end_token_id, max_entries)
             on_complete = "release"
         # Live catalogs (trie_decode.live): every generation takes the catalog's snapshot when it starts.
         self._live = tries if isinstance(tries, (LiveCatalog, CatalogSnapshot)) else None
@@ -252,11 +254,16 @@ class TrieLogitsProcessor(LogitsProcessor):
         self.rules = SpanRules(**rule_args(tokenizer, end_token_id, on_complete, separator, trigger))
         if spans is not None:
             self.rules = replace(self.rules, fields=fields)
+        check_distinct(self.rules.on_complete, distinct, max_entries)  # a bool; max_entries only with it
+        distinct = bool(distinct)
+        # With filters over one trie per prompt, each prompt decodes the trie of the entries its filter leaves; the
+        # results are reported as the entries of the tries given (match_all: Restriction.source_entry).
+        self._restrictions = None
         if len(self.tries) > 1 and (allow is not None or deny is not None) and not distinct:
-            # filters over one trie per prompt: each prompt decodes the trie of the entries its filter leaves
-            self.tries = filtered_tries(self.tries, allow, deny, self.rules.on_complete)
+            self._restrictions = filtered_restrictions(self.tries, allow, deny, self.rules.on_complete)
+            self.tries = [r.trie for r in self._restrictions]
             allow = deny = None
-        self._filtered = allow is not None or deny is not None or bool(distinct)
+        self._filtered = allow is not None or deny is not None or distinct
         self._constraints: dict[str, TrieConstraint] = {}
         self._last_constraint: Optional[TrieConstraint] = None
         self._view = None  # a live catalog's view of the current generation (trie_decode.live.CatalogView)
@@ -394,12 +401,15 @@ class TrieLogitsProcessor(LogitsProcessor):
         """The rows' state where generation starts after ``prompts`` (Shape: (B, P)), with their filters as they are
         there (a live catalog's view denies the entries removed since the catalog was built: filters even with
         none given)."""
-        self._filters = self._filters_for(len(prompts), device) if self._filtered or self._live is not None else None
+        self._filters = self._filters_for(len(prompts), device)
         return self.constraint(device).start(len(prompts), self._groups, self._trigger_tails(prompts, starting=True))
 
     def _filters_for(self, batch: int, device: torch.device) -> Any:
         """The filters of a generation of ``batch`` rows on ``device`` (:meth:`TrieConstraint.filters`): a live
-        catalog's from its current view, static ones (no distinct list) from the cache of the newest few."""
+        catalog's from its current view, static ones (no distinct list) from the cache of the newest few; None when
+        nothing is filtered."""
+        if not self._filtered and self._live is None:
+            return None
         allow, deny, distinct, n, max_entries = self._filter_specs
         rows = (batch, filter_rows(allow, n, batch), filter_rows(deny, n, batch))
         constraint = self.constraint(device)
@@ -600,7 +610,10 @@ class TrieLogitsProcessor(LogitsProcessor):
         rows = sequences.tolist()
         tree = prompt_groups(len(rows), len(self.tries)).tolist()
         replayer = self.constraint(torch.device("cpu"))
-        return replayer.replay([r[start:] for r in rows], tree, [r[:start] for r in rows])
+        found = replayer.replay([r[start:] for r in rows], tree, [r[:start] for r in rows])
+        if self._restrictions is not None:  # a filtered trie's entries, as the entries of the trie the user gave
+            found = [[self._restrictions[t].source_entry(e) for e in row] for row, t in zip(found, tree)]
+        return found
 
 
 def match(trie: TokenTrie, generated: torch.Tensor | Sequence[Sequence[int]], *, end_token_id: Optional[int] = None) -> list[Optional[Entry]]:
@@ -728,9 +741,8 @@ def rank(
         eos_token_id=processor.rules.end_token_id,
     )
     entries = processor.match(out.sequences)
-    scores = out.sequences_scores.tolist()
-    if renormalize:
-        scores = _renormalized(model, inputs, out.sequences, processor, length_normalize, scores)
+    raw = out.sequences_scores.tolist()
+    scores = _renormalized(model, inputs, out.sequences, processor, length_normalize, raw) if renormalize else raw
     batch = out.sequences.shape[0] // beams
     ranked: list[RankedList] = []
     for p in range(batch):
@@ -738,7 +750,8 @@ def rank(
         merged = 0
         for i in range(p * beams, (p + 1) * beams):
             entry, score = entries[i], scores[i]
-            if entry is None or score <= _UNFINISHED or score != score:
+            # A beam that did not finish is padding, whatever its renormalized score: its raw score says so.
+            if entry is None or raw[i] <= _UNFINISHED or raw[i] != raw[i] or score != score:
                 continue
             ident = entry_identity(entry)  # the forms of one string (leading_space=[True, False]) are one entry
             if ident in seen:
@@ -765,7 +778,8 @@ def _renormalized(model: Any, inputs: dict, sequences: torch.Tensor, processor: 
                   length_normalize: bool, raw: list[float]) -> list[float]:
     """Each sequence's log-probability renormalized within the trie: at every generated position, the chosen
     token's log-probability minus the log of the total probability of the tokens the trie allowed there (one
-    forward pass over all sequences; the allowed sets come from the processor's own constraint)."""
+    forward pass over all sequences; the allowed sets come from the processor's own constraint, with its filters:
+    allow/deny, a live catalog's removals; so a filter of k entries renormalizes as a trie of those k entries)."""
     start = processor.generation_start
     mask = inputs.get("attention_mask")
     rows, width = sequences.shape
@@ -782,17 +796,18 @@ def _renormalized(model: Any, inputs: dict, sequences: torch.Tensor, processor: 
     logits = model(input_ids=sequences, attention_mask=attn).logits[:, start - 1 : width - 1].float()
     logp = torch.log_softmax(logits, dim=-1)
     constraint = processor.constraint(torch.device("cpu"))
+    filters = processor._filters_for(rows, torch.device("cpu"))  # the generation's filters, for these rows
     state = constraint.start(rows, prompt_groups(rows, len(processor.tries)))
     total = torch.zeros(rows, dtype=torch.float64)
     count = torch.zeros(rows, dtype=torch.float64)
     for j in range(gen.shape[1]):
-        allowed = constraint.allowed(state, logp.shape[-1])
+        allowed = constraint.allowed(state, logp.shape[-1], filters=filters)
         lse = torch.logsumexp(logp[:, j].masked_fill(~allowed, float("-inf")), dim=-1)
         chosen = logp[torch.arange(rows), j, gen[:, j]]
         step = (chosen - lse).double()
         total += torch.where(live[:, j], step, torch.zeros_like(step))
         count += live[:, j].double()
-        state = constraint.advance(state, gen[:, j])
+        state = constraint.advance(state, gen[:, j], filters=filters)
     out = (total / count.clamp(min=1)) if length_normalize else total
     return [float(v) if r != float("-inf") else r for v, r in zip(out.tolist(), raw)]
 

@@ -58,11 +58,13 @@ from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Collection, Hashable, MutableMapping, Optional, Sequence, Union
 
+import numpy as np
+
 from trie_decode.constraint import SpanRules, check_stop_tokens_outside_entries
 from trie_decode.errors import ConstraintConfigError, TrieDecodeError
 from trie_decode.fields import ESCAPES, FieldRules, Span
 from trie_decode.templates import Template, template_slots
-from trie_decode.filters import entry_indices
+from trie_decode.filters import entry_indices, spec_items
 from trie_decode.options import (OptionNames, check_alone, check_filter_mode, check_normalize, check_on_complete,
                                   check_separator, first_eos, given_filters, rule_args, text_or_ids, token_tuple)
 from trie_decode.text_spans import WHITESPACE_MODES, Trigger
@@ -530,9 +532,10 @@ class FilterFile:
 
 
 def _filter_option(value: Any, what: str) -> Optional[Union[tuple, FilterFile]]:
-    """An ``allow``/``deny`` filter: entry keys (strings) or entry indices (ints), as a list; a file on the server,
-    ``{"file": PATH}``; or, over HTTP where values cannot nest, a JSON string of either. ``what``: the option as
-    the messages name it (``extra_args['allow']``, or a span's)."""
+    """An ``allow``/``deny`` filter: entry keys (strings) or entry indices (ints), or both mixed, as a list (a 1-D
+    numpy array in process; the spec rule of every front door, :func:`trie_decode.filters.spec_items`); a file on
+    the server, ``{"file": PATH}``; or, over HTTP where values cannot nest, a JSON string of either. ``what``: the
+    option as the messages name it (``extra_args['allow']``, or a span's)."""
     if value is None:
         return None
     if isinstance(value, str):
@@ -542,16 +545,16 @@ def _filter_option(value: Any, what: str) -> Optional[Union[tuple, FilterFile]]:
         if set(value) != {"file"} or not isinstance(path, str) or not path:
             _fail(f"{what} as an object must be {{'file': PATH}}, got {value!r:.80}")
         return FilterFile(path)
+    if isinstance(value, np.ndarray):  # a request made in process (one request is one prompt: one spec, 1-D)
+        spec_items(value, what, error=TrieRequestError)
+        value = value.tolist()
     if not isinstance(value, (list, tuple)):
         _fail(f"{what} must be a list of entry keys or entry indices, got {type(value).__name__}")
     cap = current_limits().max_filter_items
     if len(value) > cap:
         _fail(f"{what} names {len(value)} entries, over the limit of {cap}")
-    kinds = set(map(type, value))  # one C-level pass over a long list (a request may name 10^5 entries)
-    if not (all(issubclass(k, str) for k in kinds)
-            or all(issubclass(k, int) and not issubclass(k, bool) for k in kinds)):
-        _fail(f"{what} must hold only entry keys (strings) or only entry indices (integers)")
-    return tuple(value)
+    spec_items(value, what, error=TrieRequestError)  # keys, indices or both mixed, as every front door takes them
+    return tuple(v if isinstance(v, str) else int(v) for v in value)
 
 
 def trie_args(
@@ -636,7 +639,11 @@ def trie_args(
         if isinstance(value, dict):
             out[name] = dict(value)  # {"file": PATH}: a filter file on the server
         elif value is not None:
-            out[name] = [v if isinstance(v, str) else int(v) for v in value]
+            # the spec rule of every filter (keys, indices or both; a request is one prompt: a 1-D spec), then plain
+            # JSON values (a numpy array's items as Python ones)
+            spec_items(value, TRIE_ARGS(name), error=TrieRequestError)
+            out[name] = [v if isinstance(v, str) else int(v)
+                         for v in (value.tolist() if isinstance(value, np.ndarray) else value)]
     parse_trie_request(out)
     return out
 

@@ -30,15 +30,21 @@ class SpanReference:
     the entries it has completed so far (``completed``, in order).
 
     Filters are the entry set itself: an allow/deny filter is the reference over the allowed entries minus the
-    denied ones; ``distinct`` removes each entry from the set once the row completes it."""
+    denied ones; ``distinct`` removes each entry from the set once the row completes it, with the entries that are
+    one item with it (``same_item``: entry -> the entries that share its key, itself included; default: itself)."""
 
     def __init__(self, entries: set[tuple[int, ...]], rules: SpanRules, prompt_tail: tuple[int, ...] = (),
-                 distinct: bool = False):
+                 distinct: bool = False, same_item: dict | None = None):
         self.entries, self.rules, self.distinct = set(entries), rules, distinct
+        self.same_item = same_item or {}
         trig = rules.trigger
         self.history = list(prompt_tail)
         self.state = ("entry", ()) if not trig or tuple(prompt_tail[-len(trig):]) == trig else ("free",)
         self.completed: list[tuple[int, ...]] = []
+
+    def item(self, p) -> set:
+        """The entries that are one item with ``p`` (itself included)."""
+        return set(self.same_item.get(p, ())) | {p}
 
     def children(self, p):
         return {e[len(p)] for e in self.entries if len(e) > len(p) and e[: len(p)] == p}
@@ -60,7 +66,7 @@ class SpanReference:
         if terminal:
             kids.add(r.end_token_id)
             # A separator starts another entry: in a distinct list only while one is left besides this one.
-            if r.on_complete == "repeat" and (not self.distinct or self.entries - {p}):
+            if r.on_complete == "repeat" and (not self.distinct or self.entries - self.item(p)):
                 kids.add(r.separator[0])
         return kids or {r.end_token_id}
 
@@ -72,7 +78,7 @@ class SpanReference:
             if terminal and tok not in kids:
                 self.completed.append(p)
                 if self.distinct:
-                    self.entries.discard(p)
+                    self.entries -= self.item(p)
             if tok in kids:
                 self.state = ("entry", p + (tok,))
             elif terminal and r.on_complete == "release":

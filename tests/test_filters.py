@@ -217,8 +217,12 @@ def test_distinct_capacity_admits_every_list_that_fits_the_budget():
         distinct_capacity(trie, 0, 1)
 
 
-def _filtered_constraint():
-    trie = TokenTrie.from_sequences(LIST, vocab_size=20)
+#: Keys that several entries of LIST share: a distinct list then denies every entry of a key it emits.
+SHARED_KEYS = ["a", "b", "a", "c", "b", "a"]
+
+
+def _filtered_constraint(keys=None):
+    trie = TokenTrie.from_sequences(LIST, vocab_size=20, keys=keys)
     c = TrieConstraint(trie, SpanRules(end_token_id=END, on_complete="repeat", separator=SEP2), "cpu", kernel="torch")
     allow = [None, [0, 1, 2, 5], None, [3, 4, 5]]
     deny = [[1], None, [4, 5], [3]]
@@ -229,10 +233,11 @@ def _filtered_constraint():
     return c, allow, deny
 
 
-def test_filtered_torch_step_never_reads_the_device():
+@pytest.mark.parametrize("keys", [None, SHARED_KEYS])
+def test_filtered_torch_step_never_reads_the_device(keys):
     """Allow, deny and distinct filters on mixed rows, beam reordering included: mask, advance and select run under
-    the device step's guard (any host read of a tensor raises)."""
-    c, allow, deny = _filtered_constraint()
+    the device step's guard (any host read of a tensor raises), with entries that share keys too."""
+    c, allow, deny = _filtered_constraint(keys)
     rows = len(allow)
     f = c.filters(rows, allow=allow, deny=deny, distinct=True, max_entries=2)
     state = c.start(rows)
@@ -250,11 +255,13 @@ def test_filtered_torch_step_never_reads_the_device():
 
 
 @pytest.mark.slow
-def test_filtered_step_compiles_fullgraph_and_matches_eager():
-    """``torch.compile(fullgraph=True)`` of advance + filtered mask (distinct lists, allow and deny rows): no graph
-    break, and the compiled masks, states and deny sets equal the eager step's, past the lists' capacity."""
+@pytest.mark.parametrize("keys", [None, SHARED_KEYS])
+def test_filtered_step_compiles_fullgraph_and_matches_eager(keys):
+    """``torch.compile(fullgraph=True)`` of advance + filtered mask (distinct lists, allow and deny rows, entries that
+    share keys): no graph break, and the compiled masks, states and deny sets equal the eager step's, past the lists'
+    capacity."""
     torch._dynamo.reset()
-    c, allow, deny = _filtered_constraint()
+    c, allow, deny = _filtered_constraint(keys)
     rows = len(allow)
     eager_f = c.filters(rows, allow=allow, deny=deny, distinct=True, max_entries=2)
     comp_f = c.filters(rows, allow=allow, deny=deny, distinct=True, max_entries=2)
@@ -755,3 +762,199 @@ def test_a_spec_may_mix_keys_and_indices_as_a_live_catalog_takes_it():
             c.filters(1, allow=spec)
         with pytest.raises(ConstraintConfigError, match="entry keys .str. or entry numbers .int., got"):
             view.entry_indices(spec, "allow")
+
+
+# ------------------------------------------------------------------------------- entries that share a key, distinct
+def _keyed_trie(seed):
+    """A random trie whose entries share keys in groups of 1 to 3 (the forms of one string share its key)."""
+    rng = random.Random(seed)
+    seqs = sorted({tuple(rng.randrange(4, V) for _ in range(rng.randrange(1, 4))) for _ in range(rng.randrange(8, 30))})
+    keys, k = [], 0
+    while len(keys) < len(seqs):
+        keys += [f"k{k}"] * rng.choice([1, 1, 2, 3])
+        k += 1
+    keys = keys[: len(seqs)]
+    rng.shuffle(keys)
+    trie = TokenTrie.from_sequences([list(s) for s in seqs], vocab_size=V, keys=keys)
+    entries = trie.sequences()
+    same = {entries[i]: {entries[j] for j in range(len(entries)) if keys[j] == keys[i]} for i in range(len(entries))}
+    return trie, entries, keys, same, rng
+
+
+@pytest.mark.parametrize("kernel", ["native", "torch"])
+@pytest.mark.parametrize("seed", range(6))
+def test_a_distinct_list_counts_the_entries_of_a_key_as_one_item(kernel, seed):
+    """A key stands for every entry that carries it (filters, rank): once a distinct list holds one of them, none
+    of the others may follow (``from_strings(..., leading_space=[True, False])`` wrote 'Paris, Paris', keys
+    ['fr', 'fr']), and the separator is blocked where no other item is left. Masks against the reference, with
+    per-row deny sets that name some forms of a key only."""
+    trie, entries, keys, same, rng = _keyed_trie(seed)
+    rules = SpanRules(end_token_id=END, on_complete="repeat", separator=(SEP,))
+    c = TrieConstraint(trie, rules, "cpu", kernel=kernel)
+    rows = 4
+    deny = [None] + [rng.sample(range(len(entries)), rng.randrange(0, len(entries) // 2)) for _ in range(rows - 1)]
+    f = c.filters(rows, deny=deny, distinct=True, max_entries=len(entries))
+    refs = [SpanReference(set(entries) - {entries[d] for d in (ds or [])}, rules, distinct=True, same_item=same)
+            for ds in deny]
+    state = c.start(rows)
+    for _ in range(40):
+        expected = [r.allowed() for r in refs]
+        assert _allowed(c, state, f, V) == expected
+        toks = [rng.choice(sorted(a - {END})) if a - {END} and rng.random() < 0.9 else END for a in expected]
+        for r, t in zip(refs, toks):
+            r.step(t)
+        state = c.advance(state, torch.tensor(toks), filters=f)
+    for r in refs:
+        listed = [keys[entries.index(e)] for e in r.completed]
+        assert len(listed) == len(set(listed)), listed
+
+
+@pytest.mark.parametrize("max_entries", [1, 2, 3])
+def test_a_distinct_list_of_keys_shared_by_several_entries_keeps_its_capacity(max_entries):
+    """Each item of a list denies all its entries: the deny set has room for the list's largest items, so a list
+    holds exactly ``min(max_entries, items)`` items, none twice, and ends with an entry and the end token."""
+    trie = TokenTrie.from_sequences(LIST, vocab_size=20, keys=["a", "b", "a", "c", "b", "a"])  # a: 3 entries, b: 2
+    entries = trie.sequences()
+    key_of = dict(zip(entries, ["a", "b", "a", "c", "b", "a"]))
+    c = TrieConstraint(trie, SpanRules(end_token_id=END, on_complete="repeat", separator=SEP2), "cpu")
+    deny = [None, [0], ["c"]]
+    items = [3, 3, 2]
+    for seed in range(8):
+        f = c.filters(len(deny), deny=deny, distinct=True, max_entries=max_entries)
+        lists, clean = _walk_lists(c, f, len(deny), seed)
+        for i, got in enumerate(lists):
+            listed = [key_of[e] for e in got]
+            assert len(listed) == len(set(listed)) == min(max_entries, items[i]), (i, listed, max_entries)
+            assert clean[i], (i, got)
+
+
+def test_a_distinct_list_does_not_repeat_a_string_stored_in_both_forms(tokenizer):
+    """The reviewer's case: after 'Paris,' the form ' Paris' was still allowed."""
+    trie = TokenTrie.from_strings(["Paris", "Berlin", "Rome"], tokenizer, leading_space=[True, False],
+                                  keys=["fr", "de", "it"])
+    sep = tuple(tokenizer.encode(",", add_special_tokens=False))
+    c = TrieConstraint(trie, SpanRules(end_token_id=tokenizer.eos_token_id, on_complete="repeat", separator=sep), "cpu")
+    f = c.filters(1, distinct=True, max_entries=8)
+    state = c.start(1)
+    for t in list(tokenizer.encode("Paris", add_special_tokens=False)) + list(sep):
+        state = c.advance(state, torch.tensor([t]), filters=f)
+    allowed = c.mask_(torch.zeros(1, len(tokenizer)), state, filters=f).isfinite().nonzero()[:, 1].tolist()
+    assert tokenizer.encode(" Paris", add_special_tokens=False)[0] not in allowed
+    assert tokenizer.encode(" Rome", add_special_tokens=False)[0] in allowed
+
+
+def test_item_groups_follow_the_key_index():
+    """Entries group by key (a key of several entries), else by name; a trie with neither has no groups."""
+    from trie_decode.filters import EntryOrder, ItemGroups
+
+    keyed = TokenTrie.from_sequences([[5], [9], [6, 7], [8]], vocab_size=12, keys=["x", "y", "x", "x"])
+    groups = ItemGroups.of(keyed)
+    rank = EntryOrder.of(keyed).rank
+    assert groups.width == 3 and groups.members.tolist() == [sorted(rank[[0, 2, 3]].tolist())]
+    assert groups.group[rank[1]] == -1 and groups.room(1) == 3 and groups.room(2) == 4 and groups.room(9) == 4
+    named = TokenTrie.from_sequences([[5], [6]], vocab_size=12, names=["p", "p"])
+    assert ItemGroups.of(named).width == 2
+    bare = TokenTrie.from_sequences([[5], [6]], vocab_size=12)
+    assert ItemGroups.of(bare).width == 1 and ItemGroups.of(bare).room(2) == 2
+
+
+# ------------------------------------------------------------------------------- one trie per prompt, filtered
+def test_one_trie_per_prompt_with_filters_reports_the_catalogs_own_entries(tiny_llama):
+    """With one trie per prompt, a filter makes each prompt's trie of the entries it leaves (renumbered, without the
+    catalog's item lists); match and rank still report the catalog's entry index, key and item keys, as they do
+    over a shared trie (items_of(catalog, e.index) gave another item)."""
+    from trie_decode.catalogs import items_of
+    from trie_decode.integrations.transformers import TrieLogitsProcessor, rank
+
+    codes = np.array([[1, 2], [1, 3], [1, 2], [2, 0], [3, 3]])
+    vocab = tiny_llama.config.vocab_size
+    a = catalog_from_codes(codes, vocab_size=vocab, codebook_size=4, token_offset=100, keys=[f"s{i}" for i in range(5)])
+    b = catalog_from_codes(codes[::-1].copy(), vocab_size=vocab, codebook_size=4, token_offset=100,
+                           keys=[f"t{i}" for i in range(5)])
+    inputs = {"input_ids": torch.tensor([[5, 6, 7], [8, 9, 10]]), "attention_mask": torch.ones(2, 3, dtype=torch.long)}
+    for tries, allow, deny in (([a, a], ["s3", "s4"], None), ([a, b], [["s3", "s4"], ["t0", 3]], None),
+                               ([a, b], None, [["s0", "s1"], ["t4"]])):
+        proc = TrieLogitsProcessor(tries, end_token_id=END, allow=allow, deny=deny)
+        out = tiny_llama.generate(**inputs, logits_processor=[proc], max_new_tokens=4, pad_token_id=END,
+                                  eos_token_id=END, do_sample=False)
+        for p, (e, row) in enumerate(zip(proc.match(out), out[:, 3:].tolist())):
+            want = tries[p].lookup([t for t in row if t != END])
+            assert e == want and e.item_keys is not None, (e, want)
+        for p, ranked in enumerate(rank(tiny_llama, inputs, tries, 2, end_token_id=END, allow=allow, deny=deny)):
+            for r in ranked:
+                assert r.entry == tries[p].lookup(r.entry.tokens), r.entry
+                assert items_of(tries[p], r.entry.index).size and r.entry.item_keys
+    shared = rank(tiny_llama, inputs, a, 2, end_token_id=END, allow=["s3", "s4"])
+    per_prompt = rank(tiny_llama, inputs, [a, a], 2, end_token_id=END, allow=["s3", "s4"])
+    assert [[r.entry for r in p] for p in per_prompt] == [[r.entry for r in p] for p in shared]
+
+
+# ------------------------------------------------------------------------------- rank's renormalizer
+def test_rank_renormalizes_over_the_entries_the_filters_leave(tiny_llama):
+    """An allow filter of k entries behaves exactly like a trie of those k entries: renormalized log-probs equal the
+    subset trie's and sum to 1 over them, with allow, with deny, and over a live catalog with removals (the
+    normalizer summed over every entry of the trie: 0.54 in the reviewer's case). A beam that did not finish (its
+    raw score is transformers' padding) is no result, renormalized or not: on the subset trie the second prompt's
+    sum was 1.14, an unfinished beam [500, 501, pad] standing for 'f' with a better score than its finished one."""
+    from trie_decode import LiveCatalog
+    from trie_decode.integrations.transformers import rank
+
+    trie = TokenTrie.from_sequences(ENTRIES, vocab_size=tiny_llama.config.vocab_size, keys=KEYS)
+    inputs = {"input_ids": torch.tensor([[5, 6, 7], [8, 9, 10]]), "attention_mask": torch.ones(2, 3, dtype=torch.long)}
+    kept = ["a", "c", "d", "f"]
+    subset = trie.subset(np.array([KEYS.index(k) for k in kept]))
+
+    def scores(source, **kw):
+        got = rank(tiny_llama, inputs, source, 6, end_token_id=END, num_beams=12, renormalize=True, **kw)
+        return [{r.entry.key: r.log_prob for r in p} for p in got]
+
+    want = scores(subset)
+    for p in want:
+        assert set(p) == set(kept) and abs(sum(np.exp(v) for v in p.values()) - 1.0) < 1e-3
+    live = LiveCatalog(trie)
+    live.remove(["b", "e"])
+    for got in (scores(trie, allow=kept), scores(trie, deny=["b", "e"]), scores(live),
+                scores(trie, allow=[kept, kept])):
+        for g, w in zip(got, want):
+            assert g.keys() == w.keys() and all(abs(g[k] - w[k]) < 1e-4 for k in w), (g, w)
+
+
+# ------------------------------------------------------------------------------- per-prompt filters as numpy arrays
+def test_a_2d_numpy_filter_is_one_row_per_prompt_as_a_list_of_lists(tiny_llama):
+    """np.array([[0], [2]]) was flattened into one filter shared by every prompt (both reached a and c); it is one
+    row per prompt, as the list [[0], [2]] is, over a shared trie, one trie per prompt and in the core. A filter
+    that is not 1-D where one filter is taken (a span, a 3-D array, a torch tensor) is refused by name."""
+    from trie_decode.fields import Span
+    from trie_decode.integrations.transformers import TrieLogitsProcessor, rank
+
+    trie = TokenTrie.from_sequences([[100], [101], [102], [103]], vocab_size=tiny_llama.config.vocab_size,
+                                    keys=list("abcd"))
+    inputs = {"input_ids": torch.tensor([[5, 6, 7], [8, 9, 10]]), "attention_mask": torch.ones(2, 3, dtype=torch.long)}
+    for tries in (trie, [trie, trie]):
+        for spec in ([[0], [2]], np.array([[0], [2]]), np.array([["a"], ["c"]])):
+            for kw in (dict(allow=spec), dict(deny=[[1, 2, 3], [0, 1, 3]] if isinstance(spec, list)
+                                              else np.array([[1, 2, 3], [0, 1, 3]]))):
+                got = rank(tiny_llama, inputs, tries, 4, end_token_id=END, num_beams=4, **kw)
+                assert [[r.entry.key for r in p] for p in got] == [["a"], ["c"]], (type(spec), kw)
+    c = TrieConstraint(trie, SpanRules(end_token_id=END), "cpu")
+    assert _allowed(c, c.start(2), c.filters(2, allow=np.array([[0, 1], [2, 3]])), 104) == [{100, 101}, {102, 103}]
+    for bad in (np.zeros((2, 1, 1), dtype=np.int64), np.array(0)):
+        with pytest.raises(ConstraintConfigError, match=r"allow must be one list \(or 1-D array\) of entry keys or "
+                                                        r"entry indices, got an array of shape"):
+            c.filters(2, allow=bad)
+    with pytest.raises(ConstraintConfigError, match="got a torch tensor of shape .2, 1.: pass its .tolist"):
+        TrieLogitsProcessor(trie, end_token_id=END, allow=torch.tensor([[0], [2]]))
+    with pytest.raises(ConstraintConfigError, match=r"Span after 'x' allow must be one list .* shape \(2, 1\)"):
+        Span(trie, after="x", allow=np.array([[0], [1]])).build_trie(None)
+
+
+def test_live_view_refuses_max_entries_without_a_distinct_list():
+    from trie_decode.live import LiveCatalog
+
+    trie = TokenTrie.from_sequences([[5], [6]], vocab_size=V, keys=["a", "b"])
+    live = LiveCatalog(trie)
+    live.remove(["a"])
+    rules = SpanRules(end_token_id=END, on_complete="repeat", separator=(SEP,))
+    view = live.snapshot().view(rules)
+    with pytest.raises(ConstraintConfigError, match="max_entries=4 is the room of a distinct list"):
+        view.filters(view.constraint(rules, "cpu"), 1, max_entries=4)

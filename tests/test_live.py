@@ -177,7 +177,7 @@ def test_request_filters_and_distinct_lists_over_a_view(kernel, seed):
     usable = [(set(a) if a is not None else {key(s) for s in entries}) - set(d) for a, d in zip(allow, deny)]
     keep = [i for i in range(rows) if usable[i]]
     allow, deny = [allow[i] for i in keep], [deny[i] for i in keep]
-    filters = view.filters(c, len(keep), allow, deny, distinct=distinct, max_entries=8)
+    filters = view.filters(c, len(keep), allow, deny, distinct=distinct, max_entries=8 if distinct else None)
     refs = [SpanReference({s for s in entries if key(s) in usable[i]}, rules, distinct=distinct) for i in keep]
     state = c.start(len(keep))
     for _ in range(14):
@@ -195,7 +195,7 @@ def test_request_filters_and_distinct_lists_over_a_view(kernel, seed):
 
 
 def _copy_ref(ref: SpanReference) -> SpanReference:
-    out = SpanReference(set(ref.entries), ref.rules, distinct=ref.distinct)
+    out = SpanReference(set(ref.entries), ref.rules, distinct=ref.distinct, same_item=ref.same_item)
     out.history, out.state, out.completed = list(ref.history), ref.state, list(ref.completed)
     return out
 

@@ -58,7 +58,13 @@ def test_each_rule_names_the_option_as_its_caller_spells_it(names, error, prefix
     check_filter_mode("release", [], names)
     _refused(error, rf'distinct.*=True needs {prefix}="repeat"', lambda: check_distinct("eos", True, 8, names))
     _refused(error, r"max_entries.* must be a positive integer, got 0", lambda: check_distinct("repeat", True, 0, names))
-    check_distinct("eos", False, 0, names)  # max_entries only matters to distinct lists
+    assert check_distinct("eos", False, None, names) == 0 and check_distinct("repeat", True, None, names) == 64
+    assert check_distinct("repeat", True, 3, names) == 3
+    # max_entries is a distinct list's room: given without one it would do nothing (max_entries=1 did nothing)
+    _refused(error, r"max_entries.*=1 is the room of a distinct list and does nothing without one: set "
+                    r".*distinct.*=True", lambda: check_distinct("repeat", False, 1, names))
+    _refused(error, r"max_entries.*=0 is the room", lambda: check_distinct("eos", False, 0, names))
+    _refused(error, r"distinct.* must be True or False, got 'no'", lambda: check_distinct("repeat", "no", None, names))
 
 
 def test_token_arguments_are_text_or_ids():
@@ -116,6 +122,15 @@ def _request(**extra):
     (ConstraintConfigError, r'^distinct=True needs on_complete="repeat"', _processor(distinct=True)),
     (ConstraintConfigError, r"^max_entries must be a positive integer",
      _processor(on_complete="repeat", separator=[9], distinct=True, max_entries=0)),
+    (ConstraintConfigError, r"^max_entries=1 is the room of a distinct list and does nothing without one: set "
+                            r"distinct=True, or leave max_entries out$",
+     _processor(on_complete="repeat", separator=[9], max_entries=1)),
+    (ConstraintConfigError, r"^max_entries=0 is the room of a distinct list", _processor(max_entries=0)),
+    (ConstraintConfigError, r"^distinct must be True or False, got 'no'$",
+     _processor(on_complete="repeat", separator=[9], distinct="no")),
+    (ConstraintConfigError, r"^max_entries=3 is the room of a distinct list",
+     lambda: TrieConstraint(TRIE, SpanRules(end_token_id=0, on_complete="repeat", separator=(9,)), "cpu").filters(
+         1, max_entries=3)),
     (TrieRequestError, r"^filters \(extra_args\['deny'\]\) need on_complete=\"eos\" or \"repeat\", "
                        r"not extra_args\['on_complete'\]='release'", _request(on_complete="release", deny=["a"])),
     # sources
@@ -137,6 +152,8 @@ def _request(**extra):
     (TypeError, r"^tries\[0\] is str, not a TokenTrie$", lambda: TrieLogitsProcessor(["x"], end_token_id=0)),
 ], ids=["SpanRules-mode", "processor-mode", "vllm-mode", "processor-repeat", "vllm-repeat", "vllm-separator",
         "processor-trigger", "vllm-trigger", "processor-end", "processor-distinct", "processor-max_entries",
+        "processor-max_entries-alone", "processor-max_entries-0-alone", "processor-distinct-no",
+        "constraint-max_entries-alone",
         "vllm-filters", "processor-source", "fast_forward-source", "processor-two-sources", "vllm-spans",
         "trie_args-spans", "constraint-rows", "processor-prompts", "processor-tries"])
 def test_front_doors_report_each_rule_with_their_own_option_names(error, pattern, call):

@@ -122,3 +122,44 @@ def test_an_entry_holding_the_end_token_is_refused_at_admission(resolver, tokeni
     for mode in ("eos", "release"):  # vLLM stops at EOS in every mode
         with pytest.raises(TrieRequestError, match=rf"extra_args\['trie'\]: entry 0.*contains token {eos}, at which"):
             resolver.admit(parse_trie_request({"trie": [[7158, eos, 7158]], "on_complete": mode}))
+
+
+# ---------------------------------------------------------------------------------------------- filters: the one spec rule
+def test_a_filter_may_mix_keys_and_indices_as_the_transformers_processor_takes_it(resolver, tokenizer):
+    """allow=["Japan", 0] worked with TrieLogitsProcessor and was refused by a vLLM request ("must hold only entry
+    keys (strings) or only entry indices"): both read a spec by one rule (filters.spec_items), so the request's
+    filter is the processor's entries."""
+    from trie_decode.filters import entry_indices
+
+    for extra in ({"allow": ["Japan", 0]}, {"deny": [2, "Japan"]}, {"allow": '["Japan", 0]'}):
+        req = parse_trie_request({"trie": NAMES, **extra})
+        trie, _ = resolver.resolve(req)
+        allow, deny = resolver.filters(req, trie)
+        name = "allow" if "allow" in extra else "deny"
+        got = (allow if name == "allow" else deny).tolist()
+        spec = extra[name] if not isinstance(extra[name], str) else ["Japan", 0]
+        assert sorted(got) == sorted(entry_indices(TokenTrie.from_strings(NAMES, tokenizer), spec, name).tolist())
+    assert parse_trie_request(trie_args(NAMES, allow=["Japan", 0])).allow == ("Japan", 0)
+    for bad, pattern in (([True], r"must hold entry keys \(str\) or entry indices \(int\), got True"),
+                         (["Japan", 1.5], "got 1.5"), ([None], "got None")):
+        with pytest.raises(TrieRequestError, match=r"extra_args\['allow'\] .*" + pattern):
+            parse_trie_request({"trie": NAMES, "allow": bad})
+        with pytest.raises(TrieRequestError, match=r"trie_args\(allow=\.\.\.\) .*" + pattern):
+            trie_args(NAMES, allow=bad)
+
+
+def test_a_numpy_filter_is_one_spec_and_a_2d_one_is_refused():
+    """A request is one prompt: a 1-D numpy array is its filter (as plain JSON values); a 2-D array (one row per
+    prompt, which trie_args flattened into one filter: [[0], [2]] became [0, 2]) is refused by name."""
+    import numpy as np
+
+    assert trie_args(NAMES, allow=np.array([0, 2]))["allow"] == [0, 2]
+    assert trie_args(NAMES, deny=np.array(["Japan"]))["deny"] == ["Japan"]
+    assert type(trie_args(NAMES, allow=np.array([1]))["allow"][0]) is int
+    assert parse_trie_request({"trie": NAMES, "allow": np.array([0, 2])}).allow == (0, 2)
+    for spec in (np.array([[0], [2]]), np.array([["France"], ["Japan"]])):
+        with pytest.raises(TrieRequestError, match=r"^trie_args\(allow=\.\.\.\) must be one list \(or 1-D array\) of "
+                                                   r"entry keys or entry indices, got an array of shape \(2, 1\)"):
+            trie_args(NAMES, allow=spec)
+        with pytest.raises(TrieRequestError, match=r"^extra_args\['deny'\] must be one list \(or 1-D array\)"):
+            parse_trie_request({"trie": NAMES, "deny": spec})

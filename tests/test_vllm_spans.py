@@ -305,8 +305,11 @@ def test_span_filters_parse_and_key_the_request(country_names):
     spans[0]["deny"] = {"file": "x.npy"}
     with pytest.raises(TrieRequestError, match=r"spans'\]\[0\]\['deny'\] must be a list of entry keys or indices"):
         parse_trie_request({"spans": spans})
-    spans[0]["deny"] = ["Paris", 3]
-    with pytest.raises(TrieRequestError, match=r"spans'\]\[0\]\['deny'\] must hold only entry keys"):
+    spans[0]["deny"] = ["Paris", 3]  # keys and indices mixed: one spec rule for every filter (filters.spec_items)
+    assert parse_trie_request({"spans": spans}).spans[0].deny == ("Paris", 3)
+    spans[0]["deny"] = ["Paris", 1.5]
+    with pytest.raises(TrieRequestError, match=r"spans'\]\[0\]\['deny'\] must hold entry keys \(str\) or entry "
+                                               r"indices \(int\), got 1.5"):
         parse_trie_request({"spans": spans})
 
 

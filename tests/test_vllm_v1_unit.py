@@ -131,7 +131,7 @@ def test_v1_allow_and_deny_filters_per_request(smollm2_dir, tokenizer):
                                         if trie.entry(i).name in ("red", "blue")], rules, [])
     resolver = proc._table.resolver
     for bad, message in (({"allow": ["nope"]}, "not entries of the trie"), ({"allow": ["red"], "deny": ["red"]}, "leaves no entry"),
-                         ({"deny": [99]}, "outside the trie"), ({"allow": [1.5]}, "only entry keys"),
+                         ({"deny": [99]}, "outside the trie"), ({"allow": [1.5]}, "must hold entry keys"),
                          ({"deny": "[1,"}, "invalid JSON"), ({"allow": ["red"], "on_complete": "release"}, "need on_complete")):
         with pytest.raises(ValueError, match=message):
             req = parse_trie_request({"trie": COLORS, **bad})

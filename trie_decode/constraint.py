@@ -27,8 +27,8 @@ from . import kernels
 from .device import DeviceTrie
 from .entries import Entry
 from .errors import ConstraintConfigError, InvalidTokenError
-from .filters import (CHILD_EXCLUDED, END_EXCLUDED, EntryOrder, RowFilters, apply_filters_, completed_ranks,
-                      entry_indices)
+from .filters import (CHILD_EXCLUDED, END_EXCLUDED, EntryOrder, ItemGroups, RowFilters, apply_filters_,
+                      completed_ranks, entry_indices)
 from .kernels.grouped import row_groups
 from .kernels.interface import check_logits, check_row_range, check_rows
 from .kernels.vectorized import plans_to_bool, plans_to_lists
@@ -519,9 +519,16 @@ class TrieConstraint:
                 plans.append(plan)
         return plans
 
-    def allowed(self, state: RowState, width: Optional[int] = None) -> torch.Tensor:
-        """Boolean mask of each row's allowed tokens (unconstrained rows allow all). Shape: (R, width), bool."""
+    def allowed(self, state: RowState, width: Optional[int] = None, *,
+                filters: Optional[RowFilters] = None) -> torch.Tensor:
+        """Boolean mask of each row's allowed tokens (unconstrained rows allow all). Shape: (R, width), bool.
+
+        With the rows' ``filters`` (:meth:`filters`), what the filtered mask leaves: the tokens :meth:`mask_` keeps
+        finite in a row of zeros, the one filter rule (:mod:`trie_decode.filters`).
+        """
         width = width or self.vocab_size
+        if filters is not None:
+            return self.mask_(torch.zeros(len(state), width, device=self.device), state, filters=filters).isfinite()
         out = plans_to_bool(self._plans(state, width), len(state), width)
         free = self._free_rows_allowed(state, width)
         if free is not None:
@@ -571,7 +578,7 @@ class TrieConstraint:
         deny: Optional[Sequence[Any]] = None,
         *,
         distinct: bool = False,
-        max_entries: int = 64,
+        max_entries: Optional[int] = None,
     ) -> RowFilters:
         """Per-row filters over this constraint's trie (one shared trie: filters restrict it per row, no rebuild).
 
@@ -579,8 +586,9 @@ class TrieConstraint:
             num_rows: R.
             allow: per row, the entries it may use (entry keys or indices; None: all), or one spec for every row.
             deny: per row, the entries it may not use, or one spec for every row.
-            distinct: in ``"repeat"`` lists, each entry a row emits is denied to it for the rest of the list.
-            max_entries: with ``distinct``, room for that many emitted entries per row.
+            distinct: in ``"repeat"`` lists, each entry a row emits is denied to it for the rest of the list, with
+                every entry that shares its key (the other forms of its string: :class:`~trie_decode.filters.ItemGroups`).
+            max_entries: with ``distinct`` (only), room for that many emitted entries per row (default 64).
 
         Example:
             >>> import torch
@@ -596,7 +604,7 @@ class TrieConstraint:
             raise ConstraintConfigError("filters restrict one shared trie: this constraint has several tries")
         # A released row is unconstrained, so no filter could apply to it: refused even before any set is given.
         check_filter_mode(self.rules.on_complete, given_filters(allow, deny) or ["allow", "deny"])
-        check_distinct(self.rules.on_complete, distinct, max_entries)
+        capacity = check_distinct(self.rules.on_complete, distinct, max_entries)
         trie = self.tries[0]
 
         def per_row(spec: Any, what: str) -> list[Optional[np.ndarray]]:
@@ -608,9 +616,10 @@ class TrieConstraint:
                 out.append(None if s is None else seen[id(s)])
             return out
 
-        flagged = not distinct and self.kernel.supports_filters  # the kernel masks and moves with node flags
+        flagged = not capacity and self.kernel.supports_filters  # the kernel masks and moves with node flags
         out = RowFilters(EntryOrder.of(trie), per_row(allow, "allow"), per_row(deny, "deny"), self.device,
-                         distinct_capacity=max_entries if distinct else 0, defer_sets=flagged)
+                         distinct_capacity=capacity, same_item=ItemGroups.of(trie) if capacity else None,
+                         defer_sets=flagged)
         if flagged:
             out.node_flags(trie)  # built now, as part of the filters' setup (the padded sets only if read)
         return out

@@ -7,7 +7,8 @@ request. The mechanism, written once for every integration:
 - entries are ranked in depth-first order (the lexicographic order of their token sequences), so that the entries
   below any node form one contiguous interval of ranks: ``[lo[n], hi[n])`` (:class:`EntryOrder`, built once per trie);
 - a row's filter is a sorted array of ranks on the logits' device: the entries it may use (allow) and the entries
-  it may not (deny; in ``distinct`` lists, the entries it has already emitted are added to it);
+  it may not (deny; in ``distinct`` lists, the entries it has already emitted are added to it, each with every entry
+  that shares its key, :class:`ItemGroups`: the forms of one string are one item, as a key is for filters);
 - a child is allowed when its interval still holds a usable entry: a count over the sorted arrays, one batched
   ``searchsorted`` per step, fixed shapes and no host read. A subtree whose entries are all denied is pruned.
 - the rule is stated once, here, as two bits per node (:data:`CHILD_EXCLUDED`, :data:`END_EXCLUDED`, by
@@ -28,16 +29,17 @@ Dimension letters: R rows, N nodes, E entries, A allow capacity, D deny capacity
 
 from __future__ import annotations
 
+import itertools
 import threading
 import weakref
 from collections import OrderedDict
-from typing import Any, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
 
 from .catalogs import item_entries, item_key_table
-from .entries import filter_number_map, retired_key_table
+from .entries import Entry, filter_number_map, retired_key_table
 from .errors import ConstraintConfigError
 from .kernels.rules import NEG_INF, floor_rule, kept_alive
 from .options import check_filter_mode, check_positive, given_filters, filter_rows, prompt_filters
@@ -45,7 +47,8 @@ from .options import is_per_row  # the per-row rule (trie_decode.options), part 
 from .spans import completes_entry
 from .trie import TokenTrie
 
-__all__ = ["EntryOrder", "KeyIndex", "NodeFlags", "RowFilters", "entry_indices", "spec_items", "restricted_trie", "filtered_tries", "is_per_row", "apply_filters_", "distinct_capacity",
+__all__ = ["EntryOrder", "KeyIndex", "NodeFlags", "RowFilters", "entry_indices", "spec_items", "restricted_trie", "Restriction", "restriction", "filtered_tries",
+           "filtered_restrictions", "ItemGroups", "is_per_row", "apply_filters_", "distinct_capacity",
            "CHILD_EXCLUDED", "END_EXCLUDED", "usable_count", "filter_bits"]
 
 
@@ -219,6 +222,8 @@ def restricted_trie(trie: TokenTrie, allow: Any = None, deny: Any = None, what: 
     does not, as their own trie (:meth:`TokenTrie.subset`). Decoding it is decoding ``trie`` with that filter on
     every row (an allow filter of k entries behaves exactly like a trie of those k entries), so each trie of a
     constraint with several (text spans) takes its own filter as data. ``trie`` itself when nothing is filtered out.
+    Its entries are renumbered (and a catalog's item lists are not kept): :func:`restriction` also says which entry
+    of ``trie`` each one is.
 
     Args:
         allow, deny: entry keys (str) or indices (int), as for :func:`entry_indices`.
@@ -232,8 +237,42 @@ def restricted_trie(trie: TokenTrie, allow: Any = None, deny: Any = None, what: 
         >>> restricted_trie(trie, deny=["b"]).sequences()
         [(5, 6), (8,)]
     """
+    return restriction(trie, allow, deny, what).trie
+
+
+class Restriction(NamedTuple):
+    """The trie a static filter leaves (:func:`restricted_trie`) and where its entries come from: the results of a
+    decode speak in the user's numbering (:meth:`source_entry`), whatever trie was decoded.
+
+    Attributes:
+        trie: the trie decoded: the kept entries, renumbered 0..K-1 (``source`` itself when nothing is filtered).
+        source: the user's trie.
+        kept: the ``source`` index of each entry of ``trie``, or None when ``trie`` is ``source``. Shape: (K,), int64.
+
+    Example:
+        >>> from trie_decode import TokenTrie
+        >>> trie = TokenTrie.from_sequences([[5, 6], [5, 7], [8]], vocab_size=9, keys=["a", "b", "c"])
+        >>> r = restriction(trie, deny=["a"])
+        >>> r.trie.entry(1).index, r.source_entry(r.trie.entry(1)).index, r.source_entry(r.trie.entry(1)).key
+        (1, 2, 'c')
+    """
+
+    trie: TokenTrie
+    source: TokenTrie
+    kept: Optional[np.ndarray]
+
+    def source_entry(self, entry: Optional[Entry]) -> Optional[Entry]:
+        """``entry`` of :attr:`trie` as the entry of :attr:`source` it is (index, name, key, a catalog's item keys);
+        None stays None."""
+        if entry is None or self.kept is None:
+            return entry
+        return self.source.entry(int(self.kept[entry.index]))
+
+
+def restriction(trie: TokenTrie, allow: Any = None, deny: Any = None, what: str = "filter") -> Restriction:
+    """:func:`restricted_trie`, with the source index of each entry it keeps (:class:`Restriction`)."""
     if allow is None and deny is None:
-        return trie
+        return Restriction(trie, trie, None)
     keep = np.zeros(trie.num_entries, dtype=np.bool_)
     if allow is None:
         keep[:] = True
@@ -242,10 +281,11 @@ def restricted_trie(trie: TokenTrie, allow: Any = None, deny: Any = None, what: 
     if deny is not None:
         keep[entry_indices(trie, deny, f"{what} deny")] = False
     if keep.all():
-        return trie
+        return Restriction(trie, trie, None)
     if not keep.any():
         raise ConstraintConfigError(f"{what}: allow and deny leave none of the {trie.num_entries} entries")
-    return trie.subset(np.flatnonzero(keep))
+    kept = np.flatnonzero(keep)
+    return Restriction(trie.subset(kept), trie, kept)
 
 
 def filtered_tries(tries: Sequence[TokenTrie], allow: Any, deny: Any, on_complete: str,
@@ -253,7 +293,9 @@ def filtered_tries(tries: Sequence[TokenTrie], allow: Any, deny: Any, on_complet
     """Per prompt, the trie of the entries its filters leave (:func:`restricted_trie`): how a front door filters
     one trie per prompt, or decodes a filter as a trie of its own (fast-forward, whose forced runs are then the
     filtered trie's). One trie per prompt when the filters or the tries are per prompt; each distinct (trie, filter)
-    pair built once. The options are checked as every front door checks them (:mod:`trie_decode.options`).
+    pair built once. The options are checked as every front door checks them (:mod:`trie_decode.options`). Their
+    entries are renumbered: :func:`filtered_restrictions` gives each prompt's :class:`Restriction`, to report
+    entries in the user's numbering.
 
     Args:
         tries: one trie for every prompt, or one per prompt.
@@ -267,6 +309,13 @@ def filtered_tries(tries: Sequence[TokenTrie], allow: Any, deny: Any, on_complet
         >>> [t.sequences() for t in filtered_tries([trie], None, [[0], [1, 2]], "eos")]
         [[(6,), (7,)], [(5,)]]
     """
+    return [r.trie for r in filtered_restrictions(tries, allow, deny, on_complete, batch)]
+
+
+def filtered_restrictions(tries: Sequence[TokenTrie], allow: Any, deny: Any, on_complete: str,
+                          batch: Optional[int] = None) -> list[Restriction]:
+    """:func:`filtered_tries` as each prompt's :class:`Restriction` (its trie, and the user's entry of each of its
+    entries). Arguments and errors as :func:`filtered_tries`."""
     check_filter_mode(on_complete, given_filters(allow, deny))
     n = prompt_filters(allow, deny)
     if batch is not None:
@@ -277,7 +326,7 @@ def filtered_tries(tries: Sequence[TokenTrie], allow: Any, deny: Any, on_complet
                                     "prompt")
     count = max(n, len(tries))
     allow_rows, deny_rows = filter_rows(allow, n, count), filter_rows(deny, n, count)
-    built: dict[tuple, TokenTrie] = {}
+    built: dict[tuple, Restriction] = {}
     out = []
     for i in range(count):
         trie = tries[i if len(tries) > 1 else 0]
@@ -285,7 +334,7 @@ def filtered_tries(tries: Sequence[TokenTrie], allow: Any, deny: Any, on_complet
         d = deny_rows[i] if n and deny_rows is not None else deny_rows
         key = (id(trie), id(a), id(d))
         if key not in built:
-            built[key] = restricted_trie(trie, a, d, what=f"prompt {i}" if count > 1 else "filter")
+            built[key] = restriction(trie, a, d, what=f"prompt {i}" if count > 1 else "filter")
         out.append(built[key])
     return out
 
@@ -332,18 +381,28 @@ _NO_RANKS.setflags(write=False)
 _RANKS_HERE.put((_NO_RANKS,), True)
 
 
-def spec_items(spec: Any, what: str, numbers: str = "entry indices") -> tuple[list[Any], list[int]]:
+def spec_items(spec: Any, what: str, numbers: str = "entry indices",
+               error: type = ConstraintConfigError) -> tuple[list[Any], list[int]]:
     """The keys (str) and the entry numbers (int) a filter spec names, each in its order: the one rule of a spec, for
-    a trie (:func:`entry_indices`) and for a live catalog (:meth:`~trie_decode.live.CatalogView.entry_indices`). A
-    spec is a list (or an array) of keys, of numbers, or of both mixed. Refused with a named error: a single string
-    (a list of its characters is never what was meant) and an item that is neither (a bool, a float, None).
+    a trie (:func:`entry_indices`), for a live catalog (:meth:`~trie_decode.live.CatalogView.entry_indices`) and for
+    a vLLM request's filter. A spec is a list (or a 1-D array) of keys, of numbers, or of both mixed. Refused with a
+    named error: a single string (a list of its characters is never what was meant), an array that is not 1-D (a
+    2-D array is one spec per prompt, which only a front door that takes per-prompt filters reads as such:
+    :func:`~trie_decode.options.is_per_row`) and an item that is neither (a bool, a float, None).
 
     Args:
         numbers: what the caller's numbers are called in errors (``"entry indices"``, ``"entry numbers"``).
+        error: the caller's error class (a vLLM request's ``TrieRequestError``).
     """
     if isinstance(spec, (str, bytes)):
-        raise ConstraintConfigError(f"{what} must be a list of entry keys or {numbers}, got the string {spec!r:.60}")
-    items = spec.ravel().tolist() if isinstance(spec, np.ndarray) else list(spec)
+        raise error(f"{what} must be a list of entry keys or {numbers}, got the string {spec!r:.60}")
+    if isinstance(spec, torch.Tensor):
+        raise error(f"{what} must be a list (or numpy array) of entry keys or {numbers}, got a torch tensor of shape "
+                    f"{tuple(spec.shape)}: pass its .tolist() or .numpy()")
+    if isinstance(spec, np.ndarray) and spec.ndim != 1:
+        raise error(f"{what} must be one list (or 1-D array) of entry keys or {numbers}, got an array of shape "
+                    f"{spec.shape}: it takes one filter here, not one per prompt")
+    items = spec.tolist() if isinstance(spec, np.ndarray) else list(spec)
     kinds = set(map(type, items))
     if all(issubclass(k, str) for k in kinds):
         return items, []
@@ -353,15 +412,16 @@ def spec_items(spec: Any, what: str, numbers: str = "entry indices") -> tuple[li
     nums = [x for x in items if not isinstance(x, str)]
     for x in nums:
         if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)):
-            raise ConstraintConfigError(f"{what} must hold entry keys (str) or {numbers} (int), got {x!r:.40}")
+            raise error(f"{what} must hold entry keys (str) or {numbers} (int), got {x!r:.40}")
     return keys, nums
 
 
 def entry_indices(trie: TokenTrie, spec: Any, what: str) -> np.ndarray:
     """Entry indices from a filter spec: entry indices (ints), keys (strings, see :class:`KeyIndex`: a key stands for
-    every entry that carries it), both mixed, or a numpy array of indices (returned as it is) or of keys. Indices
+    every entry that carries it), both mixed, or a 1-D numpy array of indices (returned as it is) or of keys. Indices
     made from a list or keys come back read only. Raises a named error for an unknown key, an index out of range, a
-    single string or an item that is neither a key nor an index (a bool mask, a float): see :func:`spec_items`.
+    single string, an array that is not 1-D or an item that is neither a key nor an index (a bool mask, a float):
+    see :func:`spec_items`.
 
     A trie that stands for a live catalog's snapshot (:func:`trie_decode.live.apply_delta_file`) numbers its entries
     as the snapshot does (``trie.extra`` ``NUMBER_ENTRY``, :mod:`trie_decode.entries`): the numbers of a list are
@@ -370,9 +430,8 @@ def entry_indices(trie: TokenTrie, spec: Any, what: str) -> np.ndarray:
     if spec is None:
         return np.zeros(0, dtype=np.int64)
     numbers = filter_number_map(trie.extra) if trie.extra else None
-    if isinstance(spec, np.ndarray) and spec.dtype.kind in "iu":
-        idx = spec.astype(np.int64, copy=False)
-        idx = idx if idx.ndim == 1 else idx.ravel()  # the array itself where it can be (see EntryOrder.sorted_ranks)
+    if isinstance(spec, np.ndarray) and spec.dtype.kind in "iu" and spec.ndim == 1:
+        idx = spec.astype(np.int64, copy=False)  # the array itself where it can be (see EntryOrder.sorted_ranks)
         top = _MADE_HERE.get(idx)  # made here: no index below 0, its largest known (a batch's rows come back often)
         if top is not None and top < trie.num_entries:
             return idx
@@ -482,6 +541,84 @@ class KeyIndex:
         return idx
 
 
+class ItemGroups:
+    """The entries a distinct list counts as one item: the entries that share a key (a key stands for every entry
+    that carries it, :class:`KeyIndex`: the forms of one string, ``from_strings(..., leading_space=[True, False])``,
+    share its key, else its name). Entries linked through several keys are one group. Once a list holds one entry of
+    a group, it holds them all: every rank of the group is denied to the row (:meth:`RowFilters.add_denied`), the
+    data the filter kernels read. Built once per trie, vectorized (a few passes over the keys of several entries).
+
+    Attributes:
+        group: each rank's group (a row of :attr:`members`), -1 for a rank that is its own item. Shape: (E,), int64.
+        members: each group's ranks, ascending, padded with E (above every rank). Shape: (K, G), int64.
+        width: G, the largest group's size (1 when every entry is its own item).
+
+    Example:
+        >>> from trie_decode import TokenTrie
+        >>> trie = TokenTrie.from_sequences([[5], [6], [7]], vocab_size=8, keys=["fr", "de", "fr"])
+        >>> groups = ItemGroups.of(trie)
+        >>> groups.width, groups.members.tolist(), groups.room(1), groups.room(2)   # entries 0 and 2 rank 0 and 2
+        (2, [[0, 2]], 2, 3)
+    """
+
+    def __init__(self, trie: TokenTrie) -> None:
+        e = trie.num_entries
+        shared: list[list[int]] = []
+        if item_key_table(trie) is not None or trie._keys is not None or trie._names is not None:
+            shared = list(KeyIndex.of(trie).more.values())  # each key that several entries carry: its entries
+        self.group = np.full(e, -1, dtype=np.int64)
+        self.members = np.zeros((0, 1), dtype=np.int64)
+        self.width = 1
+        self._sizes = np.zeros(0, dtype=np.int64)  # the groups' sizes, largest first
+        self._device: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        if not shared:
+            return
+        sizes = np.fromiter(map(len, shared), dtype=np.int64, count=len(shared))
+        b = np.fromiter(itertools.chain.from_iterable(shared), dtype=np.int64, count=int(sizes.sum()))
+        a = b[np.repeat(np.cumsum(sizes) - sizes, sizes)]  # each entry linked to its key's first entry
+        label = np.arange(e, dtype=np.int64)  # each entry's group: the least entry linked to it, by propagation
+        while True:
+            low = np.minimum(label[a], label[b])
+            new = label.copy()
+            np.minimum.at(new, a, low)
+            np.minimum.at(new, b, low)
+            new = new[new]
+            if np.array_equal(new, label):
+                break
+            label = new
+        counts = np.bincount(label, minlength=e)
+        entries = np.flatnonzero(counts[label] > 1)
+        roots, ranks = label[entries], EntryOrder.of(trie).rank[entries]
+        by = np.lexsort((ranks, roots))
+        roots, ranks = roots[by], ranks[by]
+        _, first, sizes = np.unique(roots, return_index=True, return_counts=True)
+        gid = np.repeat(np.arange(len(sizes), dtype=np.int64), sizes)
+        self.width = int(sizes.max())
+        self.members = np.full((len(sizes), self.width), e, dtype=np.int64)
+        self.members[gid, np.arange(len(ranks)) - first[gid]] = ranks
+        self.group[ranks] = gid
+        self._sizes = np.sort(sizes)[::-1].astype(np.int64)
+
+    @classmethod
+    def of(cls, trie: TokenTrie) -> "ItemGroups":
+        """The cached groups of ``trie`` (built on first use, freed with the trie)."""
+        return trie.derived("ItemGroups", lambda: cls(trie))
+
+    def room(self, items: int) -> int:
+        """The most ranks a list of ``items`` items denies: the sizes of the ``items`` largest groups (an entry of
+        its own is a group of one)."""
+        singles = len(self.group) - int(self._sizes.sum())
+        big = self._sizes[:items]
+        return int(big.sum()) + min(max(items - len(big), 0), singles)
+
+    def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(group, members) as int64 tensors on ``device`` (cached)."""
+        key = str(device)
+        if key not in self._device:
+            self._device[key] = (torch.from_numpy(self.group).to(device), torch.from_numpy(self.members).to(device))
+        return self._device[key]
+
+
 class RowFilters:
     """The allow and deny rank sets of R rows on one device, with fixed capacities.
 
@@ -492,6 +629,8 @@ class RowFilters:
         distinct_capacity: in ``distinct`` lists, how many entries each row's list may hold (room in its deny
             set for the entries it emits; a full list ends, see the module docstring). Above 0, these filters are a
             distinct list's (:attr:`distinct`); 0 (the default), static filters.
+        same_item: in ``distinct`` lists, the trie's :class:`ItemGroups`: entries that share a key are one item,
+            all denied once the list holds one of them (None: every entry is its own item).
         device: where the sets live.
         defer_sets: static filters only: build the padded rank sets (:attr:`allow`, :attr:`deny`) when first read,
             not now. For a kernel that masks and moves with :meth:`node_flags` and may never read them (the C
@@ -515,6 +654,7 @@ class RowFilters:
         *,
         distinct_capacity: int = 0,
         defer_sets: bool = False,
+        same_item: Optional[ItemGroups] = None,
     ) -> None:
         r = len(allow)
         if len(deny) != r:  # else zip below would drop the rows one of them lacks
@@ -547,7 +687,10 @@ class RowFilters:
         allow_r = [None if a is None else sorted_ranks(a, d) for a, d in zip(allow, deny_r)]
         a_cap = max((len(a) for a in allow_r if a is not None), default=0)
         capacity = max(int(distinct_capacity), 0)
-        d_cap = max((len(d) for d in deny_r), default=0) + capacity
+        # Entries that share a key are one item (ItemGroups); only a distinct list reads that.
+        self._same_item = same_item if capacity and same_item is not None and same_item.width > 1 else None
+        room = capacity if self._same_item is None else self._same_item.room(capacity)  # ranks a full list denies
+        d_cap = max((len(d) for d in deny_r), default=0) + room
         sentinel = order.num_entries  # pads the sorted rank arrays: above every rank, never below a query bound
         self.sentinel = sentinel
         has_allow = np.array([a is not None for a in allow_r], dtype=np.bool_)
@@ -656,7 +799,7 @@ class RowFilters:
         out.deny = self.deny if shared else self.deny[index]
         out._shape = (out.deny.shape[0], out.allow.shape[1], out.deny.shape[1])
         out.distinct, out.any_allow, out.all_allow = self.distinct, self.any_allow, self.all_allow
-        out._host_sets, out._flags = self._host_sets, None
+        out._host_sets, out._flags, out._same_item = self._host_sets, None, self._same_item
         if self._flags is None and not self.distinct:
             # Rows keep their filter: the selection only maps rows to filters (flags are built on first use).
             allow_r, deny_r = self._host_sets
@@ -738,19 +881,35 @@ class RowFilters:
         """Rows whose distinct list is full (they may only emit the end token). Shape: (R,), bool."""
         return self.deny_count >= self.deny_limit
 
+    def same_item(self, ranks: torch.Tensor) -> torch.Tensor:
+        """The ranks that are one item with each of ``ranks`` (itself included, see :class:`ItemGroups`), ascending,
+        padded with the sentinel. Shape: (R, G), int64; G = 1 (``ranks`` itself) when every entry is its own item."""
+        if self._same_item is None:
+            return ranks.unsqueeze(1)
+        group, members = self._same_item.on(ranks.device)
+        g = group[ranks]
+        alone = torch.full((len(ranks), members.shape[1]), self.sentinel, dtype=ranks.dtype, device=ranks.device)
+        alone[:, 0] = ranks
+        return torch.where((g >= 0).unsqueeze(1), members[g.clamp(min=0)], alone)
+
     def add_denied(self, ranks: torch.Tensor, where: torch.Tensor) -> None:
-        """Deny rank ``ranks[i]`` in row i where ``where[i]`` (a completed entry of a distinct list); also drop it
-        from the row's allow set. Fixed shapes: written into the row's next free slot, then each row is sorted
-        again. A row with no free slot (it ignored the mask: :func:`apply_filters_` lets a full row emit only the
+        """Deny rank ``ranks[i]`` in row i where ``where[i]`` (a completed entry of a distinct list), with every rank
+        that is one item with it (:meth:`same_item`: the other forms of its string); also drop them from the row's
+        allow set. Each counts as one entry of the list. Fixed shapes: written into the row's last slots (a sorted
+        row's free slots, the sentinel; its deny set has room for its list's every item, :meth:`ItemGroups.room`),
+        then each row is sorted again. A rank the row denies already is not written twice (each denied rank counts
+        once). A row with no room left (it ignored the mask: :func:`apply_filters_` lets a full row emit only the
         end token) keeps its set: nothing already denied is overwritten."""
         cap = self.deny.shape[1]
-        col = torch.arange(cap, device=self.deny.device).unsqueeze(0)
+        mates = self.same_item(ranks)
         fits = where & (self.deny_count < self.deny_limit)
-        slot = self.deny_count.clamp(max=cap - 1).unsqueeze(1)
-        write = fits.unsqueeze(1) & (col == slot)
-        self.deny = torch.sort(torch.where(write, ranks.unsqueeze(1), self.deny), dim=1).values
+        held = self.deny.gather(1, torch.searchsorted(self.deny, mates).clamp(max=cap - 1)) == mates
+        new = torch.where(fits.unsqueeze(1) & ~held, mates, self.sentinel).flip(1)  # real ranks last
+        g = new.shape[1]
+        self.deny = torch.sort(torch.cat([self.deny[:, : cap - g], torch.minimum(self.deny[:, cap - g :], new)], 1),
+                               dim=1).values
         self.deny_count = self.deny_count + fits.long()
-        drop = where.unsqueeze(1) & (self.allow == ranks.unsqueeze(1))
+        drop = where.unsqueeze(1) & (self.allow.unsqueeze(2) == mates.unsqueeze(1)).any(2)
         self.allow = torch.sort(torch.where(drop, self.sentinel, self.allow), dim=1).values
 
 
@@ -951,11 +1110,14 @@ def apply_filters_(
     block_end = (terminal & ~own_ok).unsqueeze(1) & ~end_child
     if filters.distinct:
         # The list's last entry ends with the end token: after a separator the row must start another entry, so the
-        # separator needs room in the list and another usable entry (besides this one: ranks [0, r) and [r+1, E)).
-        rr = r.clamp(min=0).unsqueeze(1)
-        everything = torch.full_like(rr, filters.order.num_entries)
-        around = filters.usable(torch.cat([torch.zeros_like(rr), rr, rr + 1, everything], 1))
-        other = around[:, 0] | around[:, 2]
+        # separator needs room in the list and another usable entry: besides this one and the entries that are one
+        # item with it (add_denied denies them all), the ranks [0, m1), [m1 + 1, m2), ..., [mG + 1, E) around them.
+        mates = filters.same_item(r.clamp(min=0))  # ascending, padded with E: [E, E) intervals are empty
+        e = filters.order.num_entries
+        everything = torch.full_like(mates[:, :1], e)
+        bounds = torch.stack([mates, (mates + 1).clamp(max=e)], 2).reshape(len(mates), -1)
+        around = filters.usable(torch.cat([torch.zeros_like(everything), bounds, everything], 1))
+        other = around[:, 0::2].any(1)
         last = terminal & ((free == 1) | ~other) & ~end_child[:, 1]
         block_end = block_end | torch.stack([torch.zeros_like(last), last], 1)
     # A blocked child whose token is also an end column the row keeps (its entry is usable) keeps that column.

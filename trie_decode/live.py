@@ -697,7 +697,7 @@ class CatalogView:
         deny: Optional[Sequence[Any]] = None,
         *,
         distinct: bool = False,
-        max_entries: int = 64,
+        max_entries: Optional[int] = None,
     ) -> Optional[RowFilters]:
         """The rows' filters: this view's deny set combined with a request's own allow/deny (entries named as
         :meth:`entry_indices` takes them) by :meth:`TrieConstraint.filters`, distinct lists included; None when
@@ -717,7 +717,7 @@ class CatalogView:
         own = isinstance(constraint, TrieConstraint) and len(constraint.tries) == 1 and constraint.tries[0] is self.trie
         if not own:
             raise ConstraintConfigError("constraint must be this view's own (CatalogView.constraint)")
-        if allow is None and deny is None and not distinct:
+        if allow is None and deny is None and not distinct and max_entries is None:
             if not self.deny.size:
                 return None
             if constraint.rules.on_complete == "release":

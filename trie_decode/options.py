@@ -26,9 +26,11 @@ The rules, and who calls them:
                      ``SpanRules``, transformers, fast-forward, vLLM request parsing (``trigger``, ``separator``,
                      ``prefix``) and resolving.
     filter modes     :func:`check_filter_mode` (filters need ``on_complete`` "eos" or "repeat"): vLLM request
-                     parsing; :func:`check_distinct` (``distinct`` needs "repeat", ``max_entries``):
-                     ``TrieConstraint.filters``, so every front door that filters; :func:`check_positive` (a
-                     positive integer): ``max_entries``, ``distinct_capacity``'s token budget.
+                     parsing; :func:`check_distinct` (``distinct`` is a bool and needs "repeat"; ``max_entries``
+                     only with it, positive, :data:`DEFAULT_MAX_ENTRIES` when not given):
+                     ``TrieLogitsProcessor``, ``TrieConstraint.filters``, so every front door that filters;
+                     :func:`check_positive` (a positive integer): ``max_entries``, ``distinct_capacity``'s token
+                     budget.
     sources          :func:`check_one_source` (exactly one of ``tries``/``trie``, ``spans``, ``template``),
                      :func:`check_alone` (``spans`` and ``template`` combine with no other option),
                      :func:`check_instance`: transformers, fast-forward, vLLM requests and ``trie_args``.
@@ -98,6 +100,7 @@ __all__ = [
     "rule_args",
     "check_filter_mode",
     "check_distinct",
+    "DEFAULT_MAX_ENTRIES",
     "check_positive",
     "check_one_source",
     "check_alone",
@@ -375,13 +378,39 @@ def check_filter_mode(on_complete: str, given: Sequence[str], names: OptionNames
                    f"{on_complete!r} (a released row is unconstrained)")
 
 
-def check_distinct(on_complete: str, distinct: bool, max_entries: Any, names: OptionNames = KEYWORDS) -> None:
-    """``distinct`` lists need ``on_complete="repeat"`` and room for a positive number of entries (``max_entries``)."""
+#: How many entries a distinct list holds when ``max_entries`` is not given.
+DEFAULT_MAX_ENTRIES = 64
+
+
+def check_distinct(on_complete: str, distinct: Any, max_entries: Any, names: OptionNames = KEYWORDS) -> int:
+    """``distinct`` is True or False; a distinct list needs ``on_complete="repeat"`` and room for a positive number
+    of entries (``max_entries``, :data:`DEFAULT_MAX_ENTRIES` when None); ``max_entries`` is given (not None) only
+    with ``distinct=True`` (it is the room of a distinct list: without one it would do nothing).
+
+    Returns:
+        The list's capacity: ``max_entries`` (or its default) with ``distinct``, 0 without.
+
+    Example:
+        >>> check_distinct("repeat", True, None), check_distinct("repeat", True, 3), check_distinct("eos", False, None)
+        (64, 3, 0)
+        >>> check_distinct("repeat", False, 3)
+        Traceback (most recent call last):
+        ...
+        trie_decode.errors.ConstraintConfigError: max_entries=3 is the room of a distinct list and does nothing without one: set distinct=True, or leave max_entries out
+    """
+    if not isinstance(distinct, (bool, np.bool_)):
+        names.fail(f"{names('distinct')} must be True or False, got {distinct!r:.40}")
     if not distinct:
-        return
+        if max_entries is not None:
+            names.fail(f"{names.given('max_entries', max_entries)} is the room of a distinct list and does nothing "
+                       f"without one: set {names('distinct')}=True, or leave {names('max_entries')} out")
+        return 0
     if on_complete != "repeat":
         names.fail(f'{names("distinct")}=True needs {names("on_complete")}="repeat" (a list of entries)')
+    if max_entries is None:
+        return DEFAULT_MAX_ENTRIES
     check_positive(max_entries, "max_entries", names)
+    return int(max_entries)
 
 
 def check_positive(value: Any, key: str, names: OptionNames = KEYWORDS) -> None:
@@ -443,13 +472,19 @@ def check_instance(value: Any, kind: type, key: str, names: OptionNames = KEYWOR
 
 # ------------------------------------------------------------------------------------------------- per-row expansion
 def is_per_row(spec: Any) -> bool:
-    """True when a filter spec is one spec per row or prompt (a list of lists, arrays or None), not one for all.
+    """True when a filter spec is one spec per row or prompt (a list of lists, arrays or None, or a 2-D numpy array:
+    one row per prompt), not one for all (a list or a 1-D array; an array of another shape is refused where it is
+    read: :func:`trie_decode.filters.spec_items`).
 
     Example:
         >>> is_per_row(["a", "b"]), is_per_row([["a"], None]), is_per_row(None)
         (False, True, False)
+        >>> is_per_row(np.array([0, 2])), is_per_row(np.array([[0], [2]]))
+        (False, True)
     """
-    if spec is None or isinstance(spec, (str, bytes, np.ndarray)):
+    if isinstance(spec, np.ndarray):
+        return spec.ndim == 2
+    if spec is None or isinstance(spec, (str, bytes)):
         return False
     items = list(spec)
     return bool(items) and all(x is None or isinstance(x, (list, tuple, np.ndarray)) for x in items)
