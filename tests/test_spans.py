@@ -19,7 +19,7 @@ from trie_decode import TokenTrie
 from trie_decode.constraint import SpanRules, TrieConstraint
 from trie_decode.errors import ConstraintConfigError, InvalidEntryError, InvalidTokenError
 from trie_decode.fields import FieldRules, Span
-from trie_decode.text_spans import Trigger, end_token_table
+from trie_decode.text_spans import Trigger, end_token_table, vocabulary_bytes
 
 from reference import FieldReference
 
@@ -273,11 +273,13 @@ def test_a_span_without_end_closes_with_the_end_token(tokenizer):
     eos = tokenizer.eos_token_id
     values = ["Paris", "Paris Hilton", "Rome"]
     tries, fields = FieldRules.build([Span(values, after="Final answer: ", end=None)], tokenizer)
-    assert fields.ends[0].ids.tolist() == [eos] and tries[0].names() == values  # no escaping without a quote
+    # No escaping without a quote; after a space each value twice: " Paris", and a lone space then "Paris".
+    assert fields.ends[0].ids.tolist() == [eos] and tries[0].names() == values + values
     c = TrieConstraint(tries, SpanRules(end_token_id=eos, on_complete="release", fields=fields), "cpu")
     prompt = tokenizer("Think, then answer. Final answer: ", add_special_tokens=False)["input_ids"]
     s = c.start(1, None, torch.tensor([prompt]))
-    assert int(s.node[0]) == 0  # the prompt ends with ``after``: inside the span at once
+    # The prompt ends with ``after`` (its space a token of its own): inside the span at once, after that space.
+    assert int(s.node[0]) == fields.start_node(0) == tries[0].step(0, prompt[-1]) > 0
     for value, last in [("Rome", [eos]), ("Paris", None)]:
         state = s
         for tok in tokenizer.encode(value, add_special_tokens=False):
@@ -305,3 +307,41 @@ def test_a_final_answer_span_ends_the_output(model, tokenizer):
     for row in out[:, enc["input_ids"].shape[1]:].tolist():
         end = row.index(tokenizer.eos_token_id)
         assert tokenizer.decode(row[:end]) in CITIES, tokenizer.decode(row)
+
+
+def test_a_space_ending_after_holds_each_value_in_both_forms_and_filters_name_both(tokenizer):
+    """``after`` ending in a space: the trie holds ``" Berlin"`` (the token the model writes after ``":"``) and a
+    lone space then ``"Berlin"``, under one key. ``allow``/``deny`` by key or by value index keep or drop both forms,
+    and an index past the values is refused (it would name one form only)."""
+    from trie_decode.fields import FieldRules
+
+    vocab = vocabulary_bytes(tokenizer)
+    tries, _ = FieldRules.build([Span(["Berlin", "Paris"], after="Final answer: ", end=None)], tokenizer)
+    spelled = sorted(b"".join(vocab[int(t)] for t in seq) for seq in tries[0].sequences())
+    assert spelled == [b" Berlin", b" Berlin", b" Paris", b" Paris"]
+    assert {len(seq) > 1 and vocab[int(seq[0])] == b" " for seq in tries[0].sequences()} == {True, False}
+    for allow, deny in ((["Berlin"], None), ([0], None), (None, ["Paris"]), (None, [1])):
+        tries, _ = FieldRules.build([Span(["Berlin", "Paris"], after="Final answer: ", end=None, allow=allow,
+                                          deny=deny)], tokenizer)
+        assert tries[0].names() == ["Berlin", "Berlin"], (allow, deny)
+    with pytest.raises(ConstraintConfigError, match=r"Span.allow\[0\] is 2: not the index of one of the span's 2 values"):
+        FieldRules.build([Span(["Berlin", "Paris"], after="Final answer: ", end=None, allow=[2])], tokenizer)
+
+
+def test_the_model_writing_the_space_alone_enters_only_where_a_value_begins_with_it(tokenizer):
+    """After ``"Final answer:"`` the lone space completes ``after`` with nothing carried: for city names (``" Berlin"``
+    is one token) it is blocked, so the value is written in the tokenizer's own tokens; for numbers (``" 42"`` is
+    ``"Ġ"``, ``"4"``, ``"2"``) it is the value's own first token and allowed."""
+    from trie_decode.fields import FieldRules
+
+    space = tokenizer(" ", add_special_tokens=False)["input_ids"][0]
+    prompt = torch.tensor([tokenizer("Think. Final answer:", add_special_tokens=False)["input_ids"]])
+    for values, allowed in ((["Berlin", "Paris"], False), (["42", "7"], True)):
+        tries, fields = FieldRules.build([Span(values, after="Final answer: ", end=None)], tokenizer)
+        c = TrieConstraint(tries, SpanRules(end_token_id=tokenizer.eos_token_id, on_complete="release",
+                                            fields=fields), "cpu")
+        s = c.start(1, None, prompt)
+        assert bool(c.allowed(s, c.needed_width)[0, space]) is allowed, values
+        if allowed:  # on the value's own path: the digits follow
+            s = c.advance(s, torch.tensor([space]))
+            assert int(s.node[0]) == fields.start_node(0) > 0

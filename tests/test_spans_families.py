@@ -206,7 +206,65 @@ def test_every_value_is_spelled_exactly_where_it_merges_with_the_text_before_it(
              for after, end in (('"city": "', '"'), ("Final answer: ", None), ("Final answer:", None), ("<b>", "<"))]
     built.append(Template('{"city": "{city}"}', city=values).build(tok, eos)[0][0])
     built.append(Template("City: {city};", city=values).build(tok, eos)[0][0])
+    # After a space the value is spelled with it ("City: {city}" forces "City:"); a span holds it twice (also after a
+    # lone space, for a prompt that ends with "Final answer: ").
+    spaced = {id(built[1]), id(built[-1])}
     for trie in built:
         for entry, seq in enumerate(trie.sequences()):
-            assert b"".join(vocab[int(t)] for t in seq) == values[entry].encode(), (family, values[entry],
-                                                                                   tok.convert_ids_to_tokens(list(seq)))
+            value = trie.entry(entry).name
+            want = (" " if id(trie) in spaced else "") + value
+            assert b"".join(vocab[int(t)] for t in seq) == want.encode(), (family, value,
+                                                                           tok.convert_ids_to_tokens(list(seq)))
+        assert sorted(trie.entry(e).name for e in range(len(trie))) == sorted(values * (2 if trie is built[1] else 1))
+
+
+SPACED = ["Berlin", "São Paulo", "Paris", "Paris Texas", "Rome"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_value_after_a_space_is_followed_in_the_token_that_carries_the_space(family):
+    """``after="Final answer: "`` and a template's ``"Capital: {city}"``: the tokenizer writes the space and the
+    value's first letters as one token (``ĠBerlin``, ``▁Berlin``). Its own ids of the whole text are followed, the
+    row is inside the span exactly over the value, and a prompt that ends with the space itself (its lone space
+    token) starts inside the span, where the value's tokens after that space are allowed."""
+    from trie_decode.templates import Template
+
+    tok = load_tokenizer(family)
+    eos = tok.eos_token_id if tok.eos_token_id is not None else 0
+    vocab = vocabulary_bytes(tok)
+    tries, fields = FieldRules.build([Span(SPACED, after="Final answer: ", end=None)], tok, eos)
+    c = TrieConstraint(tries, SpanRules(end_token_id=eos, on_complete="release", fields=fields), "cpu")
+    template = Template("Capital: {city}, country: {country}.", city=SPACED, country=["Germany", "Brazil", "France"])
+    t = TrieConstraint(*template.rules(tok, eos), "cpu")
+    width = max(c.needed_width, t.needed_width, len(vocab))
+    for city, country in zip(SPACED, ["Germany", "Brazil", "France", "France", "France"]):
+        ids = tok(f"It is {city}.\nFinal answer: {city}", add_special_tokens=False)["input_ids"]
+        s, inside = c.start(1), []
+        for i, token in enumerate(ids):
+            allowed = c.mask_(torch.zeros(1, width), s)[0].isfinite()
+            assert allowed[token], (family, city, tok.convert_ids_to_tokens(ids[: i + 1]))
+            s = c.advance(s, torch.tensor([token]))
+            inside.append(int(s.node[0]) >= 0)
+        entry = int(tries[0].node_entry[int(s.node[0])])
+        assert entry >= 0 and tries[0].entry(entry).name == city, (family, city)
+        first = inside.index(True)
+        assert not any(inside[:first]) and all(inside[first:]), (family, city, inside)
+        assert b"".join(vocab[t] for t in ids[first:]).strip() == city.encode(), (family, city)
+        written = tok(f"Capital: {city}, country: {country}.", add_special_tokens=False)["input_ids"] + [eos]
+        s = t.start(1)
+        for i, token in enumerate(written):
+            allowed = t.mask_(torch.zeros(1, width), s)[0].isfinite()
+            assert allowed[token], (family, city, tok.convert_ids_to_tokens(written[: i + 1]))
+            s = t.advance(s, torch.tensor([token]))
+    # A prompt ending with the lone space: the row starts after it, on the values' tokens written after a space.
+    prompt = tok("Final answer: ", add_special_tokens=False)["input_ids"]
+    if vocab[prompt[-1]] == b" ":
+        s = c.start(1, None, torch.tensor([prompt]))
+        assert int(s.node[0]) == fields.start_node(0) > 0
+        for entry, seq in enumerate(tries[0].sequences()):
+            if vocab[int(seq[0])] == b" ":  # the form written after a lone space
+                walked = s
+                for token in seq[1:]:
+                    assert c.mask_(torch.zeros(1, width), walked)[0].isfinite()[int(token)], (family, entry)
+                    walked = c.advance(walked, torch.tensor([int(token)]))
+                assert int(tries[0].node_entry[int(walked.node[0])]) == entry

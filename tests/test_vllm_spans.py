@@ -337,6 +337,20 @@ def test_a_final_answer_span_ends_the_request(llm, tokenizer):
     prompts = [p + "Final answer: " for p in _prompts(tokenizer, 4)]
     for out in llm.generate(prompts, SamplingParams(max_tokens=16, extra_args=extra), use_tqdm=False):
         assert out.outputs[0].finish_reason == "stop" and out.outputs[0].text in CITIES, out.outputs[0].text
+    # A prompt ending before the space, greedy: the first token carries the space ("ĠBerlin"), as the model writes it.
+    lone_space = tokenizer(" ", add_special_tokens=False)["input_ids"]
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": f"Name the capital of {c}."}], tokenize=False,
+                                             add_generation_prompt=True) + f"The capital of {c} is {city}.\nFinal answer:"
+               for c, city in (("Germany", "Berlin"), ("Peru", "Lima"), ("Austria", "Vienna"))]
+    # The model may also go on in free text ("\n..."), which does not complete ``after``.
+    entered = 0
+    for out in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, extra_args=extra), use_tqdm=False):
+        text, first = out.outputs[0].text, out.outputs[0].token_ids[0]
+        if text[:1] == " ":
+            assert out.outputs[0].finish_reason == "stop" and text[1:] in CITIES, text
+            assert [first] != lone_space and tokenizer.decode([first]).startswith(" "), tokenizer.decode([first])
+            entered += 1
+    assert entered, "no prompt ending with 'Final answer:' went on with a value"
 
 
 # ------------------------------------------------------------------------------------------------ V2 slots, no engine

@@ -251,7 +251,7 @@ class TrieConstraint:
         f = self.rules.fields
         starts = [f.start_state(ids) for ids in (tails.tolist() if tails is not None else [[]] * num_rows)]
         text = [s for s, _ in starts]
-        node = torch.tensor([0 if k >= 0 else FREE for _, k in starts], dtype=torch.long)
+        node = torch.tensor([f.start_node(k) if k >= 0 else FREE for _, k in starts], dtype=torch.long)
         tree = torch.tensor([max(k, 0) for _, k in starts], dtype=torch.long)
         text_t = torch.tensor(text, dtype=torch.long)
         return RowState(node.to(self.device), tree.to(self.device), text_t.to(self.device))

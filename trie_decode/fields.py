@@ -18,7 +18,8 @@ step engine reads for a set of spans (``SpanRules(..., fields=...)``), all of it
   token's text, so a later span (or the same one: a list of tool calls) can start again.
 
 Values are tokenized in the context of their ``after`` text (:func:`~trie_decode.tokenizers.tokenize_in_context`),
-so the first token is the one the model writes there; with ``escape="json"`` they are written JSON-escaped.
+so the first token is the one the model writes there; with ``escape="json"`` they are written JSON-escaped. A space
+that ends ``after`` is the value's (``":"`` + ``" Berlin"``): the trie holds each value with it (:attr:`Span.lead`).
 
 Each span has its own ``end`` (its own dense row of end tokens; spans with one ``end`` share it). A template
 (:mod:`trie_decode.templates`) is spans whose free text is forced: it replaces the trigger automaton and resumes
@@ -113,6 +114,22 @@ class Span:
         """``value`` as the model writes it between ``after`` and ``end``."""
         return _written(value, self.escape)
 
+    @property
+    def lead(self) -> str:
+        """The space that ends ``after`` and that this span's trie holds in front of its values (``""``: none).
+
+        A model writes ``"Final answer: Berlin"`` as ``":"`` + ``" Berlin"``: the space of ``after`` and the value's
+        first letters share a token. So when ``after`` is an exact text ending in a space and the values are strings,
+        the trie's root is the text before that space, and every value is in it twice: spelled with the space, in
+        the tokens the model writes (``" Berlin"``), and after a lone space token (``" "``, ``"Ber"``, ``"lin"``)
+        for a prompt that ends with ``after``, its space a token of its own. A token that completes ``after`` enters
+        the trie at the node its bytes from that space on reach (:meth:`FieldRules.entry_node`); a lone space written
+        by the model is blocked unless a value's own tokens begin with it.
+        """
+        exact = isinstance(self.after, str) or self.after.whitespace == "exact"
+        text = self.after_text
+        return " " if exact and len(text) > 1 and text.endswith(" ") and not isinstance(self.values, TokenTrie) else ""
+
     def build_trie(self, tokenizer: Any) -> TokenTrie:
         """This span's trie: ``values`` itself, or the strings tokenized in the context of ``after``; restricted
         to ``allow`` minus ``deny``.
@@ -123,8 +140,30 @@ class Span:
         """
         trie = value_trie(self.values, tokenizer, self.after_text, self.end, self.escape, "Span",
                           end_name="the span's end", fix="give the span another end (Span.end)",
-                          escape_fix="give escape='json' (the value is then written JSON-escaped)")
-        return restricted_trie(trie, self.allow, self.deny, f"Span after {self.after_text!r}")
+                          escape_fix="give escape='json' (the value is then written JSON-escaped)", lead=self.lead)
+        allow, deny = (self._both_forms(name) for name in ("allow", "deny"))
+        return restricted_trie(trie, allow, deny, f"Span after {self.after_text!r}")
+
+    def _both_forms(self, name: str) -> Optional[list[Union[str, int]]]:
+        """``allow`` or ``deny`` in the trie's entries: with a :attr:`lead`, value ``i`` is entries ``i`` and
+        ``i + len(values)`` (its two forms); a key names both already.
+
+        Raises:
+            ConstraintConfigError: an index that is not a value's (it would name one form only).
+        """
+        items = getattr(self, name)
+        if items is None or not self.lead:
+            return items
+        n, out = len(self.values), []
+        for j, item in enumerate(items):
+            if isinstance(item, (int, np.integer)) and not isinstance(item, bool):
+                if not 0 <= int(item) < n:
+                    raise ConstraintConfigError(f"Span.{name}[{j}] is {item}: not the index of one of the span's "
+                                                f"{n} values")
+                out += [int(item), int(item) + n]
+            else:
+                out.append(item)
+        return out
 
 
 def check_values(values: Any, what: str) -> None:
@@ -138,7 +177,7 @@ def check_values(values: Any, what: str) -> None:
 
 def value_trie(values: Union[TokenTrie, Sequence[str]], tokenizer: Any, context: str, end: Optional[str],
                escape: Optional[str], what: str, *, end_name: str = "the end", fix: str = "",
-               escape_fix: Optional[str] = None) -> TokenTrie:
+               escape_fix: Optional[str] = None, lead: str = "", entered_after_lead: bool = True) -> TokenTrie:
     """The trie of a field's values: ``values`` itself, or the strings as written (escaped per ``escape``) and
     tokenized right after ``context``, so that the first token is the one the model writes there.
 
@@ -148,6 +187,14 @@ def value_trie(values: Union[TokenTrie, Sequence[str]], tokenizer: Any, context:
         end_name, fix: how the caller names ``end`` (``"the span's end"``) and what its user can change when a value
             contains it (an option that call really has); ``escape_fix``: how its user asks for JSON escaping, said
             only where escaping would take ``end`` out of the value (None: the call has no such option).
+        lead: the space that ends ``context`` (:attr:`Span.lead`): the trie's root is then the text before it and
+            holds each value as ``lead + value``, in the tokens written after that text.
+        entered_after_lead: with ``lead``, a row may also enter the trie with the space written on its own (a span
+            whose prompt ends with ``after``): each value is in the trie a second time, as the lone space token and
+            the value's tokens after ``context`` (one key, two entries: a distinct list counts them as one item).
+            The trie's ``options`` record ``lead`` and whether a value's own tokens begin with the lone space
+            (``lead_alone``), which :class:`FieldRules` reads. False: a template, which forces its text up to the
+            space.
 
     Raises:
         InvalidEntryError: an empty or non-string value, or one whose written text contains ``end``.
@@ -166,13 +213,30 @@ def value_trie(values: Union[TokenTrie, Sequence[str]], tokenizer: Any, context:
                 f"{what} value {i} ({text!r:.60}) contains {end_name} {end!r}: it would end the value early"
                 + (f"; {' or '.join(fixes)}" if fixes else "")
             )
-    seqs = tokenize_in_context(texts, tokenizer, context, separator="", on_unstable="raw")
     vocab = token_bytes(tokenizer)
+    seqs = _value_ids(texts, tokenizer, context, vocab)
+    options: dict[str, Any] = {}
+    if lead:
+        spaced = _value_ids([lead + t for t in texts], tokenizer, context[:-len(lead)], vocab)
+        if entered_after_lead:
+            space = spelling_ids(lead.encode("utf-8"), vocab, avoid=set(byte_piece_ids(tokenizer, range(len(vocab)))))
+            if space is None or len(space) != 1:
+                raise InvalidEntryError(f"no single token of this vocabulary writes the space that ends {context!r:.60}")
+            options = {"lead": lead, "lead_alone": any(seq[:1] == space for seq in spaced)}
+            seqs, names = spaced + [space + seq for seq in seqs], names + names
+        else:
+            seqs = spaced
+    return TokenTrie.from_sequences(seqs, vocab_size=tokenizer_vocab_size(tokenizer), names=names, options=options)
+
+
+def _value_ids(texts: Sequence[str], tokenizer: Any, context: str, vocab: Sequence[bytes]) -> list[list[int]]:
+    """Each text's ids right after ``context``, spelling exactly the text (never with SentencePiece's dummy-prefix
+    space in front of a value that merges with its context: :func:`_spelled_exactly`)."""
+    seqs = tokenize_in_context(texts, tokenizer, context, separator="", on_unstable="raw")
     for i, seq in enumerate(seqs):
-        want = texts[i].encode("utf-8")
-        if _spelled(seq, vocab) == b" " + want:
+        if _spelled(seq, vocab) == b" " + texts[i].encode("utf-8"):
             seqs[i] = _spelled_exactly(texts[i], tokenizer, vocab)
-    return TokenTrie.from_sequences(seqs, vocab_size=tokenizer_vocab_size(tokenizer), names=names)
+    return seqs
 
 
 def _spelled(ids: Sequence[int], vocab: Sequence[bytes]) -> bytes:
@@ -294,6 +358,15 @@ class FieldRules:
         #: Per span: the automaton state a row restarts from when it closes that span's value (fed the closing
         #: token): the start state for free-text spans; in a template, the fixed text after the slot.
         self.resume = np.zeros(len(tries), dtype=np.int64) if resume is None else np.asarray(resume, dtype=np.int64)
+        #: Per span: the space ending its ``after`` that its trie's root does not hold (:attr:`Span.lead`, recorded in
+        #: the trie's ``options`` by :func:`value_trie`), and whether a row that writes that space on its own may
+        #: enter (some value's own tokens begin with it; else the lone space is a dead trigger token, and only a
+        #: prompt ending with the space starts on that path).
+        self.leads: list[bytes] = [str(t.options.get("lead", "")).encode("utf-8") for t in tries]
+        self.lead_alone: list[bool] = [bool(t.options.get("lead_alone", True)) for t in tries]
+        # Per span (and False at index -1, no span): a lone space completing its ``after`` is dead.
+        self._lone_dead = np.array([bool(lead) and not alone for lead, alone in zip(self.leads, self.lead_alone)]
+                                   + [False])
         # Per span: bytes of each root child's token -> that child (a trigger token may carry the first bytes).
         self.root_by_bytes: list[dict[bytes, int]] = []
         for trie in tries:
@@ -334,12 +407,13 @@ class FieldRules:
 
     def dead_tokens(self, state: int) -> np.ndarray:
         """The tokens that, written in automaton state ``state``, would complete a span's ``after`` and carry bytes
-        that no value of that span starts with (``' "['`` before a catalog of names): blocked, so that no row ever
-        completes a trigger it cannot follow with a value. Cached per state. Shape: (D,), int64."""
+        that no value of that span starts with (``' "['`` before a catalog of names), or a space alone where the
+        values carry it (:meth:`entry_node`): blocked, so that no row ever completes a trigger it cannot follow with
+        a value in the model's own tokens. Cached per state. Shape: (D,), int64."""
         found = self._dead.get(state)
         if found is None:
             _, pattern, past = self.triggers.row(state)
-            fired = np.flatnonzero((pattern >= 0) & (past > 0))
+            fired = np.flatnonzero((pattern >= 0) & ((past > 0) | self._lone_dead[pattern]))
             dead = [t for t in fired.tolist() if self.entry_node(int(pattern[t]), t, int(past[t])) < 0]
             found = self._dead[state] = np.array(dead, dtype=np.int64)
         return found
@@ -378,9 +452,21 @@ class FieldRules:
 
     def entry_node(self, span: int, token: int, past: int) -> int:
         """Where a row enters ``span``'s trie after ``token`` completed its ``after`` with ``past`` bytes left: the
-        root, the root child those bytes spell, or -1 (a dead trigger token, see :meth:`dead_tokens`)."""
+        root, the root child those bytes spell (after the span's :attr:`leads` space, which its root does not hold:
+        ``" Berlin"``, or the lone space with nothing carried), or -1 (a dead trigger token, see :meth:`dead_tokens`).
+        A lone space written where no value's own tokens begin with it is a dead trigger token: the model writes
+        the space with the value (``" Berlin"``)."""
         carried = self.carried(token, past)
-        return 0 if not carried else self.root_by_bytes[span].get(carried, -1)
+        if self.leads[span] and not carried and not self.lead_alone[span]:
+            return -1
+        return self.start_node(span, carried)
+
+    def start_node(self, span: int, carried: bytes = b"") -> int:
+        """The node of ``span``'s trie where a row that has written its ``after`` (and ``carried``, bytes past it)
+        stands: the root, or the child those bytes spell from the span's :attr:`leads` space on (-1: none). A prompt
+        that ends with ``after`` starts here with nothing carried."""
+        key = self.leads[span] + carried
+        return 0 if not key else self.root_by_bytes[span].get(key, -1)
 
     def carried(self, token: int, past: int) -> bytes:
         """The last ``past`` bytes of ``token``: what it carries past a completed ``after``."""

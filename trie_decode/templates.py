@@ -189,20 +189,35 @@ class Template:
                 "tokenizer=, or call template.build(tokenizer, end_token_id) once before generate")
         return found[0][1], found[0][2]
 
+    def fixed_texts(self) -> list[str]:
+        """The texts the template forces: its segments, less the space that ends a text before a slot (``"City: "``
+        before ``{city}`` is forced as ``"City:"``). That space belongs to the slot's values (:attr:`Span.lead`): the
+        model writes ``":"`` + ``" Berlin"``, not a lone space and then ``"Ber"``. A segment that is only a space
+        stays whole.
+
+        Example:
+            >>> Template("City: {city}, {country}.", city=["Rome"], country=["Italy"]).fixed_texts()
+            ['City:', ',', '.']
+        """
+        return [s[:-1] if k < len(self.slot_names) and len(s) > 1 and s.endswith(" ") else s
+                for k, s in enumerate(self.segments)]
+
     def _build(self, tokenizer: Any, end_token_id: int) -> tuple[list[TokenTrie], "TemplateRules"]:
         vocab = vocabulary_bytes(tokenizer)
+        fixed = self.fixed_texts()
         tries = []
         for k, name in enumerate(self.slot_names):
             # A value may not contain the text after its slot (a reader could not tell where it ends).
-            after, end = self.segments[k], self.segments[k + 1] or None
+            after, end = self.segments[k], fixed[k + 1] or None
             fix, escape_fix = self.value_fixes(k)
             tries.append(value_trie(self.slots[name], tokenizer, after, end, self.slot_escape(k), f"slot {name!r}",
-                                    end_name=f"the text after {{{name}}}", fix=fix, escape_fix=escape_fix))
+                                    end_name=f"the text after {{{name}}}", fix=fix, escape_fix=escape_fix,
+                                    lead=after[len(fixed[k]):], entered_after_lead=False))
         width = max([len(vocab), end_token_id + 1] + [t.vocab_size for t in tries])
         vocab += [b""] * (width - len(vocab))
-        segments = [s.encode("utf-8") for s in self.segments]
+        segments = [s.encode("utf-8") for s in fixed]
         # The output's first tokens: SentencePiece tokenizers open a text with a space ("▁{"), which is written too.
-        first = tokenize_in_context([self.segments[0]], tokenizer, "", separator="")[0] if self.segments[0] else []
+        first = tokenize_in_context([fixed[0]], tokenizer, "", separator="")[0] if fixed[0] else []
         spelled = b"".join(vocab[i] for i in first)
         if spelled != segments[0]:
             if spelled == b" " + segments[0]:
