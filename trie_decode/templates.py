@@ -193,7 +193,8 @@ class Template:
         """The texts the template forces: its segments, less the space that ends a text before a slot (``"City: "``
         before ``{city}`` is forced as ``"City:"``). That space belongs to the slot's values (:attr:`Span.lead`): the
         model writes ``":"`` + ``" Berlin"``, not a lone space and then ``"Ber"``. A segment that is only a space
-        stays whole.
+        stays whole. The value before such a text ends where the forced text begins, so it may not contain that
+        text without its space either (``"1,000"`` before ``", {unit}"``).
 
         Example:
             >>> Template("City: {city}, {country}.", city=["Rome"], country=["Italy"]).fixed_texts()
