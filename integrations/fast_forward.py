@@ -45,7 +45,7 @@ import functools
 import inspect
 import time
 from dataclasses import dataclass, field, fields
-from typing import Any, Optional, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 
@@ -59,7 +59,8 @@ from trie_decode.trie import TokenTrie
 try:
     from transformers import DynamicCache, GenerationConfig, LogitsProcessorList
     from transformers.generation.utils import GenerateDecoderOnlyOutput
-    from transformers.generation import EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria
+    from transformers.generation import (EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria, StoppingCriteriaList,
+                                         StopStringCriteria)
     from .transformers import TrieLogitsProcessor
     from .transformers_internals import (
         CACHE_INPUT_NAMES,
@@ -147,11 +148,34 @@ def _check_hooked_inputs(logits_processor: Any, stopping_criteria: Any) -> None:
                 "in logits_processor"
             )
     for crit in stopping_criteria or ():
-        if not isinstance(crit, (MaxLengthCriteria, EosTokenCriteria, MaxTimeCriteria)):
+        if not isinstance(crit, (MaxLengthCriteria, EosTokenCriteria, MaxTimeCriteria, StopStringCriteria)):
             raise ConstraintConfigError(
-                f"fast_forward_generate supports max_length/max_new_tokens, eos_token_id and max_time as stopping "
-                f"criteria, not {type(crit).__name__}: use generate(logits_processor=[TrieLogitsProcessor(...)])"
+                f"fast_forward_generate supports max_length/max_new_tokens, eos_token_id, max_time and stop_strings as "
+                f"stopping criteria, not {type(crit).__name__}: use generate(logits_processor=[TrieLogitsProcessor(...)])"
             )
+
+
+def _check_stop_strings(stop_strings: Union[str, Sequence[str], None], tokenizer: Any, hooked: bool) -> None:
+    """Refuse stop strings without the tokenizer they are found with.
+
+    ``stop_strings`` are a parameter of :func:`fast_forward_generate`, not left to ``generate``, because ``generate``
+    drops its ``tokenizer=`` before calling a callable ``custom_generate`` and then fails on stop strings with
+    "could not locate a tokenizer" although one was given; declared, they are handed to the hook instead.
+
+    Raises:
+        ConstraintConfigError: stop strings without a tokenizer, naming the calls that carry one.
+    """
+    if stop_strings and tokenizer is None:
+        where = ("generate(custom_generate=fast_forward_generate, tokenizer=...) keeps its tokenizer from the hook: call "
+                 "fast_forward_generate(model, ..., stop_strings=..., tokenizer=tokenizer) directly, or bind it: "
+                 "generate(..., custom_generate=functools.partial(fast_forward_generate, tokenizer=tokenizer))"
+                 if hooked else "pass tokenizer= too")
+        raise ConstraintConfigError(f"stop_strings need the tokenizer (to find them in the tokens); {where}")
+
+
+def _stop_string_criteria(stop_strings: Union[str, Sequence[str], None], tokenizer: Any) -> list[StopStringCriteria]:
+    """``stop_strings`` as the criterion ``generate`` builds from them (none without stop strings)."""
+    return [StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings)] if stop_strings else []
 
 
 # ---------------------------------------------------------------------------------------------------- the loop
@@ -175,8 +199,10 @@ class _Run:
         max_time: Optional[float],
         generator: Optional[torch.Generator],
         streamer: Any = None,
+        string_stops: Sequence[Any] = (),
     ) -> None:
         self.model, self.cache, self.constraint = model, cache, constraint
+        self.string_stops = list(string_stops)  # StopStringCriteria: checked after every token, forced ones too
         self.streamer = streamer  # gets each committed block of the one row (generate put the prompt)
         self.window = sliding_window_slots(cache)
         self.device = input_ids.device
@@ -329,18 +355,23 @@ class _Run:
 
     # -- 3. commit ------------------------------------------------------------------------------------------------
     def commit(self, blocks: list[list[int]]) -> list[int]:
-        """Cut blocks at the first stop token and at max_new_tokens, write them out; return the block starts."""
+        """Cut blocks at max_new_tokens and after the first stop token or stop string, write them out; return the
+        block starts."""
         starts = list(self.n_gen)
+        for r in range(self.b):
+            if not self.finished[r]:
+                del blocks[r][self.max_new - self.n_gen[r] :]
+        string_ends = self._string_stops(blocks) if self.string_stops else {}
         for r in range(self.b):
             block = blocks[r]
             if self.finished[r] or not block:
                 continue
-            for i, tok in enumerate(block):
-                if tok in self.stop_set:
-                    del block[i + 1 :]
-                    self.finished[r] = True
-                    break
-            del block[self.max_new - self.n_gen[r] :]
+            stop = next((i for i, tok in enumerate(block) if tok in self.stop_set), None)
+            if r in string_ends and (stop is None or string_ends[r] < stop):
+                stop = string_ends[r]
+            if stop is not None:
+                del block[stop + 1 :]
+                self.finished[r] = True
             n = len(block)
             self.gen[r, self.n_gen[r] : self.n_gen[r] + n] = torch.tensor(block, device=self.device)
             self.n_gen[r] += n
@@ -349,6 +380,36 @@ class _Run:
             if self.n_gen[r] >= self.max_new:
                 self.finished[r] = True
         return starts
+
+    def _string_stops(self, blocks: list[list[int]]) -> dict[int, int]:
+        """Each unfinished row's first block index after which a stop string has been written, where there is one.
+
+        ``generate`` asks its ``StopStringCriteria`` after every token, on the row so far (prompt, left pads
+        included, and generated tokens); a block holds several tokens (a decision and its forced run), so every
+        prefix of it is asked, batched by length (the criterion reads the last ``maximum_token_len`` tokens)."""
+        width = max((getattr(crit, "maximum_token_len", 0) for crit in self.string_stops), default=0)
+        by_length: dict[int, list[tuple[int, int, list[int]]]] = {}
+        for r, block in enumerate(blocks):
+            if self.finished[r] or not block:
+                continue
+            before = self._current_ids([r], self.n_gen[r])[0].tolist()
+            if width:
+                before = before[-width:]
+            tokens = before + block
+            for i in range(len(block)):
+                end = len(before) + i + 1
+                window = tokens[max(0, end - width) if width else 0 : end]
+                by_length.setdefault(len(window), []).append((r, i, window))
+        found: dict[int, int] = {}
+        for group in by_length.values():
+            ids = torch.tensor([window for _, _, window in group], dtype=torch.long, device=self.device)
+            hit = torch.zeros(len(group), dtype=torch.bool, device=self.device)
+            for crit in self.string_stops:
+                hit |= crit(ids, None).to(self.device)
+            for (r, i, _), stopped in zip(group, hit.tolist()):
+                if stopped and i < found.get(r, len(blocks[r])):
+                    found[r] = i
+        return found
 
     # -- 4. feed --------------------------------------------------------------------------------------------------
     def feed(self, blocks: list[list[int]], first: bool, columns: list, starts: list[int]) -> bool:
@@ -516,15 +577,19 @@ def _general_path(
     stopping_criteria: Any,
     config: GenerationConfig,
     model_kwargs: dict[str, Any],
+    string_stops: Sequence[Any] = (),
 ) -> Union[FastForwardOutput, torch.Tensor]:
     """Token-by-token decoding with ``processor``, for a transformers whose ``custom_generate`` convention this
     module was not checked against (:mod:`.transformers_internals`): the same tokens, one pass per token.
 
     Called by ``generate`` (``processors`` given), it runs the sampling loop ``generate`` would have run, with the
     trie processor placed before the sampling warpers; called directly, it calls ``model.generate``.
+    ``string_stops``: the stop strings' criteria, for the direct call (the hook's are in ``stopping_criteria``).
     """
     warn_unverified("fast_forward_generate (token by token, no fast-forward)")
     if processors is None:
+        if string_stops:
+            model_kwargs = {**model_kwargs, "stopping_criteria": StoppingCriteriaList(string_stops)}
         out = model.generate(input_ids, attention_mask=attention_mask, generation_config=config,
                              logits_processor=LogitsProcessorList([processor]), **model_kwargs)
     else:
@@ -568,6 +633,7 @@ def fast_forward_generate(
     trigger: Any = None,
     allow: Any = None,
     deny: Any = None,
+    stop_strings: Union[str, Sequence[str], None] = None,
     generator: Optional[torch.Generator] = None,
     **kwargs: Any,
 ) -> Union[FastForwardOutput, torch.Tensor]:
@@ -593,7 +659,7 @@ def fast_forward_generate(
             (Gemma 3), prompt + generated tokens + pad slots must fit in the window (checked: a named error).
         input_ids: the prompts, left-padded. Shape: (B, P), int64.
         logits_processor, stopping_criteria, generation_config: supplied by ``generate`` when used as the hook.
-            Supported stopping criteria: max length / ``max_new_tokens``, EOS and ``max_time``.
+            Supported stopping criteria: max length / ``max_new_tokens``, EOS, ``max_time`` and stop strings.
         trie (`TokenTrie` or list): one trie for every row, or one per prompt.
         template (:class:`~trie_decode.Template`, optional): instead of ``trie``, the whole output as fixed text with
             catalog-valued slots; its fixed text is forced, so it is fed without decisions. It needs ``tokenizer``,
@@ -615,6 +681,11 @@ def fast_forward_generate(
             the filtered trie's: a node with one usable child forces it. A filter that leaves a prompt no entry is
             an error here (over a shared trie the processor lets such rows only end). For per-request filters over
             a catalog of millions, the processor, which filters a shared trie without a rebuild, starts faster.
+        stop_strings (`str` or list of `str`, optional): end a row once its text ends with one of them, as
+            ``generate(stop_strings=..., tokenizer=...)`` does (its ``StopStringCriteria``, asked after every token,
+            forced ones included). Needs ``tokenizer``: ``generate`` keeps its own ``tokenizer=`` from a callable
+            ``custom_generate``, so through the hook bind it
+            (``custom_generate=functools.partial(fast_forward_generate, tokenizer=tok)``) or call this function.
         generator (`torch.Generator`, optional): the random source of sampling.
         kwargs: ``attention_mask`` (Shape: (B, P)), and on the plain path any ``generate`` option
             (``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``repetition_penalty``,
@@ -629,7 +700,7 @@ def fast_forward_generate(
     Raises:
         ConstraintConfigError: beam search (use the processor instead), an unsupported stopping criterion, a
             ``TrieLogitsProcessor`` in ``logits_processor``, a cache or model input this loop cannot handle, an
-            entry that holds an EOS id before its last token.
+            entry that holds an EOS id before its last token, ``stop_strings`` without ``tokenizer``.
 
     Examples:
 
@@ -666,18 +737,18 @@ def fast_forward_generate(
         raise ConstraintConfigError(
             "fast_forward_generate does not take distinct lists (what a list may emit changes at every entry): use "
             "model.generate(..., logits_processor=[TrieLogitsProcessor(trie, on_complete='repeat', distinct=True)])")
+    _check_stop_strings(stop_strings, tokenizer, hooked)
     if not hooked and verified():
-        if "stop_strings" in kwargs:  # this loop has no stop strings
-            raise ConstraintConfigError("fast_forward_generate does not handle stop_strings: use model.generate(..., "
-                                        "logits_processor=[TrieLogitsProcessor(trie)]) instead")
         # The plain call is the hook's: generate prepares the processors (repetition penalty, min_new_tokens,
         # renormalize_logits, the warpers ...), the stopping criteria and the cache from the options as for any
         # call, then calls back with them; the options it does not know ride in the bound hook.
         hook = functools.partial(fast_forward_generate, trie=trie, template=template, tokenizer=tokenizer,
                                  end_token_id=end_token_id, on_complete=on_complete, separator=separator,
-                                 trigger=trigger, allow=allow, deny=deny, generator=generator)
+                                 trigger=trigger, allow=allow, deny=deny, stop_strings=stop_strings,
+                                 generator=generator)
         return model.generate(input_ids, generation_config=generation_config, logits_processor=logits_processor,
                               stopping_criteria=stopping_criteria, custom_generate=hook, **kwargs)
+    string_stops = _stop_string_criteria(stop_strings, tokenizer)
     attention_mask = kwargs.pop("attention_mask", None)
     streamer = generate_streamer() if hooked else None  # generate put the prompt into it, and keeps it from the hook
     if streamer is not None and input_ids.shape[0] != 1:
@@ -685,6 +756,7 @@ def fast_forward_generate(
                                     "advance by different numbers of tokens per pass): call it without streamer")
     if hooked:
         config, model_kwargs = generation_config, kwargs
+        stopping_criteria = StoppingCriteriaList([*stopping_criteria, *string_stops])
         _check_hooked_inputs(logits_processor, stopping_criteria)
     else:  # outside the verified transformers: generate with the processor (_general_path)
         config = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
@@ -703,7 +775,8 @@ def fast_forward_generate(
     processor.check_stop_ids(eos_ids)
     if not verified():
         return _general_path(model, input_ids, attention_mask, processor, logits_processor if hooked else None,
-                             stopping_criteria if hooked else None, config, model_kwargs)
+                             stopping_criteria if hooked else None, config, model_kwargs,
+                             () if hooked else string_stops)
     max_length, processors = config.max_length, logits_processor
     unknown = set(model_kwargs) - _KNOWN_MODEL_KWARGS
     if unknown:
@@ -759,6 +832,7 @@ def fast_forward_generate(
         config.max_time,
         generator,
         streamer,
+        [crit for crit in stopping_criteria if isinstance(crit, StopStringCriteria)],
     )
     t0 = time.perf_counter()
     run.run()

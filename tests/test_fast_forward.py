@@ -165,6 +165,53 @@ def test_sampling_real_model_outputs_are_members(model, left_tok, languages, cou
         assert trie.lookup(row[:end]) is not None, f"row {r} generated a non-member {row[:end]}"
 
 
+STOP_QUESTIONS = COUNTRY_QUESTIONS + ["Which country is Port Moresby the capital of?", "Which country is Wellington in?",
+                                      "Which country is Pretoria in?", "Which country has Abu Dhabi as its capital?"]
+
+
+def _forced_cut(trie: TokenTrie, generated: list[int], stops: set) -> bool:
+    """Whether a row ended (not at a stop token) where the trie still forced a token: a stop string cut a forced run."""
+    while generated and generated[-1] in stops:
+        generated = generated[:-1]
+    node = trie.root
+    for tok in generated:
+        node = trie.step(node, tok)
+    return node >= 0 and int(trie.fanout[node]) == 1 and not trie.is_terminal(node)
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("stop_strings", [["a"], ["New"], ["Zeal", "Marino"], "Bah"])
+def test_stop_strings_give_generates_tokens(model, left_tok, countries, stop_strings):
+    """generate(stop_strings=..., tokenizer=...) with the processor, and fast-forward (plain call and hook with a
+    bound tokenizer): the same tokens, a stop string inside a forced run included."""
+    import functools
+
+    inputs = left_tok([chat(left_tok, q) for q in STOP_QUESTIONS], return_tensors="pt", padding=True)
+    options = dict(max_new_tokens=16, do_sample=False, stop_strings=stop_strings)
+    ref = model.generate(**inputs, logits_processor=[TrieLogitsProcessor(countries, left_tok)], tokenizer=left_tok,
+                         **options)
+    plain = fast_forward_generate(model, **inputs, trie=countries, tokenizer=left_tok, **options)
+    hooked = model.generate(**inputs, custom_generate=functools.partial(fast_forward_generate, tokenizer=left_tok),
+                            trie=countries, **options)
+    assert plain.tolist() == ref.tolist() and hooked.tolist() == ref.tolist()
+    unstopped = model.generate(**inputs, logits_processor=[TrieLogitsProcessor(countries, left_tok)],
+                               max_new_tokens=16, do_sample=False)
+    assert ref.shape != unstopped.shape or not torch.equal(ref, unstopped), "no stop string fired"
+    if stop_strings == ["a"]:  # " San" ends in "a"... and " Marino" was forced: the run is cut after " San"
+        p = inputs["input_ids"].shape[1]
+        assert any(_forced_cut(countries, row[p:], {left_tok.eos_token_id}) for row in ref.tolist())
+
+
+def test_stop_strings_through_generates_tokenizer_name_what_works(tiny_llama, tokenizer, small_tries):
+    """generate keeps tokenizer= from a callable custom_generate; transformers then said it "could not locate a
+    tokenizer" although one was given."""
+    with pytest.raises(ConstraintConfigError, match=r"keeps its tokenizer from the hook: call fast_forward_generate\("
+                                                    r"model, \.\.\., stop_strings=\.\.\., tokenizer=tokenizer\) "
+                                                    r"directly, or bind it: .*functools\.partial"):
+        tiny_llama.generate(**tiny_inputs(tokenizer, n=1), custom_generate=fast_forward_generate, trie=small_tries[0],
+                            tokenizer=tokenizer, stop_strings=["a"], max_new_tokens=4)
+
+
 # ---------------------------------------------------------------------------------------------- tiny model
 def tiny_inputs(tokenizer, n: int = 3, length: int = 6, seed: int = 0) -> dict:
     """Left-padded random prompts of different lengths."""
@@ -252,6 +299,31 @@ def test_tiny_filters_match_processor_and_force_what_they_leave(tiny_llama, toke
     with pytest.raises(ConstraintConfigError, match="filters for 2 prompts, and there are 3 tries"):
         fast_forward_generate(tiny_llama, **{k: v[:2] for k, v in inputs.items()}, trie=small_tries, deny=[[0], [1]],
                               max_new_tokens=3)
+
+
+@pytest.mark.parametrize("stop_strings", [["ru"], ["ia", "e"], "o"])
+@pytest.mark.parametrize("verified", [True, False], ids=["fast-forward", "general path"])
+@pytest.mark.filterwarnings("ignore::trie_decode.integrations.transformers_internals.UnverifiedTransformersWarning")
+def test_tiny_stop_strings_match_processor(tiny_llama, tokenizer, small_tries, stop_strings, verified, monkeypatch):
+    """The same tokens as generate(stop_strings=..., tokenizer=...) with the processor, on the fast-forward loop and
+    on the general path it takes outside the verified transformers."""
+    import functools
+
+    from trie_decode.integrations import transformers_internals as internals
+
+    inputs = tiny_inputs(tokenizer)
+    options = dict(max_new_tokens=12, do_sample=False, stop_strings=stop_strings)
+    processor = [TrieLogitsProcessor(small_tries, tokenizer)]
+    ref = tiny_llama.generate(**inputs, logits_processor=processor, tokenizer=tokenizer, **options)
+    unstopped = tiny_llama.generate(**inputs, logits_processor=processor, max_new_tokens=12, do_sample=False)
+    assert not torch.equal(ref, unstopped), "no stop string fired"
+    monkeypatch.setattr(internals, "_VERIFIED", verified)
+    monkeypatch.setattr(internals, "_warned", {"fast_forward_generate (token by token, no fast-forward)"})
+    out = fast_forward_generate(tiny_llama, **inputs, trie=small_tries, tokenizer=tokenizer, **options)
+    hooked = tiny_llama.generate(**inputs, custom_generate=functools.partial(fast_forward_generate, tokenizer=tokenizer),
+                                 trie=small_tries, **options)
+    assert out.tolist() == ref.tolist() and hooked.tolist() == ref.tolist()
+    assert (out.stats.forced_tokens > 0) == verified
 
 
 def test_tiny_release_mode_continues_as_free_text(tiny_llama, tokenizer, small_tries):
@@ -371,9 +443,8 @@ def test_bad_arguments_are_named(tiny_llama, tokenizer, small_tries):
         fast_forward_generate(tiny_llama, **inputs, trie=small_tries[:2], max_new_tokens=4)
     with pytest.raises(TypeError, match="TokenTrie"):
         fast_forward_generate(tiny_llama, **inputs, trie=["not a trie"], max_new_tokens=4)
-    with pytest.raises(ConstraintConfigError, match="does not handle stop_strings"):  # this loop has none
-        fast_forward_generate(tiny_llama, **inputs, trie=small_tries[0], tokenizer=tokenizer, max_new_tokens=4,
-                              stop_strings=["."])
+    with pytest.raises(ConstraintConfigError, match=r"stop_strings need the tokenizer .*pass tokenizer= too"):
+        fast_forward_generate(tiny_llama, **inputs, trie=small_tries[0], max_new_tokens=4, stop_strings=["."])
     with pytest.raises(ConstraintConfigError, match="streams one prompt.*without streamer"):
         fast_forward_generate(tiny_llama, **inputs, trie=small_tries[0], max_new_tokens=4, streamer=_Collect())
 

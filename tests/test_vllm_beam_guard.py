@@ -220,3 +220,218 @@ def test_fastapi_add_middleware_and_a_json_route_read_the_body():
         refused = client.post(COMPLETIONS, json={**sent, "vllm_xargs": {"trie": "colors"}})
         assert refused.status_code == 400 and refused.headers["content-type"] == "application/json"
         assert refused.json()["error"]["message"].startswith("use_beam_search cannot be combined")
+
+
+# --- the speech-to-text routes: form fields ------------------------------------------------------------------------
+
+TRANSCRIPTIONS, TRANSLATIONS = "/v1/audio/transcriptions", "/v1/audio/translations"
+BOUNDARY = "trie-decode-boundary"
+
+
+def _form(fields, boundary=BOUNDARY):
+    """A multipart/form-data body as OpenAI's audio clients send it: the fields, then the audio file."""
+    parts = [f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"\r\n\r\n{value}\r\n'
+             for name, value in fields]
+    parts.append(f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="a.wav"\r\n'
+                 "Content-Type: audio/wav\r\n\r\n")
+    return "".join(parts).encode() + b"RIFF\x00\x01\xff" + f"\r\n--{boundary}--\r\n".encode()
+
+
+def _form_scope(path=TRANSCRIPTIONS, content_type=f"multipart/form-data; boundary={BOUNDARY}"):
+    return _scope(path, headers=[(b"content-type", content_type.encode())])
+
+
+FORM_TRIE = [("model", "whisper"), ("use_beam_search", "true"), ("n", "2"), ("vllm_xargs", '{"trie": "colors"}')]
+
+
+@pytest.mark.parametrize("path", [TRANSCRIPTIONS, TRANSLATIONS])
+@pytest.mark.parametrize("beam", ["true", "1", "on", "yes"])
+def test_speech_to_text_beam_search_with_a_constraint_is_refused(path, beam):
+    fields = [(k, beam if k == "use_beam_search" else v) for k, v in FORM_TRIE]
+    body = _form(fields)
+    status, out, seen = _run(_form_scope(path), [body[:40], body[40:]])
+    assert status == 400 and seen == {}, (status, out)
+    assert out["error"]["param"] == "use_beam_search"
+    assert out["error"]["message"].startswith("use_beam_search cannot be combined with vllm_xargs 'trie'")
+
+
+def test_speech_to_text_urlencoded_form_and_spans_are_refused():
+    body = b"use_beam_search=true&vllm_xargs=" + json.dumps({"spans": "[]"}).replace(" ", "").encode()
+    status, out, _ = _run(_form_scope(content_type="application/x-www-form-urlencoded"), [body])
+    assert status == 400 and "vllm_xargs 'spans'" in out["error"]["message"], out
+
+
+FORM_PASSED = {
+    "no beam search": [("use_beam_search", "false"), ("vllm_xargs", '{"trie": "colors"}')],
+    "beam search empty": [("use_beam_search", ""), ("vllm_xargs", '{"trie": "colors"}')],
+    "beam search, no xargs": [("use_beam_search", "true")],
+    "beam search, other xargs": [("use_beam_search", "true"), ("vllm_xargs", '{"allow": "a"}')],
+    "beam search, xargs not JSON": [("use_beam_search", "true"), ("vllm_xargs", "{trie: colors}")],
+    "last field wins": [("use_beam_search", "true"), ("vllm_xargs", '{"trie": "colors"}'), ("use_beam_search", "0")],
+}
+
+
+@pytest.mark.parametrize("case", FORM_PASSED)
+def test_other_speech_to_text_requests_reach_the_app_with_the_same_body(case):
+    body = _form(FORM_PASSED[case])
+    status, _, seen = _run(_form_scope(), [body])
+    assert status == 200 and seen["body"] == body and seen["after"] == "http.disconnect"
+
+
+@pytest.mark.parametrize("scope, body", [
+    (_form_scope(), _form(FORM_TRIE, boundary="other")),  # another boundary than the header's: no fields
+    (_form_scope(content_type="multipart/form-data"), _form(FORM_TRIE)),  # no boundary: the parser fails
+    (_scope(TRANSCRIPTIONS), json.dumps(dict(FORM_TRIE)).encode()),  # JSON: vLLM reads no form fields from it
+], ids=["other boundary", "no boundary", "json"])
+def test_a_form_vllm_cannot_read_is_left_to_vllm(scope, body):
+    status, _, seen = _run(scope, [body])
+    assert status == 200 and seen["body"] == body
+
+
+def test_speech_to_text_beam_search_drops_vllm_xargs():
+    """Why the audio routes are guarded: vLLM reads ``use_beam_search`` and ``vllm_xargs`` from the form, and its beam
+    search parameters have no place for the latter (the sampling parameters do)."""
+    import io
+
+    from starlette.datastructures import UploadFile
+    from vllm.entrypoints.speech_to_text.transcription.protocol import TranscriptionRequest
+    from vllm.entrypoints.speech_to_text.translation.protocol import TranslationRequest
+    from vllm.sampling_params import BeamSearchParams
+
+    assert "extra_args" not in BeamSearchParams.__struct_fields__
+    for cls in (TranscriptionRequest, TranslationRequest):
+        request = cls.model_validate({"file": UploadFile(io.BytesIO(b"RIFF"), filename="a.wav"),
+                                      "use_beam_search": "true", "vllm_xargs": '{"trie": "colors"}'})
+        assert request.use_beam_search is True and request.vllm_xargs == {"trie": "colors"}
+        assert isinstance(request.to_beam_search_params(8), BeamSearchParams)
+        assert request.to_sampling_params(8).extra_args == {"trie": "colors"}
+
+
+# --- vLLM's own app: --api-key answers first -----------------------------------------------------------------------
+
+GUARD = "trie_decode.integrations.vllm_requests.TrieBeamSearchGuard"
+KEY = "sekrit"
+
+
+def _vllm_app(*flags, tasks=("generate", "transcription")):
+    """vLLM's own server app (``build_app``, as ``vllm serve`` builds it), without an engine: the middleware runs,
+    the routes would fail (no engine state), so only what answers before a route is observable."""
+    from fastapi.testclient import TestClient
+    from vllm.entrypoints.launchers.app import build_app
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    args = make_arg_parser(FlexibleArgumentParser()).parse_args(list(flags))
+    return TestClient(build_app(args, supported_tasks=tasks), raise_server_exceptions=False)
+
+
+BEAM_TRIE = {"model": "smol", "prompt": "Hi", "use_beam_search": True, "n": 2, "vllm_xargs": {"trie": "colors"}}
+CHAT_TRIE = {"model": "smol", "messages": [{"role": "user", "content": "Hi"}], "use_beam_search": True, "n": 2,
+             "vllm_xargs": {"trie": "colors"}}
+UNAUTHENTICATED = {"no header": {}, "wrong key": {"Authorization": "Bearer nope"},
+                   "not bearer": {"Authorization": f"Basic {KEY}"}}
+
+
+def _audio(client, headers):
+    body = _form(FORM_TRIE)
+    return client.post(TRANSCRIPTIONS, content=body,
+                       headers={**headers, "Content-Type": f"multipart/form-data; boundary={BOUNDARY}"})
+
+
+@pytest.fixture(scope="module")
+def with_api_key():
+    """vLLM's app with ``--api-key`` and the guard, and the same app without the guard (what vLLM answers alone)."""
+    return _vllm_app("--api-key", KEY, "--middleware", GUARD), _vllm_app("--api-key", KEY)
+
+
+@pytest.mark.parametrize("who", UNAUTHENTICATED)
+def test_an_unauthenticated_request_gets_vllms_401_not_the_guards_400(with_api_key, who):
+    guarded, alone = with_api_key
+    headers = UNAUTHENTICATED[who]
+    for send in (lambda c: c.post(COMPLETIONS, json=BEAM_TRIE, headers=headers),
+                 lambda c: c.post(CHAT, json=CHAT_TRIE, headers=headers),
+                 lambda c: _audio(c, headers)):
+        got, expected = send(guarded), send(alone)
+        assert got.status_code == expected.status_code == 401, got.text
+        assert got.json() == expected.json() == {"error": "Unauthorized"}
+
+
+def test_an_authenticated_request_is_refused_by_the_guard(with_api_key):
+    guarded, _ = with_api_key
+    auth = {"Authorization": f"Bearer {KEY}"}
+    for response in (guarded.post(COMPLETIONS, json=BEAM_TRIE, headers=auth),
+                     guarded.post(CHAT, json=CHAT_TRIE, headers=auth), _audio(guarded, auth)):
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["message"].startswith("use_beam_search cannot be combined with vllm_xargs")
+
+
+def test_a_route_vllms_api_key_does_not_guard_is_refused_without_a_key(with_api_key):
+    """vLLM checks the key only under /v1, /v2, /inference, /cohere: /invocations runs without one, so the guard
+    refuses there whatever the headers (vLLM's own rule decides, not a copy of it)."""
+    guarded, _ = with_api_key
+    response = guarded.post("/invocations", json=BEAM_TRIE)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "use_beam_search", response.text
+
+
+def test_without_api_key_the_guard_refuses():
+    response = _vllm_app("--middleware", GUARD).post(COMPLETIONS, json=BEAM_TRIE)
+    assert response.status_code == 400, response.text
+
+
+def test_on_an_unverified_vllm_the_guard_refuses_before_the_api_key(monkeypatch):
+    """The safe fallback: a vLLM whose layout is not known is not asked; the request is refused (400, not 401)."""
+    from trie_decode.integrations import vllm_internals
+
+    monkeypatch.setattr(vllm_internals, "fast_paths", lambda: False)
+    response = _vllm_app("--api-key", KEY, "--middleware", GUARD).post(COMPLETIONS, json=BEAM_TRIE)
+    assert response.status_code == 400, response.text
+
+
+def test_an_api_key_check_the_guard_cannot_reach_is_not_asked():
+    """A layer without ``.app`` between the guard and vLLM's check: the layout is unknown, the guard refuses."""
+    from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
+
+    async def app(scope, receive, send):
+        raise AssertionError("a refused request reached the app")
+
+    class Opaque:
+        def __init__(self, inner):
+            self._inner = inner
+
+        async def __call__(self, scope, receive, send):
+            await self._inner(scope, receive, send)
+
+    for chain, expected in [(AuthenticationMiddleware(app, tokens=[KEY]), 401),
+                            (Opaque(AuthenticationMiddleware(app, tokens=[KEY])), 400)]:
+        sent = []
+        incoming = [{"type": "http.request", "body": _body({"trie": "colors"}), "more_body": False}]
+
+        async def receive():
+            return incoming.pop(0) if incoming else {"type": "http.disconnect"}
+
+        async def send(message):
+            sent.append(message)
+
+        asyncio.run(TrieBeamSearchGuard(chain)(_scope(), receive, send))
+        assert sent[0]["status"] == expected
+
+
+def test_every_vllm_route_that_takes_beam_search_and_xargs_is_guarded():
+    """Derived from vLLM's own app: a POST route whose request model has both ``use_beam_search`` and ``vllm_xargs``
+    is guarded, or is one that refuses beam search itself. A new such route in a vLLM update fails here."""
+    from fastapi.routing import APIRoute
+    from vllm.tasks import GENERATION_TASKS, POOLING_TASKS
+
+    from trie_decode.integrations.vllm_requests import BEAM_SEARCH_ROUTES
+
+    refuses_itself = {"/v1/chat/completions/batch", "/v1/chat/completions/render", "/v1/completions/render"}
+    app = _vllm_app(tasks=GENERATION_TASKS + POOLING_TASKS + ("render",)).app
+    taking = set()
+    for route in app.routes:
+        if isinstance(route, APIRoute) and "POST" in route.methods:
+            for param in route.dependant.body_params:
+                fields = getattr(param.field_info.annotation, "model_fields", {})
+                if "use_beam_search" in fields and "vllm_xargs" in fields:
+                    taking.add(route.path)
+    assert {TRANSCRIPTIONS, TRANSLATIONS, COMPLETIONS, CHAT} <= taking
+    assert taking - refuses_itself <= BEAM_SEARCH_ROUTES, taking - refuses_itself - BEAM_SEARCH_ROUTES

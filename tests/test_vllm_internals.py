@@ -273,3 +273,23 @@ def test_unverified_vllm_processors_match_the_reference(unverified_vllm, smollm2
     # A layout vllm_internals does not know is refused when the processor is built, with the way out named.
     with pytest.raises(TypeError, match="VLLM_USE_V2_MODEL_RUNNER=0"):
         TrieLogitsProcessor(cfg, SimpleNamespace(device=torch.device("cpu"), all_token_ids=object(), prompt_len=None))
+
+
+def test_the_api_key_middleware_is_where_the_beam_search_guard_looks():
+    """``TrieBeamSearchGuard`` lets vLLM's ``--api-key`` check answer first (``vllm_internals`` item 5): the class is
+    where that module says, vLLM adds it before the ``--middleware`` classes (so it runs inside them), and the chain
+    walk finds it behind other layers. tests/test_vllm_beam_guard.py runs it in vLLM's own app."""
+    import importlib
+    from types import SimpleNamespace
+
+    from vllm.entrypoints.serve.middleware import register
+
+    from trie_decode.integrations import vllm_internals
+
+    module, name = vllm_internals._AUTH_CLASS
+    cls = getattr(importlib.import_module(module), name)
+    source = inspect.getsource(register.init_entrypoints_middleware)
+    assert source.index(f"add_middleware({name}") < source.index("for middleware in args.middleware")
+    auth = cls(SimpleNamespace(), tokens=["key"])
+    assert vllm_internals.api_key_middleware(SimpleNamespace(app=SimpleNamespace(app=auth))) is auth
+    assert vllm_internals.api_key_middleware(SimpleNamespace(app=None)) is None

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from .errors import ConstraintConfigError, DescriptorError, TrieDecodeError
+from .errors import ConstraintConfigError, DescriptorError, TokenizerNotFoundError, TrieDecodeError
 from .fileio import check_writable, text_lines
 from .options import FLAGS, NORMAL_FORMS, ON_UNSTABLE_MODES, check_positive, check_vocab_size, token_id
 from .tokenizers import ContextError
@@ -90,13 +90,14 @@ def read_entries(path: Path) -> tuple[list[str], Optional[list[str]]]:
 
 
 def _load_tokenizer(name: str) -> Any:
-    """``--tokenizer``: a Hugging Face tokenizer folder or name, or :class:`DescriptorError` naming it."""
-    from transformers import AutoTokenizer
+    """``--tokenizer``: a Hugging Face tokenizer folder or name (:func:`.hub.load_tokenizer`: a name found nowhere
+    fails at once, as :class:`TokenizerNotFoundError`), or :class:`DescriptorError` naming it."""
+    from .hub import load_tokenizer
 
-    if (name.startswith((".", "/", "~")) or "\\" in name) and not Path(name).expanduser().is_dir():
-        raise DescriptorError(f"--tokenizer {name}: no such folder")
     try:
-        return AutoTokenizer.from_pretrained(name)
+        return load_tokenizer(name, what="--tokenizer")
+    except TokenizerNotFoundError:
+        raise
     except (OSError, ValueError) as exc:  # transformers' "not found", "not a valid model identifier", bad files
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise DescriptorError(f"--tokenizer {name}: cannot load a tokenizer ({first})") from exc

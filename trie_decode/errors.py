@@ -15,6 +15,7 @@ __all__ = [
     "DescriptorError",
     "TrieFileError",
     "TokenizerMismatchError",
+    "TokenizerNotFoundError",
     "ConstraintConfigError",
     "CatalogUpdateError",
 ]
@@ -57,6 +58,11 @@ class TrieFileError(TrieDecodeError, ValueError):
 
 class TokenizerMismatchError(TrieDecodeError, ValueError):
     """A trie was built for another tokenizer than the one it is used with."""
+
+
+class TokenizerNotFoundError(TrieDecodeError, ValueError):
+    """A tokenizer name is neither a local folder nor in the Hugging Face cache, and the hub is off or does not
+    answer (raised at once instead of after the hub's retries: :func:`trie_decode.hub.load_tokenizer`)."""
 
 
 class ConstraintConfigError(TrieDecodeError, ValueError):
