@@ -52,7 +52,8 @@ import torch
 from trie_decode.constraint import RowState, TrieConstraint
 from trie_decode.errors import ConstraintConfigError, InvalidTokenError
 from trie_decode.filters import filtered_tries
-from trie_decode.options import TrieArg, as_tries, check_one_source, end_token, first_eos, prompt_groups
+from trie_decode.options import (TrieArg, as_tries, check_no_distinct, check_one_source, end_token, first_eos,
+                                  prompt_groups)
 from trie_decode.templates import Template
 from trie_decode.trie import TokenTrie
 
@@ -733,10 +734,7 @@ def fast_forward_generate(
                 f"{text[0]} given as text needs a tokenizer, and generate(custom_generate=fast_forward_generate, "
                 f"tokenizer=...) keeps its tokenizer from the hook: pass {text[0]} as token ids, or call "
                 "fast_forward_generate(model, ..., tokenizer=tokenizer) directly")
-    if {"distinct", "max_entries"} & set(kwargs):
-        raise ConstraintConfigError(
-            "fast_forward_generate does not take distinct lists (what a list may emit changes at every entry): use "
-            "model.generate(..., logits_processor=[TrieLogitsProcessor(trie, on_complete='repeat', distinct=True)])")
+    check_no_distinct("fast_forward_generate", kwargs, "what a list may emit changes at every entry")
     _check_stop_strings(stop_strings, tokenizer, hooked)
     if not hooked and verified():
         # The plain call is the hook's: generate prepares the processors (repetition penalty, min_new_tokens,

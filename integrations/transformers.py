@@ -39,8 +39,9 @@ from trie_decode.errors import ConstraintConfigError
 from trie_decode.filters import entry_indices, filtered_restrictions
 from trie_decode.forms import entry_identity, warn_prompt
 from trie_decode.live import CatalogSnapshot, LiveCatalog, constraint_for
-from trie_decode.options import (TrieArg, as_tries, check_alone, check_distinct, check_instance, check_one_source,
-                                  end_token, filter_rows, first_eos, prompt_filters, prompt_groups, rule_args)
+from trie_decode.options import (TrieArg, as_tries, check_alone, check_distinct, check_instance, check_no_distinct,
+                                  check_one_source, end_token, filter_rows, first_eos, prompt_filters, prompt_groups,
+                                  rule_args)
 from trie_decode.trie import TokenTrie
 
 from .transformers_internals import GenerateLoop, beam_parents, prefix_processor_start, reusable_buffer
@@ -280,7 +281,8 @@ class TrieLogitsProcessor(LogitsProcessor):
                 if spec is None or self._live is not None:  # a live catalog's keys are resolved per view (_begin)
                     return spec
                 if n:
-                    return [None if s is None else entry_indices(self.tries[0], s, what) for s in spec]
+                    return [None if s is None else entry_indices(self.tries[0], s, f"{what}[{i}]")
+                            for i, s in enumerate(spec)]
                 return entry_indices(self.tries[0], spec, what)
 
             self._filter_specs = (resolve(allow, "allow"), resolve(deny, "deny"), bool(distinct), n, max_entries)
@@ -692,7 +694,8 @@ def rank(
             does not stop early (``early_stopping="never"``: it runs while a longer entry could still outrank the
             finished ones);
             what ``rank`` sets itself (``num_beams``, ``num_return_sequences``, ``do_sample``, ``length_penalty``,
-            ``output_scores``, ``return_dict_in_generate``, ``eos_token_id``, ``logits_processor``) is refused here.
+            ``output_scores``, ``return_dict_in_generate``, ``eos_token_id``, ``logits_processor``) is refused here,
+            and so are ``distinct``/``max_entries`` (a distinct list is the processor's: its entries are distinct).
 
     Raises:
         ConstraintConfigError: besides bad options, an entry that holds the end token before its last token (beam
@@ -715,6 +718,7 @@ def rank(
     if beams < k:
         raise ConstraintConfigError(f"num_beams ({beams}) must be at least k ({k})")
     beams = max(beams, 2)  # one beam is greedy search, which scores no sequence
+    check_no_distinct("rank", generate_kwargs, "it returns k distinct entries: beams that end on one entry are merged")
     own = sorted(set(generate_kwargs) & _RANK_SETS)
     if own:
         raise ConstraintConfigError(f"rank sets {own} itself: use its own options (k, num_beams, length_normalize, "

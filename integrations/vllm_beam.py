@@ -325,12 +325,10 @@ class _PromptSearch:
         return None if self.filters is None else self.filters.select(torch.zeros(r, dtype=torch.long))
 
     def allowed(self) -> np.ndarray:
-        """The tokens each running beam may take: the core's mask, the one the engine applies (trie, span rules and
-        the request's filters), run on a row of zeros. Shape: (R, W), bool, W the constraint's narrowest width."""
-        c = self.constraint
-        r = len(self.running)
-        masked = c.mask_(torch.zeros(r, c.needed_width), self._state(self.running), filters=self._filters(r))
-        return torch.isfinite(masked).numpy()
+        """The tokens each running beam may take: what the engine's mask leaves (trie, span rules and the request's
+        filters: :meth:`TrieConstraint.allowed`). Shape: (R, W), bool, W the constraint's narrowest width."""
+        c, r = self.constraint, len(self.running)
+        return c.allowed(self._state(self.running), c.needed_width, filters=self._filters(r)).numpy()
 
     def requests(self) -> list[tuple[list[int], dict, int]]:
         """(prompt ids, extra_args, logprobs K) of each running beam."""

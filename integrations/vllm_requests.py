@@ -62,10 +62,10 @@ from typing import Any, Awaitable, Callable, Collection, Hashable, MutableMappin
 import numpy as np
 
 from trie_decode.constraint import SpanRules, check_stop_tokens_outside_entries
-from trie_decode.errors import ConstraintConfigError, TrieDecodeError
+from trie_decode.errors import ConstraintConfigError, TrieDecodeError, raised_as
 from trie_decode.fields import ESCAPES, FieldRules, Span
 from trie_decode.templates import Template, template_slots
-from trie_decode.filters import entry_indices, spec_items
+from trie_decode.filters import check_allow_leaves_entries, entry_indices, spec_items
 from trie_decode.options import (OptionNames, check_alone, check_filter_mode, check_normalize, check_on_complete,
                                   check_separator, first_eos, given_filters, rule_args, text_or_ids, token_tuple)
 from trie_decode.text_spans import WHITESPACE_MODES, Trigger
@@ -541,23 +541,20 @@ def _filter_option(value: Any, what: str) -> Optional[Union[tuple, FilterFile]]:
     option as the messages name it (``extra_args['allow']``, or a span's)."""
     if value is None:
         return None
-    if isinstance(value, str):
+    if isinstance(value, str) and value.lstrip().startswith(("[", "{")):  # other text is a single key (refused)
         value = _json_option(value, f"{what} must be a list of entry keys or indices (or its JSON), got invalid JSON")
     if isinstance(value, dict):
         path = value.get("file")
         if set(value) != {"file"} or not isinstance(path, str) or not path:
             _fail(f"{what} as an object must be {{'file': PATH}}, got {value!r:.80}")
         return FilterFile(path)
-    if isinstance(value, np.ndarray):  # a request made in process (one request is one prompt: one spec, 1-D)
-        spec_items(value, what, error=TrieRequestError)
-        value = value.tolist()
-    if not isinstance(value, (list, tuple)):
-        _fail(f"{what} must be a list of entry keys or entry indices, got {type(value).__name__}")
+    # The spec rule of every front door: keys, indices or both mixed (one request is one prompt: one spec, 1-D).
+    spec_items(value, what, error=TrieRequestError)
     cap = current_limits().max_filter_items
     if len(value) > cap:
         _fail(f"{what} names {len(value)} entries, over the limit of {cap}")
-    spec_items(value, what, error=TrieRequestError)  # keys, indices or both mixed, as every front door takes them
-    return tuple(v if isinstance(v, str) else int(v) for v in value)
+    items = value.tolist() if isinstance(value, np.ndarray) else value
+    return tuple(v if isinstance(v, str) else int(v) for v in items)
 
 
 def trie_args(
@@ -639,14 +636,9 @@ def trie_args(
     if normalize is not None:
         out["normalize"] = normalize
     for name, value in (("allow", allow), ("deny", deny)):
-        if isinstance(value, dict):
-            out[name] = dict(value)  # {"file": PATH}: a filter file on the server
-        elif value is not None:
-            # the spec rule of every filter (keys, indices or both; a request is one prompt: a 1-D spec), then plain
-            # JSON values (a numpy array's items as Python ones)
-            spec_items(value, TRIE_ARGS(name), error=TrieRequestError)
-            out[name] = [v if isinstance(v, str) else int(v)
-                         for v in (value.tolist() if isinstance(value, np.ndarray) else value)]
+        if value is not None:  # the request's filter rules, then plain JSON values ({"file": PATH}, or a list)
+            spec = _filter_option(value, TRIE_ARGS(name))
+            out[name] = {"file": spec.path} if isinstance(spec, FilterFile) else list(spec)
     parse_trie_request(out)
     return out
 
@@ -1004,10 +996,10 @@ class TrieResolver:
                                                                "extra_args['deny']")
         except TrieAccessError as exc:
             raise TrieRequestError(str(exc)) from None
-        except TrieDecodeError as exc:
-            raise TrieRequestError(str(exc)) from exc
-        if allow is not None and not len(set(allow.tolist()) - set(() if deny is None else deny.tolist())):
-            raise TrieRequestError("extra_args['allow'] leaves no entry (after 'deny'): nothing could be generated")
+        except TrieDecodeError as exc:  # the filter rule's own class, and a request's
+            raise raised_as(type(exc), TrieRequestError)(str(exc)) from exc
+        check_allow_leaves_entries(None if allow is None else len(np.setdiff1d(allow, () if deny is None else deny)),
+                                   "extra_args['allow']", "extra_args['deny']", TrieRequestError)
         return allow, deny
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -112,6 +114,22 @@ def test_rank_does_not_stop_before_a_longer_entry_that_ranks_higher(model, left_
         assert [round(r.log_prob, 3) for r in ranked] == [round(lp, 3) for lp, _ in exact[:k]]
     with pytest.raises(ConstraintConfigError, match=r"rank sets \['do_sample'\] itself"):
         rank(model, inputs, trie, 2, tokenizer=left_tok, do_sample=True)
+
+
+def test_rank_names_the_distinct_list_options_it_does_not_take(tiny_llama, tokenizer):
+    """distinct= and max_entries= reached generate, which refused them as model kwargs the model does not use (no
+    fix named): rank returns k distinct entries, and a distinct list is the processor's."""
+    trie = TokenTrie.from_strings(["France", "Japan"], tokenizer)
+    inputs = {"input_ids": torch.tensor([[5, 6, 7]]), "attention_mask": torch.ones(1, 3, dtype=torch.long)}
+    fix = re.escape("a distinct list is made by model.generate(..., logits_processor=[TrieLogitsProcessor(trie, "
+                    "on_complete='repeat', separator=..., distinct=True)])")
+    for options, asked in ((dict(distinct=True), "distinct="), (dict(max_entries=4), "max_entries="),
+                           (dict(distinct=True, max_entries=4), "distinct= or max_entries=")):
+        with pytest.raises(ConstraintConfigError, match=rf"^rank does not take {asked} \(it returns k distinct entries"
+                                                        rf".*\): {fix}$"):
+            rank(tiny_llama, inputs, trie, 2, end_token_id=tokenizer.eos_token_id, **options)
+    options = dict(on_complete="repeat", separator=", ", distinct=True)  # the processor the message names makes one
+    TrieLogitsProcessor(trie, tokenizer, **options)
 
 
 def test_own_loop_with_a_new_prompt_one_token_longer_starts_afresh(model, left_tok, countries):

@@ -2,10 +2,13 @@
 
 Why this exists: a constraint that is built wrong gives wrong answers silently, so every bad input is rejected
 early with an error that names the argument, the entry and the value. All errors subclass both ``TrieDecodeError``
-(catch-all for this package) and the built-in ``ValueError`` or ``TypeError`` users already catch.
+(catch-all for this package) and the built-in ``ValueError`` or ``TypeError`` users already catch. A problem has one
+class at every front door, even one whose refusals have a class of their own (:func:`raised_as`).
 """
 
 from __future__ import annotations
+
+import functools
 
 __all__ = [
     "TrieDecodeError",
@@ -18,6 +21,11 @@ __all__ = [
     "TokenizerNotFoundError",
     "ConstraintConfigError",
     "CatalogUpdateError",
+    "FilterSpecError",
+    "UnknownEntryError",
+    "FilterModeError",
+    "EmptyFilterError",
+    "raised_as",
 ]
 
 
@@ -72,3 +80,34 @@ class ConstraintConfigError(TrieDecodeError, ValueError):
 class CatalogUpdateError(TrieDecodeError, ValueError):
     """A live catalog change names an entry the catalog does not hold, or does not fit the base trie (names,
     keys, tokenizer)."""
+
+
+class FilterSpecError(ConstraintConfigError, TypeError):
+    """A filter is no list of entry keys or indices (a string, a number, a 2-D array, a bool or float item)."""
+
+
+class UnknownEntryError(ConstraintConfigError):
+    """A filter names a key the trie never held, or an index (an entry number) outside its entries."""
+
+
+class FilterModeError(ConstraintConfigError):
+    """Filters are given with ``on_complete="release"``: a released row is unconstrained."""
+
+
+class EmptyFilterError(ConstraintConfigError):
+    """A filter leaves no entry: nothing could be generated."""
+
+
+@functools.lru_cache(maxsize=None)
+def raised_as(kind: type, front: type) -> type:
+    """The class a front door raises for the problem ``kind`` (:class:`UnknownEntryError`, ...) when its refusals
+    have a class of their own, ``front`` (a vLLM request's ``TrieRequestError``, its HTTP 400): one that is both, so
+    that a problem has one class at every front door and ``except front`` still catches it. Made once per pair."""
+    if issubclass(kind, front):
+        return kind
+    body = {"__module__": front.__module__, "__reduce__": lambda self: (_rebuilt, (kind, front, self.args))}
+    return type(kind.__name__, (kind, front), body)  # pickled as what it is: (kind, front, message)
+
+
+def _rebuilt(kind: type, front: type, args: tuple) -> Exception:
+    return raised_as(kind, front)(*args)

@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 from .errors import ConstraintConfigError, InvalidEntryError, InvalidTokenError
-from .filters import restricted_trie
+from .filters import restricted_trie, spec_items
 from .spans import FREE
 from .text_spans import EndTokens, TextTriggers, TokenTriggers, Trigger, end_token_table, vocabulary_bytes
 from .tokenizers import byte_piece_ids, spelling_ids, token_bytes, tokenize_in_context, tokenizer_vocab_size
@@ -101,9 +101,9 @@ class Span:
             raise ConstraintConfigError(f"Span.escape must be one of {ESCAPES}, got {self.escape!r}")
         object.__setattr__(self, "escape", escape)
         check_values(self.values, "Span.values")
-        for name in ("allow", "deny"):
-            if isinstance(getattr(self, name), (str, bytes)):
-                raise ConstraintConfigError(f"Span.{name} must be a list of entry keys or indices, not a single string")
+        for name in ("allow", "deny"):  # the spec rule of every filter (trie_decode.filters)
+            if getattr(self, name) is not None:
+                spec_items(getattr(self, name), f"Span.{name}")
 
     @property
     def after_text(self) -> str:

@@ -33,6 +33,7 @@ import itertools
 import threading
 import weakref
 from collections import OrderedDict
+from collections.abc import Collection, Mapping
 from typing import Any, NamedTuple, Optional, Sequence
 
 import numpy as np
@@ -40,14 +41,15 @@ import torch
 
 from .catalogs import item_entries, item_key_table
 from .entries import Entry, filter_number_map, retired_key_table
-from .errors import ConstraintConfigError
+from .errors import ConstraintConfigError, EmptyFilterError, FilterSpecError, UnknownEntryError, raised_as
 from .kernels.rules import NEG_INF, floor_rule, kept_alive
 from .options import check_filter_mode, check_positive, given_filters, filter_rows, prompt_filters
 from .options import is_per_row  # the per-row rule (trie_decode.options), part of this module's API
 from .spans import completes_entry
 from .trie import TokenTrie
 
-__all__ = ["EntryOrder", "KeyIndex", "NodeFlags", "RowFilters", "entry_indices", "spec_items", "restricted_trie", "Restriction", "restriction", "filtered_tries",
+__all__ = ["EntryOrder", "KeyIndex", "NodeFlags", "RowFilters", "entry_indices", "spec_items",
+           "check_allow_leaves_entries", "restricted_trie", "Restriction", "restriction", "filtered_tries",
            "filtered_restrictions", "ItemGroups", "is_per_row", "apply_filters_", "distinct_capacity",
            "CHILD_EXCLUDED", "END_EXCLUDED", "usable_count", "filter_bits"]
 
@@ -283,7 +285,7 @@ def restriction(trie: TokenTrie, allow: Any = None, deny: Any = None, what: str 
     if keep.all():
         return Restriction(trie, trie, None)
     if not keep.any():
-        raise ConstraintConfigError(f"{what}: allow and deny leave none of the {trie.num_entries} entries")
+        raise EmptyFilterError(f"{what}: allow and deny leave none of the {trie.num_entries} entries")
     kept = np.flatnonzero(keep)
     return Restriction(trie.subset(kept), trie, kept)
 
@@ -385,23 +387,26 @@ def spec_items(spec: Any, what: str, numbers: str = "entry indices",
                error: type = ConstraintConfigError) -> tuple[list[Any], list[int]]:
     """The keys (str) and the entry numbers (int) a filter spec names, each in its order: the one rule of a spec, for
     a trie (:func:`entry_indices`), for a live catalog (:meth:`~trie_decode.live.CatalogView.entry_indices`) and for
-    a vLLM request's filter. A spec is a list (or a 1-D array) of keys, of numbers, or of both mixed. Refused with a
-    named error: a single string (a list of its characters is never what was meant), an array that is not 1-D (a
-    2-D array is one spec per prompt, which only a front door that takes per-prompt filters reads as such:
+    a vLLM request's filter. A spec is a collection (a list, a 1-D array) of keys, of numbers, or of both mixed.
+    Refused with a ``FilterSpecError``: a single string (a list of its characters is never what was meant), what is
+    no collection or a mapping (a number; an iterator, which a filter reads twice), a torch tensor, an array that is
+    not 1-D (a 2-D array is one spec per prompt, which only a front door that takes per-prompt filters reads as such:
     :func:`~trie_decode.options.is_per_row`) and an item that is neither (a bool, a float, None).
 
     Args:
         numbers: what the caller's numbers are called in errors (``"entry indices"``, ``"entry numbers"``).
-        error: the caller's error class (a vLLM request's ``TrieRequestError``).
+        error: the caller's error class (a vLLM request's ``TrieRequestError``): the error is one too.
     """
-    if isinstance(spec, (str, bytes)):
-        raise error(f"{what} must be a list of entry keys or {numbers}, got the string {spec!r:.60}")
+    fail = raised_as(FilterSpecError, error)
+    if isinstance(spec, (str, bytes, Mapping)) or not isinstance(spec, Collection):
+        got = f"the string {spec!r:.60}" if isinstance(spec, (str, bytes)) else f"{type(spec).__name__} {spec!r:.40}"
+        raise fail(f"{what} must be a list of entry keys or {numbers}, got {got}")
     if isinstance(spec, torch.Tensor):
-        raise error(f"{what} must be a list (or numpy array) of entry keys or {numbers}, got a torch tensor of shape "
-                    f"{tuple(spec.shape)}: pass its .tolist() or .numpy()")
+        raise fail(f"{what} must be a list (or numpy array) of entry keys or {numbers}, got a torch tensor of shape "
+                   f"{tuple(spec.shape)}: pass its .tolist() or .numpy()")
     if isinstance(spec, np.ndarray) and spec.ndim != 1:
-        raise error(f"{what} must be one list (or 1-D array) of entry keys or {numbers}, got an array of shape "
-                    f"{spec.shape}: it takes one filter here, not one per prompt")
+        raise fail(f"{what} must be one list (or 1-D array) of entry keys or {numbers}, got an array of shape "
+                   f"{spec.shape}: it takes one filter here, not one per prompt")
     items = spec.tolist() if isinstance(spec, np.ndarray) else list(spec)
     kinds = set(map(type, items))
     if all(issubclass(k, str) for k in kinds):
@@ -412,8 +417,18 @@ def spec_items(spec: Any, what: str, numbers: str = "entry indices",
     nums = [x for x in items if not isinstance(x, str)]
     for x in nums:
         if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)):
-            raise error(f"{what} must hold entry keys (str) or {numbers} (int), got {x!r:.40}")
+            raise fail(f"{what} must hold entry keys (str) or {numbers} (int), got {x!r:.40}")
     return keys, nums
+
+
+def check_allow_leaves_entries(usable: Optional[int], what: str = "allow", deny: str = "deny",
+                               error: type = ConstraintConfigError) -> None:
+    """The empty-filter rule of every front door: an allow filter must leave an entry once the denied ones are taken
+    out (``usable``: how many it leaves; None: no allow filter), or nothing could be generated (a deny filter alone
+    may deny every entry: the row can only end). ``what``, ``deny``: the options as the caller passed them; ``error``:
+    as for :func:`spec_items`."""
+    if usable == 0:
+        raise raised_as(EmptyFilterError, error)(f"{what} leaves no entry (after {deny}): nothing could be generated")
 
 
 def entry_indices(trie: TokenTrie, spec: Any, what: str) -> np.ndarray:
@@ -441,8 +456,8 @@ def entry_indices(trie: TokenTrie, spec: Any, what: str) -> np.ndarray:
         if numbers is not None and idx.size:
             if idx.min() < 0 or idx.max() >= len(numbers):
                 bad = int(idx[(idx < 0) | (idx >= len(numbers))][0])
-                raise ConstraintConfigError(f"{what}: entry number {bad} is outside the catalog's {len(numbers)} "
-                                            "entry numbers")
+                raise UnknownEntryError(f"{what}: entry number {bad} is outside the catalog's {len(numbers)} "
+                                        "entry numbers")
             idx = numbers[idx]
             idx = idx[idx >= 0]  # removed entries
         if keys:
@@ -453,7 +468,7 @@ def entry_indices(trie: TokenTrie, spec: Any, what: str) -> np.ndarray:
             _MADE_HERE.put((idx,), int(idx.max()) if idx.size else -1)
     if idx.size and (idx.min() < 0 or idx.max() >= trie.num_entries):
         bad = int(idx[(idx < 0) | (idx >= trie.num_entries)][0])
-        raise ConstraintConfigError(f"{what}: entry index {bad} is outside the trie's {trie.num_entries} entries")
+        raise UnknownEntryError(f"{what}: entry index {bad} is outside the trie's {trie.num_entries} entries")
     return idx
 
 
@@ -531,8 +546,7 @@ class KeyIndex:
         if None in found:
             missing = [x for x, i in zip(keys, found) if i is None and x not in self.retired]
             if missing:
-                raise ConstraintConfigError(
-                    f"{what}: {len(missing)} keys are not entries of the trie, e.g. {missing[:3]}")
+                raise UnknownEntryError(f"{what}: {len(missing)} keys are not entries of the trie, e.g. {missing[:3]}")
             found = [i for i in found if i is not None]  # removed entries' keys name nothing
         idx = np.array(found, dtype=np.int64)
         if self.more:
@@ -695,8 +709,7 @@ class RowFilters:
         self.sentinel = sentinel
         has_allow = np.array([a is not None for a in allow_r], dtype=np.bool_)
         for i, a in enumerate(allow_r):
-            if a is not None and len(a) == 0:
-                raise ConstraintConfigError(f"row {i}: the allow filter is empty: nothing could be generated")
+            check_allow_leaves_entries(None if a is None else len(a), "allow" if r == 1 else f"row {i}: allow")
         # Rows that share one filter (a request's beams, one spec for every prompt) keep one copy: a (1, K) set is
         # searched by every row, which is also cheaper than R copies.
         shared = not capacity and r > 0 and all(a is allow_r[0] for a in allow_r) and all(

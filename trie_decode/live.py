@@ -57,7 +57,8 @@ from .device import DeviceTrie
 from .catalogs import compacted_items
 from .entries import NUMBER_ENTRY, RETIRED_KEYS_BLOB, RETIRED_KEYS_OFFSETS, Entry, StringTable, catalog_key_table
 from .entries import retired_key_table
-from .errors import CatalogUpdateError, ConstraintConfigError, EmptyTrieError, TrieFileError
+from .errors import (CatalogUpdateError, ConstraintConfigError, EmptyTrieError, FilterModeError, TrieFileError,
+                     UnknownEntryError)
 from .fileio import check_vectors, read_arrays, write_arrays
 from .filters import EntryOrder, KeyIndex, RowFilters, spec_items
 from .options import row_specs
@@ -675,14 +676,14 @@ class CatalogView:
                 if not hits_b and not hits_d and not base_keys.knows(x) and x not in snap.retired:
                     missing.append(x)
             if missing:
-                raise ConstraintConfigError(
+                raise UnknownEntryError(
                     f"{what}: {len(missing)} keys are not entries of the catalog and never were (check their "
                     f"spelling), e.g. {missing[:3]}")
         for x in numbers:
             i = int(x)
             if not 0 <= i < nb + len(added):
-                raise ConstraintConfigError(f"{what}: entry number {i} is outside the snapshot's {nb + len(added)} "
-                                            "entry numbers")
+                raise UnknownEntryError(f"{what}: entry number {i} is outside the snapshot's {nb + len(added)} "
+                                        "entry numbers")
             (base_idx if i < nb else delta_idx).append(i if i < nb else i - nb)
         record = self.record
         base = record.base_entries(np.unique(np.asarray(base_idx, dtype=np.int64)))
@@ -721,7 +722,7 @@ class CatalogView:
             if not self.deny.size:
                 return None
             if constraint.rules.on_complete == "release":
-                raise ConstraintConfigError(
+                raise FilterModeError(
                     '"release" mode takes no filter, and this view denies removed entries: take the view with '
                     "CatalogSnapshot.view(rules), which compacts the snapshot for it")
             key = (str(constraint.device), constraint.kernel.name, int(num_rows))
@@ -747,13 +748,9 @@ class CatalogView:
 
             return [one(s) for s in row_specs(spec, num_rows, what)]
 
-        allow_rows, deny_rows = rows_of(allow, "allow"), rows_of(deny, "deny")
-        for i, (a, d) in enumerate(zip(allow_rows, deny_rows)):
-            if a is not None and (not a.size or (d is not None and np.isin(a, d, assume_unique=True).all())):
-                raise ConstraintConfigError(
-                    f"row {i}: the allow filter holds no entry the catalog serves now (removed, denied, or added "
-                    "and not compacted yet): nothing could be generated")
-        return constraint.filters(num_rows, allow_rows, deny_rows, distinct=distinct, max_entries=max_entries)
+        # An allow filter that leaves no entry (removed, denied, added and not compacted yet) is the filters' refusal.
+        return constraint.filters(num_rows, rows_of(allow, "allow"), rows_of(deny, "deny"), distinct=distinct,
+                                  max_entries=max_entries)
 
     def __repr__(self) -> str:
         return (f"CatalogView({self.snapshot!r}, trie of {self.trie.num_entries} entries, denied={len(self.deny)}, "

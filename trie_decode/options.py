@@ -29,6 +29,7 @@ The rules, and who calls them:
                      parsing; :func:`check_distinct` (``distinct`` is a bool and needs "repeat"; ``max_entries``
                      only with it, positive, :data:`DEFAULT_MAX_ENTRIES` when not given):
                      ``TrieLogitsProcessor``, ``TrieConstraint.filters``, so every front door that filters;
+                     :func:`check_no_distinct` (what makes none names it): ``rank``, ``fast_forward_generate``;
                      :func:`check_positive` (a positive integer): ``max_entries``, ``distinct_capacity``'s token
                      budget.
     sources          :func:`check_one_source` (exactly one of ``tries``/``trie``, ``spans``, ``template``),
@@ -69,12 +70,13 @@ from __future__ import annotations
 
 import shlex
 from dataclasses import dataclass
+from collections.abc import Collection, Mapping
 from typing import Any, NoReturn, Optional, Sequence, Union
 
 import numpy as np
 import torch
 
-from .errors import ConstraintConfigError
+from .errors import ConstraintConfigError, FilterModeError, raised_as
 
 __all__ = [
     "OptionNames",
@@ -100,6 +102,7 @@ __all__ = [
     "rule_args",
     "check_filter_mode",
     "check_distinct",
+    "check_no_distinct",
     "DEFAULT_MAX_ENTRIES",
     "check_positive",
     "check_one_source",
@@ -160,8 +163,9 @@ class OptionNames:
             return f"{self(key)}={value!r}"
         return self(key) if value is True else f"{self(key)} {shlex.quote(str(value))}"
 
-    def fail(self, message: str) -> NoReturn:
-        raise self.error(message)
+    def fail(self, message: str, kind: Optional[type] = None) -> NoReturn:
+        """Refuse: as ``kind`` when the problem has a class of its own (:func:`~trie_decode.errors.raised_as`)."""
+        raise raised_as(kind or self.error, self.error)(message)
 
 
 #: Python keyword arguments (``TrieLogitsProcessor``, ``fast_forward_generate``, ``SpanRules``, ...) inside a phrase:
@@ -375,7 +379,7 @@ def check_filter_mode(on_complete: str, given: Sequence[str], names: OptionNames
     if given and on_complete == "release":
         filters = ", ".join(names(k) for k in given)
         names.fail(f'filters ({filters}) need on_complete="eos" or "repeat", not {names("on_complete")}='
-                   f"{on_complete!r} (a released row is unconstrained)")
+                   f"{on_complete!r} (a released row is unconstrained)", FilterModeError)
 
 
 #: How many entries a distinct list holds when ``max_entries`` is not given.
@@ -411,6 +415,16 @@ def check_distinct(on_complete: str, distinct: Any, max_entries: Any, names: Opt
         return DEFAULT_MAX_ENTRIES
     check_positive(max_entries, "max_entries", names)
     return int(max_entries)
+
+
+def check_no_distinct(caller: str, given: Collection, why: str) -> None:
+    """``caller`` makes no distinct list: ``distinct``/``max_entries`` among its keyword arguments ``given`` are
+    refused by name, with what makes one (passed on, ``generate`` refuses them as unused model kwargs, no fix)."""
+    asked = " or ".join(f"{k}=" for k in ("distinct", "max_entries") if k in given)
+    if asked:
+        raise ConstraintConfigError(f"{caller} does not take {asked} ({why}): a distinct list is made by "
+                                    "model.generate(..., logits_processor=[TrieLogitsProcessor(trie, "
+                                    "on_complete='repeat', separator=..., distinct=True)])")
 
 
 def check_positive(value: Any, key: str, names: OptionNames = KEYWORDS) -> None:
@@ -473,8 +487,8 @@ def check_instance(value: Any, kind: type, key: str, names: OptionNames = KEYWOR
 # ------------------------------------------------------------------------------------------------- per-row expansion
 def is_per_row(spec: Any) -> bool:
     """True when a filter spec is one spec per row or prompt (a list of lists, arrays or None, or a 2-D numpy array:
-    one row per prompt), not one for all (a list or a 1-D array; an array of another shape is refused where it is
-    read: :func:`trie_decode.filters.spec_items`).
+    one row per prompt), not one for all (a list or a 1-D array; an array of another shape, or what is no
+    collection, is refused where it is read: :func:`trie_decode.filters.spec_items`).
 
     Example:
         >>> is_per_row(["a", "b"]), is_per_row([["a"], None]), is_per_row(None)
@@ -484,8 +498,8 @@ def is_per_row(spec: Any) -> bool:
     """
     if isinstance(spec, np.ndarray):
         return spec.ndim == 2
-    if spec is None or isinstance(spec, (str, bytes)):
-        return False
+    if not isinstance(spec, Collection) or isinstance(spec, (str, bytes, Mapping)):
+        return False  # None, or no filter at all (refused where it is read)
     items = list(spec)
     return bool(items) and all(x is None or isinstance(x, (list, tuple, np.ndarray)) for x in items)
 
