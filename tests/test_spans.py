@@ -345,3 +345,15 @@ def test_the_model_writing_the_space_alone_enters_only_where_a_value_begins_with
         if allowed:  # on the value's own path: the digits follow
             s = c.advance(s, torch.tensor([space]))
             assert int(s.node[0]) == fields.start_node(0) > 0
+
+
+def test_a_trie_that_starts_before_the_space_but_lost_its_lone_space_form_is_refused(tokenizer):
+    """A span trie built for ``after="Final answer: "`` cut down to its spaced form only would leave a prompt ending
+    with the space nowhere to start (an unconstrained row): refused when the rules are made."""
+    from trie_decode.fields import FieldRules
+
+    tries, _ = FieldRules.build([Span(["Berlin", "Paris"], after="Final answer: ", end=None)], tokenizer)
+    vocab = vocabulary_bytes(tokenizer)
+    spaced = [e for e, seq in enumerate(tries[0].sequences()) if vocab[int(seq[0])] != b" "]
+    with pytest.raises(ConstraintConfigError, match="holds no value after that space alone"):
+        FieldRules.build([Span(tries[0].subset(spaced), after="Final answer: ", end=None)], tokenizer)

@@ -372,6 +372,11 @@ class FieldRules:
         for trie in tries:
             tokens, nodes = trie.children(trie.root)
             self.root_by_bytes.append({bytes(vocab[int(t)]): int(n) for t, n in zip(tokens, nodes) if int(t) < len(vocab)})
+        for k, lead in enumerate(self.leads):  # a prompt ending with the space starts on the lone-space form
+            if lead and lead not in self.root_by_bytes[k]:
+                raise ConstraintConfigError(
+                    f"span {k}'s trie starts before the space that ends its after text (options['lead']) but holds "
+                    "no value after that space alone: build it with Span(values=[...strings]), not a subset of one")
         self._vocab = vocab
         self._dead: dict[int, np.ndarray] = {}
         self._dead_flag = np.full(triggers.num_states, -1, dtype=np.int8)  # per state: has dead tokens (-1: unknown)
