@@ -214,18 +214,18 @@ def value_trie(values: Union[TokenTrie, Sequence[str]], tokenizer: Any, context:
                 + (f"; {' or '.join(fixes)}" if fixes else "")
             )
     vocab = token_bytes(tokenizer)
-    seqs = _value_ids(texts, tokenizer, context, vocab)
     options: dict[str, Any] = {}
-    if lead:
-        spaced = _value_ids([lead + t for t in texts], tokenizer, context[:-len(lead)], vocab)
+    if not lead:
+        seqs = _value_ids(texts, tokenizer, context, vocab)
+    else:
+        seqs = _value_ids([lead + t for t in texts], tokenizer, context[:-len(lead)], vocab)
         if entered_after_lead:
             space = spelling_ids(lead.encode("utf-8"), vocab, avoid=set(byte_piece_ids(tokenizer, range(len(vocab)))))
             if space is None or len(space) != 1:
                 raise InvalidEntryError(f"no single token of this vocabulary writes the space that ends {context!r:.60}")
-            options = {"lead": lead, "lead_alone": any(seq[:1] == space for seq in spaced)}
-            seqs, names = spaced + [space + seq for seq in seqs], names + names
-        else:
-            seqs = spaced
+            options = {"lead": lead, "lead_alone": any(seq[:1] == space for seq in seqs)}
+            alone = _value_ids(texts, tokenizer, context, vocab)
+            seqs, names = seqs + [space + seq for seq in alone], names + names
     return TokenTrie.from_sequences(seqs, vocab_size=tokenizer_vocab_size(tokenizer), names=names, options=options)
 
 
