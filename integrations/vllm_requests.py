@@ -62,6 +62,7 @@ from typing import Any, Awaitable, Callable, Collection, Hashable, MutableMappin
 import numpy as np
 
 from trie_decode.constraint import SpanRules, check_stop_tokens_outside_entries
+from trie_decode.entries import filter_number_map
 from trie_decode.errors import ConstraintConfigError, TrieDecodeError, raised_as
 from trie_decode.fields import ESCAPES, FieldRules, Span
 from trie_decode.templates import Template, template_slots
@@ -999,7 +1000,8 @@ class TrieResolver:
         except TrieDecodeError as exc:  # the filter rule's own class, and a request's
             raise raised_as(type(exc), TrieRequestError)(str(exc)) from exc
         check_allow_leaves_entries(None if allow is None else len(np.setdiff1d(allow, () if deny is None else deny)),
-                                   "extra_args['allow']", "extra_args['deny']", TrieRequestError)
+                                   "extra_args['allow']", "extra_args['deny']", TrieRequestError,
+                                   live=filter_number_map(trie.extra) is not None)
         return allow, deny
 
 

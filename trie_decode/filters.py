@@ -421,14 +421,22 @@ def spec_items(spec: Any, what: str, numbers: str = "entry indices",
     return keys, nums
 
 
+#: Why a live catalog's allow filter may name entries and still leave none (:func:`check_allow_leaves_entries`).
+LIVE_ALLOW_HINT = ("the catalog is live: its removed entries name nothing, nor do entries added since its last "
+                   "compaction until that compaction is done")
+
+
 def check_allow_leaves_entries(usable: Optional[int], what: str = "allow", deny: str = "deny",
-                               error: type = ConstraintConfigError) -> None:
+                               error: type = ConstraintConfigError, live: bool = False) -> None:
     """The empty-filter rule of every front door: an allow filter must leave an entry once the denied ones are taken
     out (``usable``: how many it leaves; None: no allow filter), or nothing could be generated (a deny filter alone
     may deny every entry: the row can only end). ``what``, ``deny``: the options as the caller passed them; ``error``:
-    as for :func:`spec_items`."""
+    as for :func:`spec_items`; ``live``: the trie stands for a live catalog's snapshot (the message says why named
+    entries may be missing, :data:`LIVE_ALLOW_HINT`)."""
     if usable == 0:
-        raise raised_as(EmptyFilterError, error)(f"{what} leaves no entry (after {deny}): nothing could be generated")
+        why = f" ({LIVE_ALLOW_HINT})" if live else ""
+        raise raised_as(EmptyFilterError, error)(f"{what} leaves no entry (after {deny}): nothing could be "
+                                                 f"generated{why}")
 
 
 def entry_indices(trie: TokenTrie, spec: Any, what: str) -> np.ndarray:

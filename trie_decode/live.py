@@ -57,10 +57,10 @@ from .device import DeviceTrie
 from .catalogs import compacted_items
 from .entries import NUMBER_ENTRY, RETIRED_KEYS_BLOB, RETIRED_KEYS_OFFSETS, Entry, StringTable, catalog_key_table
 from .entries import retired_key_table
-from .errors import (CatalogUpdateError, ConstraintConfigError, EmptyTrieError, FilterModeError, TrieFileError,
-                     UnknownEntryError)
+from .errors import (CatalogUpdateError, ConstraintConfigError, EmptyFilterError, EmptyTrieError, FilterModeError,
+                     TrieFileError, UnknownEntryError)
 from .fileio import check_vectors, read_arrays, write_arrays
-from .filters import EntryOrder, KeyIndex, RowFilters, spec_items
+from .filters import LIVE_ALLOW_HINT, EntryOrder, KeyIndex, RowFilters, spec_items
 from .options import row_specs
 from .trie import TokenTrie
 
@@ -748,9 +748,11 @@ class CatalogView:
 
             return [one(s) for s in row_specs(spec, num_rows, what)]
 
-        # An allow filter that leaves no entry (removed, denied, added and not compacted yet) is the filters' refusal.
-        return constraint.filters(num_rows, rows_of(allow, "allow"), rows_of(deny, "deny"), distinct=distinct,
-                                  max_entries=max_entries)
+        try:
+            return constraint.filters(num_rows, rows_of(allow, "allow"), rows_of(deny, "deny"), distinct=distinct,
+                                      max_entries=max_entries)
+        except EmptyFilterError as exc:  # the filters' refusal; removed or pending entries may be why
+            raise type(exc)(f"{exc} ({LIVE_ALLOW_HINT})") from None
 
     def __repr__(self) -> str:
         return (f"CatalogView({self.snapshot!r}, trie of {self.trie.num_entries} entries, denied={len(self.deny)}, "
