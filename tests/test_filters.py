@@ -850,12 +850,39 @@ def test_item_groups_follow_the_key_index():
     keyed = TokenTrie.from_sequences([[5], [9], [6, 7], [8]], vocab_size=12, keys=["x", "y", "x", "x"])
     groups = ItemGroups.of(keyed)
     rank = EntryOrder.of(keyed).rank
-    assert groups.width == 3 and groups.members.tolist() == [sorted(rank[[0, 2, 3]].tolist())]
-    assert groups.group[rank[1]] == -1 and groups.room(1) == 3 and groups.room(2) == 4 and groups.room(9) == 4
+    assert groups.width == 3 and groups.size[rank].tolist() == [3, 1, 3, 3]
+    assert groups.size[rank[1]] == 1 and groups.room(1) == 3 and groups.room(2) == 4 and groups.room(9) == 4
+    mixed = TokenTrie.from_sequences([[5], [9], [6, 7], [8], [10], [11]], vocab_size=12,
+                                     keys=["x", "y", "x", "x", "y", "z"])
+    rank = EntryOrder.of(mixed).rank
+    mates = ItemGroups.of(mixed).mates(torch.as_tensor(rank), pad=6).tolist()
+    x, y = sorted(rank[[0, 2, 3]].tolist()), sorted(rank[[1, 4]].tolist())
+    assert mates == [x, y + [6], x, x, y + [6], [rank[5], 6, 6]]  # each entry's item, padded to the widest
     named = TokenTrie.from_sequences([[5], [6]], vocab_size=12, names=["p", "p"])
     assert ItemGroups.of(named).width == 2
     bare = TokenTrie.from_sequences([[5], [6]], vocab_size=12)
     assert ItemGroups.of(bare).width == 1 and ItemGroups.of(bare).room(2) == 2
+
+
+def test_item_groups_hold_one_slot_per_entry_however_wide_the_widest_group():
+    """An entity with 2,000 aliases beside 9,000 pairs: the groups take O(entries) memory (padded to the widest group
+    they took 144 MB), and each entry's item is still all of its group's ranks."""
+    from trie_decode.filters import EntryOrder, ItemGroups
+
+    n = 20_000
+    seqs = [[1 + i // 1000, 1 + i % 1000] for i in range(n)]
+    keys = ["Q0"] * 2_000 + [f"Q{1 + i // 2}" for i in range(n - 2_000)]
+    trie = TokenTrie.from_sequences(seqs, vocab_size=1_001, keys=keys)
+    groups = ItemGroups.of(trie)
+    held = sum(a.nbytes for a in vars(groups).values() if isinstance(a, np.ndarray))
+    assert groups.width == 2_000 and held <= 4 * 8 * n
+    rank = EntryOrder.of(trie).rank
+    mates = groups.mates(torch.as_tensor(rank[[7, 2_000, 2_001, 2_002]]), pad=n)
+    assert mates.shape == (4, 2_000)
+    assert mates[0].tolist() == sorted(rank[:2_000].tolist())
+    pair = sorted(rank[[2_000, 2_001]].tolist())
+    assert mates[1, :2].tolist() == mates[2, :2].tolist() == pair and (mates[1:3, 2:] == n).all()
+    assert mates[3, :2].tolist() == sorted(rank[[2_002, 2_003]].tolist())
 
 
 # ------------------------------------------------------------------------------- one trie per prompt, filtered

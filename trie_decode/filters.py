@@ -570,29 +570,35 @@ class ItemGroups:
     a group, it holds them all: every rank of the group is denied to the row (:meth:`RowFilters.add_denied`), the
     data the filter kernels read. Built once per trie, vectorized (a few passes over the keys of several entries).
 
+    Groups are stored flat, not padded to the largest: an entry with a thousand aliases must not cost a thousand
+    slots for every other group.
+
     Attributes:
-        group: each rank's group (a row of :attr:`members`), -1 for a rank that is its own item. Shape: (E,), int64.
-        members: each group's ranks, ascending, padded with E (above every rank). Shape: (K, G), int64.
-        width: G, the largest group's size (1 when every entry is its own item).
+        flat: every rank, each group's ranks contiguous and ascending (an entry of its own is a group of one).
+            Shape: (E,), int64.
+        first, size: per rank, where its group starts in :attr:`flat` and how many ranks it holds. Shape: (E,), int64.
+        width: G, the largest group's size (1 when every entry is its own item; the arrays are then empty).
 
     Example:
         >>> from trie_decode import TokenTrie
         >>> trie = TokenTrie.from_sequences([[5], [6], [7]], vocab_size=8, keys=["fr", "de", "fr"])
         >>> groups = ItemGroups.of(trie)
-        >>> groups.width, groups.members.tolist(), groups.room(1), groups.room(2)   # entries 0 and 2 rank 0 and 2
-        (2, [[0, 2]], 2, 3)
+        >>> groups.width, groups.size.tolist(), groups.room(1), groups.room(2)   # entries 0 and 2 rank 0 and 2
+        (2, [2, 1, 2], 2, 3)
+        >>> import torch
+        >>> groups.mates(torch.tensor([2, 1]), pad=3).tolist()
+        [[0, 2], [1, 3]]
     """
 
     def __init__(self, trie: TokenTrie) -> None:
-        e = trie.num_entries
+        e = self.num_entries = trie.num_entries
         shared: list[list[int]] = []
         if item_key_table(trie) is not None or trie._keys is not None or trie._names is not None:
             shared = list(KeyIndex.of(trie).more.values())  # each key that several entries carry: its entries
-        self.group = np.full(e, -1, dtype=np.int64)
-        self.members = np.zeros((0, 1), dtype=np.int64)
+        self.flat = self.first = self.size = np.zeros(0, dtype=np.int64)
         self.width = 1
-        self._sizes = np.zeros(0, dtype=np.int64)  # the groups' sizes, largest first
-        self._device: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._sizes = np.zeros(0, dtype=np.int64)  # the sizes of the groups of several entries, largest first
+        self._device: dict[str, tuple[torch.Tensor, ...]] = {}
         if not shared:
             return
         sizes = np.fromiter(map(len, shared), dtype=np.int64, count=len(shared))
@@ -608,18 +614,14 @@ class ItemGroups:
             if np.array_equal(new, label):
                 break
             label = new
-        counts = np.bincount(label, minlength=e)
-        entries = np.flatnonzero(counts[label] > 1)
-        roots, ranks = label[entries], EntryOrder.of(trie).rank[entries]
-        by = np.lexsort((ranks, roots))
-        roots, ranks = roots[by], ranks[by]
-        _, first, sizes = np.unique(roots, return_index=True, return_counts=True)
-        gid = np.repeat(np.arange(len(sizes), dtype=np.int64), sizes)
+        rank = EntryOrder.of(trie).rank
+        by = np.lexsort((rank, label))
+        self.flat = rank[by]
+        _, first, sizes = np.unique(label[by], return_index=True, return_counts=True)
+        self.first, self.size = np.empty(e, dtype=np.int64), np.empty(e, dtype=np.int64)
+        self.first[self.flat], self.size[self.flat] = np.repeat(first, sizes), np.repeat(sizes, sizes)
         self.width = int(sizes.max())
-        self.members = np.full((len(sizes), self.width), e, dtype=np.int64)
-        self.members[gid, np.arange(len(ranks)) - first[gid]] = ranks
-        self.group[ranks] = gid
-        self._sizes = np.sort(sizes)[::-1].astype(np.int64)
+        self._sizes = np.sort(sizes[sizes > 1])[::-1].astype(np.int64)
 
     @classmethod
     def of(cls, trie: TokenTrie) -> "ItemGroups":
@@ -629,16 +631,26 @@ class ItemGroups:
     def room(self, items: int) -> int:
         """The most ranks a list of ``items`` items denies: the sizes of the ``items`` largest groups (an entry of
         its own is a group of one)."""
-        singles = len(self.group) - int(self._sizes.sum())
+        singles = self.num_entries - int(self._sizes.sum())
         big = self._sizes[:items]
         return int(big.sum()) + min(max(items - len(big), 0), singles)
 
-    def on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(group, members) as int64 tensors on ``device`` (cached)."""
+    def on(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """(flat, first, size) as int64 tensors on ``device`` (cached)."""
         key = str(device)
         if key not in self._device:
-            self._device[key] = (torch.from_numpy(self.group).to(device), torch.from_numpy(self.members).to(device))
+            self._device[key] = tuple(torch.from_numpy(a).to(device) for a in (self.flat, self.first, self.size))
         return self._device[key]
+
+    def mates(self, ranks: torch.Tensor, pad: int) -> torch.Tensor:
+        """The ranks that are one item with each of ``ranks`` (itself included), ascending, padded with ``pad``.
+        Fixed shape: (R, G), int64."""
+        if self.width == 1:
+            return ranks.unsqueeze(1)
+        flat, first, size = self.on(ranks.device)
+        j = torch.arange(self.width, device=ranks.device)
+        at = (first[ranks].unsqueeze(1) + j).clamp(max=self.num_entries - 1)
+        return torch.where(j < size[ranks].unsqueeze(1), flat[at], pad)
 
 
 class RowFilters:
@@ -907,11 +919,7 @@ class RowFilters:
         padded with the sentinel. Shape: (R, G), int64; G = 1 (``ranks`` itself) when every entry is its own item."""
         if self._same_item is None:
             return ranks.unsqueeze(1)
-        group, members = self._same_item.on(ranks.device)
-        g = group[ranks]
-        alone = torch.full((len(ranks), members.shape[1]), self.sentinel, dtype=ranks.dtype, device=ranks.device)
-        alone[:, 0] = ranks
-        return torch.where((g >= 0).unsqueeze(1), members[g.clamp(min=0)], alone)
+        return self._same_item.mates(ranks, self.sentinel)
 
     def add_denied(self, ranks: torch.Tensor, where: torch.Tensor) -> None:
         """Deny rank ``ranks[i]`` in row i where ``where[i]`` (a completed entry of a distinct list), with every rank
