@@ -320,16 +320,16 @@ class _SlotTable:
         try:
             req: TrieRequest = parse_trie_request(extra)  # type: ignore[assignment]
             trie, rules, allow, deny = _engine_constraint(self.resolver, req)
+            key = (req.trie_key(), id(trie), rules)
+            group = self.groups.get(key)
+            if group is None:
+                group = _Group(trie, rules, self.device)
+                self.groups.put(key, group)
         except Exception as exc:  # noqa: BLE001 - never let a request crash the engine core
             # The front-end admitted it, the engine cannot use it (vLLM lets no processor fail one request): end it
             # at once, and tell the operator why (settings that differ between the processes, a changed file).
             self.resolver.refused_in_engine(extra, exc)
             return _Row(group=None, started=True)
-        key = (req.trie_key(), id(trie), rules)
-        group = self.groups.get(key)
-        if group is None:
-            group = _Group(trie, rules, self.device)
-            self.groups.put(key, group)
         t = group.trigger_len
         # V1's history head: the prompt's last len(trigger) tokens before the prefix (the output tokens a
         # fast-forward resubmission appended to the prompt), then the prefix.

@@ -196,16 +196,21 @@ def is_trie_request(extra_args: Optional[dict]) -> bool:
                                  or "template" in extra_args)
 
 
-def _meant_option(key: Any, among: Sequence[str] = OPTION_KEYS) -> Optional[str]:
-    """The option of ``among`` that ``key`` looks like a misspelling of: another case (``"Trie"``), a near match
-    (``"span"``), or one of them with more after it (``"tries"``, ``"denylist"``, ``"allow_list"``); else None."""
+def _meant_option(key: Any, among: Sequence[str] = OPTION_KEYS, near: bool = True) -> Optional[str]:
+    """The option of ``among`` that ``key`` looks like a misspelling of: another case (``"Trie"``), one of them with
+    more after it (``"tries"``, ``"denylist"``, ``"allow_list"``) or without its last letter (``"span"``), or, with
+    ``near``, a near match of a name of five letters or more (``"spanz"``, ``"seperator"``); else None. Shorter names
+    get no near matches: one letter off ``"trie"`` or ``"deny"`` is another word (``"tier"``, ``"time"``, ``"true"``,
+    ``"tree"``), which another processor may take."""
     if not isinstance(key, str):
         return None
     lower = key.lower()
-    close = difflib.get_close_matches(lower, among, n=1, cutoff=0.75)
-    if close:
-        return close[0]
-    return next((name for name in among if len(name) >= 4 and lower.startswith(name)), None)
+    for name in among:
+        if lower == name or (len(name) >= 4 and lower.startswith(name)) or (
+                len(lower) >= 4 and len(name) == len(lower) + 1 and name.startswith(lower)):
+            return name
+    close = difflib.get_close_matches(lower, [n for n in among if len(n) >= 5], n=1, cutoff=0.75) if near else []
+    return close[0] if close else None
 
 
 def check_stray_options(extra_args: Optional[dict]) -> None:
@@ -218,8 +223,8 @@ def check_stray_options(extra_args: Optional[dict]) -> None:
     """
     if not extra_args:
         return
-    for key in extra_args:
-        meant = _meant_option(key, MAIN_KEYS)
+    for key in extra_args:  # not a request of ours: only clear misspellings, other processors' keys pass
+        meant = _meant_option(key, MAIN_KEYS, near=False)
         if meant is not None:
             _fail(f"unknown option extra_args[{key!r}] (did you mean {meant!r}?): without 'trie', 'spans' or "
                   "'template' the request would not be constrained")
@@ -290,6 +295,10 @@ def _spans_option(value: Any, max_entries: int, max_bytes: int, key: str = "span
         escape = item.get("escape", "auto")
         if escape != "auto" and escape not in ESCAPES:
             _fail(f"{what}['escape'] must be 'auto', 'json' or null, got {escape!r:.40}")
+        for name, text in (("after", after), ("end", end)):
+            size = len(text.encode("utf-8", "surrogatepass")) if text is not None and not slots else 0
+            if size > MAX_RULE_LENGTH:
+                _fail(f"{what}[{name!r}] holds {size} bytes of text, over the limit of {MAX_RULE_LENGTH}")
         whitespace = item.get("whitespace", "exact")
         if whitespace not in WHITESPACE_MODES:
             _fail(f"{what}['whitespace'] must be one of {list(WHITESPACE_MODES)}, got {whitespace!r:.40}")
@@ -390,6 +399,11 @@ def _fast_forward_options(extra_args: dict) -> tuple[tuple, int, bool]:
 
 #: The most tokenizations (forms) one inline request may ask for.
 MAX_FORMS = 8
+#: The longest trigger or separator (token ids, or bytes of text) and span ``after`` or ``end`` (bytes) a request may
+#: send: the engine reads a row's last ``len(trigger)`` tokens at every step (a trigger of 50,000 ids cost 24 ms per
+#: step of the whole batch), and the span automaton's build grows faster than the length of its texts (an ``after``
+#: of 10,000 bytes took 8 s, of 40,000 over two minutes, on the front-end's event loop and again in the engine).
+MAX_RULE_LENGTH = 256
 
 
 def _string_forms(extra_args: dict) -> tuple[Any, Any, Optional[str]]:
@@ -499,6 +513,11 @@ def parse_trie_request(
     # Text stays text: the engine's tokenizer tokenizes it when the request is resolved (TrieResolver.rules).
     trigger = text_or_ids(extra_args.get("trigger"), "trigger", EXTRA_ARGS)
     separator = text_or_ids(extra_args.get("separator"), "separator", EXTRA_ARGS)
+    for key, value in (("trigger", trigger), ("separator", separator)):
+        size = len(value.encode("utf-8", "surrogatepass")) if isinstance(value, str) else len(value or ())
+        if size > MAX_RULE_LENGTH:  # text: at most one token per byte
+            _fail(f"extra_args[{key!r}] holds {size} {'bytes of text' if isinstance(value, str) else 'token ids'}, "
+                  f"over the limit of {MAX_RULE_LENGTH}: a {key} is a few tokens")
     check_separator(on_complete, separator is not None, EXTRA_ARGS)
     leading_space, context, normalize = _string_forms(extra_args)
     if (leading_space or context is not None or normalize is not None) and source != "strings":
@@ -722,6 +741,21 @@ def _trie_nbytes(trie: TokenTrie) -> int:
     return total
 
 
+@dataclass(frozen=True)
+class _RequestSpan(Span):
+    """A request's span: its messages name the request's options (``option``: where the span was sent,
+    ``extra_args['spans'][i]``), not :class:`Span`'s keywords."""
+
+    option: str = "extra_args['spans']"
+
+    def value_fixes(self) -> tuple[str, Optional[str]]:
+        return (f"give the span another end ({self.option}['end'])",
+                f"set {self.option}['escape'] to 'json' (the value is then written JSON-escaped)")
+
+    def filter_owner(self) -> str:
+        return self.option
+
+
 class _RequestTemplate(Template):
     """A request's template: its messages name the request's options (a request has no ``escape``)."""
 
@@ -890,8 +924,9 @@ class TrieResolver:
                     template = _RequestTemplate.from_slots(req.payload, {s.after: v for s, v in zip(req.spans, values)})
                     tries, fields = template.build(self.tokenizer, self.end_token_id)
                 else:
-                    spans = [Span(v, after=s.after_pattern(), end=s.end, escape=s.escape, allow=s.allow, deny=s.deny)
-                             for s, v in zip(req.spans, values)]
+                    spans = [_RequestSpan(v, after=s.after_pattern(), end=s.end, escape=s.escape, allow=s.allow,
+                                          deny=s.deny, option=f"extra_args['spans'][{i}]")
+                             for i, (s, v) in enumerate(zip(req.spans, values))]
                     tries, fields = FieldRules.build(spans, self.tokenizer, self.end_token_id)
                 rules = SpanRules(end_token_id=self.end_token_id, on_complete="release", fields=fields)
                 rules.check_vocab(max(self.vocab_size, self.end_token_id + 1))
@@ -920,8 +955,23 @@ class TrieResolver:
     def resolve(self, req: TrieRequest) -> tuple[TokenTrie, SpanRules]:
         """The request's trie and span rules, as the engine core uses them (never refused for cost)."""
         trie, rules = self.trie(req), self.rules(req)
+        self._check_rules_fit(trie, rules)
         self._check_prefix(req, trie)
         return trie, rules
+
+    @staticmethod
+    def _check_rules_fit(trie: TokenTrie, rules: SpanRules) -> None:
+        """The check the request's constraint makes (:class:`TrieConstraint` takes its width from the trie): the end,
+        separator and trigger tokens inside the trie's vocabulary, which a trie file may have built narrower than the
+        engine's. Refused here, as a 400, instead of failing where the engine adds the request."""
+        try:
+            rules.check_vocab(trie.vocab_size)
+        except TrieDecodeError as exc:
+            raise TrieRequestError(
+                f"extra_args['trie']: the trie was built with vocab_size={trie.vocab_size}, too narrow for the request's "
+                f"tokens ({exc}; the end token is the model's EOS): send a trie built with the served model's vocabulary "
+                "size (TokenTrie.from_strings, trie-decode build)"
+            ) from None
 
     @staticmethod
     def _check_prefix(req: TrieRequest, trie: TokenTrie) -> None:
@@ -940,16 +990,27 @@ class TrieResolver:
             >>> stamp = resolver.admit(parse_trie_request({"trie": ["red", "green"]}))      # doctest: +SKIP
         """
         if req.source in ("spans", "template"):
-            self.spans(req, admit=True)
+            tries, rules = self.spans(req, admit=True)
+            for i, trie in enumerate(tries):  # a value the model's EOS would cut (one tree per span, in order)
+                self._check_end_inside(trie, rules.end_token_id,
+                                       "extra_args['slots']" if req.source == "template" else f"extra_args['spans'][{i}]")
             return make_stamp(None)
         trie, origin = self._trie(req, admit=True)
-        try:  # an entry the model's EOS would cut, refused here as a 400 (cached on the trie per stop token)
-            check_stop_tokens_outside_entries(trie, [self.rules(req).end_token_id])
-        except ConstraintConfigError as exc:
-            raise TrieRequestError(f"extra_args['trie']: {exc}") from None
+        rules = self.rules(req)
+        self._check_rules_fit(trie, rules)
+        self._check_end_inside(trie, rules.end_token_id, "extra_args['trie']")
         self._check_prefix(req, trie)
         self.filters(req, trie)
         return make_stamp(origin[:4] if origin is not None else None)
+
+    @staticmethod
+    def _check_end_inside(trie: TokenTrie, end_token_id: int, where: str) -> None:
+        """Refuse, as a 400 naming ``where``, a trie with an entry that holds the model's EOS before its end:
+        generation would stop inside it (cached on the trie per stop token)."""
+        try:
+            check_stop_tokens_outside_entries(trie, [end_token_id])
+        except ConstraintConfigError as exc:
+            raise TrieRequestError(f"{where}: {exc}") from None
 
     def refused_in_engine(self, extra_args: Optional[dict], exc: BaseException) -> str:
         """Record that the engine core refused a request the front-end admitted: count it by cause in

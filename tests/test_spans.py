@@ -91,6 +91,24 @@ def test_a_value_can_only_end_where_an_entry_is_complete_and_then_any_end_token_
     assert s.node.tolist() == [-2]  # closed: free text again
 
 
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_an_id_past_the_vocabulary_in_free_text_writes_no_text(kernel):
+    """Logits wider than the vocabulary (a model's padded embeddings): a free row may sample such an id (in vLLM, a
+    client's logit_bias can make it). It writes no text: the row's automaton stays where it was, at batch 1 and in a
+    batch. Before, the automaton raised InvalidTokenError, which in vLLM's engine stopped every request."""
+    vocab = [b"<eos>", b'{"', b"city", b'":', b' "', b"Par", b"is", b"ian", b'",', b'"}', b'"', b"Rome"]
+    trie = TokenTrie.from_sequences([[5, 6], [11]], vocab_size=len(vocab))
+    fields = FieldRules.from_tokens([trie], ['"city": "'], '"', vocab)
+    c = TrieConstraint([trie], SpanRules(end_token_id=0, on_complete="release", fields=fields), "cpu", kernel=kernel)
+    padded = len(vocab) + 3
+    for rows in (1, 3):
+        s = c.start(rows)
+        for tok in [1, 2, padded, 3, padded, 4]:  # '{"city' <padded> '":' <padded> ' "': the span starts
+            s = c.advance(s, torch.full((rows,), tok))
+        assert s.node.tolist() == [0] * rows
+        assert c.mask_(torch.zeros(rows, padded + 1), s).isfinite().nonzero()[:, 1].tolist() == [5, 11] * rows
+
 def test_the_bare_end_is_not_a_byte_fallback_piece():
     """Of the shortest end tokens, the bare end (a complete entry that prefixes a longer one) is not a byte-fallback
     piece (``<0x22>``, id 3 here) where an ordinary token (id 9) spells the same bytes; else the lowest id."""

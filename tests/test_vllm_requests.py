@@ -80,11 +80,29 @@ def test_misspelt_or_python_only_options_of_a_trie_request_are_refused(extra, ma
         parse_trie_request(extra)
 
 
+@pytest.mark.parametrize("extra, match", [
+    ({"trie": NAMES, "trigger": [5] * 257, "on_complete": "release"}, r"\['trigger'\] holds 257 token ids, over the limit of 256"),
+    ({"trie": NAMES, "trigger": "x" * 257}, r"\['trigger'\] holds 257 bytes of text, over the limit of 256"),
+    ({"trie": NAMES, "on_complete": "repeat", "separator": [11] * 5000}, r"\['separator'\] holds 5000 token ids"),
+])
+def test_a_trigger_or_separator_is_bounded(resolver, extra, match):
+    """The engine reads a row's last len(trigger) tokens at every step: a trigger of 50,000 ids cost 24 ms per step
+    (every request of the batch waits), for as long as the request ran. Refused at admission; 256 pass."""
+    with pytest.raises(TrieRequestError, match=match):
+        parse_trie_request(extra)
+    resolver.admit(parse_trie_request({"trie": NAMES, "trigger": [5] * 256, "on_complete": "release"}))
+
+
 def test_other_processors_keys_pass():
     assert parse_trie_request({"denylist": ["x"], "my_plugin": 1}) is None  # no trie option of ours, not ours
     # Names another processor may take as well: without trie, spans or template the request is not ours.
     assert parse_trie_request({"allow": [1, 2], "deny": [3], "prefix": [4], "distinct": True, "keys": ["a"]}) is None
     assert parse_trie_request({"trie": NAMES, "my_plugin": 1, "raw_logprobs": True}) is not None
+    # Words one letter off 'trie' or 'deny', or near 'spans', are other processors' keys, not misspellings: they
+    # were refused ("did you mean 'trie'?"), in requests that ask for no trie too.
+    others = {"tier": "gold", "time": 3, "true": 1, "tree": [1], "trip": 2, "stripe": 1, "plans": 2, "spawn": 1}
+    assert parse_trie_request(others) is None
+    assert parse_trie_request({"trie": NAMES, "tier": "gold", "time": 3, "true": 1, "tree": [1], "dent": 1}) is not None
 
 
 def test_the_front_end_refuses_what_would_run_unconstrained_or_fail_in_the_grammar():

@@ -66,6 +66,9 @@ def test_trie_args_spans_round_trip_and_http_json_form(country_names):
     ({"spans": [{"after": "x=", "values": ["a"], "escape": "xml"}]}, r"\['escape'\] must be"),
     ({"spans": [{"after": "x=", "values": ["a"], "whitespace": "some"}]}, r"\['whitespace'\] must be one of"),
     ({"spans": [{"after": "x= ", "values": ["a"], "whitespace": "any"}]}, r"\['after'\].*ends with whitespace"),
+    # Bounded: the span automaton's build grows faster than its texts (an after of 40,000 bytes took minutes).
+    ({"spans": [{"after": "ab" * 200 + "=", "values": ["a"]}]}, r"\[0\]\['after'\] holds 401 bytes of text, over the limit of 256"),
+    ({"spans": [{"after": "x=", "values": ["a"], "end": ";" * 257}]}, r"\[0\]\['end'\] holds 257 bytes of text, over the"),
     ({"template": "A: {x}."}, r"needs extra_args\['slots'\]"),
     ({"template": "A: {x}.", "slots": {"y": ["a"]}},
      r"extra_args\['template'\]: template slots without values: \['x'\]; add them to extra_args\['slots'\]"),
@@ -155,6 +158,36 @@ def test_resolver_builds_cached_span_tries_and_rules(tokenizer, country_names, t
     bad = parse_trie_request({"spans": [{"after": "q: ", "values": ['say "hi"'], "escape": None}]})
     with pytest.raises(TrieRequestError, match=r"extra_args\['spans'\].*contains the span's end"):
         resolver.spans(bad)
+
+
+def test_a_span_or_slot_value_that_holds_the_eos_is_refused_at_admission(tokenizer):
+    """A value whose text holds the EOS's special-token text tokenizes to the EOS id inside it: the engine would stop
+    the request inside the value (it wrote ' a' for the value ' a<|im_end|>b'), so the front-end refuses it as it
+    refuses such an entry of ``extra_args['trie']``, naming the span or the slots."""
+    resolver = TrieResolver(tokenizer)
+    eos = tokenizer.eos_token
+    with pytest.raises(TrieRequestError, match=r"^extra_args\['spans'\]\[1\]: entry 1 .*contains token "
+                                               f"{tokenizer.eos_token_id}, at which generation stops"):
+        resolver.admit(parse_trie_request({"spans": [{"after": "x=", "values": ["a"]},
+                                                     {"after": "y=", "values": ["ok", f"a{eos}b"], "end": None}]}))
+    with pytest.raises(TrieRequestError, match=r"^extra_args\['slots'\]: entry 0 .*at which generation stops"):
+        resolver.admit(parse_trie_request({"template": "A: {x}.", "slots": {"x": [f"b{eos}c", "d"]}}))
+    resolver.admit(parse_trie_request({"template": "A: {x}.", "slots": {"x": ["b", "d"]}}))  # others pass
+
+
+def test_a_span_refusal_names_the_request_keys_not_the_python_keywords(tokenizer):
+    """A span value that contains its end, and a span filter naming no value: the fixes are the span dict's own keys
+    (the messages said ``Span.end`` and ``escape='json'``, keywords a request does not have)."""
+    resolver = TrieResolver(tokenizer)
+    with pytest.raises(TrieRequestError) as err:
+        resolver.spans(parse_trie_request({"spans": [{"after": "a=", "values": ["x"]},
+                                                     {"after": "q: ", "values": ['say "hi"'], "escape": None}]}))
+    message = str(err.value)
+    assert "set extra_args['spans'][1]['escape'] to 'json'" in message
+    assert "give the span another end (extra_args['spans'][1]['end'])" in message
+    assert "Span.end" not in message and "escape='json'" not in message
+    with pytest.raises(TrieRequestError, match=r"extra_args\['spans'\]\[0\] deny: 1 keys are not entries"):
+        resolver.spans(parse_trie_request({"spans": [{"after": "a=", "values": ["x", "y"], "deny": ["z"]}]}))
 
 
 def test_template_slots_may_have_any_name(tokenizer):

@@ -13,6 +13,7 @@ import vllm  # noqa: E402,F401  (make venv installs it: a missing vLLM fails the
 
 from reference import allowed_after
 from trie_decode.constraint import SpanRules
+from trie_decode.integrations.vllm_requests import TrieRequestError, parse_trie_request
 
 pytestmark = [pytest.mark.vllm, pytest.mark.model]
 
@@ -189,6 +190,39 @@ def test_v1_engine_refusal_of_an_admitted_request_is_logged_and_counted(smollm2_
     proc.update_state(BatchUpdate(batch_size=1, removed=[1], moved=[], added=[(0, sp, [1], [])]))
     trie = TokenTrie.from_strings(COLORS, tokenizer)
     assert _allowed(proc, 1, len(tokenizer))[0] == _expect(trie, [], eos)
+
+
+def test_a_trie_file_narrower_than_a_separator_is_a_400_and_never_takes_the_engine_down(smollm2_dir, tokenizer, tmp_path,
+                                                                                        monkeypatch):
+    """A valid trie file built with a small vocab_size (no fingerprint) and a request whose separator (or trigger)
+    token lies past it: the constraint refuses such rules. Before, the front-end admitted it and the engine core
+    raised while adding the request (EngineDeadError for every request). Now: a 400 naming the trie's vocab_size,
+    and an engine that is handed it anyway ends that request alone."""
+    from vllm import SamplingParams
+    from vllm.v1.sample.logits_processor import BatchUpdate
+
+    from trie_decode import TokenTrie
+    from trie_decode.integrations.vllm_access import ENV_ALLOWED_DIRS
+
+    monkeypatch.setenv(ENV_ALLOWED_DIRS, str(tmp_path))
+    TokenTrie.from_sequences([[5, 6], [7]], vocab_size=10).save(tmp_path / "small.trie")
+    proc = _proc(smollm2_dir, tokenizer)
+    resolver = proc._table.resolver
+    eos = tokenizer.eos_token_id
+    bad = [{"trie": str(tmp_path / "small.trie"), "on_complete": "repeat", "separator": ","},
+           {"trie": str(tmp_path / "small.trie"), "trigger": "Answer:"}]
+    for extra in bad:
+        with pytest.raises(TrieRequestError, match=r"^extra_args\['trie'\]: the trie was built with vocab_size=10, too "
+                                                   r"narrow for the request's tokens \((separator|trigger) token \d+ is"):
+            resolver.admit(parse_trie_request(extra))
+    resolver.admit(parse_trie_request({"trie": str(tmp_path / "small.trie")}))  # the end token fits: served
+    before = sum(resolver.engine_refusals.values())
+    good = SamplingParams(extra_args={"trie": COLORS})
+    proc.update_state(BatchUpdate(batch_size=3, removed=[], moved=[], added=[
+        (0, SamplingParams(extra_args=bad[0]), [1], []), (1, good, [1], []), (2, SamplingParams(extra_args=bad[1]), [1], [])]))
+    allowed = _allowed(proc, 3, len(tokenizer))
+    assert allowed[0] == allowed[2] == {eos} and allowed[1] == _expect(TokenTrie.from_strings(COLORS, tokenizer), [], eos)
+    assert sum(resolver.engine_refusals.values()) == before + 2
 
 
 def test_v1_idle_constraints_are_bounded_in_bytes(smollm2_dir, tokenizer, monkeypatch):

@@ -138,11 +138,21 @@ class Span:
             InvalidEntryError: a value whose written text contains ``end`` (it would end the value early).
             ConstraintConfigError: an unknown key in ``allow``/``deny``, or no value left.
         """
+        fix, escape_fix = self.value_fixes()
         trie = value_trie(self.values, tokenizer, self.after_text, self.end, self.escape, "Span",
-                          end_name="the span's end", fix="give the span another end (Span.end)",
-                          escape_fix="give escape='json' (the value is then written JSON-escaped)", lead=self.lead)
+                          end_name="the span's end", fix=fix, escape_fix=escape_fix, lead=self.lead)
         allow, deny = (self._both_forms(name) for name in ("allow", "deny"))
-        return restricted_trie(trie, allow, deny, f"Span after {self.after_text!r}")
+        return restricted_trie(trie, allow, deny, self.filter_owner())
+
+    def value_fixes(self) -> tuple[str, Optional[str]]:
+        """What the caller can change when a value contains ``end`` (the messages of :meth:`build_trie` say it): the
+        fix, and how to ask for JSON escaping. A front door with other options (vLLM's requests, where a span is a
+        dict in ``extra_args['spans']``) overrides it and :meth:`filter_owner`, as :meth:`Template.value_fixes`."""
+        return "give the span another end (Span.end)", "give escape='json' (the value is then written JSON-escaped)"
+
+    def filter_owner(self) -> str:
+        """How messages about ``allow`` and ``deny`` name this span."""
+        return f"Span after {self.after_text!r}"
 
     def _both_forms(self, name: str) -> Optional[list[Union[str, int]]]:
         """``allow`` or ``deny`` in the trie's entries: with a :attr:`lead`, value ``i`` is entries ``i`` and

@@ -275,6 +275,12 @@ class TemplateText:
         self._keep_fired = np.full(self.num_states, -1, dtype=np.int64)
         self._where = [(k, j) for k, seg in enumerate(self.segments) for j in range(len(seg) + 1)] + [(-1, 0)]
 
+    @property
+    def vocab_size(self) -> int:
+        """The ids whose text is known (as :class:`~trie_decode.text_spans.TokenTriggers`'): an id past them (a
+        model's padded logits) writes no text, and the step engine keeps the row's state."""
+        return len(self.vocab)
+
     def position(self, state: int) -> tuple[int, int]:
         """(segment, bytes written of it) of ``state``; (-1, 0) for :attr:`dead`."""
         return self._where[state]
