@@ -184,7 +184,8 @@ def validate_trie_params(sampling_params: Any) -> None:
         req = parse_trie_request(extra, max_entries=limits.max_inline_entries, max_bytes=limits.max_inline_bytes)
         config = vllm_internals.frontend_model_config()
         if config is not None:
-            stamp = _resolver_for(config).admit(req)  # cost-bounded; the engine finds inline tries handed off
+            stop_ids = getattr(sampling_params, "stop_token_ids", None) or ()
+            stamp = _resolver_for(config).admit(req, stop_ids)  # cost-bounded; the engine finds inline tries handed off
         else:
             for part in (req, *req.spans):  # no tokenizer at hand: check its files at least (same access policy)
                 if part.source == "file":

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import inspect
 
+import numpy as np
+
 import pytest
 import torch
 
@@ -200,12 +202,14 @@ def test_a_stop_id_that_is_not_the_end_token_is_checked(tiny_llama):
 
 
 def test_the_check_is_kept_on_the_trie(tiny_llama):
-    """Per trie and end token: a later generation (another processor, the same trie) does not walk the trie again."""
+    """Per trie: a later generation (another processor, the same trie) does not walk the trie again; the trie keeps
+    one flag per token (does an entry go on past it?), so any number of stop tokens cost a look-up each."""
     trie = _trie([[5071], [7158, 4000]])
     for _ in range(2):
         tiny_llama.generate(**_inputs(), logits_processor=[TrieLogitsProcessor(trie, end_token_id=END)],
                             max_new_tokens=3, eos_token_id=END, pad_token_id=EOS, do_sample=False)
-        assert trie._derived[("stop_token_node", END)] == -1
+        inner = trie._derived["inner_tokens"]
+        assert inner.shape == (trie.vocab_size,) and np.flatnonzero(inner).tolist() == [7158]
 
 
 def test_the_loops_keep_their_generation_config():

@@ -68,6 +68,13 @@ def test_stack_walk_finds_the_model_config_through_vllms_validation_helper(smoll
         InputProcessor()._validate_params(SamplingParams(extra_args={"trie": ["red", "green"]}))
         with pytest.raises(VLLMValidationError, match="empty list"):  # vLLM's 400
             InputProcessor()._validate_params(SamplingParams(extra_args={"trie": []}))
+        # A request's stop_token_ids would stop it inside an entry (" Republic of Korea" came out " Republic"): a 400.
+        korea = {"trie": ["Republic of Korea", "Japan"], "leading_space": True}
+        of, korea_id = tokenizer.encode(" Republic of Korea", add_special_tokens=False)[1:]
+        with pytest.raises(VLLMValidationError, match=rf"contains token {of}, at which generation stops: .*"
+                                                      r"\(stop_token_ids\), or build the trie"):
+            InputProcessor()._validate_params(SamplingParams(extra_args=korea, stop_token_ids=[7, of]))
+        InputProcessor()._validate_params(SamplingParams(extra_args=korea, stop_token_ids=[korea_id]))  # at its end
     finally:
         ours._resolver_for = real
     assert seen and seen[0] is model_config

@@ -173,6 +173,9 @@ def test_a_span_or_slot_value_that_holds_the_eos_is_refused_at_admission(tokeniz
     with pytest.raises(TrieRequestError, match=r"^extra_args\['slots'\]: entry 0 .*at which generation stops"):
         resolver.admit(parse_trie_request({"template": "A: {x}.", "slots": {"x": [f"b{eos}c", "d"]}}))
     resolver.admit(parse_trie_request({"template": "A: {x}.", "slots": {"x": ["b", "d"]}}))  # others pass
+    two = tokenizer.encode(" New York", add_special_tokens=False)[0]  # a request's stop_token_ids cut values too
+    with pytest.raises(TrieRequestError, match=rf"^extra_args\['spans'\]\[0\]: .*contains token {two}.*stop_token_ids"):
+        resolver.admit(parse_trie_request({"spans": [{"after": "x: ", "values": ["New York"]}]}), stop_ids=[two])
 
 
 def test_a_span_refusal_names_the_request_keys_not_the_python_keywords(tokenizer):

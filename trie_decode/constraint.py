@@ -65,9 +65,10 @@ def check_stop_tokens_outside_entries(trie: TokenTrie, stop_ids: Sequence[int], 
     the same way, :func:`trie_decode.fields.value_trie`). An entry that ends with a stop token, and a separator inside
     an entry, are fine.
 
-    One numpy pass over the trie's edge tokens per stop token (about a millisecond per million nodes), kept on the
-    trie. Called where the stop tokens are known: vLLM's admission, for a request's trie (a 400: the end token is the
-    model's EOS), and the transformers processor and fast-forward with ``generate``'s stop ids
+    One numpy pass over the trie's edge tokens, kept on the trie (a flag per vocabulary id: does an entry go on past
+    it?); then each stop token is one look-up, so a request may name any number of them. Called where the stop
+    tokens are known: vLLM's admission, for a request's trie (a 400: the model's EOS and the request's
+    ``stop_token_ids``), and the transformers processor and fast-forward with ``generate``'s stop ids
     (:meth:`~trie_decode.integrations.transformers.TrieLogitsProcessor.check_stop_ids`). The core's constraint does
     not call it (a trie decoded in a loop that does not stop at its end token, or token-level tests, may hold it).
 
@@ -79,18 +80,20 @@ def check_stop_tokens_outside_entries(trie: TokenTrie, stop_ids: Sequence[int], 
     Raises:
         ConstraintConfigError: naming one such entry, the stop token and the fix.
     """
+
+    def inner_tokens() -> np.ndarray:
+        # The tokens that lead to a node with children: what lies past such a token could never be written if
+        # generation stopped at it. An entry that ends with a stop token is fine (generation stops where it ends).
+        inner = np.zeros(trie.vocab_size, dtype=np.bool_)
+        tok = trie.token[trie.child_ptr[1:] > trie.child_ptr[:-1]]
+        inner[tok[tok >= 0]] = True  # the root's token is -1
+        return inner
+
+    inner = trie.derived("inner_tokens", inner_tokens)
     for stop in dict.fromkeys(int(t) for t in stop_ids):
-
-        def first_node(stop: int = stop) -> int:
-            # A node the stop token leads to that has children: what lies past it can never be written. An entry
-            # that ends with the stop token is fine (generation stops where the entry ends). The root's token is -1.
-            hit = (trie.token == stop) & (trie.child_ptr[1:] > trie.child_ptr[:-1])
-            at = int(hit.argmax())
-            return at if hit[at] else -1
-
-        node = trie.derived(("stop_token_node", stop), first_node)
-        if node < 0:
+        if not 0 <= stop < len(inner) or not inner[stop]:
             continue
+        node = int(np.flatnonzero((trie.token == stop) & (trie.child_ptr[1:] > trie.child_ptr[:-1]))[0])
         node = int(trie.child_ptr[node])  # an entry past the stop token: down first children to a terminal
         while trie.node_entry[node] < 0:
             node = int(trie.child_ptr[node])
