@@ -159,6 +159,19 @@ def test_a_jsonl_number_id_is_its_text(tmp_path, smollm2_dir):
     assert code == 0 and TokenTrie.load(out).entry(0).key == "7"
 
 
+def test_a_codes_file_that_is_not_npy_is_named_without_numpy_pickle_advice(tmp_path, capsys):
+    """A text or .npz file given as --codes was read by numpy as a pickle, and the error advised loading it
+    "unsafely using the allow_pickle= keyword", an option the command line does not have (nor should)."""
+    (tmp_path / "codes.txt").write_text("0 1\n1 0\n")
+    np.savez(tmp_path / "codes.npz", codes=np.array([[0, 1], [1, 0]]))
+    for name in ("codes.txt", "codes.npz"):
+        assert main(["build", "--codes", str(tmp_path / name), "--codebook-size", "2", "--vocab-size", "8",
+                     "-o", str(tmp_path / "c.trie")]) == 1
+        error = _error(capsys)
+        assert f"{name} is not a .npy file: save the codes (an integer array, items x levels) with numpy.save" in error
+        assert "pickle" not in error
+
+
 def test_a_keys_file_is_split_at_line_ends_only(tmp_path, capsys):
     """A key holding U+2028 or a form feed is one key (str.splitlines made 4 keys of 3 lines, refused)."""
     np.save(tmp_path / "codes.npy", np.array([[0, 1], [1, 0], [1, 1]]))

@@ -294,9 +294,9 @@ def test_tiny_filters_match_processor_and_force_what_they_leave(tiny_llama, toke
         fast_forward_generate(tiny_llama, **inputs, trie=small_tries, deny=["no such entry"], max_new_tokens=3)
     with pytest.raises(ConstraintConfigError, match='need on_complete="eos" or "repeat"'):
         fast_forward_generate(tiny_llama, **inputs, trie=small_tries, deny=[0], on_complete="release", max_new_tokens=3)
-    with pytest.raises(ConstraintConfigError, match="2 per-prompt filters but the batch has 3 rows"):
+    with pytest.raises(ConstraintConfigError, match=r"allow/deny gives 2, one per prompt, but the batch has 3 prompts"):
         fast_forward_generate(tiny_llama, **inputs, trie=one, deny=[[0], [1]], max_new_tokens=3)
-    with pytest.raises(ConstraintConfigError, match="filters for 2 prompts, and there are 3 tries"):
+    with pytest.raises(ConstraintConfigError, match="trie gives 3, one per prompt, but the batch has 2 prompts"):
         fast_forward_generate(tiny_llama, **{k: v[:2] for k, v in inputs.items()}, trie=small_tries, deny=[[0], [1]],
                               max_new_tokens=3)
 
@@ -427,6 +427,22 @@ def test_beam_search_is_refused_with_a_pointer_to_the_processor(tiny_llama, toke
         fast_forward_generate(tiny_llama, **inputs, trie=small_tries[0], num_beams=2, max_new_tokens=4)
 
 
+def test_beams_from_the_generation_config_are_refused_with_num_beams_1(tiny_llama, tokenizer, small_tries):
+    """A model whose generation_config asks for beams: the refusal named only the processor, not num_beams=1, which
+    the call lacked (the beams came from the config), and which makes fast-forward run."""
+    inputs = tiny_inputs(tokenizer, n=1)
+    saved = tiny_llama.generation_config.num_beams
+    tiny_llama.generation_config.num_beams = 3
+    try:
+        with pytest.raises(ConstraintConfigError, match=r"\(num_beams=3, given or from the model's generation_config\): "
+                                                        r"pass num_beams=1, or for beam search use model\.generate"):
+            fast_forward_generate(tiny_llama, **inputs, trie=small_tries[0], max_new_tokens=4)
+        out = fast_forward_generate(tiny_llama, **inputs, trie=small_tries[0], max_new_tokens=4, num_beams=1)
+        assert out.shape[0] == 1
+    finally:
+        tiny_llama.generation_config.num_beams = saved
+
+
 def test_bad_arguments_are_named(tiny_llama, tokenizer, small_tries):
     inputs = tiny_inputs(tokenizer, n=3)
     with pytest.raises(ConstraintConfigError, match="trie="):
@@ -439,7 +455,14 @@ def test_bad_arguments_are_named(tiny_llama, tokenizer, small_tries):
             logits_processor=[TrieLogitsProcessor(small_tries[0], tokenizer)],
             max_new_tokens=4,
         )
-    with pytest.raises(ConstraintConfigError, match="multiple of 2"):
+    # TrieLogitsProcessor's options that fast-forward does not take reached generate ("model_kwargs are not used").
+    with pytest.raises(ConstraintConfigError, match=r"^fast_forward_generate does not take tries= \(its trie is "):
+        fast_forward_generate(tiny_llama, **inputs, tries=small_tries[0], max_new_tokens=4)
+    for options in (dict(spans=[]), dict(check_prompt=True)):
+        with pytest.raises(ConstraintConfigError, match=rf"^fast_forward_generate does not take {next(iter(options))}= "
+                                                        r".*logits_processor=\[TrieLogitsProcessor\(\.\.\.\)\]\)$"):
+            fast_forward_generate(tiny_llama, **inputs, trie=small_tries[0], max_new_tokens=4, **options)
+    with pytest.raises(ConstraintConfigError, match=r"trie gives 2, one per prompt, but the batch has 3 prompts"):
         fast_forward_generate(tiny_llama, **inputs, trie=small_tries[:2], max_new_tokens=4)
     with pytest.raises(TypeError, match="TokenTrie"):
         fast_forward_generate(tiny_llama, **inputs, trie=["not a trie"], max_new_tokens=4)
@@ -447,6 +470,39 @@ def test_bad_arguments_are_named(tiny_llama, tokenizer, small_tries):
         fast_forward_generate(tiny_llama, **inputs, trie=small_tries[0], max_new_tokens=4, stop_strings=["."])
     with pytest.raises(ConstraintConfigError, match="streams one prompt.*without streamer"):
         fast_forward_generate(tiny_llama, **inputs, trie=small_tries[0], max_new_tokens=4, streamer=_Collect())
+
+
+def test_per_prompt_tries_and_filters_must_give_one_per_prompt(tiny_llama, tokenizer, small_tries):
+    """2 tries (or per-prompt filters) for 4 prompts divide the 4 rows, and were read as 2 prompts of 2 rows:
+    prompt 1 decoded with trie 0, silently. Through the hook the rows per prompt are generate's return sequences."""
+    inputs = tiny_inputs(tokenizer, n=4)
+    message = r"gives 2, one per prompt, but the batch has 4 prompts \(4 rows, 1 per prompt\)"
+    with pytest.raises(ConstraintConfigError, match="trie " + message):
+        tiny_llama.generate(**inputs, custom_generate=fast_forward_generate, trie=small_tries[:2], max_new_tokens=4)
+    with pytest.raises(ConstraintConfigError, match="allow/deny " + message):
+        fast_forward_generate(tiny_llama, **inputs, trie=small_tries[0], allow=[[0], [1]], max_new_tokens=4)
+    two = {k: v[:2] for k, v in inputs.items()}  # 2 prompts x 3 return sequences: one trie per prompt
+    out = fast_forward_generate(tiny_llama, **two, trie=small_tries[:2], max_new_tokens=4, do_sample=True,
+                                num_return_sequences=3)
+    assert out.shape[0] == 6
+
+
+def test_a_live_catalog_or_an_object_that_is_no_trie_is_refused_by_name(tiny_llama, tokenizer, small_tries):
+    """A LiveCatalog, which the processor takes, failed deep in the option check ("'LiveCatalog' object is not
+    iterable", a TypeError); so did any object that is neither a trie nor a list, for the processor too."""
+    from trie_decode import LiveCatalog
+
+    inputs = tiny_inputs(tokenizer, n=2)
+    catalog = LiveCatalog(small_tries[0])
+    for source in (catalog, catalog.snapshot()):
+        with pytest.raises(ConstraintConfigError, match=r"not a live catalog: pass trie=catalog\.compact\(\)"):
+            fast_forward_generate(tiny_llama, **inputs, trie=source, max_new_tokens=4)
+    out = fast_forward_generate(tiny_llama, **inputs, trie=catalog.compact(), max_new_tokens=4)  # the fix named
+    assert out.shape[0] == 2
+    with pytest.raises(ConstraintConfigError, match=r"^trie must be a TokenTrie or a list of them .*, got 42$"):
+        fast_forward_generate(tiny_llama, **inputs, trie=42, max_new_tokens=4)
+    with pytest.raises(ConstraintConfigError, match=r"^tries must be a TokenTrie or a list of them .*, got 42$"):
+        TrieLogitsProcessor(42, tokenizer)
 
 
 def test_an_end_token_that_is_not_eos_is_written_as_generate_writes_it(tiny_llama, tokenizer, small_tries):

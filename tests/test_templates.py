@@ -266,10 +266,36 @@ def test_template_options_that_do_not_combine_are_named(tokenizer):
         TrieLogitsProcessor(template=t)
     with pytest.raises(ConstraintConfigError, match="must be a trie_decode.Template"):
         TrieLogitsProcessor(tokenizer=tokenizer, template="A: {x}.")
-    with pytest.raises(ConstraintConfigError, match=r"template\.build\(tokenizer, end_token_id\) once"):
+    with pytest.raises(ConstraintConfigError, match=r"^this template was not built for end token 2: pass tokenizer=, "
+                                                    r"or call template\.build\(tokenizer, 2\) once"):
         Template("B: {y}.", y=["c"]).prebuilt(tokenizer.eos_token_id)
     with pytest.raises(ConstraintConfigError, match="either trie= or template="):
         fast_forward_generate(None, None, trie=TokenTrie.from_sequences([[1]], vocab_size=10), template=t)
+
+
+def test_a_template_without_its_tokenizer_names_what_fast_forward_takes(tiny_llama, tokenizer):
+    """Through generate's hook, which keeps its tokenizer=, a template not built beforehand said "this template was
+    built for 0 tokenizers ...: pass tokenizer=", and passing it changed nothing. The fixes named are the ones
+    fast_forward_generate has; the bound tokenizer the message names works."""
+    import functools
+
+    from trie_decode.integrations.fast_forward import fast_forward_generate
+
+    template = Template("A: {x}.", x=["b", "c"])
+    inputs = {"input_ids": torch.tensor([[5, 6, 7]]), "attention_mask": torch.ones(1, 3, dtype=torch.long)}
+    eos = tokenizer.eos_token_id
+    fixes = (rf"^this template was not built for end token {eos}: call template\.build\(tokenizer, {eos}\) once before "
+             r"generate, or give fast_forward_generate the tokenizer: .*functools\.partial\(fast_forward_generate, "
+             r"tokenizer=tokenizer\)$")
+    with pytest.raises(ConstraintConfigError, match=fixes):
+        tiny_llama.generate(**inputs, custom_generate=fast_forward_generate, template=template, tokenizer=tokenizer,
+                            max_new_tokens=8)
+    with pytest.raises(ConstraintConfigError, match=fixes):
+        fast_forward_generate(tiny_llama, **inputs, template=template, max_new_tokens=8)
+    bound = functools.partial(fast_forward_generate, tokenizer=tokenizer)
+    out = tiny_llama.generate(**inputs, custom_generate=bound, template=template, max_new_tokens=8)
+    text = tokenizer.decode(out[0, 3:], skip_special_tokens=True)
+    assert text in ("A: b.", "A: c."), text
 
 
 def test_fixed_text_banned_by_another_processor_keeps_its_token_at_the_floor(tokenizer):

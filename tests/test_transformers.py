@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -130,6 +131,66 @@ def test_rank_names_the_distinct_list_options_it_does_not_take(tiny_llama, token
             rank(tiny_llama, inputs, trie, 2, end_token_id=tokenizer.eos_token_id, **options)
     options = dict(on_complete="repeat", separator=", ", distinct=True)  # the processor the message names makes one
     TrieLogitsProcessor(trie, tokenizer, **options)
+
+
+def test_rank_k_and_num_beams_are_positive_integers(tiny_llama, tokenizer):
+    """k="3" failed inside rank's own comparison (TypeError: '<' not supported between str and int), num_beams=2.5
+    ran as 2 beams, k=True as k=1: each is now refused by name."""
+    trie = TokenTrie.from_strings(["France", "Japan"], tokenizer)
+    inputs = {"input_ids": torch.tensor([[5, 6, 7]]), "attention_mask": torch.ones(1, 3, dtype=torch.long)}
+    for options, message in ((dict(k="3"), "k must be a positive integer, got '3'"),
+                             (dict(k=0), "k must be a positive integer, got 0"),
+                             (dict(k=True), "k must be a positive integer, got True"),
+                             (dict(k=2, num_beams=2.5), "num_beams must be a positive integer, got 2.5")):
+        with pytest.raises(ConstraintConfigError, match=f"^{re.escape(message)}$"):
+            rank(tiny_llama, inputs, trie, end_token_id=tokenizer.eos_token_id, **options)
+    with pytest.raises(ConstraintConfigError, match=re.escape("num_beams (2) must be at least k (3)")):
+        rank(tiny_llama, inputs, trie, 3, num_beams=2, end_token_id=tokenizer.eos_token_id)
+    assert len(rank(tiny_llama, inputs, trie, np.int64(2), end_token_id=tokenizer.eos_token_id)[0]) == 2
+
+
+def test_rank_names_the_processor_options_it_does_not_take(tiny_llama, tokenizer):
+    """on_complete=, trigger=, spans=, ... reached generate, which refused them as model kwargs the model does not
+    use ("typos in the generate arguments"), with no fix: rank ranks whole entries closed by the end token."""
+    trie = TokenTrie.from_strings(["France", "Japan"], tokenizer)
+    inputs = {"input_ids": torch.tensor([[5, 6, 7]]), "attention_mask": torch.ones(1, 3, dtype=torch.long)}
+    for options in (dict(on_complete="release"), dict(separator=", "), dict(trigger="x"), dict(check_prompt=True),
+                    dict(spans=[]), dict(tries=trie)):
+        asked = f"{next(iter(options))}="
+        with pytest.raises(ConstraintConfigError, match=rf"^rank does not take {asked} \(it ranks whole entries, each "
+                                                        r"closed by the end token\): rank\(model, inputs, trie, k"):
+            rank(tiny_llama, inputs, trie, 2, end_token_id=tokenizer.eos_token_id, **options)
+    ranked = rank(tiny_llama, inputs, trie, 2, end_token_id=tokenizer.eos_token_id, template=None)  # unset: fine
+    assert len(ranked[0]) == 2
+
+
+def test_per_prompt_tries_and_filters_must_give_one_per_prompt(tiny_llama, tokenizer):
+    """2 tries for 4 prompts divide the 4 rows, and were read as 2 prompts of 2 rows: prompt 1 decoded with trie 0,
+    silently; so were 2 tries for 3 prompts of 2 beams (6 rows). generate's rows per prompt are known: refused."""
+    a = TokenTrie.from_strings(["France", "Italy"], tokenizer, leading_space=True, keys=["FR", "IT"])
+    b = TokenTrie.from_strings(["Japan", "Spain"], tokenizer, leading_space=True)
+    ids = torch.randint(100, 5000, (4, 5), generator=torch.Generator().manual_seed(0))
+    four = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    three = {k: v[:3] for k, v in four.items()}
+    two = {k: v[:2] for k, v in four.items()}
+    refused = re.escape("gives 2, one per prompt, but the batch has")
+    cases = [(four, dict(tries=[a, b]), {}, "tries " + refused + re.escape(" 4 prompts (4 rows, 1 per prompt)")),
+             (three, dict(tries=[a, b]), dict(num_beams=2),
+              "tries " + refused + re.escape(" 3 prompts (6 rows, 2 per")),
+             (three, dict(tries=[a, b]), dict(do_sample=True, num_return_sequences=2), "tries " + refused),
+             (four, dict(tries=a, allow=[["FR"], ["IT"]]), {}, "allow/deny " + refused)]
+    for inputs, options, generate_options, message in cases:
+        processor = TrieLogitsProcessor(options.pop("tries"), tokenizer, **options)
+        with pytest.raises(ConstraintConfigError, match=message):
+            tiny_llama.generate(**inputs, logits_processor=[processor], max_new_tokens=3, **generate_options)
+    with pytest.raises(ConstraintConfigError, match="tries " + refused + re.escape(" 4 prompts (8 rows, 2 per")):
+        rank(tiny_llama, four, [a, b], 2, tokenizer=tokenizer)
+    # One per prompt, whatever the beams or return sequences: each prompt decodes its own trie.
+    for generate_options in (dict(num_beams=3, num_return_sequences=2), dict(do_sample=True, num_return_sequences=3)):
+        processor = TrieLogitsProcessor([a, b], tokenizer)
+        out = tiny_llama.generate(**two, logits_processor=[processor], max_new_tokens=3, **generate_options)
+        rows = out.shape[0] // 2
+        assert [e.name in ("France", "Italy") for e in processor.match(out)] == [True] * rows + [False] * rows
 
 
 def test_own_loop_with_a_new_prompt_one_token_longer_starts_afresh(model, left_tok, countries):
@@ -323,6 +384,11 @@ def test_prefix_allowed_tokens_fn_drop_in(tiny_llama, tokenizer):
     a = tiny_llama.generate(input_ids=prompt, prefix_allowed_tokens_fn=fn, max_new_tokens=5, do_sample=False, pad_token_id=2, eos_token_id=2)
     b = tiny_llama.generate(input_ids=prompt, logits_processor=[ours], max_new_tokens=5, do_sample=False, pad_token_id=2, eos_token_id=2)
     assert a.tolist() == b.tolist()
+    # Outside generate a row alone does not say where its prompt ends (docs/transformers.md): prompt_length= does.
+    with pytest.raises(ConstraintConfigError, match=r"must be called by generate\(\).*pass prompt_length="):
+        fn(0, torch.tensor([5, 6, 7, 100]))
+    stateless = prefix_allowed_tokens_fn(trie, end_token_id=2, prompt_length=3)
+    assert stateless(0, torch.tensor([5, 6, 7, 100])) == [200, 250]
 
 
 @pytest.mark.parametrize("kwargs", [
