@@ -52,8 +52,9 @@ import torch
 from trie_decode.constraint import RowState, TrieConstraint
 from trie_decode.errors import ConstraintConfigError, InvalidTokenError
 from trie_decode.filters import filtered_tries
-from trie_decode.options import (TrieArg, as_tries, check_no_distinct, check_one_source, end_token, first_eos,
-                                  prompt_groups)
+from trie_decode.live import CatalogSnapshot, LiveCatalog
+from trie_decode.options import (TrieArg, as_tries, check_no_distinct, check_not_taken, check_one_source, check_prompts,
+                                  end_token, first_eos, prompt_filters, prompt_groups)
 from trie_decode.templates import Template
 from trie_decode.trie import TokenTrie
 
@@ -72,6 +73,7 @@ try:
         drop_cache_rows,
         eos_token_ids,
         output_cache,
+        rows_per_prompt,
         sliding_window_slots,
         verified,
         warn_unverified,
@@ -554,14 +556,29 @@ class _Run:
 
 
 # ---------------------------------------------------------------------------------------------------- public
+#: How a template gets its tokenizer here: ``generate(custom_generate=fast_forward_generate, tokenizer=...)`` keeps
+#: ``tokenizer=`` from the hook, so "pass tokenizer=" alone would not do.
+_TEMPLATE_FIX = ("call template.build(tokenizer, {end}) once before generate, or give fast_forward_generate the "
+                 "tokenizer: fast_forward_generate(model, ..., tokenizer=tokenizer), or through generate (which keeps "
+                 "its own tokenizer= from the hook) custom_generate=functools.partial(fast_forward_generate, "
+                 "tokenizer=tokenizer)")
+
+
 def _processor(trie: Optional[TrieArg], template: Optional[Template], tokenizer: Any, end: int, on_complete: str,
-               separator: Any, trigger: Any, allow: Any, deny: Any, rows: int) -> TrieLogitsProcessor:
+               separator: Any, trigger: Any, allow: Any, deny: Any, rows: int, per_prompt: int) -> TrieLogitsProcessor:
     """The options as a :class:`TrieLogitsProcessor`, with its checks (a template combines with none of
     on_complete, separator, trigger, allow, deny): the general path decodes with it, the fast path reads its tries,
     rules and constraint. Filters are decoded as the filtered tries (their forced runs are the filtered trie's),
-    for ``rows`` rows."""
+    for ``rows`` rows, ``per_prompt`` of each prompt (per-prompt tries and filters give one per prompt)."""
+    if template is not None and tokenizer is None:  # refused with this function's own ways to give a tokenizer
+        template.prebuilt(end, fix=_TEMPLATE_FIX)
+    if isinstance(trie, (LiveCatalog, CatalogSnapshot)):
+        raise ConstraintConfigError(
+            "fast_forward_generate decodes tries, not a live catalog: pass trie=catalog.compact() (its entries now, "
+            "as one trie), or constrain generate with logits_processor=[TrieLogitsProcessor(catalog, tokenizer)]")
     if template is None:
         trie = as_tries(trie, TokenTrie, tokenizer, "trie")
+        check_prompts(rows, per_prompt, {"trie": len(trie), "allow/deny": prompt_filters(allow, deny)})
         if allow is not None or deny is not None:
             trie = filtered_tries(trie, allow, deny, on_complete, rows)
             allow = deny = None
@@ -701,7 +718,8 @@ def fast_forward_generate(
     Raises:
         ConstraintConfigError: beam search (use the processor instead), an unsupported stopping criterion, a
             ``TrieLogitsProcessor`` in ``logits_processor``, a cache or model input this loop cannot handle, an
-            entry that holds an EOS id before its last token, ``stop_strings`` without ``tokenizer``.
+            entry that holds an EOS id before its last token, ``stop_strings`` without ``tokenizer``, a live catalog
+            (``trie=catalog.compact()`` decodes its entries now).
 
     Examples:
 
@@ -724,6 +742,7 @@ def fast_forward_generate(
     True
     ```
     """
+    check_not_taken("fast_forward_generate", kwargs, ("tries",), "its trie is trie=", "pass trie=...")
     check_one_source("fast_forward_generate", {"trie": trie, "template": template},
                      hints={"trie": "a TokenTrie, or one per prompt"})
     hooked = logits_processor is not None and stopping_criteria is not None and generation_config is not None
@@ -735,6 +754,8 @@ def fast_forward_generate(
                 f"tokenizer=...) keeps its tokenizer from the hook: pass {text[0]} as token ids, or call "
                 "fast_forward_generate(model, ..., tokenizer=tokenizer) directly")
     check_no_distinct("fast_forward_generate", kwargs, "what a list may emit changes at every entry")
+    check_not_taken("fast_forward_generate", kwargs, ("spans", "check_prompt"), "its constraint is trie= or template=",
+                    "spans and the prompt check are model.generate(..., logits_processor=[TrieLogitsProcessor(...)])")
     _check_stop_strings(stop_strings, tokenizer, hooked)
     if not hooked and verified():
         # The plain call is the hook's: generate prepares the processors (repetition penalty, min_new_tokens,
@@ -762,13 +783,15 @@ def fast_forward_generate(
         config.validate()
     if (config.num_beams or 1) > 1:
         raise ConstraintConfigError(
-            f"fast_forward_generate does not do beam search (num_beams={config.num_beams}): use "
-            "model.generate(..., num_beams=..., logits_processor=[TrieLogitsProcessor(trie)]) instead"
+            f"fast_forward_generate does not do beam search (num_beams={config.num_beams}, given or from the model's "
+            "generation_config): pass num_beams=1, or for beam search use model.generate(..., num_beams=..., "
+            "logits_processor=[TrieLogitsProcessor(trie)])"
         )
     eos_ids = eos_token_ids(config)
     end = end_token(end_token_id, tokenizer, eos_ids[0] if eos_ids else None)  # on both paths alike
+    # Through the hook generate has repeated each prompt for its return sequences; the plain path's rows are prompts.
     processor = _processor(trie, template, tokenizer, end, on_complete, separator, trigger, allow, deny,
-                           input_ids.shape[0])
+                           input_ids.shape[0], rows_per_prompt(config) if hooked else 1)
     # Both paths stop a row at the EOS ids only: an entry holding the end token, when it is one, is refused here.
     processor.check_stop_ids(eos_ids)
     if not verified():

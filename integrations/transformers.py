@@ -40,8 +40,8 @@ from trie_decode.filters import entry_indices, filtered_restrictions
 from trie_decode.forms import entry_identity, warn_prompt
 from trie_decode.live import CatalogSnapshot, LiveCatalog, constraint_for
 from trie_decode.options import (TrieArg, as_tries, check_alone, check_distinct, check_instance, check_no_distinct,
-                                  check_one_source, end_token, filter_rows, first_eos, prompt_filters, prompt_groups,
-                                  rule_args)
+                                  check_not_taken, check_one_source, check_positive, check_prompts, end_token,
+                                  filter_rows, first_eos, prompt_filters, prompt_groups, rule_args)
 from trie_decode.trie import TokenTrie
 
 from .transformers_internals import GenerateLoop, beam_parents, prefix_processor_start, reusable_buffer
@@ -355,6 +355,9 @@ class TrieLogitsProcessor(LogitsProcessor):
             self._max_depth = self._view.trie.max_depth
         self.check_stop_ids(loop.stop_ids())  # before the first token: generate stops at its own stop ids
         constraint = self.constraint(device)
+        # One trie (or filter) per prompt: generate's prompts, not just a count that divides its rows.
+        check_prompts(batch, loop.rows_per_prompt(), {"tries": len(self.tries) if self.rules.fields is None else 1,
+                                                      "allow/deny": self._filter_specs[3]})
         # With spans every row may enter every span's trie: its tree is the span it is in, not its prompt's.
         self._groups = prompt_groups(batch, 1 if self.rules.fields is not None else len(self.tries), device)
         self._state = self._fresh(input_ids, device)
@@ -695,7 +698,9 @@ def rank(
             finished ones);
             what ``rank`` sets itself (``num_beams``, ``num_return_sequences``, ``do_sample``, ``length_penalty``,
             ``output_scores``, ``return_dict_in_generate``, ``eos_token_id``, ``logits_processor``) is refused here,
-            and so are ``distinct``/``max_entries`` (a distinct list is the processor's: its entries are distinct).
+            and so are ``distinct``/``max_entries`` (a distinct list is the processor's: its entries are distinct)
+            and the processor's other modes (``on_complete``, ``separator``, ``trigger``, ``spans``, ``template``,
+            ``check_prompt``).
 
     Raises:
         ConstraintConfigError: besides bad options, an entry that holds the end token before its last token (beam
@@ -712,13 +717,17 @@ def rank(
         >>> ranked = rank(model, tok(prompts, return_tensors="pt", padding=True), trie, k=10)  # doctest: +SKIP
         >>> [(r.entry.key, round(r.log_prob, 2)) for r in ranked[0]]                              # doctest: +SKIP
     """
-    if k < 1:
-        raise ConstraintConfigError(f"k must be at least 1, got {k}")
-    beams = k if num_beams is None else int(num_beams)
+    check_positive(k, "k")
+    if num_beams is not None:
+        check_positive(num_beams, "num_beams")
+    beams = int(k if num_beams is None else num_beams)
     if beams < k:
         raise ConstraintConfigError(f"num_beams ({beams}) must be at least k ({k})")
     beams = max(beams, 2)  # one beam is greedy search, which scores no sequence
     check_no_distinct("rank", generate_kwargs, "it returns k distinct entries: beams that end on one entry are merged")
+    check_not_taken("rank", generate_kwargs, _RANK_REFUSES, "it ranks whole entries, each closed by the end token",
+                    "rank(model, inputs, trie, k, tokenizer=..., end_token_id=..., allow=..., deny=...) takes a trie "
+                    "and its filters; other modes are model.generate(..., logits_processor=[TrieLogitsProcessor(...)])")
     own = sorted(set(generate_kwargs) & _RANK_SETS)
     if own:
         raise ConstraintConfigError(f"rank sets {own} itself: use its own options (k, num_beams, length_normalize, "
@@ -772,6 +781,9 @@ def rank(
 #: The generate options rank sets itself.
 _RANK_SETS = frozenset(("num_beams", "num_return_sequences", "do_sample", "length_penalty", "output_scores",
                         "return_dict_in_generate", "eos_token_id", "logits_processor"))
+
+#: TrieLogitsProcessor's options rank does not take (distinct lists aside: check_no_distinct).
+_RANK_REFUSES = ("on_complete", "separator", "trigger", "spans", "template", "check_prompt", "tries")
 
 #: transformers' beam search adds -1e9 to a beam it must not return (one that did not finish): such beams are
 #: padding, not results.

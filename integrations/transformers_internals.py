@@ -22,7 +22,9 @@ caller frames: ``GenerationMixin._sample``    every call is treated as an unknow
 ``candidate_generator``) and an assistant's   are a generation of their own (kept apart, correct;
 ``generate`` below it                         its drafts are accepted less often)
 the loops' local ``generation_config`` (its   no stop ids known: an entry holding the end token is not
-stop ids, :func:`eos_token_ids`)              refused (``TrieLogitsProcessor.check_stop_ids``)
+stop ids, :func:`eos_token_ids`; its rows per refused (``TrieLogitsProcessor.check_stop_ids``); rows per
+prompt, :func:`rows_per_prompt`)              prompt unknown: per-prompt tries and filters are checked
+                                              only to divide the batch
 ``_beam_search``'s ``running_beam_indices``   checked (:func:`beam_parents`) before it is trusted: shape
 (batch, beams, new tokens), int, flat parent  (batch, beams, n), values in each row's own prompt, the
 rows of each step                             next column unwritten; else the prefix-hash lookup
@@ -81,6 +83,7 @@ __all__ = [
     "CACHE_INPUT_NAMES",
     "output_cache",
     "eos_token_ids",
+    "rows_per_prompt",
     "sliding_window_slots",
     "drop_cache_rows",
 ]
@@ -165,6 +168,11 @@ class GenerateLoop:
         """The tokens the calling ``generate`` loop stops a row at (:func:`eos_token_ids` of its generation config),
         or None when the caller is not one of ``generate``'s loops (a loop of one's own: its stops are unknown)."""
         return None if self.config is None else eos_token_ids(self.config)
+
+    def rows_per_prompt(self) -> Optional[int]:
+        """How many rows the calling ``generate`` gives each prompt (:func:`rows_per_prompt`), or None (a loop of
+        one's own)."""
+        return None if self.config is None else rows_per_prompt(self.config)
 
     def owner(self) -> Any:
         """The ``LogitsProcessorList`` whose generation this call belongs to, or None (unknown, or no longer alive)."""
@@ -353,6 +361,12 @@ def eos_token_ids(config: Any) -> list[int]:
         if ids:
             return [int(v) for v in ids]
     return []
+
+
+def rows_per_prompt(config: Any) -> int:
+    """The rows ``generate`` gives each prompt: it repeats every prompt ``max(num_beams, num_return_sequences)``
+    times (``_expand_inputs_for_generation``) before its loop runs and before it calls a ``custom_generate``."""
+    return max(int(getattr(config, "num_beams", None) or 1), int(getattr(config, "num_return_sequences", None) or 1))
 
 
 def sliding_window_slots(cache: Any) -> Optional[int]:

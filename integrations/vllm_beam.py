@@ -394,7 +394,10 @@ class _PromptSearch:
     def results(self, limit: int) -> list[BeamEntry]:
         out = []
         for score, log_prob, tokens in self.finished[:limit]:
+            # A beam finishes on the end token; an entry that ends with it (the model's EOS) holds that token too.
             entry = self.trie.lookup(tokens)
+            if entry is None:
+                entry = self.trie.lookup(tokens + (self.eos,))
             if entry is not None:
                 out.append(BeamEntry(entry, log_prob, score))
         return out

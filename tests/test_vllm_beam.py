@@ -314,6 +314,23 @@ def test_async_engine_with_end_token_zero_and_filters(tiny_eos0, trie_dir, count
         _assert_follows_reference(mine, trie, 0, usable)
 
 
+def test_an_entry_that_ends_with_the_end_token_is_found():
+    """A beam finishes on the end token, which generation does not keep; an entry that ends with it (the model's
+    EOS) is still that beam's entry. Before, such a beam was dropped: beam_search over [[5, 2]] returned []."""
+    from trie_decode import SpanRules, TokenTrie, TrieConstraint
+    from trie_decode.integrations.vllm_beam import _PromptSearch
+
+    trie = TokenTrie.from_sequences([[5, 2], [6]], vocab_size=8)
+    search = _PromptSearch([1], TrieConstraint(trie, SpanRules(end_token_id=2), "cpu"), None, {}, width=2,
+                           max_tokens=4, length_penalty=0.0, early_stopping=True)
+    search.requests()
+    search.feed([{5: -0.1, 6: -1.0}])
+    search.requests()
+    search.feed([{2: -0.2}, {2: -0.3}])
+    assert search.done
+    assert [(r.entry.tokens, round(r.log_prob, 6)) for r in search.results(2)] == [((5, 2), -0.3), ((6,), -1.3)]
+
+
 def test_engine_checks():
     from types import SimpleNamespace
 

@@ -135,6 +135,10 @@ def _cmd_build_prefix_dict(args: argparse.Namespace) -> int:
     return 0
 
 
+#: How every .npy file starts (numpy's format: the magic string then the format version).
+_NPY_MAGIC = b"\x93NUMPY"
+
+
 def _cmd_build_codes(args: argparse.Namespace) -> int:
     """``build --codes``: a semantic-id catalog (an .npy array of codes, items x levels) to a trie file."""
     import numpy as np
@@ -144,6 +148,11 @@ def _cmd_build_codes(args: argparse.Namespace) -> int:
     path = Path(args.codes)
     if not path.is_file():
         raise DescriptorError(f"codes file not found: {path}")
+    with open(path, "rb") as f:
+        magic = f.read(len(_NPY_MAGIC))
+    if magic != _NPY_MAGIC:  # numpy would read it as a pickle, and advise loading it "unsafely" (allow_pickle=)
+        raise DescriptorError(f"{path} is not a .npy file: save the codes (an integer array, items x levels) with "
+                              "numpy.save")
     try:
         codes = np.load(path, mmap_mode="r", allow_pickle=False)
     except ValueError as exc:

@@ -29,7 +29,8 @@ The rules, and who calls them:
                      parsing; :func:`check_distinct` (``distinct`` is a bool and needs "repeat"; ``max_entries``
                      only with it, positive, :data:`DEFAULT_MAX_ENTRIES` when not given):
                      ``TrieLogitsProcessor``, ``TrieConstraint.filters``, so every front door that filters;
-                     :func:`check_no_distinct` (what makes none names it): ``rank``, ``fast_forward_generate``;
+                     :func:`check_no_distinct` (what makes none names it), :func:`check_not_taken` (the
+                     processor's other options a front door does not take): ``rank``, ``fast_forward_generate``;
                      :func:`check_positive` (a positive integer): ``max_entries``, ``distinct_capacity``'s token
                      budget.
     sources          :func:`check_one_source` (exactly one of ``tries``/``trie``, ``spans``, ``template``),
@@ -38,7 +39,9 @@ The rules, and who calls them:
     per-row          :func:`is_per_row` (one spec per row or prompt, or one for all), :func:`as_tries` (one trie or
     expansion        one per prompt), :func:`prompt_groups`, :func:`prompt_filters`, :func:`filter_rows` (per-prompt
                      specs over a prompt's rows: beams, return sequences), :func:`row_specs` (one spec per row):
-                     transformers, fast-forward, ``TrieConstraint.filters``, live catalogs.
+                     transformers, fast-forward, ``TrieConstraint.filters``, live catalogs; :func:`check_prompts`
+                     (one per-prompt spec per prompt, where the rows per prompt are known): transformers,
+                     fast-forward.
 
 Options only one front door has stay with it: a vLLM request's payload, limits and ``spans`` dicts
 (:mod:`trie_decode.integrations.vllm_requests`), the CLI's flag combinations (:mod:`trie_decode.cli`).
@@ -70,7 +73,7 @@ from __future__ import annotations
 
 import shlex
 from dataclasses import dataclass
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any, NoReturn, Optional, Sequence, Union
 
 import numpy as np
@@ -103,6 +106,7 @@ __all__ = [
     "check_filter_mode",
     "check_distinct",
     "check_no_distinct",
+    "check_not_taken",
     "DEFAULT_MAX_ENTRIES",
     "check_positive",
     "check_one_source",
@@ -112,6 +116,7 @@ __all__ = [
     "is_per_row",
     "as_tries",
     "prompt_groups",
+    "check_prompts",
     "prompt_filters",
     "filter_rows",
     "row_specs",
@@ -417,14 +422,20 @@ def check_distinct(on_complete: str, distinct: Any, max_entries: Any, names: Opt
     return int(max_entries)
 
 
-def check_no_distinct(caller: str, given: Collection, why: str) -> None:
-    """``caller`` makes no distinct list: ``distinct``/``max_entries`` among its keyword arguments ``given`` are
-    refused by name, with what makes one (passed on, ``generate`` refuses them as unused model kwargs, no fix)."""
-    asked = " or ".join(f"{k}=" for k in ("distinct", "max_entries") if k in given)
+def check_not_taken(caller: str, given: Mapping[str, Any], options: Sequence[str], why: str, fix: str) -> None:
+    """``caller`` does not take ``options`` (``TrieLogitsProcessor``'s, which a user may carry over): those among
+    its keyword arguments ``given`` that are set (not None) are refused by name, with ``why`` and ``fix`` (passed
+    on, ``generate`` refuses them as model kwargs the model does not use, and names no fix)."""
+    asked = " or ".join(f"{k}=" for k in options if given.get(k) is not None)
     if asked:
-        raise ConstraintConfigError(f"{caller} does not take {asked} ({why}): a distinct list is made by "
-                                    "model.generate(..., logits_processor=[TrieLogitsProcessor(trie, "
-                                    "on_complete='repeat', separator=..., distinct=True)])")
+        raise ConstraintConfigError(f"{caller} does not take {asked} ({why}): {fix}")
+
+
+def check_no_distinct(caller: str, given: Mapping[str, Any], why: str) -> None:
+    """``caller`` makes no distinct list: ``distinct``/``max_entries`` are refused (:func:`check_not_taken`), with
+    what makes one."""
+    check_not_taken(caller, given, ("distinct", "max_entries"), why, "a distinct list is made by model.generate(..., "
+                    "logits_processor=[TrieLogitsProcessor(trie, on_complete='repeat', separator=..., distinct=True)])")
 
 
 def check_positive(value: Any, key: str, names: OptionNames = KEYWORDS) -> None:
@@ -510,12 +521,12 @@ def as_tries(tries: Any, kind: type, tokenizer: Any = None, key: str = "tries") 
     ``fast_forward_generate``).
 
     Raises:
-        ConstraintConfigError: no trie. TypeError: an item that is not a ``kind``.
+        ConstraintConfigError: no trie, or neither a ``kind`` nor a list. TypeError: an item that is not a ``kind``.
         TokenizerMismatchError: a trie built for another tokenizer.
     """
     if isinstance(tries, kind):
         tries = [tries]
-    if tries is None or isinstance(tries, (str, bytes)):
+    if tries is None or isinstance(tries, (str, bytes)) or not isinstance(tries, Iterable):
         raise ConstraintConfigError(f"{key} must be a TokenTrie or a list of them (one per prompt), got {tries!r:.60}")
     tries = list(tries)
     if not tries:
@@ -542,6 +553,32 @@ def prompt_groups(batch: int, num_tries: int, device: torch.device | str = "cpu"
             f"{num_tries} tries were given (one per prompt) but the batch has {batch} rows, not a multiple of {num_tries}"
         )
     return torch.arange(batch, device=device) // (batch // num_tries)
+
+
+def check_prompts(batch: int, per_prompt: Optional[int], given: Mapping[str, int],
+                  names: OptionNames = KEYWORDS) -> None:
+    """Per-prompt options against a batch whose rows per prompt are known (``generate`` repeats each prompt for its
+    beams or return sequences: ``per_prompt``): each option that gives more than one spec (``given``: its key and
+    how many) must give exactly one per prompt. :func:`prompt_groups` and :func:`filter_rows` alone, which see only
+    rows, would read 2 tries over 4 prompts as 2 prompts of 2 rows each, and decode prompt 1 with trie 0.
+
+    Example:
+        >>> check_prompts(6, 3, {"tries": 2})  # 2 prompts x 3 beams
+        >>> check_prompts(4, 1, {"tries": 2})  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        trie_decode.errors.ConstraintConfigError: tries gives 2, one per prompt, but the batch has 4 prompts ...
+
+    Raises:
+        ConstraintConfigError: an option whose per-prompt specs are not one per prompt.
+    """
+    if per_prompt is None or per_prompt < 1 or batch % per_prompt:
+        return  # rows per prompt unknown: only prompt_groups' and filter_rows' divisibility is checked
+    prompts = batch // per_prompt
+    for key, count in given.items():
+        if count > 1 and count != prompts:
+            names.fail(f"{names(key)} gives {count}, one per prompt, but the batch has {prompts} prompts ({batch} "
+                       f"rows, {per_prompt} per prompt): give one per prompt, or one for every prompt")
 
 
 def prompt_filters(allow: Any, deny: Any, names: OptionNames = KEYWORDS) -> int:

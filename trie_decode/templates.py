@@ -175,18 +175,23 @@ class Template:
             found = self._built[key] = (tokenizer, *self._build(tokenizer, int(end_token_id)))
         return found[1], found[2]
 
-    def prebuilt(self, end_token_id: int) -> tuple[list[TokenTrie], "TemplateRules"]:
+    def prebuilt(self, end_token_id: int, fix: str = "pass tokenizer=, or call template.build(tokenizer, "
+                 "{end}) once before generate") -> tuple[list[TokenTrie], "TemplateRules"]:
         """What :meth:`build` made for ``end_token_id`` (for a caller without the tokenizer, such as
         ``generate(custom_generate=...)``, which keeps its ``tokenizer=`` argument).
+
+        Args:
+            fix: what the caller's own call can do, named in the error (``{end}``: the end token).
 
         Raises:
             ConstraintConfigError: the template was not built for that end token, or for several tokenizers.
         """
-        found = [v for (_, end), v in self._built.items() if end == int(end_token_id)]
+        end = int(end_token_id)
+        found = [v for (_, built_end), v in self._built.items() if built_end == end]
         if len(found) != 1:
-            raise ConstraintConfigError(
-                f"this template was built for {len(found)} tokenizers with end token {end_token_id}: pass "
-                "tokenizer=, or call template.build(tokenizer, end_token_id) once before generate")
+            what = (f"was built for {len(found)} tokenizers with end token {end} (which one is unknown)" if found
+                    else f"was not built for end token {end}")
+            raise ConstraintConfigError(f"this template {what}: {fix.format(end=end)}")
         return found[0][1], found[0][2]
 
     def fixed_texts(self) -> list[str]:
