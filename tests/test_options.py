@@ -118,6 +118,8 @@ def _request(**extra):
     (ConstraintConfigError, r"^trigger must hold integer token ids", _processor(trigger=[1.5])),
     (TrieRequestError, r"^extra_args\['trigger'\] must hold integer token ids", _request(trigger=[1.5])),
     (ConstraintConfigError, r"^end_token_id must be a non-negative token id", lambda: TrieLogitsProcessor(TRIE, end_token_id=-1)),
+    (ConstraintConfigError, r"^the separator \[9, 0\] holds the end token 0, which ends the list: a list would end "
+                            r"inside its separator", _processor(on_complete="repeat", separator=[9, 0])),
     # filter modes
     (ConstraintConfigError, r'^distinct=True needs on_complete="repeat"', _processor(distinct=True)),
     (ConstraintConfigError, r"^max_entries must be a positive integer",
@@ -151,7 +153,7 @@ def _request(**extra):
      _processor(allow=[["a"]], deny=[["a"], ["b"]])),
     (TypeError, r"^tries\[0\] is str, not a TokenTrie$", lambda: TrieLogitsProcessor(["x"], end_token_id=0)),
 ], ids=["SpanRules-mode", "processor-mode", "vllm-mode", "processor-repeat", "vllm-repeat", "vllm-separator",
-        "processor-trigger", "vllm-trigger", "processor-end", "processor-distinct", "processor-max_entries",
+        "processor-trigger", "vllm-trigger", "processor-end", "processor-end-in-separator", "processor-distinct", "processor-max_entries",
         "processor-max_entries-alone", "processor-max_entries-0-alone", "processor-distinct-no",
         "constraint-max_entries-alone",
         "vllm-filters", "processor-source", "fast_forward-source", "processor-two-sources", "vllm-spans",

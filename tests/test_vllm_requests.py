@@ -93,6 +93,13 @@ def test_a_trigger_or_separator_is_bounded(resolver, extra, match):
     resolver.admit(parse_trie_request({"trie": NAMES, "trigger": [5] * 256, "on_complete": "release"}))
 
 
+def test_a_separator_holding_the_eos_is_a_400(resolver, tokenizer):
+    """The list ends at the model's EOS: a separator holding it would end the list inside the separator."""
+    eos = tokenizer.eos_token_id
+    with pytest.raises(TrieRequestError, match=rf"^extra_args: the separator \[11, {eos}\] holds the end token {eos}"):
+        resolver.admit(parse_trie_request({"trie": NAMES, "on_complete": "repeat", "separator": [11, eos]}))
+
+
 def test_other_processors_keys_pass():
     assert parse_trie_request({"denylist": ["x"], "my_plugin": 1}) is None  # no trie option of ours, not ours
     # Names another processor may take as well: without trie, spans or template the request is not ours.

@@ -81,6 +81,10 @@ class SpanRules:
         object.__setattr__(self, "separator", token_tuple(self.separator, "separator"))
         object.__setattr__(self, "trigger", token_tuple(self.trigger, "trigger"))
         check_separator(self.on_complete, bool(self.separator))
+        if self.end_token_id in self.separator:
+            raise ConstraintConfigError(
+                f"the separator {list(self.separator)[:20]} holds the end token {self.end_token_id}, which ends the list: "
+                "a list would end inside its separator; choose a separator without it")
         if self.fields is not None and (self.on_complete != "release" or self.trigger):
             raise ConstraintConfigError(
                 'spans (fields) end each value with their end text and release the row: on_complete="release" and '
