@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from trie_decode import TokenTrie
 from trie_decode.constraint import SpanRules, TrieConstraint
-from trie_decode.errors import ConstraintConfigError, InvalidEntryError, InvalidTokenError
+from trie_decode.errors import ConstraintConfigError, EmptyTrieError, InvalidEntryError, InvalidTokenError
 from trie_decode.fields import FieldRules, Span
 from trie_decode.text_spans import Trigger, end_token_table, vocabulary_bytes
 
@@ -143,6 +143,11 @@ def test_options_that_do_not_combine_with_spans_are_named(tokenizer):
     with pytest.raises(InvalidEntryError) as err:  # escaping would not take '. ' out of the value: not offered
         TrieLogitsProcessor(tokenizer=tokenizer, spans=[Span(["St. Louis"], after="q: ", end=". ")])
     assert "escape" not in str(err.value) and "give the span another end (Span.end)" in str(err.value)
+    # Errors about values name the span they belong to (several spans may be given).
+    with pytest.raises(EmptyTrieError, match=r"^Span after '\"city\": \"' has no values: give at least one$"):
+        TrieLogitsProcessor(tokenizer=tokenizer, spans=[span, Span([], after='"city": "')])
+    with pytest.raises(InvalidEntryError, match=r"^Span after 'q: ' value 1 must be a non-empty string"):
+        TrieLogitsProcessor(tokenizer=tokenizer, spans=[Span(["a", ""], after="q: ")])
     with pytest.raises(ConstraintConfigError, match="after"):
         Span(["Paris"], after="")
     with pytest.raises(ConstraintConfigError, match="Span.values must be a TokenTrie or a list of strings, got NoneType"):

@@ -48,7 +48,7 @@ from typing import Any, Collection, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from .errors import ConstraintConfigError, InvalidEntryError, InvalidTokenError
+from .errors import ConstraintConfigError, EmptyTrieError, InvalidEntryError, InvalidTokenError
 from .filters import restricted_trie, spec_items
 from .spans import FREE
 from .text_spans import EndTokens, TextTriggers, TokenTriggers, Trigger, end_token_table, vocabulary_bytes
@@ -139,7 +139,7 @@ class Span:
             ConstraintConfigError: an unknown key in ``allow``/``deny``, or no value left.
         """
         fix, escape_fix = self.value_fixes()
-        trie = value_trie(self.values, tokenizer, self.after_text, self.end, self.escape, "Span",
+        trie = value_trie(self.values, tokenizer, self.after_text, self.end, self.escape, self.filter_owner(),
                           end_name="the span's end", fix=fix, escape_fix=escape_fix, lead=self.lead)
         allow, deny = (self._both_forms(name) for name in ("allow", "deny"))
         return restricted_trie(trie, allow, deny, self.filter_owner())
@@ -212,6 +212,8 @@ def value_trie(values: Union[TokenTrie, Sequence[str]], tokenizer: Any, context:
     if isinstance(values, TokenTrie):
         return values
     names = list(values)
+    if not names:
+        raise EmptyTrieError(f"{what} has no values: give at least one")
     texts = [_written(v, escape) if isinstance(v, str) else v for v in names]
     for i, text in enumerate(texts):
         if not isinstance(text, str) or not text:
