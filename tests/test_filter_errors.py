@@ -82,3 +82,13 @@ def test_a_vllm_refusal_pickles_as_what_it_is(doors):
         again = pickle.loads(pickle.dumps(error))
         assert type(again) is type(error) and str(again) == str(error) and isinstance(again, TrieRequestError)
     assert isinstance(error, TypeError) and isinstance(error, ValueError)  # a spec error is both built-ins
+
+
+def test_keys_on_a_trie_without_keys_or_names_name_the_option():
+    """A trie built from bare token sequences has no keys: a filter that names one says which option did."""
+    from trie_decode.errors import ConstraintConfigError
+
+    trie = TokenTrie.from_sequences([[5], [6]], vocab_size=10)
+    with pytest.raises(ConstraintConfigError, match=r"^deny: this trie has neither keys nor names: filter by entry"):
+        TrieLogitsProcessor(trie, end_token_id=0, deny=["x"])
+    TrieLogitsProcessor(trie, end_token_id=0, deny=[1])  # by index

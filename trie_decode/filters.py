@@ -469,7 +469,11 @@ def entry_indices(trie: TokenTrie, spec: Any, what: str) -> np.ndarray:
             idx = numbers[idx]
             idx = idx[idx >= 0]  # removed entries
         if keys:
-            found = KeyIndex.of(trie).entries(keys, what)
+            try:
+                index = KeyIndex.of(trie)
+            except ConstraintConfigError as exc:  # a trie without keys or names: say which option named keys
+                raise type(exc)(f"{what}: {exc}") from None
+            found = index.entries(keys, what)
             idx = found if not nums else np.concatenate([found, idx])
         idx.setflags(write=False)  # made here and never changed: EntryOrder.sorted_ranks may keep its ranks
         if not idx.size or idx.min() >= 0:
