@@ -737,6 +737,9 @@ def rank(
     )
     # generate stops at the end token (eos_token_id below): refused here with rank's own option in the fix.
     processor.check_stop_ids([processor.rules.end_token_id], change="end_token_id=")
+    prompts = inputs["input_ids"].shape[0] if "input_ids" in inputs else None  # one trie per prompt, named as rank's
+    if prompts is not None:
+        check_prompts(prompts, 1, {"trie": len(processor.tries), "allow/deny": processor._filter_specs[3]})
     depth = processor._max_depth
     generate_kwargs.setdefault("max_new_tokens", depth + 1)
     out = model.generate(

@@ -183,8 +183,8 @@ def test_per_prompt_tries_and_filters_must_give_one_per_prompt(tiny_llama, token
         processor = TrieLogitsProcessor(options.pop("tries"), tokenizer, **options)
         with pytest.raises(ConstraintConfigError, match=message):
             tiny_llama.generate(**inputs, logits_processor=[processor], max_new_tokens=3, **generate_options)
-    with pytest.raises(ConstraintConfigError, match="tries " + refused + re.escape(" 4 prompts (8 rows, 2 per")):
-        rank(tiny_llama, four, [a, b], 2, tokenizer=tokenizer)
+    with pytest.raises(ConstraintConfigError, match="^trie " + refused + re.escape(" 4 prompts (4 rows, 1 per")):
+        rank(tiny_llama, four, [a, b], 2, tokenizer=tokenizer)  # rank's own option: trie=
     # One per prompt, whatever the beams or return sequences: each prompt decodes its own trie.
     for generate_options in (dict(num_beams=3, num_return_sequences=2), dict(do_sample=True, num_return_sequences=3)):
         processor = TrieLogitsProcessor([a, b], tokenizer)
