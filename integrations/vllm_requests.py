@@ -752,7 +752,7 @@ class _RequestSpan(Span):
         return (f"give the span another end ({self.option}['end'])",
                 f"set {self.option}['escape'] to 'json' (the value is then written JSON-escaped)")
 
-    def filter_owner(self) -> str:
+    def label(self) -> str:
         return self.option
 
 

@@ -271,7 +271,7 @@ class TrieConstraint:
             token = int(tokens)
             was_free = new is state.node or int(state.node) == FREE  # (advance passes a FREE row's node itself)
             src = int(state.text) if was_free else int(f.resume[int(state.tree)])
-            nxt, k, past = f.triggers.step(src, token) if token < f.triggers.vocab_size else (src, -1, 0)
+            nxt, k, past = f.text_move(src, token)
             # An automaton that stays put keeps its tensor (states share unchanged tensors, as they share ``tree``).
             text = state.text if was_free and nxt == src else torch.full((1,), nxt, dtype=torch.long)
             if k < 0:
@@ -287,15 +287,7 @@ class TrieConstraint:
         text = state.text.cpu().numpy().copy()
         src = np.where(before[idx] == FREE, text[idx], f.resume[state.tree.cpu().numpy()[idx]])
         toks = tokens.cpu().numpy()[idx]
-        # An id past the automaton's vocabulary (a model's padded logits, which a free row may sample) writes no text.
-        known = toks < f.triggers.vocab_size
-        if len(idx) == 1:
-            moved = f.triggers.step(int(src[0]), int(toks[0])) if known[0] else (int(src[0]), -1, 0)
-            nxt, fired, past = (np.array([v]) for v in moved)
-        else:
-            nxt, fired, past = (t.numpy() for t in f.triggers.advance(torch.from_numpy(src),
-                                                                        torch.from_numpy(np.where(known, toks, 0))))
-            nxt, fired = np.where(known, nxt, src), np.where(known, fired, -1)
+        nxt, fired, past = f.text_moves(src, toks)
         text[idx] = nxt
         tree = state.tree
         if (fired >= 0).any():

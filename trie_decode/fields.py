@@ -139,19 +139,19 @@ class Span:
             ConstraintConfigError: an unknown key in ``allow``/``deny``, or no value left.
         """
         fix, escape_fix = self.value_fixes()
-        trie = value_trie(self.values, tokenizer, self.after_text, self.end, self.escape, self.filter_owner(),
+        trie = value_trie(self.values, tokenizer, self.after_text, self.end, self.escape, self.label(),
                           end_name="the span's end", fix=fix, escape_fix=escape_fix, lead=self.lead)
         allow, deny = (self._both_forms(name) for name in ("allow", "deny"))
-        return restricted_trie(trie, allow, deny, self.filter_owner())
+        return restricted_trie(trie, allow, deny, self.label())
 
     def value_fixes(self) -> tuple[str, Optional[str]]:
         """What the caller can change when a value contains ``end`` (the messages of :meth:`build_trie` say it): the
         fix, and how to ask for JSON escaping. A front door with other options (vLLM's requests, where a span is a
-        dict in ``extra_args['spans']``) overrides it and :meth:`filter_owner`, as :meth:`Template.value_fixes`."""
+        dict in ``extra_args['spans']``) overrides it and :meth:`label`, as :meth:`Template.value_fixes`."""
         return "give the span another end (Span.end)", "give escape='json' (the value is then written JSON-escaped)"
 
-    def filter_owner(self) -> str:
-        """How messages about ``allow`` and ``deny`` name this span."""
+    def label(self) -> str:
+        """How messages about this span's values and its ``allow``/``deny`` name it (several spans may be given)."""
         return f"Span after {self.after_text!r}"
 
     def _both_forms(self, name: str) -> Optional[list[Union[str, int]]]:
@@ -466,6 +466,22 @@ class FieldRules:
             dead = self.dead_tokens(int(states[j]))  # the host copy: no device read per row
             r = i if rows is None else int(rows[i])
             logits[r, torch.from_numpy(dead[dead < width]).to(logits.device)] = float("-inf")
+
+    def text_move(self, src: int, token: int) -> tuple[int, int, int]:
+        """A free row's text automaton fed ``token`` from state ``src``: (next state, span fired or -1, bytes past its
+        ``after``). An id past the automaton's vocabulary (a model's padded logits, which a free row may sample)
+        writes no text: the row stays where it was."""
+        return self.triggers.step(src, token) if token < self.triggers.vocab_size else (src, -1, 0)
+
+    def text_moves(self, src: np.ndarray, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`text_move` for several rows (one batched automaton step, a scalar one for a single row).
+        Shape: (R,) each."""
+        if len(src) == 1:
+            return tuple(np.array([v]) for v in self.text_move(int(src[0]), int(tokens[0])))  # type: ignore[return-value]
+        known = tokens < self.triggers.vocab_size
+        nxt, fired, past = (t.numpy() for t in self.triggers.advance(torch.from_numpy(src),
+                                                                      torch.from_numpy(np.where(known, tokens, 0))))
+        return np.where(known, nxt, src), np.where(known, fired, -1), past
 
     def entry_node(self, span: int, token: int, past: int) -> int:
         """Where a row enters ``span``'s trie after ``token`` completed its ``after`` with ``past`` bytes left: the
