@@ -185,7 +185,10 @@ def validate_trie_params(sampling_params: Any) -> None:
         config = vllm_internals.frontend_model_config()
         if config is not None:
             stop_ids = getattr(sampling_params, "stop_token_ids", None) or ()
-            stamp = _resolver_for(config).admit(req, stop_ids)  # cost-bounded; the engine finds inline tries handed off
+            model_stops = () if getattr(sampling_params, "ignore_eos", False) else (
+                vllm_internals.frontend_generation_eos_ids())  # vLLM adds them to stop_ids after this check
+            # cost-bounded; the engine finds inline tries handed off
+            stamp = _resolver_for(config).admit(req, stop_ids, model_stops)
         else:
             for part in (req, *req.spans):  # no tokenizer at hand: check its files at least (same access policy)
                 if part.source == "file":

@@ -17,7 +17,9 @@ What is relied on, and what happens with another vLLM (a warning is logged once 
    classmethod that receives only the ``SamplingParams``; vLLM 0.32 calls it from ``InputProcessor._validate_params``,
    which holds the engine's ``model_config`` as ``self.model_config``. With it, admission checks a request
    completely (the tokenizer fingerprint, inline strings built with the engine's tokenizer) and hands a built inline
-   trie to the engine. Another vLLM: the stack is not walked; a trie file is still checked on its own at admission
+   trie to the engine. The same object's ``generation_config_fields`` names the EOS ids of the model's generation
+   config, which vLLM adds to the request's stop tokens after validation (:func:`frontend_generation_eos_ids`):
+   admission refuses an entry they would cut. Another vLLM: the stack is not walked; a trie file is still checked on its own at admission
    and everything else is checked when the engine resolves the request (same masks, same outputs; a bad inline
    request then only gets the end token instead of an HTTP 400).
 2. **Which model runner constructs the processor** (:func:`constructed_by_v2`). vLLM 0.32's V1 runner calls
@@ -65,6 +67,7 @@ __all__ = [
     "is_verified",
     "fast_paths",
     "frontend_model_config",
+    "frontend_generation_eos_ids",
     "constructed_by_v2",
     "v2_token_ids",
     "v2_prompt_lengths",
@@ -148,16 +151,34 @@ def frontend_model_config() -> Any:
     ``self.model_config`` has a ``tokenizer`` (vLLM 0.32: ``InputProcessor._validate_params`` ->
     ``validate_logits_processors_params`` -> the processor class's ``validate_params``).
     """
+    owner = _input_processor(sys._getframe(1))
+    return None if owner is None else owner.model_config
+
+
+def frontend_generation_eos_ids() -> tuple[int, ...]:
+    """The EOS ids of the model's generation config, which vLLM adds to a request's stop tokens after
+    ``validate_params`` (vLLM 0.32: ``SamplingParams.update_from_generation_config`` with the ``InputProcessor``'s
+    ``generation_config_fields``, unless the request sets ``ignore_eos``). Empty when the ``InputProcessor`` is not
+    found (another vLLM: the engine then stops such a request where vLLM stops it, unchecked) or names none."""
+    owner = _input_processor(sys._getframe(1))
+    fields = getattr(owner, "generation_config_fields", None)
+    ids = fields.get("eos_token_id") if isinstance(fields, dict) else None
+    if isinstance(ids, int):
+        return (ids,)
+    return tuple(int(i) for i in ids) if isinstance(ids, (list, tuple)) else ()
+
+
+def _input_processor(frame: Any) -> Any:
+    """The ``InputProcessor`` on the stack above ``frame`` (see :func:`frontend_model_config`), or None."""
     if not fast_paths():
         return None
-    frame = sys._getframe(1)
     for _ in range(_STACK_DEPTH):
         if frame is None:
             return None
         owner = frame.f_locals.get("self")
         config = getattr(owner, "model_config", None) if owner is not None else None
         if config is not None and hasattr(config, "tokenizer") and type(owner).__name__ == "InputProcessor":
-            return config
+            return owner
         frame = frame.f_back
     return None
 

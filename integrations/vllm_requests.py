@@ -978,10 +978,11 @@ class TrieResolver:
         if req.prefix and trie.walk(req.prefix) < 0:
             raise TrieRequestError(f"extra_args['prefix'] {list(req.prefix)[:20]} is not a path of the trie")
 
-    def admit(self, req: TrieRequest, stop_ids: Sequence[int] = ()) -> str:
+    def admit(self, req: TrieRequest, stop_ids: Sequence[int] = (), model_stop_ids: Sequence[int] = ()) -> str:
         """The front-end's complete check of a request (trie within the build budget, rules, prefix, filters, no
-        entry or span value cut by the model's EOS or by one of ``stop_ids``, the request's ``stop_token_ids``);
-        returns the stamp to put in ``extra_args[STAMP_KEY]`` (:func:`.vllm_access.make_stamp`).
+        entry or span value cut by the model's EOS, by one of ``model_stop_ids`` (the EOS ids of its generation
+        config) or by one of ``stop_ids``, the request's ``stop_token_ids``); returns the stamp to put in
+        ``extra_args[STAMP_KEY]`` (:func:`.vllm_access.make_stamp`).
 
         Raises:
             TrieRequestError: anything unusable (the client gets it as a 400).
@@ -993,24 +994,24 @@ class TrieResolver:
         if req.source in ("spans", "template"):
             tries, rules = self.spans(req, admit=True)
             for i, trie in enumerate(tries):  # a value a stop token would cut (one tree per span, in order)
-                self._check_end_inside(trie, rules.end_token_id, stop_ids,
+                self._check_end_inside(trie, (rules.end_token_id, *model_stop_ids), stop_ids,
                                        "extra_args['slots']" if req.source == "template" else f"extra_args['spans'][{i}]")
             return make_stamp(None)
         trie, origin = self._trie(req, admit=True)
         rules = self.rules(req)
         self._check_rules_fit(trie, rules)
-        self._check_end_inside(trie, rules.end_token_id, stop_ids, "extra_args['trie']")
+        self._check_end_inside(trie, (rules.end_token_id, *model_stop_ids), stop_ids, "extra_args['trie']")
         self._check_prefix(req, trie)
         self.filters(req, trie)
         return make_stamp(origin[:4] if origin is not None else None)
 
     @staticmethod
-    def _check_end_inside(trie: TokenTrie, end_token_id: int, stop_ids: Sequence[int], where: str) -> None:
-        """Refuse, as a 400 naming ``where``, a trie with an entry that holds the model's EOS or one of the request's
-        ``stop_ids`` before its end: generation would stop inside it (one look-up per token, the trie keeps its
-        flags)."""
+    def _check_end_inside(trie: TokenTrie, model_stop_ids: Sequence[int], stop_ids: Sequence[int], where: str) -> None:
+        """Refuse, as a 400 naming ``where``, a trie with an entry that holds one of the model's EOS ids or one of
+        the request's ``stop_ids`` before its end: generation would stop inside it (one look-up per token, the trie
+        keeps its flags)."""
         try:
-            check_stop_tokens_outside_entries(trie, [end_token_id])
+            check_stop_tokens_outside_entries(trie, model_stop_ids)
             check_stop_tokens_outside_entries(trie, stop_ids, change="stop_token_ids")
         except ConstraintConfigError as exc:
             raise TrieRequestError(f"{where}: {exc}") from None

@@ -33,6 +33,8 @@ def test_input_processor_still_validates_logits_processors_with_model_config_on_
     validate_src = inspect.getsource(InputProcessor._validate_params)
     assert "self.validate_logits_processors_params(params)" in validate_src, "vLLM moved custom validate_params"
     assert "self.model_config" in source
+    # The model's generation-config EOS ids join a request's stop tokens after validation, from this attribute.
+    assert "update_from_generation_config(\n                self.generation_config_fields," in source
 
 
 def test_stack_walk_finds_the_model_config_through_vllms_validation_helper(smollm2_dir, tokenizer):
@@ -54,8 +56,9 @@ def test_stack_walk_finds_the_model_config_through_vllms_validation_helper(smoll
                                    get_vocab_size=lambda: len(tokenizer))
 
     class InputProcessor:  # the name the stack walk looks for
-        def __init__(self):
+        def __init__(self, generation_config_fields=None):
             self.model_config = model_config
+            self.generation_config_fields = generation_config_fields or {}
 
             self.validate_logits_processors_params = partial(validate_logits_processors_parameters,
                                                              [ours.TrieLogitsProcessor])
@@ -75,6 +78,14 @@ def test_stack_walk_finds_the_model_config_through_vllms_validation_helper(smoll
                                                       r"\(stop_token_ids\), or build the trie"):
             InputProcessor()._validate_params(SamplingParams(extra_args=korea, stop_token_ids=[7, of]))
         InputProcessor()._validate_params(SamplingParams(extra_args=korea, stop_token_ids=[korea_id]))  # at its end
+        # An EOS id of the model's generation config, which vLLM adds to the stop tokens after this check, likewise;
+        # not under ignore_eos (vLLM then leaves it out).
+        eos_of = InputProcessor({"eos_token_id": [tokenizer.eos_token_id, of]})
+        with pytest.raises(VLLMValidationError, match=rf"contains token {of}, at which generation stops: .*"
+                                                      r"; build the trie without such entries"):
+            eos_of._validate_params(SamplingParams(extra_args=korea))
+        eos_of._validate_params(SamplingParams(extra_args=korea, ignore_eos=True))
+        InputProcessor({"eos_token_id": of + 1})._validate_params(SamplingParams(extra_args=korea))
     finally:
         ours._resolver_for = real
     assert seen and seen[0] is model_config
