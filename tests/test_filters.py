@@ -985,3 +985,63 @@ def test_live_view_refuses_max_entries_without_a_distinct_list():
     view = live.snapshot().view(rules)
     with pytest.raises(ConstraintConfigError, match="max_entries=4 is the room of a distinct list"):
         view.filters(view.constraint(rules, "cpu"), 1, max_entries=4)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_counting_only_the_children_that_hold_a_denied_entry_masks_as_counting_every_child(seed, monkeypatch):
+    """On the CPU a filter pass without allow sets counts only the children of each row's node that hold a denied
+    entry (a distinct list at a wide root: O(R * D), not O(R * F)). It gives the same logits, bit for bit, as
+    counting every child (the pass the reference tests check): rows 1 to 4 stand where a rule of that path matters
+    (the separator is an open child of a denied entry; one child holds two denied entries; the node's own entry is
+    denied; another processor banned every child but a denied one: the floor, over children not counted), then
+    random rows: bans, rows whose kept values are all banned, NaN, full distinct lists, a row outside the trie."""
+    from trie_decode.constraint import DONE
+    from trie_decode.filters import _counts_every_child, _filter_rows_
+    from trie_decode.kernels.rules import ALL_MASKED_FLOOR
+
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    v = 64
+    made = [[50], [50, SEP], [50, SEP, 51], [52, 53], [52, 53, 54], [52, 55], [56, 57], [58], [58, 59]]
+    seqs = made + sorted({tuple(rng.randrange(SEP, 50) for _ in range(rng.randrange(1, 4))) for _ in range(300)})
+    keys = [f"item{i // 2}" for i in range(len(seqs))]  # pairs of entries are one item in a distinct list
+    trie = TokenTrie.from_sequences(seqs, vocab_size=v, keys=keys)
+    rules = SpanRules(end_token_id=END, on_complete="repeat", separator=(SEP,))
+    c = TrieConstraint(trie, rules, "cpu")
+    e, rows = trie.num_entries, 12
+    at = trie.walk
+    entry = lambda tokens: int(trie.node_entry[at(tokens)])  # noqa: E731
+    deny = [[], [entry([50])], [entry([52, 53]), entry([52, 53, 54])], [entry([56, 57]), entry([58])],
+            [entry([52, 55])]] + [rng.sample(range(e), rng.randrange(0, 20)) for _ in range(rows - 5)]
+    floors = fulls = 0
+    for distinct in (False, True):
+        f = c.filters(rows, deny=deny, distinct=distinct, **({"max_entries": 2} if distinct else {}))
+        node = torch.tensor([DONE, at([50]), at([52]), at([58]), at([52])] + [
+            rng.choice([0, rng.randrange(trie.num_nodes)]) for _ in range(rows - 5)])
+        if distinct:  # lists part-way: some rows hold one entry, some are full
+            for _ in range(2):
+                where = torch.rand(rows, generator=gen) < 0.6
+                where[:5] = False
+                f.add_denied(torch.randint(0, e, (rows,), generator=gen), where)
+            fulls += int((f.full & (node >= 0)).sum())
+        assert not _counts_every_child(f, node, c.dtries[0])  # the path apply_filters_ takes here
+        logits = torch.randn(rows, v, generator=gen)
+        logits[5:][torch.rand(rows - 5, v, generator=gen) < 0.7] = float("-inf")  # another processor's bans
+        logits[4, 53] = float("-inf")
+        logits[rows // 2 :: 2] = float("-inf")  # every kept value banned: the floor
+        logits[2, 55] = float("nan")
+        masked = c.mask_(logits, RowState(node, torch.zeros_like(node)))  # the trie mask, then the filter pass
+        every, counted = masked.clone(), masked.clone()
+        _filter_rows_(every, node, f, c.dtries[0], rules, every_child=True)
+        _filter_rows_(counted, node, f, c.dtries[0], rules, every_child=False)
+        torch.testing.assert_close(counted, every, rtol=0, atol=0, equal_nan=True)
+        assert every[1, SEP].isfinite() and every[2, 55].isnan() and every[3, 59].isfinite()
+        assert every[4, 53] == ALL_MASKED_FLOOR and every[4, 55] == float("-inf")
+        if distinct:  # a full list allows the end token alone, wherever the row stands
+            full = (f.full & (node >= 0)).nonzero().flatten()
+            assert (every[full].isfinite().nonzero()[:, 1] == END).all()
+        floors += int((every == ALL_MASKED_FLOOR).any(1).sum())
+    assert floors and fulls  # the cases this test is for did occur
+    # That path reads flags on the host: under torch.compile (fullgraph) the pass counts every child.
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert _counts_every_child(f, node, c.dtries[0])

@@ -162,6 +162,7 @@ class EntryOrder:
         self.rank = node_rank[trie.entry_node.astype(np.int64)]
         self.rank_node = order.astype(np.int64)  # the terminal node of each rank
         self.num_entries = e
+        self.level_ptr = trie.level_ptr
         self._device: dict[str, tuple[torch.Tensor, ...]] = {}
         # id -> (a weak reference to an index array entry_indices made, its sorted ranks): see sorted_ranks
         self._ranks_of: dict[int, tuple[weakref.ref, np.ndarray]] = {}
@@ -217,6 +218,26 @@ class EntryOrder:
         if key not in self._device:
             self._device[key] = tuple(torch.from_numpy(a).to(device) for a in (self.lo, self.hi, self.node_rank))
         return self._device[key]
+
+    def child_holding(self, node: torch.Tensor, ranks: torch.Tensor) -> torch.Tensor:
+        """The child of each row's node whose subtree holds each rank: one ``searchsorted`` over a key that ascends
+        with the node id, ``depth * (E + 1) + lo`` (nodes are numbered breadth-first with siblings sorted by token,
+        so within a depth ``lo`` ascends). Meaningful only where the rank is below the node and not its own entry.
+
+        Args:
+            node: node ids (>= 0). Shape: (R,), int64.
+            ranks: entry ranks per row. Shape: (R, K), int64.
+        Returns:
+            Node ids. Shape: (R, K), int64.
+        """
+        name = f"child key {node.device}"
+        if name not in self._device:
+            depth = np.repeat(np.arange(len(self.level_ptr) - 1, dtype=np.int64), np.diff(self.level_ptr))
+            self._device[name] = (torch.from_numpy(depth * (self.num_entries + 1) + self.lo).to(node.device),
+                                  torch.from_numpy(depth).to(node.device))
+        key, depth = self._device[name]
+        query = (depth[node] + 1).unsqueeze(1) * (self.num_entries + 1) + ranks
+        return (torch.searchsorted(key, query, right=True) - 1).clamp(min=0)
 
 
 def restricted_trie(trie: TokenTrie, allow: Any = None, deny: Any = None, what: str = "filter") -> TokenTrie:
@@ -1108,37 +1129,86 @@ def apply_filters_(
     """After a row's trie mask: block its children whose subtrees hold no usable entry, and its end token (and
     separator) where the entry ending at its node is not usable. A row left with nothing gets the end token at the
     floor value. In a distinct list the separator is blocked at the entry that fills the list or is its last
-    usable one (the list ends there, with the end token), and a full list allows nothing but the end token. Fixed
-    shapes, no host read.
+    usable one (the list ends there, with the end token), and a full list allows nothing but the end token.
+
+    Which children are counted: on the CPU, for filters without an allow set whose denied ranks are fewer than the
+    trie's widest node has children, only the children that hold a denied rank (the only ones such a filter can
+    block) and those by an end column's token: O(R * D), not O(R * F), for a distinct list at a wide root. Elsewhere
+    every child of each row's node, with fixed shapes and no host read (the CPU path reads one flag on the host:
+    whether a row needs the floor over children it did not count).
 
     Args:
         logits: masked logits, modified in place. Shape: (B, V).
         node: the state rows' codes. Shape: (R,), int64.
         rows: logits row of each state row (default: row i).
     """
+    x = logits if rows is None else logits.index_select(0, rows)
+    _filter_rows_(x, node, filters, dtrie, rules, every_child=_counts_every_child(filters, node, dtrie))
+    if rows is not None:
+        logits.index_copy_(0, rows, x)
+    return logits
+
+
+def _counts_every_child(filters: RowFilters, node: torch.Tensor, dtrie: Any) -> bool:
+    """Whether :func:`apply_filters_` counts every child of each row's node (see there), or only
+    :func:`_children_to_count`'s: without an allow set (an allow filter can block any child), on the CPU and not
+    under ``torch.compile`` (that path reads flags on the host), when the denied ranks are fewer."""
+    return (filters.any_allow or node.device.type != "cpu" or torch.compiler.is_compiling()
+            or filters.deny.shape[1] + 2 >= int(dtrie.max_fanout))
+
+
+def _children_to_count(filters: RowFilters, node: torch.Tensor, inside: torch.Tensor, own: torch.Tensor,
+                       ends: torch.Tensor, dtrie: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The children a filter without an allow set can block or must look at: per denied rank, the child of the row's
+    node that holds it (in rank order, so a child's repeats are adjacent), then the children by the end columns'
+    tokens. Returns (child, valid), each Shape: (R, D + ends)."""
+    lo, hi, _ = filters.order.on(node.device)
+    deny = filters.deny.expand(len(node), -1)
+    below = inside.unsqueeze(1) & (deny >= (lo[node] + own.long()).unsqueeze(1)) & (deny < hi[node].unsqueeze(1))
+    t, v = dtrie.tensors, int(dtrie.vocab_size)
+    key = node.unsqueeze(1) * v + ends
+    at = torch.searchsorted(t.edge_key, key).clamp(max=dtrie.num_nodes - 1)
+    by_end = inside.unsqueeze(1) & (ends < v) & (t.edge_key[at] == key)
+    return torch.cat([filters.order.child_holding(node, deny), at], 1), torch.cat([below, by_end], 1)
+
+
+def _filter_rows_(x: torch.Tensor, node: torch.Tensor, filters: RowFilters, dtrie: Any, rules: Any,
+                  every_child: bool) -> None:
+    """:func:`apply_filters_` on logits whose row i is state row i, counting every child or only
+    :func:`_children_to_count`'s."""
     _, _, node_rank = filters.order.on(node.device)
     t = dtrie.tensors
-    fanout_max = int(dtrie.max_fanout)
     inside = node >= 0
     n = node.clamp(min=0)
     start = t.child_ptr[n].long()
     count = torch.where(inside, t.child_ptr[n + 1].long() - start, 0)
-    j = torch.arange(max(fanout_max, 1), device=node.device)
-    valid = j < count.unsqueeze(1)
-    child = (start.unsqueeze(1) + j).clamp(max=dtrie.num_nodes - 1)
     r = node_rank[n]
     terminal = inside & (r >= 0)
-    own_bits, kid_bits = filters.children_bits(n, child, valid)  # the filter rule, as bits (see filter_bits)
+    ends = _end_columns(rules, node.device).expand(len(node), -1)
+    # the filter rule, as bits (see filter_bits)
+    if every_child:
+        j = torch.arange(max(int(dtrie.max_fanout), 1), device=node.device)
+        valid = j < count.unsqueeze(1)
+        child = (start.unsqueeze(1) + j).clamp(max=dtrie.num_nodes - 1)
+        own_bits, kid_bits = filters.children_bits(n, child, valid)
+    else:
+        child, valid = _children_to_count(filters, n, inside, r >= 0, ends, dtrie)
+        bits = filters.bits(torch.cat([n.unsqueeze(1), child], 1))
+        own_bits, kid_bits = bits[:, 0], bits[:, 1:]
     own_ok = terminal & ((own_bits & END_EXCLUDED) == 0)
     blocked = valid & ((kid_bits & CHILD_EXCLUDED) != 0)
+    full = inside & filters.full if filters.distinct else torch.zeros_like(inside)  # a full list: the end token only
     if filters.distinct:
-        free = filters.deny_limit - filters.deny_count  # room left in each row's list
-        full = free <= 0
-        blocked = blocked | (valid & full.unsqueeze(1))
         own_ok = own_ok & ~full
-    tok = t.child_token[child].long().clamp(min=0)
-    ends = _end_columns(rules, node.device).expand(len(node), -1)
+        blocked = blocked | (valid & full.unsqueeze(1))  # counting only some children, full rows are redone below
     open_child = valid & ~blocked
+    if every_child:
+        any_open = open_child.any(1)
+    else:  # the children not counted are open: fewer blocked children (each once) than children leaves one open
+        d = filters.deny.shape[1]
+        again = torch.cat([torch.zeros_like(valid[:, :1]), valid[:, : d - 1] & (child[:, 1:d] == child[:, : d - 1])], 1)
+        any_open = count > (blocked[:, :d] & ~again).sum(1)
+    tok = t.child_token[child].long().clamp(min=0)
     end_child = torch.stack([((tok == ends[:, k : k + 1]) & open_child).any(1) for k in range(ends.shape[1])], 1)
     block_end = (terminal & ~own_ok).unsqueeze(1) & ~end_child
     if filters.distinct:
@@ -1151,30 +1221,43 @@ def apply_filters_(
         bounds = torch.stack([mates, (mates + 1).clamp(max=e)], 2).reshape(len(mates), -1)
         around = filters.usable(torch.cat([torch.zeros_like(everything), bounds, everything], 1))
         other = around[:, 0::2].any(1)
-        last = terminal & ((free == 1) | ~other) & ~end_child[:, 1]
+        last = terminal & ((filters.deny_limit - filters.deny_count == 1) | ~other) & ~end_child[:, 1]
         block_end = block_end | torch.stack([torch.zeros_like(last), last], 1)
     # A blocked child whose token is also an end column the row keeps (its entry is usable) keeps that column.
     kept_end = torch.stack([(tok == ends[:, k : k + 1]) for k in range(ends.shape[1])], 0).any(0) & own_ok.unsqueeze(1)
     cols = torch.cat([tok, ends], dim=1)
     kill = torch.cat([blocked & ~kept_end, block_end], dim=1)
-    x = logits if rows is None else logits.index_select(0, rows)
+    lost = None if every_child else (kept_alive(x.gather(1, cols)) & kill).any(1)  # rows the filter took a value from
     # amin with +inf keeps a value, with -inf blocks it: duplicate columns resolve the same way in any order.
     x.scatter_reduce_(1, cols, torch.where(kill, NEG_INF, float("inf")).to(x.dtype), reduce="amin")
     # The floor rule (trie_decode.kernels.rules) over what the row keeps now: if another processor set all of it to
     # -inf (while a column the filter took away was finite), the kept columns get the floor; a row the filter left
     # with nothing keeps the end token, at the floor.
-    keep = torch.cat([open_child | (valid & kept_end), (terminal & own_ok).unsqueeze(1) & ~block_end], dim=1)
-    vals = x.gather(1, cols)
-    alive = ~inside | (kept_alive(vals) & keep).any(1)
-    # amax of a value with itself leaves it, with the floor raises a -inf one: duplicate columns resolve the same way.
-    x.scatter_reduce_(1, cols, floor_rule(vals, alive.unsqueeze(1) | ~keep), reduce="amax")
-    left = open_child.any(1) | (terminal & own_ok)
+    left = any_open | (terminal & own_ok)
+    if every_child:
+        keep = torch.cat([open_child | (valid & kept_end), (terminal & own_ok).unsqueeze(1) & ~block_end], dim=1)
+        vals = x.gather(1, cols)
+        alive = ~inside | (kept_alive(vals) & keep).any(1)
+        # amax of a value with itself leaves it, with the floor raises a -inf one: duplicate columns resolve the
+        # same way.
+        x.scatter_reduce_(1, cols, floor_rule(vals, alive.unsqueeze(1) | ~keep), reduce="amax")
     stuck = inside & ~left
     end = ends[:, :1]
     x.scatter_(1, end, floor_rule(x.gather(1, end), ~stuck.unsqueeze(1)))
-    if rows is not None:
-        logits.index_copy_(0, rows, x)
-    return logits
+    if not every_child:
+        # Counted again with every child: full lists (every child blocked), and rows that may need the floor over
+        # children not counted: they lost a live value to the filter, and their largest is now -inf (the trie mask
+        # left -inf at every column a row does not keep; a NaN is no ban).
+        redo = full.clone()
+        check = inside & left & lost
+        if bool(check.any()):
+            idx = check.nonzero().squeeze(1)
+            redo[idx] |= ~kept_alive(x.index_select(0, idx).amax(1))
+        if bool(redo.any()):
+            idx = redo.nonzero().squeeze(1)
+            sub = x.index_select(0, idx)
+            _filter_rows_(sub, node[idx], filters.select(idx), dtrie, rules, every_child=True)
+            x.index_copy_(0, idx, sub)
 
 
 _END_COLUMNS: dict[tuple, torch.Tensor] = {}
