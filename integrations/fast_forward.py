@@ -76,6 +76,7 @@ try:
         rows_per_prompt,
         sliding_window_slots,
         verified,
+        warn_token_by_token,
         warn_unverified,
     )
 except ImportError as exc:  # pragma: no cover - import guard
@@ -158,7 +159,8 @@ def _check_hooked_inputs(logits_processor: Any, stopping_criteria: Any) -> None:
             )
 
 
-def _check_stop_strings(stop_strings: Union[str, Sequence[str], None], tokenizer: Any, hooked: bool) -> None:
+def _check_stop_strings(stop_strings: Union[str, Sequence[str], None], tokenizer: Any, hooked: bool,
+                        what: str = "stop_strings") -> None:
     """Refuse stop strings without the tokenizer they are found with.
 
     ``stop_strings`` are a parameter of :func:`fast_forward_generate`, not left to ``generate``, because ``generate``
@@ -173,7 +175,7 @@ def _check_stop_strings(stop_strings: Union[str, Sequence[str], None], tokenizer
                  "fast_forward_generate(model, ..., stop_strings=..., tokenizer=tokenizer) directly, or bind it: "
                  "generate(..., custom_generate=functools.partial(fast_forward_generate, tokenizer=tokenizer))"
                  if hooked else "pass tokenizer= too")
-        raise ConstraintConfigError(f"stop_strings need the tokenizer (to find them in the tokens); {where}")
+        raise ConstraintConfigError(f"{what} need the tokenizer (to find them in the tokens); {where}")
 
 
 def _stop_string_criteria(stop_strings: Union[str, Sequence[str], None], tokenizer: Any) -> list[StopStringCriteria]:
@@ -596,18 +598,23 @@ def _general_path(
     config: GenerationConfig,
     model_kwargs: dict[str, Any],
     string_stops: Sequence[Any] = (),
+    tokenizer: Any = None,
 ) -> Union[FastForwardOutput, torch.Tensor]:
     """Token-by-token decoding with ``processor``, for a transformers whose ``custom_generate`` convention this
     module was not checked against (:mod:`.transformers_internals`): the same tokens, one pass per token.
 
     Called by ``generate`` (``processors`` given), it runs the sampling loop ``generate`` would have run, with the
     trie processor placed before the sampling warpers; called directly, it calls ``model.generate``.
-    ``string_stops``: the stop strings' criteria, for the direct call (the hook's are in ``stopping_criteria``).
+    ``string_stops``: the stop strings' criteria, for the direct call (the hook's are in ``stopping_criteria``);
+    ``tokenizer``: for the stop strings of ``config`` (the direct call hands it to ``generate``).
     """
-    warn_unverified("fast_forward_generate (token by token, no fast-forward)")
+    if not verified():
+        warn_unverified("fast_forward_generate (token by token, no fast-forward)")
     if processors is None:
         if string_stops:
             model_kwargs = {**model_kwargs, "stopping_criteria": StoppingCriteriaList(string_stops)}
+        if config.stop_strings and tokenizer is not None:
+            model_kwargs = {**model_kwargs, "tokenizer": tokenizer}
         out = model.generate(input_ids, attention_mask=attention_mask, generation_config=config,
                              logits_processor=LogitsProcessorList([processor]), **model_kwargs)
     else:
@@ -756,8 +763,13 @@ def fast_forward_generate(
     check_no_distinct("fast_forward_generate", kwargs, "what a list may emit changes at every entry")
     check_not_taken("fast_forward_generate", kwargs, ("spans", "check_prompt"), "its constraint is trie= or template=",
                     "spans and the prompt check are model.generate(..., logits_processor=[TrieLogitsProcessor(...)])")
-    _check_stop_strings(stop_strings, tokenizer, hooked)
-    if not hooked and verified():
+    base = generation_config if generation_config is not None else model.generation_config
+    # A generation config with stop strings: generate drops tokenizer= before calling a callable custom_generate, so
+    # it cannot find them and refuses the hook; the direct call then decodes token by token through generate.
+    config_stops = not hooked and bool(getattr(base, "stop_strings", None))
+    _check_stop_strings(stop_strings or (base.stop_strings if config_stops else None), tokenizer, hooked,
+                        "stop_strings" if stop_strings else "the generation config's stop_strings")
+    if not hooked and verified() and not config_stops:
         # The plain call is the hook's: generate prepares the processors (repetition penalty, min_new_tokens,
         # renormalize_logits, the warpers ...), the stopping criteria and the cache from the options as for any
         # call, then calls back with them; the options it does not know ride in the bound hook.
@@ -777,10 +789,12 @@ def fast_forward_generate(
         config, model_kwargs = generation_config, kwargs
         stopping_criteria = StoppingCriteriaList([*stopping_criteria, *string_stops])
         _check_hooked_inputs(logits_processor, stopping_criteria)
-    else:  # outside the verified transformers: generate with the processor (_general_path)
-        config = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
+    else:  # generate with the processor (_general_path): outside the verified transformers, or config_stops
+        config = copy.deepcopy(base)
         model_kwargs = config.update(**kwargs)
         config.validate()
+        if config_stops and stop_strings:  # they replace the config's, as generate(stop_strings=...) does
+            config.stop_strings, string_stops = stop_strings, ()
     if (config.num_beams or 1) > 1:
         raise ConstraintConfigError(
             f"fast_forward_generate does not do beam search (num_beams={config.num_beams}, given or from the model's "
@@ -794,10 +808,14 @@ def fast_forward_generate(
                            input_ids.shape[0], rows_per_prompt(config) if hooked else 1)
     # Both paths stop a row at the EOS ids only: an entry holding the end token, when it is one, is refused here.
     processor.check_stop_ids(eos_ids)
-    if not verified():
+    if config_stops and verified():
+        warn_token_by_token("the generation config has stop_strings, and generate, which drops tokenizer= before "
+                            "calling a callable custom_generate, cannot find them. To fast-forward, set "
+                            "generation_config.stop_strings = None and pass stop_strings=... to fast_forward_generate")
+    if not verified() or config_stops:
         return _general_path(model, input_ids, attention_mask, processor, logits_processor if hooked else None,
                              stopping_criteria if hooked else None, config, model_kwargs,
-                             () if hooked else string_stops)
+                             () if hooked else string_stops, tokenizer)
     max_length, processors = config.max_length, logits_processor
     unknown = set(model_kwargs) - _KNOWN_MODEL_KWARGS
     if unknown:

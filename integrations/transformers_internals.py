@@ -42,6 +42,11 @@ the cache model input: ``cache`` (5.24) or    read from ``model.forward``'s sign
 keywords it declares beyond ``_sample``'s,    ``generate`` as its ``StopStringCriteria``
 ``stop_strings`` included, are handed to it
 and ``tokenizer=`` is not)
+a generation config with ``stop_strings``:     ``fast_forward_generate`` called directly decodes token
+``generate`` refuses a callable               by token through ``generate``, with the tokenizer, and
+``custom_generate`` then (it dropped          says so once (:func:`warn_token_by_token`); the hook
+``tokenizer=``; it fills a config's ``None``  cannot run (transformers' own error). Checked on 5.19
+``stop_strings`` from the model's own)        and 5.24
 ``generate``'s local ``streamer`` (not passed ``fast_forward_generate`` refuses a ``streamer`` (the
 to a callable ``custom_generate``)            plain call) or streams nothing after the prompt (the hook)
 where ``generate`` merges a user's            (:func:`around_user_processors`, read on every version)
@@ -75,6 +80,7 @@ __all__ = [
     "UnverifiedTransformersWarning",
     "verified",
     "warn_unverified",
+    "warn_token_by_token",
     "GenerateLoop",
     "beam_parents",
     "reusable_buffer",
@@ -128,6 +134,16 @@ def warn_unverified(feature: str) -> None:
         UnverifiedTransformersWarning,
         stacklevel=3,
     )
+
+
+def warn_token_by_token(reason: str) -> None:
+    """Say once per ``reason`` that ``fast_forward_generate`` decodes token by token on a verified transformers
+    (same tokens, one forward pass per token)."""
+    if reason in _warned:
+        return
+    _warned.add(reason)
+    warnings.warn(f"trie_decode: fast_forward_generate decodes token by token (the same tokens, no fast-forward): "
+                  f"{reason}", UserWarning, stacklevel=4)  # the caller of fast_forward_generate
 
 
 class GenerateLoop:

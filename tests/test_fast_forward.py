@@ -621,3 +621,29 @@ def test_tiny_trigger_longer_than_the_prompt(tiny_llama, tokenizer, small_tries)
     seq = out[0].tolist()
     fired = next(i for i in range(3, len(seq) + 1) if seq[i - 3 : i] == free[:3])  # the prompt's token counts too
     assert fired < len(seq) and small_tries[0].walk(seq[fired : fired + 1]) > 0  # an entry starts there
+
+
+def test_stop_strings_of_the_models_generation_config_are_found_token_by_token(tiny_llama, tokenizer, small_tries,
+                                                                                monkeypatch):
+    """A model whose generation config has stop_strings: generate drops tokenizer= before a callable custom_generate
+    and refused the plain call ("could not locate a tokenizer"). It now decodes token by token through generate (the
+    tokens generate gives with the processor), says so once, and lets stop_strings=... replace the config's."""
+    inputs = tiny_inputs(tokenizer)
+    processor = [TrieLogitsProcessor(small_tries, tokenizer)]
+    options = dict(max_new_tokens=12, do_sample=False)
+    monkeypatch.setattr(tiny_llama.generation_config, "stop_strings", ["ia", "e"])
+    ref = tiny_llama.generate(**inputs, logits_processor=processor, tokenizer=tokenizer, **options)
+    with pytest.warns(UserWarning, match="decodes token by token .*set generation_config.stop_strings = None"):
+        out = fast_forward_generate(tiny_llama, **inputs, trie=small_tries, tokenizer=tokenizer, **options)
+    assert out.tolist() == ref.tolist() and out.stats.forced_tokens == 0
+    monkeypatch.setattr(tiny_llama.generation_config, "stop_strings", None)
+    assert not torch.equal(ref, tiny_llama.generate(**inputs, logits_processor=processor, **options)), "none fired"
+    # stop_strings=... replaces the config's, as generate(stop_strings=...) does
+    mine = tiny_llama.generate(**inputs, logits_processor=processor, tokenizer=tokenizer, stop_strings="o", **options)
+    monkeypatch.setattr(tiny_llama.generation_config, "stop_strings", ["ia", "e"])
+    out = fast_forward_generate(tiny_llama, **inputs, trie=small_tries, tokenizer=tokenizer, stop_strings="o",
+                                **options)
+    assert out.tolist() == mine.tolist() and mine.tolist() != ref.tolist()
+    with pytest.raises(ConstraintConfigError, match=r"the generation config's stop_strings need the tokenizer .*"
+                                                    r"pass tokenizer= too"):
+        fast_forward_generate(tiny_llama, **inputs, trie=small_tries, **options)
