@@ -953,18 +953,28 @@ class RowFilters:
         row's free slots, the sentinel; its deny set has room for its list's every item, :meth:`ItemGroups.room`),
         then each row is sorted again. A rank the row denies already is not written twice (each denied rank counts
         once). A row with no room left (it ignored the mask: :func:`apply_filters_` lets a full row emit only the
-        end token) keeps its set: nothing already denied is overwritten."""
+        end token) keeps its set: nothing already denied is overwritten. Both sets stay sorted by a merge, O(R * D)
+        per step, not a sort of every row (a distinct list beside a deny filter of 10k entries)."""
         cap = self.deny.shape[1]
         mates = self.same_item(ranks)
         fits = where & (self.deny_count < self.deny_limit)
         held = self.deny.gather(1, torch.searchsorted(self.deny, mates).clamp(max=cap - 1)) == mates
-        new = torch.where(fits.unsqueeze(1) & ~held, mates, self.sentinel).flip(1)  # real ranks last
-        g = new.shape[1]
-        self.deny = torch.sort(torch.cat([self.deny[:, : cap - g], torch.minimum(self.deny[:, cap - g :], new)], 1),
-                               dim=1).values
+        new = torch.where(fits.unsqueeze(1) & ~held, mates, self.sentinel)
+        if new.shape[1] > 1:
+            new = torch.sort(new, dim=1).values  # (R, G): the sentinels last again
+        # Merged: each rank moves right by the ranks of the other set below it (the two sets hold no rank in common;
+        # only sentinels tie, in the tail), and the tail is cut, past which a row with room holds sentinels only.
+        r, g = new.shape
+        out = self.deny.new_full((r, cap + g), self.sentinel)
+        out.scatter_(1, torch.arange(cap, device=out.device) + torch.searchsorted(new, self.deny), self.deny)
+        out.scatter_(1, torch.arange(g, device=out.device) + torch.searchsorted(self.deny, new), new)
+        self.deny = out[:, :cap].contiguous()
         self.deny_count = self.deny_count + fits.long()
-        drop = where.unsqueeze(1) & (self.allow.unsqueeze(2) == mates.unsqueeze(1)).any(2)
-        self.allow = torch.sort(torch.where(drop, self.sentinel, self.allow), dim=1).values
+        # Out of the allow set: the ranks left move left over the dropped ones, which go to the last slot (free then).
+        keep = ~(where.unsqueeze(1) & (self.allow.unsqueeze(2) == mates.unsqueeze(1)).any(2))
+        last = self.allow.shape[1] - 1
+        self.allow = torch.full_like(self.allow, self.sentinel).scatter_(
+            1, torch.where(keep, keep.cumsum(1) - 1, last), torch.where(keep, self.allow, self.sentinel))
 
 
 class NodeFlags:
