@@ -19,9 +19,9 @@ What is relied on, and what happens with another vLLM (a warning is logged once 
    completely (the tokenizer fingerprint, inline strings built with the engine's tokenizer) and hands a built inline
    trie to the engine. The same object's ``generation_config_fields`` names the EOS ids of the model's generation
    config, which vLLM adds to the request's stop tokens after validation (:func:`frontend_generation_eos_ids`):
-   admission refuses an entry they would cut. Another vLLM: the stack is not walked; a trie file is still checked on its own at admission
-   and everything else is checked when the engine resolves the request (same masks, same outputs; a bad inline
-   request then only gets the end token instead of an HTTP 400).
+   admission refuses an entry they would cut. Another vLLM: the stack is not walked; a trie file is still checked
+   on its own at admission and everything else is checked when the engine resolves the request (same masks, same
+   outputs; a bad inline request then only gets the end token instead of an HTTP 400).
 2. **Which model runner constructs the processor** (:func:`constructed_by_v2`). vLLM 0.32's V1 runner calls
    ``cls(vllm_config, device, is_pin_memory)``, Model Runner V2 calls ``cls(vllm_config, req_states)``: on the
    verified versions the argument count decides. Another vLLM: the arguments' names and kinds decide (a

@@ -949,12 +949,12 @@ class RowFilters:
     def add_denied(self, ranks: torch.Tensor, where: torch.Tensor) -> None:
         """Deny rank ``ranks[i]`` in row i where ``where[i]`` (a completed entry of a distinct list), with every rank
         that is one item with it (:meth:`same_item`: the other forms of its string); also drop them from the row's
-        allow set. Each counts as one entry of the list. Fixed shapes: written into the row's last slots (a sorted
-        row's free slots, the sentinel; its deny set has room for its list's every item, :meth:`ItemGroups.room`),
-        then each row is sorted again. A rank the row denies already is not written twice (each denied rank counts
-        once). A row with no room left (it ignored the mask: :func:`apply_filters_` lets a full row emit only the
-        end token) keeps its set: nothing already denied is overwritten. Both sets stay sorted by a merge, O(R * D)
-        per step, not a sort of every row (a distinct list beside a deny filter of 10k entries)."""
+        allow set. Each counts as one entry of the list. Fixed shapes: merged into the sorted row, whose tail of
+        sentinels has room for its list's every item (:meth:`ItemGroups.room`): O(R * D) per step, not a sort of
+        every row (a distinct list beside a deny filter of 10k entries). A rank the row denies already is not
+        written twice (each denied rank counts once). A row with no room left (it ignored the mask:
+        :func:`apply_filters_` lets a full row emit only the end token) keeps its set: nothing already denied is
+        overwritten."""
         cap = self.deny.shape[1]
         mates = self.same_item(ranks)
         fits = where & (self.deny_count < self.deny_limit)
@@ -1144,8 +1144,8 @@ def apply_filters_(
     Which children are counted: on the CPU, for filters without an allow set whose denied ranks are fewer than the
     trie's widest node has children, only the children that hold a denied rank (the only ones such a filter can
     block) and those by an end column's token: O(R * D), not O(R * F), for a distinct list at a wide root. Elsewhere
-    every child of each row's node, with fixed shapes and no host read (the CPU path reads one flag on the host:
-    whether a row needs the floor over children it did not count).
+    every child of each row's node, with fixed shapes and no host read (the CPU path reads two flags on the host:
+    whether a row needs the floor over children it did not count, or is a full list).
 
     Args:
         logits: masked logits, modified in place. Shape: (B, V).
