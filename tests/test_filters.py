@@ -1024,7 +1024,7 @@ def test_counting_only_the_children_that_hold_a_denied_entry_masks_as_counting_e
                 where[:5] = False
                 f.add_denied(torch.randint(0, e, (rows,), generator=gen), where)
             fulls += int((f.full & (node >= 0)).sum())
-        assert not _counts_every_child(f, node, c.dtries[0])  # the path apply_filters_ takes here
+        assert not _counts_every_child(f, node, c.dtries[0], f.deny, False)  # the path apply_filters_ takes here
         logits = torch.randn(rows, v, generator=gen)
         logits[5:][torch.rand(rows - 5, v, generator=gen) < 0.7] = float("-inf")  # another processor's bans
         logits[4, 53] = float("-inf")
@@ -1032,8 +1032,8 @@ def test_counting_only_the_children_that_hold_a_denied_entry_masks_as_counting_e
         logits[2, 55] = float("nan")
         masked = c.mask_(logits, RowState(node, torch.zeros_like(node)))  # the trie mask, then the filter pass
         every, counted = masked.clone(), masked.clone()
-        _filter_rows_(every, node, f, c.dtries[0], rules, every_child=True)
-        _filter_rows_(counted, node, f, c.dtries[0], rules, every_child=False)
+        _filter_rows_(every, node, f, c.dtries[0], rules, None)
+        _filter_rows_(counted, node, f, c.dtries[0], rules, f.deny)
         torch.testing.assert_close(counted, every, rtol=0, atol=0, equal_nan=True)
         assert every[1, SEP].isfinite() and every[2, 55].isnan() and every[3, 59].isfinite()
         assert every[4, 53] == ALL_MASKED_FLOOR and every[4, 55] == float("-inf")
@@ -1044,4 +1044,48 @@ def test_counting_only_the_children_that_hold_a_denied_entry_masks_as_counting_e
     assert floors and fulls  # the cases this test is for did occur
     # That path reads flags on the host: under torch.compile (fullgraph) the pass counts every child.
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert _counts_every_child(f, node, c.dtries[0])
+    assert _counts_every_child(f, node, c.dtries[0], f.deny, False)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_distinct_list_beside_a_static_filter_masks_as_counting_every_child(seed):
+    """The C kernel masks a distinct list's static filter (its allow and deny sets as made) with their node flags,
+    and the filter pass then counts only the children that hold an entry the list emitted since: the same logits,
+    bit for bit, as the trie mask followed by a filter pass that counts every child against the whole sets. Rows
+    with allow sets, wide deny sets, bans, NaN, rows whose kept values are all banned, full lists."""
+    from trie_decode.constraint import DONE
+    from trie_decode.filters import _counts_every_child, _filter_rows_
+
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    v = 64
+    seqs = sorted({tuple(rng.randrange(SEP, v) for _ in range(rng.randrange(1, 4))) for _ in range(600)})
+    trie = TokenTrie.from_sequences(seqs, vocab_size=v, keys=[f"item{i // 2}" for i in range(len(seqs))])
+    rules = SpanRules(end_token_id=END, on_complete="repeat", separator=(SEP,))
+    c = TrieConstraint(trie, rules, "cpu", kernel="native")
+    e, rows = trie.num_entries, 10
+    allow = [None] * 6 + [rng.sample(range(e), rng.randrange(e // 4, e)) for _ in range(rows - 6)]
+    deny = [rng.sample(range(e), rng.randrange(0, e // 3)) for _ in range(rows)]
+    f = c.filters(rows, allow=allow, deny=deny, distinct=True, max_entries=3)
+    # Each row stands where the entry its list emitted last was one child (a leaf) of several, usable until then:
+    # that child is blocked now, by the list and not by the static filter. Lists part-way: some rows are full.
+    fanout = np.diff(trie.child_ptr)
+    leaves = [i for i in range(e) if fanout[trie.entry_node[i]] == 0 and fanout[trie.parent[trie.entry_node[i]]] > 1]
+    usable = [[i for i in leaves if i not in d and (a is None or i in a)] for a, d in zip(allow, deny)]
+    for last in (False, False, True):
+        emit = [rng.choice(u) for u in usable]
+        f.add_denied(torch.from_numpy(f.order.rank[emit]), torch.ones(rows, dtype=torch.bool) if last else
+                     torch.rand(rows, generator=gen) < 0.6)
+    node = torch.tensor([DONE] + [int(trie.parent[trie.entry_node[i]]) for i in emit[1:]])
+    node[-1] = 0  # the root
+    assert f.full.any() and not f.full[1:-1].all() and f.has_static
+    assert not _counts_every_child(f, node, c.dtries[0], f.emitted, True)  # the path mask_ takes here
+    logits = torch.randn(rows, v, generator=gen)
+    logits[torch.rand(rows, v, generator=gen) < 0.6] = float("-inf")
+    logits[torch.arange(rows), torch.tensor([trie.token[trie.entry_node[i]] for i in emit])] = 1.0  # the emitted
+    logits[1::3] = float("-inf")
+    logits[2, :] = float("nan")
+    got = c.mask_(logits.clone(), RowState(node, torch.zeros_like(node)), filters=f)
+    want = c.mask_(logits.clone(), RowState(node, torch.zeros_like(node)))  # the trie mask, then every child counted
+    _filter_rows_(want, node, f, c.dtries[0], rules, None)
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)

@@ -414,7 +414,7 @@ class TrieConstraint:
         when it also starts an excluded entry); an excluded entry is no entry end, so a row leaving its node ends
         (DONE). Fixed shapes, no host read."""
         d = self.dtries[0]
-        flags = filters.built_node_flags(len(node))
+        flags = None if filters.distinct else filters.built_node_flags(len(node))  # a list's are its static part
         if flags is not None and node.is_cpu:
             # CPU state, with the filters' per-node bits: a few numpy gathers, and nothing more when every row
             # followed its mask (the usual case).
@@ -485,9 +485,10 @@ class TrieConstraint:
         else:
             out = src = logits.clone()  # rows no state covers must be copied: clone, then mask in place
         flags = None
-        if (filters is not None and not filters.distinct and self.kernel.supports_filters
+        if (filters is not None and (filters.has_static or not filters.distinct) and self.kernel.supports_filters
                 and self.kernel.takes_filters(out, src)):
-            # Static filters in the kernel's own pass (their per-node bits, built once per filter).
+            # Static filters in the kernel's own pass (their per-node bits, built once per filter); a distinct
+            # list's static filter too, its emitted entries after (apply_filters_).
             filters.node_flags(self.tries[0])
             flags = filters.built_node_flags(len(state))
         try:
@@ -496,10 +497,10 @@ class TrieConstraint:
             if rows is not None:  # a kernel that reads no host (torch) indexed a row out of range: name it (an error
                 check_row_range(rows, logits.shape[0])  # path, where reading the rows is fine)
             raise
-        if flags is not None:
+        if flags is not None and not filters.distinct:
             return out
         if filters is not None:
-            apply_filters_(out, state.node, filters, self.dtries[0], self.rules, rows)
+            apply_filters_(out, state.node, filters, self.dtries[0], self.rules, rows, static_applied=flags is not None)
         if self.rules.fields is not None:
             self.rules.fields.free_rows_(out, state.node, state.text, rows)
         return out

@@ -702,6 +702,10 @@ class RowFilters:
         has_allow: which rows have an allow set. Shape: (R,), bool.
         deny_count, deny_limit: per row, the ranks in its deny set and the most it may hold. Shape: (R,), int64.
         distinct: whether each entry a row completes is denied to it from then on (``TrieConstraint.advance``).
+        emitted: in a distinct list, the ranks each row's list has denied since the filters were made (the part of
+            :attr:`deny` its static filter did not deny), sorted, padded with :attr:`sentinel`: the only children a
+            list can block beyond its static filter's are those that hold one. Shape: (R, room), int64.
+        has_static: whether any row has an allow set or denies an entry from the start.
     """
 
     def __init__(
@@ -764,11 +768,14 @@ class RowFilters:
         self.deny_count = t(np.array([len(d) for d in deny_r], dtype=np.int64))
         self.deny_limit = self.deny_count + capacity
         self.distinct = capacity > 0
+        self.has_static = bool(has_allow.any()) or any(len(d) for d in deny_r)
+        self.emitted = torch.full((r, room if capacity else 0), sentinel, dtype=torch.long, device=self.device)
         # Static (host) facts that let a step skip work: no row has an allow set / every row has one.
         self.any_allow, self.all_allow = bool(has_allow.any()), bool(has_allow.all())
         # The host sets, for the per-node flags a CPU kernel masks with (node_flags) and the padded sets; both
         # built on first use.
         self._host_sets = (allow_r, deny_r)
+        self._host_rows: Optional[torch.Tensor] = None  # rows of _host_sets that a selection left, not yet applied
         self._flags: Optional[NodeFlags] = None
         self._allow: Optional[torch.Tensor] = None
         self._deny: Optional[torch.Tensor] = None
@@ -820,13 +827,16 @@ class RowFilters:
 
     def node_flags(self, trie: TokenTrie) -> "NodeFlags":
         """The filter rule (:func:`filter_bits`) evaluated once per node for every distinct filter of the rows
-        (:class:`NodeFlags`), for a kernel that applies static (not ``distinct``) filters in its own pass
-        (``supports_filters``). Each filter's flags come from the trie's cache (:class:`_NodeFlagCache`): a batch
-        of filters seen before costs no count and no copy."""
-        if self.distinct:
-            raise ConstraintConfigError("distinct lists change every step: they have no static node flags")
+        (:class:`NodeFlags`), for a kernel that applies static filters in its own pass (``supports_filters``). For
+        a distinct list, the flags of its static filter (what the rows' allow and deny sets were when made): the
+        entries its rows emit since are :attr:`emitted`. Each filter's flags come from the trie's cache
+        (:class:`_NodeFlagCache`): a batch of filters seen before costs no count and no copy."""
         if self._flags is None:
             allow_r, deny_r = self._host_sets
+            if self._host_rows is not None:
+                rows_left = self._host_rows.tolist()
+                allow_r, deny_r = [allow_r[i] for i in rows_left], [deny_r[i] for i in rows_left]
+                self._host_sets, self._host_rows = (allow_r, deny_r), None
             index: dict[tuple, int] = {}
             per_row = [index.setdefault((id(a), id(d)), len(index)) for a, d in zip(allow_r, deny_r)]
             first_row = {f: row for row, f in reversed(list(enumerate(per_row)))}
@@ -857,13 +867,19 @@ class RowFilters:
         out.deny = self.deny if shared else self.deny[index]
         out._shape = (out.deny.shape[0], out.allow.shape[1], out.deny.shape[1])
         out.distinct, out.any_allow, out.all_allow = self.distinct, self.any_allow, self.all_allow
+        out.has_static, out.emitted = self.has_static, self.emitted[index]
         out._host_sets, out._flags, out._same_item = self._host_sets, None, self._same_item
-        if self._flags is None and not self.distinct:
+        out._host_rows = None
+        if self._flags is None and self.distinct:
+            # A distinct list's step reads no host value: its rows are mapped to their static filters' when its
+            # flags are first built (node_flags, by a CPU kernel).
+            out._host_rows = index if self._host_rows is None else self._host_rows[index]
+        elif self._flags is None:
             # Rows keep their filter: the selection only maps rows to filters (flags are built on first use).
             allow_r, deny_r = self._host_sets
             idx = index.tolist()
             out._host_sets = ([allow_r[i] for i in idx], [deny_r[i] for i in idx])
-        elif self._flags is not None:
+        else:
             out._flags = self._flags.for_rows(self._flags.filter_of_row[index.cpu()])
         return out
 
@@ -962,19 +978,29 @@ class RowFilters:
         new = torch.where(fits.unsqueeze(1) & ~held, mates, self.sentinel)
         if new.shape[1] > 1:
             new = torch.sort(new, dim=1).values  # (R, G): the sentinels last again
-        # Merged: each rank moves right by the ranks of the other set below it (the two sets hold no rank in common;
-        # only sentinels tie, in the tail), and the tail is cut, past which a row with room holds sentinels only.
-        r, g = new.shape
-        out = self.deny.new_full((r, cap + g), self.sentinel)
-        out.scatter_(1, torch.arange(cap, device=out.device) + torch.searchsorted(new, self.deny), self.deny)
-        out.scatter_(1, torch.arange(g, device=out.device) + torch.searchsorted(self.deny, new), new)
-        self.deny = out[:, :cap].contiguous()
+        self.deny, self.emitted = _merged(self.deny, new, self.sentinel), _merged(self.emitted, new, self.sentinel)
         self.deny_count = self.deny_count + fits.long()
         # Out of the allow set: the ranks left move left over the dropped ones, which go to the last slot (free then).
         keep = ~(where.unsqueeze(1) & (self.allow.unsqueeze(2) == mates.unsqueeze(1)).any(2))
         last = self.allow.shape[1] - 1
         self.allow = torch.full_like(self.allow, self.sentinel).scatter_(
             1, torch.where(keep, keep.cumsum(1) - 1, last), torch.where(keep, self.allow, self.sentinel))
+
+
+def _merged(sets: torch.Tensor, new: torch.Tensor, sentinel: int) -> torch.Tensor:
+    """Sorted rank sets with ``new`` merged in, as wide as ``sets``: each rank moves right by the ranks of the other
+    set below it (the two hold no rank in common; only sentinels tie, in the tail) and the tail is cut, past which a
+    row with room holds sentinels only. O(R * K), fixed shapes.
+
+    Args:
+        sets: sorted, padded with ``sentinel``. Shape: (R, K), int64.
+        new: sorted, padded with ``sentinel``, none in ``sets``. Shape: (R, G), int64.
+    """
+    (r, k), g = sets.shape, new.shape[1]
+    out = sets.new_full((r, k + g), sentinel)
+    out.scatter_(1, torch.arange(k, device=out.device) + torch.searchsorted(new, sets), sets)
+    out.scatter_(1, torch.arange(g, device=out.device) + torch.searchsorted(sets, new), new)
+    return out[:, :k].contiguous()
 
 
 class NodeFlags:
@@ -1134,46 +1160,53 @@ def _node_flags(order: EntryOrder, trie: TokenTrie, allow: Optional[np.ndarray],
 
 def apply_filters_(
     logits: torch.Tensor, node: torch.Tensor, filters: RowFilters, dtrie: Any, rules: Any,
-    rows: Optional[torch.Tensor] = None,
+    rows: Optional[torch.Tensor] = None, static_applied: bool = False,
 ) -> torch.Tensor:
     """After a row's trie mask: block its children whose subtrees hold no usable entry, and its end token (and
     separator) where the entry ending at its node is not usable. A row left with nothing gets the end token at the
     floor value. In a distinct list the separator is blocked at the entry that fills the list or is its last
     usable one (the list ends there, with the end token), and a full list allows nothing but the end token.
 
-    Which children are counted: on the CPU, for filters without an allow set whose denied ranks are fewer than the
-    trie's widest node has children, only the children that hold a denied rank (the only ones such a filter can
-    block) and those by an end column's token: O(R * D), not O(R * F), for a distinct list at a wide root. Elsewhere
-    every child of each row's node, with fixed shapes and no host read (the CPU path reads two flags on the host:
-    whether a row needs the floor over children it did not count, or is a full list).
+    Which children are counted: on the CPU, when the ranks that can block a child are fewer than the trie's widest
+    node has children, only the children that hold one (and those by an end column's token): O(R * D), not
+    O(R * F), for a distinct list at a wide root. Those ranks are a filter's denied ones when it has no allow set,
+    or, after a kernel applied a distinct list's static filter (``static_applied``: its :meth:`RowFilters.node_flags`),
+    the list's :attr:`RowFilters.emitted` ones. Elsewhere every child of each row's node, with fixed shapes and no
+    host read (the CPU path reads two flags on the host: whether a row may need the floor over children it did not
+    count, or is a full list; such rows are counted again with every child).
 
     Args:
         logits: masked logits, modified in place. Shape: (B, V).
         node: the state rows' codes. Shape: (R,), int64.
         rows: logits row of each state row (default: row i).
+        static_applied: the kernel masked these rows with the filters' static node flags already.
     """
     x = logits if rows is None else logits.index_select(0, rows)
-    _filter_rows_(x, node, filters, dtrie, rules, every_child=_counts_every_child(filters, node, dtrie))
+    blocking = filters.emitted if static_applied else filters.deny
+    every = _counts_every_child(filters, node, dtrie, blocking, static_applied)
+    _filter_rows_(x, node, filters, dtrie, rules, None if every else blocking)
     if rows is not None:
         logits.index_copy_(0, rows, x)
     return logits
 
 
-def _counts_every_child(filters: RowFilters, node: torch.Tensor, dtrie: Any) -> bool:
-    """Whether :func:`apply_filters_` counts every child of each row's node (see there), or only
-    :func:`_children_to_count`'s: without an allow set (an allow filter can block any child), on the CPU and not
-    under ``torch.compile`` (that path reads flags on the host), when the denied ranks are fewer."""
-    return (filters.any_allow or node.device.type != "cpu" or torch.compiler.is_compiling()
-            or filters.deny.shape[1] + 2 >= int(dtrie.max_fanout))
+def _counts_every_child(filters: RowFilters, node: torch.Tensor, dtrie: Any, blocking: torch.Tensor,
+                        static_applied: bool) -> bool:
+    """Whether :func:`apply_filters_` counts every child of each row's node (see there), or only the children that
+    hold a rank of ``blocking``: on the CPU and not under ``torch.compile`` (that path reads flags on the host), when
+    those ranks are fewer, and when they are all that can block a child (an allow filter can block any child,
+    unless the kernel applied it)."""
+    return ((filters.any_allow and not static_applied) or node.device.type != "cpu"
+            or torch.compiler.is_compiling() or blocking.shape[1] + 2 >= int(dtrie.max_fanout))
 
 
 def _children_to_count(filters: RowFilters, node: torch.Tensor, inside: torch.Tensor, own: torch.Tensor,
-                       ends: torch.Tensor, dtrie: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """The children a filter without an allow set can block or must look at: per denied rank, the child of the row's
-    node that holds it (in rank order, so a child's repeats are adjacent), then the children by the end columns'
-    tokens. Returns (child, valid), each Shape: (R, D + ends)."""
+                       ends: torch.Tensor, dtrie: Any, blocking: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The children the filters may block or must look at: per rank of ``blocking`` (Shape: (R or 1, D)), the child
+    of the row's node that holds it, then the children by the end columns' tokens. Returns (child, valid), each
+    Shape: (R, D + ends)."""
     lo, hi, _ = filters.order.on(node.device)
-    deny = filters.deny.expand(len(node), -1)
+    deny = blocking.expand(len(node), -1)
     below = inside.unsqueeze(1) & (deny >= (lo[node] + own.long()).unsqueeze(1)) & (deny < hi[node].unsqueeze(1))
     t, v = dtrie.tensors, int(dtrie.vocab_size)
     key = node.unsqueeze(1) * v + ends
@@ -1183,9 +1216,10 @@ def _children_to_count(filters: RowFilters, node: torch.Tensor, inside: torch.Te
 
 
 def _filter_rows_(x: torch.Tensor, node: torch.Tensor, filters: RowFilters, dtrie: Any, rules: Any,
-                  every_child: bool) -> None:
-    """:func:`apply_filters_` on logits whose row i is state row i, counting every child or only
-    :func:`_children_to_count`'s."""
+                  blocking: Optional[torch.Tensor]) -> None:
+    """:func:`apply_filters_` on logits whose row i is state row i, counting every child (``blocking`` None) or
+    only :func:`_children_to_count`'s."""
+    every_child = blocking is None
     _, _, node_rank = filters.order.on(node.device)
     t = dtrie.tensors
     inside = node >= 0
@@ -1202,7 +1236,7 @@ def _filter_rows_(x: torch.Tensor, node: torch.Tensor, filters: RowFilters, dtri
         child = (start.unsqueeze(1) + j).clamp(max=dtrie.num_nodes - 1)
         own_bits, kid_bits = filters.children_bits(n, child, valid)
     else:
-        child, valid = _children_to_count(filters, n, inside, r >= 0, ends, dtrie)
+        child, valid = _children_to_count(filters, n, inside, r >= 0, ends, dtrie, blocking)
         bits = filters.bits(torch.cat([n.unsqueeze(1), child], 1))
         own_bits, kid_bits = bits[:, 0], bits[:, 1:]
     own_ok = terminal & ((own_bits & END_EXCLUDED) == 0)
@@ -1212,13 +1246,8 @@ def _filter_rows_(x: torch.Tensor, node: torch.Tensor, filters: RowFilters, dtri
         own_ok = own_ok & ~full
         blocked = blocked | (valid & full.unsqueeze(1))  # counting only some children, full rows are redone below
     open_child = valid & ~blocked
-    if every_child:
-        any_open = open_child.any(1)
-    else:  # the children not counted are open: fewer blocked children (each once) than children leaves one open
-        d = filters.deny.shape[1]
-        again = torch.cat([torch.zeros_like(valid[:, :1]), valid[:, : d - 1] & (child[:, 1:d] == child[:, : d - 1])], 1)
-        any_open = count > (blocked[:, :d] & ~again).sum(1)
-    tok = t.child_token[child].long().clamp(min=0)
+    # A slot that holds no child writes where the end token's column does, as that column does (see below).
+    tok = torch.where(valid, t.child_token[child].long(), ends[:, :1])
     end_child = torch.stack([((tok == ends[:, k : k + 1]) & open_child).any(1) for k in range(ends.shape[1])], 1)
     block_end = (terminal & ~own_ok).unsqueeze(1) & ~end_child
     if filters.distinct:
@@ -1234,16 +1263,23 @@ def _filter_rows_(x: torch.Tensor, node: torch.Tensor, filters: RowFilters, dtri
         last = terminal & ((filters.deny_limit - filters.deny_count == 1) | ~other) & ~end_child[:, 1]
         block_end = block_end | torch.stack([torch.zeros_like(last), last], 1)
     # A blocked child whose token is also an end column the row keeps (its entry is usable) keeps that column.
-    kept_end = torch.stack([(tok == ends[:, k : k + 1]) for k in range(ends.shape[1])], 0).any(0) & own_ok.unsqueeze(1)
+    at_end = torch.stack([(tok == ends[:, k : k + 1]) for k in range(ends.shape[1])], 0)  # (ends, R, K)
+    kept_end = at_end.any(0) & own_ok.unsqueeze(1)
+    # One decision per column, a block winning: an end column is blocked if a child with its token is, and then so
+    # are all its entries (children, empty slots), so every write to a column agrees and a blocked NaN is blocked.
+    kill_child = blocked & ~kept_end
+    block_end = block_end | (at_end & (kill_child & valid).unsqueeze(0)).any(2).t()
+    kill_child = kill_child | (at_end & block_end.t().unsqueeze(2)).any(0)
     cols = torch.cat([tok, ends], dim=1)
-    kill = torch.cat([blocked & ~kept_end, block_end], dim=1)
-    lost = None if every_child else (kept_alive(x.gather(1, cols)) & kill).any(1)  # rows the filter took a value from
-    # amin with +inf keeps a value, with -inf blocks it: duplicate columns resolve the same way in any order.
-    x.scatter_reduce_(1, cols, torch.where(kill, NEG_INF, float("inf")).to(x.dtype), reduce="amin")
+    kill = torch.cat([kill_child, block_end], dim=1)
+    before = x.gather(1, cols)
+    lost = None if every_child else (kept_alive(before) & kill).any(1)  # rows the filter took a value from
+    x.scatter_(1, cols, torch.where(kill, NEG_INF, before))
     # The floor rule (trie_decode.kernels.rules) over what the row keeps now: if another processor set all of it to
     # -inf (while a column the filter took away was finite), the kept columns get the floor; a row the filter left
     # with nothing keeps the end token, at the floor.
-    left = any_open | (terminal & own_ok)
+    # Counting some children, whether a row has one left is not known here: such rows are counted again below.
+    left = (open_child.any(1) | (terminal & own_ok)) if every_child else torch.ones_like(inside)
     if every_child:
         keep = torch.cat([open_child | (valid & kept_end), (terminal & own_ok).unsqueeze(1) & ~block_end], dim=1)
         vals = x.gather(1, cols)
@@ -1256,17 +1292,17 @@ def _filter_rows_(x: torch.Tensor, node: torch.Tensor, filters: RowFilters, dtri
     x.scatter_(1, end, floor_rule(x.gather(1, end), ~stuck.unsqueeze(1)))
     if not every_child:
         # Counted again with every child: full lists (every child blocked), and rows that may need the floor over
-        # children not counted: they lost a live value to the filter, and their largest is now -inf (the trie mask
-        # left -inf at every column a row does not keep; a NaN is no ban).
+        # children not counted, or have none left: they lost a live value to the filter, and their largest is now
+        # -inf (the trie mask left -inf at every column a row does not keep; a NaN is no ban).
         redo = full.clone()
-        check = inside & left & lost
+        check = inside & lost
         if bool(check.any()):
             idx = check.nonzero().squeeze(1)
             redo[idx] |= ~kept_alive(x.index_select(0, idx).amax(1))
         if bool(redo.any()):
             idx = redo.nonzero().squeeze(1)
             sub = x.index_select(0, idx)
-            _filter_rows_(sub, node[idx], filters.select(idx), dtrie, rules, every_child=True)
+            _filter_rows_(sub, node[idx], filters.select(idx), dtrie, rules, None)
             x.index_copy_(0, idx, sub)
 
 
