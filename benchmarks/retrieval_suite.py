@@ -16,7 +16,11 @@ measures, per (catalog, beams, filter):
   smaller beam widths (it is a Python loop over rows);
 - ``rank_items_per_s``: distinct items per second from :func:`~trie_decode.integrations.transformers.rank` on a
   tiny random model of the catalog's vocabulary (the decode cost without the LM's own cost dominating);
-- ``trie_bytes`` and the process's peak RSS.
+- ``trie_bytes`` and the process's peak RSS;
+- ``distinct``: a list without repeats (``on_complete="repeat"``, ``distinct=True``, alone and beside a 10k-key deny
+  filter) at 1 and 64 rows, on ``titles`` and on ``words`` (20k of the tokenizer's words in two forms, with and
+  without a leading space: 40k entries under a root of ~20k children): ``step_ms``, mask and state update of the
+  processor's constraint, greedy over random logits, against ``floor_ms`` (a list's filter changes every step).
 
 Catalogs: ``semantic-ids`` (1M items, 4 levels x 256 codes, Zipf-distributed first level, built with
 :func:`trie_decode.catalogs.catalog_from_codes`) and ``titles`` (>= 100k synthetic titles from the step suite's
@@ -186,14 +190,55 @@ def run_retrieval_suite(quick: bool, out_dir: Any, *, progress: Optional[Callabl
             for r in records:
                 if r["catalog"] == cat_name and r["beams"] == beams and r["filter"] == "none":
                     r["genre_ms"] = statistics.median(times) * 1e3
+        if cat_name == "titles":
+            _distinct_steps(records, cat_name, trie, keys, tok, quick, progress)
         # rank() throughput on a tiny random model of this vocabulary.
         records.append({"catalog": cat_name, **_rank_throughput(trie, quick)})
         if progress:
             progress(records[-1])
+    from trie_decode.trie import TokenTrie
+
+    words = [w for w in tok.get_vocab() if w.isalpha() and len(w) > 3][:20_000]
+    trie = TokenTrie.from_strings(words, tok, leading_space=[True, False])
+    deny = np.random.default_rng(1).choice(trie.num_entries, 10_000, replace=False).tolist()  # entry indices
+    _distinct_steps(records, "words", trie, deny, tok, quick, progress)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     data = {"suite": "retrieval", "records": records, "peak_rss_mb": peak}
     (out_dir / "retrieval.json").write_text(json.dumps(data, indent=1))
     return data
+
+
+def _distinct_steps(records: list, cat_name: str, trie: Any, deny_keys: list, tokenizer: Any, quick: bool,
+                    progress: Optional[Callable[[dict], None]]) -> None:
+    """A distinct list's step (``mask_`` then ``advance``, greedy over random logits), alone and with a deny filter:
+    one record each, appended to ``records``."""
+    import torch
+
+    from trie_decode.integrations.transformers import TrieLogitsProcessor
+
+    comma = tokenizer.encode(",", add_special_tokens=False)
+    for rows in (1, 64):
+        for fname, spec in (("distinct", {}), ("distinct+deny10k", {"deny": deny_keys})):
+            proc = TrieLogitsProcessor(trie, end_token_id=tokenizer.eos_token_id, on_complete="repeat", separator=comma,
+                                       distinct=True, **spec)
+            c = proc.constraint(torch.device("cpu"))
+            f = c.filters(rows, distinct=True, **{k: [v] * rows for k, v in spec.items()})
+            state, gen = c.start(rows), torch.Generator().manual_seed(0)
+            logits, step_t, floor_t = torch.empty(rows, trie.vocab_size), [], []
+            for _ in range(10 if quick else 30):
+                logits.normal_(generator=gen)
+                t0 = time.perf_counter()
+                masked = c.mask_(logits, state, filters=f)
+                state = c.advance(state, masked.argmax(1), filters=f)
+                step_t.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                logits.fill_(float("-inf"))
+                floor_t.append(time.perf_counter() - t0)
+            rec = {"catalog": cat_name, "entries": trie.num_entries, "beams": rows, "filter": fname,
+                   "step_ms": statistics.median(step_t) * 1e3, "floor_ms": statistics.median(floor_t) * 1e3}
+            records.append({**rec, "ratio": rec["step_ms"] / rec["floor_ms"]})
+            if progress:
+                progress(records[-1])
 
 
 def _rank_throughput(trie: Any, quick: bool) -> dict:
