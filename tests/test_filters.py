@@ -1090,3 +1090,38 @@ def test_a_distinct_list_beside_a_static_filter_masks_as_counting_every_child(se
     want = c.mask_(logits.clone(), RowState(node, torch.zeros_like(node)))  # the trie mask, then every child counted
     _filter_rows_(want, node, f, c.dtries[0], rules, None)
     torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("kernel", ["native", "numpy", "torch"])
+def test_the_floor_does_not_revive_the_separator_a_list_ends_at(kernel):
+    """At the entry that fills a distinct list (or is its last usable one) the separator is blocked, also where its
+    token is a child the filter blocks (an entry continues with the separator's token). When another processor
+    banned what the row keeps (here the end token), the floor goes to what it keeps, the end token alone: not to
+    the separator's column, which that blocked child held."""
+    from trie_decode.kernels.rules import ALL_MASKED_FLOOR
+
+    trie = TokenTrie.from_sequences([[5], [5, SEP, 6], [7]], vocab_size=10, keys=["a", "a,b", "c"])
+    rules = SpanRules(end_token_id=END, on_complete="repeat", separator=(SEP,))
+    c = TrieConstraint(trie, rules, "cpu", kernel=kernel)
+    for deny, max_entries in ((["a,b"], 1), (["a,b", "c"], 4)):  # "a" fills the list / is the last usable entry
+        f = c.filters(1, deny=deny, distinct=True, max_entries=max_entries)
+        state = c.advance(c.start(1), torch.tensor([5]), filters=f)
+        assert _allowed(c, state, f, 10) == [{END}]
+        logits = torch.full((1, 10), float("-inf"))
+        logits[0, SEP] = 0.0  # the separator's token was finite, the end token banned
+        out = c.mask_(logits, state, filters=f)[0]
+        assert out.isfinite().nonzero().flatten().tolist() == [END] and out[END] == ALL_MASKED_FLOOR
+
+
+def test_a_distinct_list_selection_keeps_its_rows_whatever_the_index_tensor_becomes():
+    """``select`` maps a distinct list's static sets to its rows lazily (when the C kernel first builds their node
+    flags): from a copy of the index, as every other set of the selection, so a caller that reuses its index tensor
+    after the selection does not move the rows' static filters (row 0's filter here would allow token 4)."""
+    trie = TokenTrie.from_sequences([[t] for t in range(3, 40)], vocab_size=40)  # a wide root: the counted path
+    rules = SpanRules(end_token_id=END, on_complete="repeat", separator=(SEP,))
+    c = TrieConstraint(trie, rules, "cpu", kernel="native")
+    f = c.filters(2, deny=[[0], [1]], distinct=True, max_entries=3)  # row 0 denies token 3, row 1 token 4
+    index = torch.tensor([1, 1])
+    picked = f.select(index)
+    index[:] = 0
+    assert [4 in a or 3 not in a for a in _allowed(c, c.start(2), picked, 40)] == [False, False]

@@ -872,8 +872,9 @@ class RowFilters:
         out._host_rows = None
         if self._flags is None and self.distinct:
             # A distinct list's step reads no host value: its rows are mapped to their static filters' when its
-            # flags are first built (node_flags, by a CPU kernel).
-            out._host_rows = index if self._host_rows is None else self._host_rows[index]
+            # flags are first built (node_flags, by a CPU kernel). A copy, as every other set here: the caller may
+            # reuse its index tensor before then.
+            out._host_rows = index.clone() if self._host_rows is None else self._host_rows[index]
         elif self._flags is None:
             # Rows keep their filter: the selection only maps rows to filters (flags are built on first use).
             allow_r, deny_r = self._host_sets
@@ -1281,7 +1282,10 @@ def _filter_rows_(x: torch.Tensor, node: torch.Tensor, filters: RowFilters, dtri
     # Counting some children, whether a row has one left is not known here: such rows are counted again below.
     left = (open_child.any(1) | (terminal & own_ok)) if every_child else torch.ones_like(inside)
     if every_child:
-        keep = torch.cat([open_child | (valid & kept_end), (terminal & own_ok).unsqueeze(1) & ~block_end], dim=1)
+        # What the row keeps is what the filter did not kill: a blocked child kept for its end column is not kept
+        # where that column is blocked too (the separator at a list's last entry), or the floor would revive it.
+        keep = torch.cat([(open_child | (valid & kept_end)) & ~kill_child,
+                          (terminal & own_ok).unsqueeze(1) & ~block_end], dim=1)
         vals = x.gather(1, cols)
         alive = ~inside | (kept_alive(vals) & keep).any(1)
         # amax of a value with itself leaves it, with the floor raises a -inf one: duplicate columns resolve the
