@@ -1225,13 +1225,13 @@ def _filter_rows_(x: torch.Tensor, node: torch.Tensor, filters: RowFilters, dtri
     t = dtrie.tensors
     inside = node >= 0
     n = node.clamp(min=0)
-    start = t.child_ptr[n].long()
-    count = torch.where(inside, t.child_ptr[n + 1].long() - start, 0)
     r = node_rank[n]
     terminal = inside & (r >= 0)
     ends = _end_columns(rules, node.device).expand(len(node), -1)
     # the filter rule, as bits (see filter_bits)
     if every_child:
+        start = t.child_ptr[n].long()
+        count = torch.where(inside, t.child_ptr[n + 1].long() - start, 0)
         j = torch.arange(max(int(dtrie.max_fanout), 1), device=node.device)
         valid = j < count.unsqueeze(1)
         child = (start.unsqueeze(1) + j).clamp(max=dtrie.num_nodes - 1)
