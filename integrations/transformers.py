@@ -288,6 +288,7 @@ class TrieLogitsProcessor(LogitsProcessor):
             self._filter_specs = (resolve(allow, "allow"), resolve(deny, "deny"), bool(distinct), n, max_entries)
             self._filters_for(n or 1, torch.device("cpu"))  # built once here, so that a bad filter fails now
             self._view = None  # a live catalog's view of this check: each generation takes its own (_begin)
+        self._stop_options = _END_TOKEN_OPTIONS  # named by the stop-id check's fix (rank's caller has its own)
         self._hasher = _PrefixHasher()
         self._max_depth = max(t.max_depth for t in self.tries) if self._live is None else self._live.snapshot().max_depth
         self.reset()
@@ -353,7 +354,8 @@ class TrieLogitsProcessor(LogitsProcessor):
             self._view = self._live.snapshot().view(self.rules)
             self.tries = [self._view.trie]
             self._max_depth = self._view.trie.max_depth
-        self.check_stop_ids(loop.stop_ids())  # before the first token: generate stops at its own stop ids
+        # Before the first token: generate stops at its own stop ids.
+        self.check_stop_ids(loop.stop_ids(), change=self._stop_options)
         constraint = self.constraint(device)
         # One trie (or filter) per prompt: generate's prompts, not just a count that divides its rows.
         check_prompts(batch, loop.rows_per_prompt(), {"tries": len(self.tries) if self.rules.fields is None else 1,
@@ -700,7 +702,8 @@ def rank(
             ``output_scores``, ``return_dict_in_generate``, ``eos_token_id``, ``logits_processor``) is refused here,
             and so are ``distinct``/``max_entries`` (a distinct list is the processor's: its entries are distinct)
             and the processor's other modes (``on_complete``, ``separator``, ``trigger``, ``spans``, ``template``,
-            ``check_prompt``).
+            ``check_prompt``), and ``min_new_tokens``/``min_length`` (they ban the end token). A beam that did not
+            write its end token (cut by ``max_new_tokens``) is left out.
 
     Raises:
         ConstraintConfigError: besides bad options, an entry that holds the end token before its last token (beam
@@ -728,15 +731,21 @@ def rank(
     check_not_taken("rank", generate_kwargs, _RANK_REFUSES, "it ranks whole entries, each closed by the end token",
                     "rank(model, inputs, trie, k, tokenizer=..., end_token_id=..., allow=..., deny=...) takes a trie "
                     "and its filters; other modes are model.generate(..., logits_processor=[TrieLogitsProcessor(...)])")
+    check_not_taken("rank", generate_kwargs, ("min_new_tokens", "min_length"), "they ban the end token that closes "
+                    "each entry, which the trie then emits at the floor, -1e4, in its score", "leave them out")
     own = sorted(set(generate_kwargs) & _RANK_SETS)
     if own:
         raise ConstraintConfigError(f"rank sets {own} itself: use its own options (k, num_beams, length_normalize, "
                                     "end_token_id, allow, deny)")
+    if not isinstance(trie, (LiveCatalog, CatalogSnapshot)):
+        as_tries(trie, TokenTrie, None, "trie")  # named as rank's argument (the processor's is tries=, refused here)
     processor = TrieLogitsProcessor(
         trie, tokenizer, end_token_id=end_token_id if end_token_id is not None else _model_eos(model), allow=allow, deny=deny
     )
-    # generate stops at the end token (eos_token_id below): refused here with rank's own option in the fix.
-    processor.check_stop_ids([processor.rules.end_token_id], change="end_token_id=")
+    # generate stops at the end token (eos_token_id below): refused here with rank's own option in the fix (and at
+    # the generation's start, where a live catalog's view is taken).
+    processor._stop_options = "end_token_id="
+    processor.check_stop_ids([processor.rules.end_token_id], change=processor._stop_options)
     prompts = inputs["input_ids"].shape[0] if "input_ids" in inputs else None  # one trie per prompt, named as rank's
     if prompts is not None:
         check_prompts(prompts, 1, {"trie": len(processor.tries), "allow/deny": processor._filter_specs[3]})
@@ -757,6 +766,8 @@ def rank(
         eos_token_id=processor.rules.end_token_id,
     )
     entries = processor.match(out.sequences)
+    # A beam that max_new_tokens cut before its end token did not finish either (its score lacks the end token's).
+    closed = (out.sequences[:, processor.generation_start:] == processor.rules.end_token_id).any(1).tolist()
     raw = out.sequences_scores.tolist()
     scores = _renormalized(model, inputs, out.sequences, processor, length_normalize, raw) if renormalize else raw
     batch = out.sequences.shape[0] // beams
@@ -767,7 +778,7 @@ def rank(
         for i in range(p * beams, (p + 1) * beams):
             entry, score = entries[i], scores[i]
             # A beam that did not finish is padding, whatever its renormalized score: its raw score says so.
-            if entry is None or raw[i] <= _UNFINISHED or raw[i] != raw[i] or score != score:
+            if entry is None or not closed[i] or raw[i] <= _UNFINISHED or raw[i] != raw[i] or score != score:
                 continue
             ident = entry_identity(entry)  # the forms of one string (leading_space=[True, False]) are one entry
             if ident in seen:

@@ -125,6 +125,19 @@ def test_rank_names_its_own_option(tiny_llama):
         rank(tiny_llama, _inputs(1), _trie(), 2, end_token_id=END, pad_token_id=EOS)
 
 
+def test_rank_names_its_own_option_for_a_live_catalogs_added_entry(tiny_llama):
+    """A live catalog's entry added since rank's processor was made is checked when the generation takes its view:
+    the fix still names rank's option, not generate's eos_token_id (which rank refuses)."""
+    from trie_decode import LiveCatalog
+
+    catalog = LiveCatalog(_trie([[5071], [7158, 4001]]))
+    catalog.add([ENTRIES[1]])
+    assert catalog.wait_compacted()
+    with pytest.raises(ConstraintConfigError, match=r"contains token 30, .*; stop at a token no entry contains "
+                                                    r"\(end_token_id=\), or build the trie without such entries$"):
+        rank(tiny_llama, _inputs(1), catalog, 2, end_token_id=END, pad_token_id=EOS)
+
+
 class _OwnCaller:
     """A processor called from a frame that is not one of generate's loops (a caller of one's own)."""
 

@@ -435,6 +435,20 @@ def test_snapshots_are_immutable_and_numbered():
     assert sorted(after.sequences()) == [(5,), (6, 7)]  # still readable by requests that hold it
 
 
+def test_a_snapshot_made_from_a_delta_trie_of_ones_own_checks_it():
+    """A delta trie without the base's keys failed inside compact() (numpy IndexError), and one that repeats a live
+    base entry on an assert: both are refused when the snapshot is made, naming the problem."""
+    from trie_decode import CatalogSnapshot
+
+    base = TokenTrie.from_sequences([[3, 4], [6]], vocab_size=8, keys=["a", "c"])
+    with pytest.raises(CatalogUpdateError, match=r"the delta's keys do not match the base's \(the base has keys\)"):
+        CatalogSnapshot(base, TokenTrie.from_sequences([[7]], vocab_size=8))
+    with pytest.raises(CatalogUpdateError, match="delta entry 1 is base entry 0, which the snapshot holds"):
+        CatalogSnapshot(base, TokenTrie.from_sequences([[7], [3, 4]], vocab_size=8, keys=["d", "a2"]))
+    snap = CatalogSnapshot(base, TokenTrie.from_sequences([[7], [3, 4]], vocab_size=8, keys=["d", "a2"]), [0])
+    assert snap.compact().sequences() == [(6,), (7,), (3, 4)]  # a removed base entry's sequence may be added
+
+
 def test_delta_files_round_trip_and_refuse_another_base(tmp_path):
     base = TokenTrie.from_sequences([[3, 4], [3, 5], [6]], vocab_size=10, keys=["a", "b", "c"], names=["A", "B", "C"])
     trie_path = tmp_path / "catalog.safetensors"
@@ -721,6 +735,22 @@ def test_a_pinned_snapshot_keeps_the_entries_it_could_generate():
     view = unseen.view(rules)
     assert view.pending == 0 and sorted(view.trie.sequences()) == [(3, 4), (5,), (6,), (7,)]
     assert sorted(catalog.snapshot().view(rules).trie.sequences()) == [(3, 4), (5,), (6,), (7,), (8,), (9,)]
+
+
+def test_an_added_entry_added_back_under_another_key_is_not_served_under_the_old_one():
+    """An added entry removed, then added back with another key, is another entry: the compacted trie's copy (the
+    old key) is denied and the new one waits for the next compaction, so no request reports the old key."""
+    catalog = LiveCatalog(TokenTrie.from_sequences([[3, 4], [6]], vocab_size=8, keys=["a", "c"]))
+    catalog.add([[7]], keys=["e"])
+    assert catalog.wait_compacted()
+    catalog.remove(["e"])
+    catalog.add([[7]], keys=["e2"])
+    rules = SpanRules(END)
+    view = catalog.snapshot().view(rules)
+    assert view.pending == 1 and [view.trie.entry(int(e)).key for e in view.deny] == ["e"]
+    assert catalog.wait_compacted()
+    c = constraint_for(catalog, rules, "cpu")
+    assert [e.key for e in c.replay([[7, END]])[0]] == ["e2"] == [catalog.snapshot().lookup([7]).key]
 
 
 def test_adding_strings_to_a_base_without_names(tokenizer):

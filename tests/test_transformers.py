@@ -117,6 +117,22 @@ def test_rank_does_not_stop_before_a_longer_entry_that_ranks_higher(model, left_
         rank(model, inputs, trie, 2, tokenizer=left_tok, do_sample=True)
 
 
+def test_rank_scores_only_entries_closed_by_the_end_token(tiny_llama, tokenizer):
+    """max_new_tokens=2 cut the 2-token entries before their end token, and rank reported them with scores that
+    lack it; min_new_tokens banned the end token, and every score carried the floor (-1e4): both were wrong."""
+    end = tokenizer.eos_token_id
+    trie = TokenTrie.from_sequences([[5071], [7158], [7158, 4000], [4001, 4002]], vocab_size=len(tokenizer))
+    inputs = {"input_ids": torch.tensor([[5, 6, 7]]), "attention_mask": torch.ones(1, 3, dtype=torch.long)}
+    ranked = rank(tiny_llama, inputs, trie, 4, end_token_id=end, max_new_tokens=2)[0]
+    assert sorted(r.entry.tokens for r in ranked) == [(5071,), (7158,)]
+    for r in ranked:
+        assert r.log_prob == pytest.approx(_exact_log_prob(tiny_llama, [5, 6, 7], list(r.entry.tokens), end), abs=1e-4)
+    for options in (dict(min_new_tokens=3), dict(min_length=6)):
+        with pytest.raises(ConstraintConfigError, match=rf"^rank does not take {next(iter(options))}= \(they ban "
+                                                        r"the end token.*\): leave them out$"):
+            rank(tiny_llama, inputs, trie, 4, end_token_id=end, **options)
+
+
 def test_rank_names_the_distinct_list_options_it_does_not_take(tiny_llama, tokenizer):
     """distinct= and max_entries= reached generate, which refused them as model kwargs the model does not use (no
     fix named): rank returns k distinct entries, and a distinct list is the processor's."""
@@ -162,6 +178,15 @@ def test_rank_names_the_processor_options_it_does_not_take(tiny_llama, tokenizer
             rank(tiny_llama, inputs, trie, 2, end_token_id=tokenizer.eos_token_id, **options)
     ranked = rank(tiny_llama, inputs, trie, 2, end_token_id=tokenizer.eos_token_id, template=None)  # unset: fine
     assert len(ranked[0]) == 2
+
+
+def test_rank_names_its_own_trie_argument(tiny_llama, tokenizer):
+    """rank(model, inputs, None, k) asked for tries=, spans= or template=, which rank refuses: its argument is trie."""
+    inputs = {"input_ids": torch.tensor([[5, 6, 7]]), "attention_mask": torch.ones(1, 3, dtype=torch.long)}
+    for trie, message in ((None, "trie must be a TokenTrie or a list of them (one per prompt), got None"),
+                          ([], "trie is empty: pass one TokenTrie, or one per prompt")):
+        with pytest.raises(ConstraintConfigError, match=f"^{re.escape(message)}$"):
+            rank(tiny_llama, inputs, trie, 2, end_token_id=tokenizer.eos_token_id)
 
 
 def test_per_prompt_tries_and_filters_must_give_one_per_prompt(tiny_llama, tokenizer):

@@ -186,7 +186,8 @@ class CatalogSnapshot:
 
     Args:
         base: the base trie.
-        delta: the added entries as a trie of the same vocabulary, or None.
+        delta: the added entries as a trie of the same vocabulary and columns (keys, names), none of them a live
+            base entry, or None.
         tombstones: removed base entry indices, sorted and unique. Shape: (T,), int64.
         version: the catalog's change counter when the snapshot was taken.
         retired: keys (names in a catalog without keys) of added entries that were removed since: filters may
@@ -226,6 +227,18 @@ class CatalogSnapshot:
         if tomb.size and (np.any(np.diff(tomb) <= 0) or tomb[0] < 0 or tomb[-1] >= base.num_entries):
             raise CatalogUpdateError(f"tombstones must be sorted, unique base entry indices in [0, {base.num_entries})")
         tomb.flags.writeable = False
+        if delta is not None:
+            for label in ("names", "keys"):  # compact() concatenates the base's columns with the delta's
+                has = getattr(base, f"_{label}") is not None
+                if has != (getattr(delta, f"_{label}") is not None):
+                    raise CatalogUpdateError(f"the delta's {label} do not match the base's (the base "
+                                             f"{'has' if has else 'has no'} {label})")
+            if _added is None:  # a delta of one's own (a catalog's never repeats a base entry: add() revives it)
+                held = np.asarray(_entries_of(base, delta.entry_tokens(np.arange(delta.num_entries))), dtype=np.int64)
+                live = np.flatnonzero((held >= 0) & ~np.isin(held, tomb))
+                if live.size:
+                    raise CatalogUpdateError(f"delta entry {live[0]} is base entry {held[live[0]]}, which the snapshot "
+                                             "holds: a snapshot holds each sequence once")
         self.base, self.delta, self.tombstones, self.version = base, delta, tomb, int(version)
         self.retired: frozenset[str] = frozenset(retired)
         # The compacted versions of this base, shared by every snapshot of one catalog (a snapshot made on its own
@@ -624,10 +637,20 @@ class CatalogView:
     def __init__(self, snapshot: CatalogSnapshot, record: _Compaction) -> None:
         self.snapshot, self.record, self.trie = snapshot, record, record.trie
         # The trie's entries that the snapshot removed: base entries it holds that are tombstones now, added entries
-        # no longer added.
+        # no longer added, or added again with another name or key (removed, then added back: the snapshot's is
+        # another entry, pending until the next compaction).
         added = snapshot.added()
         gone = [e for seq, e in record.added.items() if seq not in added]
-        deny = np.sort(np.concatenate([record.base_entries(snapshot.tombstones), np.asarray(gone, dtype=np.int64)]))
+        kept = [(e, added[seq]) for seq, e in record.added.items() if seq in added]
+        if kept:
+            ours, theirs = np.asarray(kept, dtype=np.int64).T
+            for label in ("_names", "_keys"):
+                mine, now = getattr(record.trie, label), getattr(snapshot.delta, label)
+                if mine is not None and now is not None:
+                    a, b = mine.take(ours), now.take(theirs)
+                    if not (np.array_equal(a.offsets, b.offsets) and np.array_equal(a.blob, b.blob)):
+                        gone += [e for e, x, y in zip(ours.tolist(), a.to_list(), b.to_list()) if x != y]
+        deny = np.unique(np.concatenate([record.base_entries(snapshot.tombstones), np.asarray(gone, dtype=np.int64)]))
         deny.flags.writeable = False
         self.deny = deny
         self.visible = self.trie.num_entries - len(deny)
