@@ -522,7 +522,10 @@ def run(cfg: BenchConfig) -> dict[str, list[dict[str, Any]]]:
         import torch
 
         cfg.device = "cuda" if torch.cuda.is_available() else "cpu"
-    cfg.out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        cfg.out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a usage error (main() prints it), not a traceback
+        raise ValueError(f"cannot write the results to --out {cfg.out_dir}: {exc.strerror or exc}") from exc
     env = report.environment(cfg)
     results: dict[str, list[dict[str, Any]]] = {}
     tokenizer = tok_path = None

@@ -92,6 +92,31 @@ def test_non_integer_torch_ids():
 
     _raises(InvalidTokenError, r"entry 1 has tensor\(2\.\) \(Tensor\)", TokenTrie.from_sequences,
             [torch.tensor([1]), torch.tensor([2.0])], 10)
+    # A dtype numpy has no counterpart for is named too (numpy's conversion fails on it).
+    _raises(InvalidTokenError, r"token ids must be integers, got dtype torch\.bfloat16", TokenTrie.from_sequences,
+            torch.tensor([[1, 2]], dtype=torch.bfloat16), 10)
+
+
+@pytest.mark.parametrize(
+    "make, pattern",
+    [
+        # One tokenized entry as a tensor: its rows are 0-d tensors, whose len() fails inside torch.
+        (lambda torch: torch.tensor([1, 2, 3]), r"got a 1-D Tensor \(one sequence: wrap it in a list, \[ids\]\)"),
+        (lambda torch: list(torch.tensor([1, 2])), r"entry 0 is Tensor tensor\(1\), not a sequence of token ids"),
+        (lambda torch: [np.array(3)], r"entry 0 is ndarray array\(3\), not a sequence of token ids"),
+        # Sets and dicts have a length, but a set has no order and a dict gives its keys: never a silent trie.
+        (lambda torch: [[1], {5, 3}], r"entry 1 is set \{3, 5\}, not a sequence of token ids \(a set has no order"),
+        (lambda torch: [frozenset([9, 1])], r"entry 0 is frozenset .*a set has no order"),
+        (lambda torch: [{1: 2}], r"entry 0 is dict \{1: 2\}, not a sequence .*a dict gives its keys"),
+        (lambda torch: {"France": [1, 2]}, r"got a dict: pass its values, list\(d\.values\(\)\)"),
+    ],
+    ids=["1d-tensor", "0d-tensor-rows", "0d-array-row", "set-row", "frozenset-row", "dict-row", "dict"],
+)
+def test_rows_that_are_no_sequence_of_ids_are_named(make, pattern):
+    import torch
+
+    err = _raises(InvalidEntryError, pattern, TokenTrie.from_sequences, make(torch), 10)
+    assert isinstance(err, TypeError)
 
 
 @pytest.mark.parametrize(
@@ -105,7 +130,7 @@ def test_non_integer_torch_ids():
         ([[1], 2.5], r"entry 1 is float 2\.5"),
         ([np.int64(4)], r"entry 0 is int64 (np.int64\(4\)|4), not a sequence"),
         # One sequence, not a collection of them:
-        (np.array([1, 2, 3]), r"entry 0 is int64 (np.int64\(1\)|1), not a sequence"),
+        (np.array([1, 2, 3]), r"got a 1-D ndarray \(one sequence: wrap it in a list, \[ids\]\)"),
         ("abc", r"got a single string"),
         (b"abc", r"got a single string"),
         (5, r"expected a collection of token-id sequences, got int"),
@@ -253,6 +278,27 @@ def test_token_tree_payload_token_outside_the_vocabulary_names_the_descriptor():
             payload, 10)
 
 
+def test_token_tree_payload_built_in_python_takes_numpy_integers():
+    # A numpy integer is an integer token id, as in a prefix dict (it was refused as "holds np.int64(7), not an
+    # integer token id"); a numpy bool is still not one.
+    payload = _payload({"path": "p", "leaves": [{"name": "w", "tokens": [np.int64(7), np.int32(2)]}]})
+    assert tries_from_token_tree_payload(payload, 10)["p"].sequences() == [(7, 2)]
+    payload = _payload({"path": "p", "leaves": [{"name": "w", "tokens": [np.bool_(True)]}]})
+    _raises(DescriptorError, r"holds (np\.)?True_?, not an integer", tries_from_token_tree_payload, payload, 10)
+
+
+def test_json_with_a_byte_order_mark_reads_and_empty_text_is_named(tmp_path):
+    # A byte-order mark was "invalid JSON (Unexpected UTF-8 BOM (decode using utf-8-sig))": a fix no call can take.
+    text = json.dumps({"start_token_id": 5, "end_token_id": 2, "prefix_dict": {"5": [1, 3]}})
+    path = tmp_path / "bom.json"
+    path.write_bytes(b"\xef\xbb\xbf" + text.encode())
+    for source in (path, str(path), path.read_bytes(), path.read_text(encoding="utf-8")):
+        assert sorted(trie_from_prefix_dict(source, 10).sequences()) == [(1,), (3,)]
+    # An empty string was read as the path "." ("no such file '.'").
+    _raises(DescriptorError, r"prefix dict: got an empty string, neither JSON text nor a file path",
+            trie_from_prefix_dict, " ", 10)
+
+
 def test_token_tree_payload_invalid_json_file(tmp_path):
     path = tmp_path / "bad.json"
     path.write_text('{"descriptors": [{"path": "p", "leaves": [')
@@ -339,6 +385,19 @@ def test_duplicates_are_merged_and_counted_not_rejected():
 def test_a_name_that_is_not_a_string_or_a_none_key_is_refused(kwargs, pattern):
     n = len(next(iter(kwargs.values())))
     _raises(InvalidEntryError, pattern, TokenTrie.from_sequences, [[i + 1] for i in range(n)], 10, **kwargs)
+
+
+@pytest.mark.parametrize("build, pattern", [
+    (lambda: TokenTrie.from_sequences([[1], [2]], 10, names=["a", "b\ud800"]), r"a name holds a lone surrogate"),
+    (lambda: TokenTrie.from_sequences([[1], [2]], 10, keys=["a", "\udc00b"]), r"a key holds a lone surrogate"),
+    (lambda: TokenTrie.from_strings(["France", "Fr\ud800ance"], _NeverCalled()), r"entry 1 holds a lone surrogate"),
+    (lambda: tries_from_token_tree_payload('{"descriptors": [{"path": "p", "leaves": [{"name": "\\ud800", '
+                                           '"tokens": [1]}]}]}', 10), r"descriptor 'p'.*a name holds a lone surrogate"),
+], ids=["name", "key", "from_strings", "payload-leaf-name"])
+def test_a_lone_surrogate_is_named_not_a_unicode_error(build, pattern):
+    # A JSON "\ud800" escape gives such a string: it is not UTF-8 text, so neither the string tables nor a tokenizer
+    # can take it (UnicodeEncodeError, or a TypeError from inside the tokenizer).
+    _raises(InvalidEntryError, pattern + r".*not UTF-8 text", build)
 
 
 def test_a_number_key_is_its_text():

@@ -45,6 +45,14 @@ def test_bench_command_finds_the_checkout_from_any_folder(tmp_path):
     assert all(name in proc.stdout for name in STEP_PEERS), proc.stdout
 
 
+def test_an_out_folder_that_cannot_be_made_is_a_usage_error(tmp_path, capsys):
+    import benchmarks
+
+    (tmp_path / "plain").write_text("x")  # was: a FileExistsError traceback from pathlib
+    assert benchmarks.main(["--suite", "build", "--quick", "--out", str(tmp_path / "plain" / "out")]) == 2
+    assert "error: cannot write the results to --out" in capsys.readouterr().out
+
+
 @pytest.mark.slow
 def test_step_suite_quick(tmp_path):
     data = _bench("step", tmp_path)

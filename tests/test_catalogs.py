@@ -100,6 +100,22 @@ def test_bad_codes_are_named():
         catalog_from_codes(np.array([[1, 2]]), codebook_size=4, token_offset=5, vocab_size=10)
     with pytest.raises(InvalidEntryError, match="codebook_size"):
         catalog_from_codes(np.array([[1, 2]]), vocab_size=10)
+    with pytest.raises(InvalidEntryError, match="2-D integer array .*rows of different lengths"):  # not numpy's error
+        catalog_from_codes([[1, 2], [3]], codebook_size=4, vocab_size=10)
+    with pytest.raises(InvalidEntryError, match="2-D integer array .*got torch.bfloat16"):  # not torch's TypeError
+        catalog_from_codes(torch.zeros((2, 2), dtype=torch.bfloat16), codebook_size=4, vocab_size=10)
+    # level_offsets places every level: a codebook_size beside it was ignored, and a code outside it built silently.
+    with pytest.raises(InvalidEntryError, match="codebook_size .*or level_offsets, not both"):
+        catalog_from_codes(np.array([[1, 9]]), codebook_size=4, level_offsets=[0, 4], vocab_size=20)
+
+
+@pytest.mark.parametrize("keys, message", [
+    (["a", None], r"keys\[1\] is None: a key is a string or a number"),  # not the key "None", as from_sequences
+    (["a", "b\ud800"], r"a key holds a lone surrogate, not UTF-8 text"),  # not a UnicodeEncodeError
+])
+def test_bad_item_keys_are_named(keys, message):
+    with pytest.raises(InvalidEntryError, match=message):
+        catalog_from_codes(np.array([[1, 2], [0, 3]]), codebook_size=4, vocab_size=10, keys=keys)
 
 
 def test_every_item_key_filters_its_entry_and_the_entry_lists_them_all(tmp_path):

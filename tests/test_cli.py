@@ -113,6 +113,30 @@ def test_unreadable_inputs_and_outputs_are_named_errors(tmp_path, smollm2_dir, c
     assert "keys file not found" in _error(capsys)
 
 
+@pytest.mark.parametrize("source", [["{long}", "--tokenizer", "unused"],
+                                    ["--codes", "{long}", "--codebook-size", "2", "--vocab-size", "8"],
+                                    ["--prefix-dict", "{long}", "--vocab-size", "8"],
+                                    ["--codes", "{codes}", "--codebook-size", "2", "--vocab-size", "8", "-o", "{long}"]],
+                         ids=["entries", "codes", "prefix-dict", "output"])
+def test_a_path_stat_refuses_is_a_named_error_not_a_traceback(tmp_path, capsys, source):
+    # Path.is_file() and is_dir() raise OSError for a name too long (ENAMETOOLONG) or a folder without search
+    # permission; that was a traceback out of `trie-decode build`.
+    np.save(tmp_path / "codes.npy", np.array([[0, 1], [1, 0]]))
+    long = str(tmp_path / ("x" * 300))
+    args = [a.format(long=long, codes=tmp_path / "codes.npy") for a in source]
+    out = [] if "-o" in args else ["-o", str(tmp_path / "o.trie")]
+    assert main(["build", *args, *out]) == 1
+    assert "File name too long" in _error(capsys)
+
+
+def test_an_empty_source_path_is_that_source(tmp_path, capsys):
+    # An empty path is a path too: it was taken for no source at all (TypeError: Path(None), a traceback).
+    assert main(["build", "--codes", "", "--codebook-size", "2", "--vocab-size", "8", "-o", str(tmp_path / "o")]) == 1
+    assert "codes file not found" in _error(capsys)
+    assert main(["build", "--prefix-dict", "", "--vocab-size", "8", "-o", str(tmp_path / "o")]) == 1
+    assert "prefix dict: no such file" in _error(capsys)
+
+
 # ------------------------------------------------------------------ options of another kind of source: status 2
 
 
@@ -152,6 +176,17 @@ def test_a_jsonl_id_that_is_not_a_string_or_a_number_is_refused(tmp_path, smollm
     lines = '{"id": "A1", "text": "red"}\n' + line + "\n"
     code, out = _build(tmp_path, "--tokenizer", smollm2_dir, entries=lines, suffix=".jsonl")
     assert code == 1 and f"entries.jsonl:2: 'id' is {shown}" in _error(capsys) and not out.exists()
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"id": "\\ud800", "text": "blue"}', "a key holds a lone surrogate, not UTF-8 text: '\\ud800'"),
+    ('{"id": "B2", "text": "bl\\udc00ue"}', "entry 1 holds a lone surrogate, not UTF-8 text: 'bl\\udc00ue'"),
+])
+def test_a_jsonl_lone_surrogate_escape_is_a_named_error_not_a_traceback(tmp_path, smollm2_dir, capsys, line, message):
+    # Valid JSON, but not UTF-8 text: the key table could not encode it, and the tokenizer failed deep inside.
+    lines = '{"id": "A1", "text": "red"}\n' + line + "\n"
+    code, out = _build(tmp_path, "--tokenizer", smollm2_dir, entries=lines, suffix=".jsonl")
+    assert code == 1 and message in _error(capsys) and not out.exists()
 
 
 def test_a_jsonl_number_id_is_its_text(tmp_path, smollm2_dir):

@@ -152,6 +152,15 @@ def test_trie_without_fingerprint_checks_the_vocabulary_size(tokenizer):
         TokenTrie.from_sequences([[1]], n + 10).check_tokenizer(tokenizer)
 
 
+def test_a_tokenizer_name_instead_of_a_tokenizer_is_named(tokenizer, tmp_path):
+    # A name's len() is its length: without a fingerprint the check read it as a vocabulary size, then failed inside
+    # (AttributeError: 'str' object has no attribute 'get_vocab'); with one it was named. Now both are named.
+    for trie in (TokenTrie.from_sequences([[1]], 10), TokenTrie.from_strings(["France"], tokenizer)):
+        trie.save(tmp_path / "t.trie")
+        with pytest.raises(TypeError, match=r"expected a Hugging Face tokenizer with get_vocab\(\), got str"):
+            TokenTrie.load(tmp_path / "t.trie", tokenizer="HuggingFaceTB/SmolLM2-135M-Instruct")
+
+
 def test_language_names(tokenizer, language_names):
     keys = [f"iso-{i}" for i in range(len(language_names))]
     trie = TokenTrie.from_strings(language_names, tokenizer, leading_space=True, keys=keys)

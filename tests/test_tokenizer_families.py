@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 import torch
 
-from trie_decode import InvalidEntryError, TokenizerMismatchError, TokenTrie
+from trie_decode import InvalidEntryError, InvalidTokenError, TokenizerMismatchError, TokenTrie
 from trie_decode.constraint import SpanRules, TrieConstraint
 from trie_decode.forms import check_prompt, heal_prompt
 from trie_decode.tokenizers import (
@@ -410,3 +410,18 @@ def test_bad_form_arguments_are_named_errors(tokenizer):
         check_prompt(TokenTrie.from_strings(["a"], tokenizer), tokenizer, [[1], [2]])
     no_names = TokenTrie.from_sequences([[5]], len(tokenizer))
     assert [f.code for f in check_prompt(no_names, tokenizer, "x")] == ["no_names"]
+
+
+@pytest.mark.parametrize("prompt, error, message", [
+    (None, InvalidEntryError, "prompt must be text or a list of token ids, got NoneType"),  # was: not iterable
+    (b"Answer: ", InvalidEntryError, "got bytes"),  # was: read as the ids [65, 110, ...]
+    ([504, -1], InvalidTokenError, r"prompt id -1 is outside the tokenizer's vocabulary \[0, 49152\)"),
+    ([2**40], InvalidTokenError, r"prompt id 1099511627776 is outside"),  # was: OverflowError inside decode
+])
+def test_a_bad_prompt_is_named(tokenizer, prompt, error, message):
+    trie = TokenTrie.from_strings(["France"], tokenizer, leading_space=True)
+    with pytest.raises(error, match=message):
+        check_prompt(trie, tokenizer, prompt)
+    if prompt is not None and not isinstance(prompt, list):
+        with pytest.raises(error, match=message):
+            heal_prompt(prompt, tokenizer)

@@ -344,3 +344,22 @@ def test_saving_where_no_file_can_be_written_is_named(trie, tmp_path):
     with pytest.raises(TrieFileError, match="is not a folder"):
         trie.save(tmp_path / "plain" / "t.trie")
     assert list(tmp_path.iterdir()) == [tmp_path / "plain"]  # no temporary file left behind
+    # What stat() refuses is named too (was: OSError from pathlib, a traceback out of `trie-decode build -o`).
+    with pytest.raises(TrieFileError, match="cannot write .*: File name too long"):
+        trie.save(tmp_path / ("x" * 300) / "t.trie")
+
+
+def test_extra_arrays_save_only_what_load_reads(tmp_path):
+    # A big-endian array was saved little-endian under the CRC-32 of its own bytes (load: "corrupted"), and a dtype
+    # the loader does not read was saved without a word (load: "malformed header entry"): save refuses or fixes both.
+    trie = TokenTrie.from_sequences([[1, 2], [3]], vocab_size=8)
+    trie.extra = {"mine": np.arange(3, dtype=">i4")}
+    trie.save(tmp_path / "be.trie")
+    assert TokenTrie.load(tmp_path / "be.trie").extra["mine"].tolist() == [0, 1, 2]
+    trie.extra = {"mine": np.zeros(3, dtype=np.float64)}
+    with pytest.raises(TrieFileError, match=r"array 'mine' is float64, and a trie file holds only int32, int64"):
+        trie.save(tmp_path / "f64.trie")
+    assert not (tmp_path / "f64.trie").exists()
+    trie.extra = {"__metadata__": np.zeros(3, dtype=np.int32)}  # was written, then refused as a corrupted header
+    with pytest.raises(TrieFileError, match="'__metadata__' is not a name an array can have"):
+        trie.save(tmp_path / "meta.trie")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import array
 import itertools
+from collections.abc import Mapping, Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -72,8 +73,21 @@ def to_ragged(sequences: Any) -> RaggedTokens:
         return _checked_ragged(sequences)
     if isinstance(sequences, (str, bytes)):
         raise InvalidEntryError("expected a collection of token-id sequences, got a single string")
+    if isinstance(sequences, Mapping):  # its iteration gives its keys, not its values
+        raise InvalidEntryError(
+            f"expected a collection of token-id sequences, got a {type(sequences).__name__}: pass its values, "
+            "list(d.values()) (names= or keys= can carry its keys, list(d))"
+        )
+    if getattr(sequences, "ndim", None) == 1 and getattr(sequences, "dtype", None) != object:  # rows of scalars
+        raise InvalidEntryError(
+            f"expected a collection of token-id sequences, got a 1-D {type(sequences).__name__} (one sequence: wrap "
+            "it in a list, [ids])"
+        )
     if hasattr(sequences, "ndim") and getattr(sequences, "ndim") == 2:
-        array = np.asarray(sequences)
+        try:
+            array = np.asarray(sequences)
+        except TypeError as exc:  # a tensor dtype numpy has no counterpart for (bfloat16): not an integer dtype
+            raise InvalidTokenError(f"sequences: token ids must be integers, got dtype {sequences.dtype}") from exc
         _check_integer_dtype(array.dtype, "sequences")
         k, length = array.shape
         offsets = np.arange(k + 1, dtype=np.int64) * length
@@ -82,18 +96,26 @@ def to_ragged(sequences: Any) -> RaggedTokens:
         sequences = list(sequences)
     except TypeError as exc:
         raise InvalidEntryError(f"expected a collection of token-id sequences, got {type(sequences).__name__}") from exc
-    if set(map(type, sequences)) <= _PLAIN_ROWS:  # one C-level pass over the rows' types
+    row_types = set(map(type, sequences))  # one C-level pass over the rows' types
+    if row_types <= _PLAIN_ROWS:
         packed = _pack_plain_rows(sequences)
         if packed is not None:
             return packed
     # The general path: any row type, and the per-row error report of the fast path's failures.
+    if any(issubclass(t, (AbstractSet, Mapping)) for t in row_types):  # a length, but no order of its own
+        i, seq = next((i, s) for i, s in enumerate(sequences) if isinstance(s, (AbstractSet, Mapping)))
+        raise InvalidEntryError(f"entry {i} is {type(seq).__name__} {seq!r:.60}, not a sequence of token ids (a set "
+                                "has no order and a dict gives its keys: give a list of ids)")
     for i, seq in enumerate(sequences):
         if isinstance(seq, (str, bytes)) or not hasattr(seq, "__len__"):
-            raise InvalidEntryError(
-                f"entry {i} is {type(seq).__name__} {seq!r:.60}, not a sequence of token ids "
-                "(build from strings with TokenTrie.from_strings)"
-            )
-    lengths = np.fromiter(map(len, sequences), dtype=np.int64, count=len(sequences))
+            raise _not_a_sequence(i, seq)
+    try:
+        lengths = np.fromiter(map(len, sequences), dtype=np.int64, count=len(sequences))
+    except TypeError:  # a 0-d array or tensor has __len__, and no length
+        bad = next(((i, s) for i, s in enumerate(sequences) if getattr(s, "ndim", 1) == 0), None)
+        if bad is None:
+            raise
+        raise _not_a_sequence(*bad) from None
     offsets = np.zeros(len(sequences) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
     flat = list(itertools.chain.from_iterable(sequences))
@@ -114,6 +136,12 @@ def to_ragged(sequences: Any) -> RaggedTokens:
             entry, bad = _first_oversized(sequences)
             raise InvalidTokenError(f"entry {entry} has token id {bad}, outside any vocabulary (exceeds int64)")
     return RaggedTokens(_as_int64(values, offsets), offsets)
+
+
+def _not_a_sequence(i: int, seq: Any) -> InvalidEntryError:
+    """The error for entry ``i``, ``seq``, which is not a sequence of token ids (a scalar, a string, a 0-d array)."""
+    return InvalidEntryError(f"entry {i} is {type(seq).__name__} {seq!r:.60}, not a sequence of token ids "
+                             "(build from strings with TokenTrie.from_strings)")
 
 
 def _checked_ragged(ragged: RaggedTokens) -> RaggedTokens:

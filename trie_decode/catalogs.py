@@ -30,7 +30,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 
-from .entries import ITEM_IDS, ITEM_KEYS_BLOB, ITEM_KEYS_OFFSETS, ITEM_PTR, StringTable, catalog_key_table
+from .entries import ITEM_IDS, ITEM_KEYS_BLOB, ITEM_KEYS_OFFSETS, ITEM_PTR, StringTable, catalog_key_table, check_keys
 from .errors import InvalidEntryError, InvalidTokenError
 from .trie import VOCAB_SIZE, TokenTrie, check_vocab_size
 
@@ -79,7 +79,13 @@ def catalog_from_codes(
         InvalidEntryError: not a 2-D integer array, no item, or a negative code or one outside its codebook.
         InvalidTokenError: a token outside ``[0, vocab_size)``.
     """
-    codes = np.asarray(codes)
+    try:
+        codes = np.asarray(codes)
+    except ValueError as exc:  # nested lists of different lengths
+        raise InvalidEntryError(f"codes must be a 2-D integer array (items x levels), got rows of different lengths "
+                                f"({type(codes).__name__})") from exc
+    except TypeError as exc:  # a tensor dtype numpy has no counterpart for (bfloat16): not an integer dtype
+        raise InvalidEntryError(f"codes must be a 2-D integer array (items x levels), got {codes.dtype}") from exc
     if codes.ndim != 2 or not np.issubdtype(codes.dtype, np.integer):
         raise InvalidEntryError(f"codes must be a 2-D integer array (items x levels), got {codes.dtype} {codes.shape}")
     n, levels = codes.shape
@@ -88,6 +94,8 @@ def catalog_from_codes(
     check_vocab_size(vocab_size, VOCAB_SIZE)
     if keys is not None and len(keys) != n:
         raise InvalidEntryError(f"keys has {len(keys)} items but codes has {n} rows")
+    if keys is not None:
+        check_keys(keys)
     if codes.dtype == np.uint64 and int(codes.max()) >= 1 << 62:
         raise InvalidEntryError(f"codes hold {int(codes.max())}, outside any codebook")
     codes = codes.astype(np.int64, copy=False) if codes.dtype == np.uint64 else codes
@@ -114,6 +122,8 @@ def catalog_from_codes(
             raise InvalidTokenError(f"token_offset must be a token id in [0, {vocab_size}), got {token_offset!r:.40}")
         offsets = token_offset + np.concatenate([[0], np.cumsum(sizes)[:-1]])
     else:
+        if codebook_size is not None or token_offset != 0:  # level_offsets places every level: they would be ignored
+            raise InvalidEntryError("give codebook_size (and token_offset) or level_offsets, not both")
         if np.shape(level_offsets) != (levels,):
             raise InvalidEntryError(f"level_offsets has shape {np.shape(level_offsets)}, expected ({levels},)")
         offsets = _level_ints(level_offsets, "level_offsets", levels)
@@ -185,7 +195,7 @@ def catalog_from_codes(
     item_ptr, item_ids = _entry_items(first_items, later, np.repeat(np.take(entry_rank, shared), extra), within, n)
     all_keys = key_table = None
     if keys is not None:
-        all_keys = StringTable.from_strings([str(k) for k in keys])
+        all_keys = StringTable.from_strings([str(k) for k in keys], "key")
         key_table = all_keys.take(first_items)
     trie = TokenTrie(
         child_ptr=child_ptr,

@@ -52,6 +52,17 @@ def _read_text(path: Path, what: str) -> str:
                               "file as UTF-8") from exc
 
 
+def _check_file(path: Path, what: str) -> None:
+    """Raise :class:`DescriptorError` unless ``path`` is a regular file (a FIFO would block the read), naming
+    ``what`` it is; what ``stat`` refuses (a name too long, a folder that cannot be searched) is named too."""
+    try:
+        if path.is_file():
+            return
+    except OSError as exc:
+        raise DescriptorError(f"cannot read the {what} {path}: {exc.strerror or exc}") from exc
+    raise DescriptorError(f"{what} not found: {path}")
+
+
 def read_entries(path: Path) -> tuple[list[str], Optional[list[str]]]:
     """Read entries: ``.jsonl`` lines with ``text`` (and optional ``id``), or plain text, one entry per line.
 
@@ -146,8 +157,7 @@ def _cmd_build_codes(args: argparse.Namespace) -> int:
     from .catalogs import catalog_from_codes
 
     path = Path(args.codes)
-    if not path.is_file():
-        raise DescriptorError(f"codes file not found: {path}")
+    _check_file(path, "codes file")
     with open(path, "rb") as f:
         magic = f.read(len(_NPY_MAGIC))
     if magic != _NPY_MAGIC:  # numpy would read it as a pickle, and advise loading it "unsafely" (allow_pickle=)
@@ -174,15 +184,15 @@ def _cmd_build_codes(args: argparse.Namespace) -> int:
 
 
 def _cmd_build(args: argparse.Namespace) -> int:
-    if args.prefix_dict:
+    # The source _check_build_args found given: an empty path ("") is given, and falsy.
+    if args.prefix_dict is not None:
         return _cmd_build_prefix_dict(args)
-    if args.codes:
+    if args.codes is not None:
         return _cmd_build_codes(args)
     from .trie import TokenTrie
 
     path = Path(args.entries)
-    if not path.is_file():
-        raise DescriptorError(f"entries file not found: {path}")
+    _check_file(path, "entries file")
     texts, keys = read_entries(path)
     for i, text in enumerate(texts):
         if text == "":

@@ -45,7 +45,8 @@ JsonSource = Union[str, bytes, os.PathLike, dict, list]
 
 
 def read_json(source: JsonSource, what: str) -> Any:
-    """Parse ``source``: an already-parsed object, JSON text, or a path to a JSON file.
+    """Parse ``source``: an already-parsed object, JSON text, or a path to a JSON file (UTF-8; a byte-order mark at
+    its start is skipped, as in the command line's other input files).
 
     Raises:
         DescriptorError: no such file, an unreadable one, text that is not UTF-8 or not JSON, or JSON nested too
@@ -53,20 +54,24 @@ def read_json(source: JsonSource, what: str) -> Any:
     """
     if isinstance(source, (dict, list)):
         return source
+    if isinstance(source, str):
+        source = source.removeprefix("\ufeff")  # text read from a file with a byte-order mark: not part of it
+        if not source.strip():  # as a path it would be the current folder ("no such file '.'")
+            raise DescriptorError(f"{what}: got an empty string, neither JSON text nor a file path")
     if isinstance(source, os.PathLike) or (isinstance(source, str) and not source.lstrip().startswith(("{", "["))):
         path = Path(source)
-        if not path.is_file():
-            raise DescriptorError(f"{what}: no such file {str(path)!r}")
         try:
+            if not path.is_file():
+                raise DescriptorError(f"{what}: no such file {str(path)!r}")
             text = path.read_bytes()
-        except OSError as exc:
+        except OSError as exc:  # stat() or the read refused it (a name too long, no permission)
             raise DescriptorError(f"{what}: cannot read {str(path)!r} ({exc.strerror})") from exc
     elif isinstance(source, (bytes, str)):
         text = source
     else:
         raise DescriptorError(f"{what}: expected a dict, JSON text or a file path, got {type(source).__name__}")
     try:
-        return json.loads(text.decode("utf-8") if isinstance(text, bytes) else text)
+        return json.loads(text.decode("utf-8-sig") if isinstance(text, bytes) else text)
     except UnicodeDecodeError as exc:
         raise DescriptorError(f"{what}: not UTF-8 text ({exc})") from exc
     except json.JSONDecodeError as exc:
@@ -79,7 +84,7 @@ def _token_list(value: Any, where: str) -> list[int]:
     if not isinstance(value, list):
         raise DescriptorError(f"{where} must be a list of token ids, got {type(value).__name__}")
     for tok in value:
-        if isinstance(tok, bool) or not isinstance(tok, int):
+        if not _is_int(tok):  # a numpy integer is one too (a payload built in Python), as in a prefix dict
             raise DescriptorError(f"{where} holds {tok!r}, not an integer token id")
     return value
 

@@ -12,8 +12,28 @@ from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
-__all__ = ["Entry", "StringTable", "catalog_item_keys", "catalog_key_table", "catalog_problem", "filter_number_map",
-           "retired_key_table", "filter_arrays_problem"]
+from .errors import InvalidEntryError
+
+__all__ = ["Entry", "StringTable", "check_keys", "catalog_item_keys", "catalog_key_table", "catalog_problem",
+           "filter_number_map", "retired_key_table", "filter_arrays_problem"]
+
+
+def _is_utf8(text: str) -> bool:
+    """Whether ``text`` can be written as UTF-8 (it holds no lone surrogate)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def check_keys(keys: Sequence[object]) -> None:
+    """Raise :class:`InvalidEntryError` naming the first key that is None (a key is a string or a number, written
+    with ``str``; None would become the key ``"None"``)."""
+    bad = next((i for i, key in enumerate(keys) if key is None), None)
+    if bad is not None:
+        raise InvalidEntryError(f"keys[{bad}] is None: a key is a string or a number (leave keys= out for entries "
+                                "without keys)")
 
 
 @dataclass(frozen=True)
@@ -52,8 +72,17 @@ class StringTable:
         self.offsets = offsets
 
     @classmethod
-    def from_strings(cls, strings: Sequence[str]) -> "StringTable":
-        encoded = [s.encode("utf-8") for s in strings]
+    def from_strings(cls, strings: Sequence[str], what: str = "string") -> "StringTable":
+        """The table of ``strings`` (``what`` they are, for the message).
+
+        Raises:
+            InvalidEntryError: a string holds a lone surrogate (``"\\ud800"``, from a JSON escape): not UTF-8.
+        """
+        try:
+            encoded = [s.encode("utf-8") for s in strings]
+        except UnicodeEncodeError as exc:
+            bad = next(s for s in strings if not _is_utf8(s))
+            raise InvalidEntryError(f"a {what} holds a lone surrogate, not UTF-8 text: {bad!r:.80}") from exc
         offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
         np.cumsum(np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded)), out=offsets[1:])
         blob = np.frombuffer(b"".join(encoded), dtype=np.uint8)

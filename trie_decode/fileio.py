@@ -40,6 +40,7 @@ FORMAT_NAME = "trie_decode.TokenTrie"
 FORMAT_VERSION = 1
 _MAX_HEADER = 100 * 1024 * 1024
 _DTYPES = {"I32": np.int32, "I64": np.int64, "U8": np.uint8, "F32": np.float32, "BOOL": np.bool_}
+_READABLE = tuple(np.dtype(d) for d in _DTYPES.values())  # what write_arrays may write (little-endian)
 
 
 _LINE_END = re.compile(r"\r\n|\r|\n")
@@ -71,24 +72,36 @@ def check_writable(path: str | os.PathLike[str]) -> None:
     ``trie-decode build`` calls it before building, so that a wrong ``-o`` fails before the work, not after it.
     """
     target = Path(path)
-    if target.is_dir():
-        raise TrieFileError(f"cannot write {target}: it is a folder (give a file name in it)")
-    folder = target.parent
-    if not folder.is_dir():
-        problem = "is not a folder" if folder.exists() else "does not exist"
-        raise TrieFileError(f"cannot write {target}: the folder {folder} {problem}")
+    try:
+        if target.is_dir():
+            raise TrieFileError(f"cannot write {target}: it is a folder (give a file name in it)")
+        folder = target.parent
+        if not folder.is_dir():
+            problem = "is not a folder" if folder.exists() else "does not exist"
+            raise TrieFileError(f"cannot write {target}: the folder {folder} {problem}")
+    except OSError as exc:  # a name too long, a folder that cannot be searched: what stat() says
+        raise TrieFileError(f"cannot write {target}: {exc.strerror or exc}") from exc
 
 
 def write_arrays(path: str | os.PathLike[str], arrays: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> None:
     """Write ``arrays`` and ``metadata`` as a safetensors file, adding the format tag and per-array CRC-32s.
 
     Raises:
-        TrieFileError: ``path`` cannot be written (a folder, a missing folder, no permission, a full disk).
+        TrieFileError: ``path`` cannot be written (a folder, a missing folder, no permission, a full disk), or an
+            array has a dtype :func:`read_arrays` does not read (it would write a file that cannot be loaded).
     """
     from safetensors import SafetensorError
     from safetensors.numpy import save_file
 
     check_writable(path)
+    # The bytes on disk are little-endian: the CRC-32s are of those bytes (a big-endian array's own bytes differ).
+    arrays = {name: np.ascontiguousarray(a, dtype=np.asarray(a).dtype.newbyteorder("<")) for name, a in arrays.items()}
+    for name, a in arrays.items():
+        if name == "__metadata__":  # safetensors' own header key: the file's metadata would be unreadable
+            raise TrieFileError(f"cannot write {os.fspath(path)}: '__metadata__' is not a name an array can have")
+        if a.dtype not in _READABLE:
+            raise TrieFileError(f"cannot write {os.fspath(path)}: array {name!r:.80} is {a.dtype}, and a trie file "
+                                f"holds only {', '.join(d.name for d in _READABLE)} arrays")
 
     meta = dict(metadata)
     meta["format"] = FORMAT_NAME
@@ -97,7 +110,7 @@ def write_arrays(path: str | os.PathLike[str], arrays: Mapping[str, np.ndarray],
     # A temporary name of this process and thread: concurrent writers of the same path never share one.
     tmp = Path(f"{os.fspath(path)}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
-        save_file({name: np.ascontiguousarray(a) for name, a in arrays.items()}, str(tmp), metadata=meta)
+        save_file(arrays, str(tmp), metadata=meta)
         os.replace(tmp, path)
     except (OSError, SafetensorError) as exc:  # safetensors reports an I/O failure as a SafetensorError
         tmp.unlink(missing_ok=True)

@@ -33,7 +33,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
 
-from .errors import InvalidEntryError
+from .errors import InvalidEntryError, InvalidTokenError
 from .options import check_on_unstable
 from .tokenizers import (
     _ENTRY_OPTIONS,
@@ -43,6 +43,7 @@ from .tokenizers import (
     token_bytes,
     tokenize_in_context,
     tokenize_strings,
+    tokenizer_vocab_size,
 )
 
 __all__ = [
@@ -178,6 +179,8 @@ def _prompt_ids(prompt: Any) -> list[int]:
     :class:`InvalidEntryError`."""
     if hasattr(prompt, "tolist"):
         prompt = prompt.tolist()
+    if isinstance(prompt, (bytes, bytearray)) or not hasattr(prompt, "__iter__"):  # bytes would read as ids
+        raise InvalidEntryError(f"prompt must be text or a list of token ids, got {type(prompt).__name__}")
     ids = list(prompt)
     if ids and isinstance(ids[0], (list, tuple)):
         if len(ids) != 1:
@@ -191,7 +194,12 @@ def _prompt_ids(prompt: Any) -> list[int]:
 def _prompt_text(tokenizer: Any, prompt: Any) -> str:
     if isinstance(prompt, str):
         return prompt
-    return tokenizer.decode(_prompt_ids(prompt), skip_special_tokens=False)
+    ids = _prompt_ids(prompt)
+    size = tokenizer_vocab_size(tokenizer)
+    bad = next((t for t in ids if not 0 <= t < size), None)
+    if bad is not None:  # the tokenizer's decode would fail deep inside (OverflowError) or read it as another id
+        raise InvalidTokenError(f"prompt id {bad} is outside the tokenizer's vocabulary [0, {size})")
+    return tokenizer.decode(ids, skip_special_tokens=False)
 
 
 def heal_prompt(prompt: Any, tokenizer: Any = None) -> Any:

@@ -310,6 +310,12 @@ def _bytes_table(tokenizer: Any) -> tuple[np.ndarray, bytes, Optional[list[bytes
 # Fingerprints
 
 
+def _require_get_vocab(tokenizer: Any) -> None:
+    """Raise ``TypeError`` unless ``tokenizer`` has ``get_vocab`` (a Hugging Face-style tokenizer; not its name)."""
+    if not hasattr(tokenizer, "get_vocab"):
+        raise TypeError(f"expected a Hugging Face tokenizer with get_vocab(), got {type(tokenizer).__name__}")
+
+
 def _size_key(tokenizer: Any) -> int:
     return len(tokenizer) if hasattr(tokenizer, "__len__") else -1
 
@@ -332,8 +338,7 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     cached = _CACHE.get(id(tokenizer))
     if cached is not None and cached[0] is tokenizer and cached[1] == size:
         return cached[2]
-    if not hasattr(tokenizer, "get_vocab"):
-        raise TypeError(f"expected a Hugging Face tokenizer with get_vocab(), got {type(tokenizer).__name__}")
+    _require_get_vocab(tokenizer)
     lengths, blob, _ = _bytes_table(tokenizer)
     h = hashlib.sha256(b"trie_decode token bytes v2\0")
     h.update(lengths.astype("<i8").tobytes())
@@ -348,10 +353,8 @@ def legacy_tokenizer_fingerprint(tokenizer: Any) -> str:
 
     Kept so that old trie files still load with the tokenizer they were built with; ~0.3 s for 50k tokens.
     """
-    get_vocab = getattr(tokenizer, "get_vocab", None)
-    if get_vocab is None:
-        raise TypeError(f"expected a Hugging Face tokenizer with get_vocab(), got {type(tokenizer).__name__}")
-    items = sorted((int(i), str(t)) for t, i in get_vocab().items())
+    _require_get_vocab(tokenizer)
+    items = sorted((int(i), str(t)) for t, i in tokenizer.get_vocab().items())
     return hashlib.sha256(json.dumps(items, ensure_ascii=False).encode("utf-8")).hexdigest()[:32]
 
 
@@ -377,7 +380,11 @@ def tokenizer_vocab_size(tokenizer: Any) -> int:
 
     This is the tokenizer's width, which may exceed the model's logits (Llama 3.2 ships 128,257 ids for 128,256
     logits); the constraint accepts narrower logits as long as every trie token and the end token fit.
+
+    Raises:
+        TypeError: not a tokenizer (no ``get_vocab``; e.g. its name, whose ``len`` is the name's length).
     """
+    _require_get_vocab(tokenizer)
     size = len(tokenizer)
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and hasattr(backend, "get_vocab_size"):

@@ -32,8 +32,8 @@ from typing import Any, BinaryIO, Callable, Hashable, Iterable, Mapping, Optiona
 import numpy as np
 
 from ._build import BuiltArrays, RaggedTokens, build_arrays, check_tokens, to_ragged, token_paths
-from .entries import (FILTER_DTYPES, ITEM_DTYPES, Entry, StringTable, catalog_item_keys, catalog_problem,
-                      filter_arrays_problem)
+from .entries import (FILTER_DTYPES, ITEM_DTYPES, Entry, StringTable, _is_utf8, catalog_item_keys, catalog_problem,
+                      check_keys, filter_arrays_problem)
 from .errors import EmptyTrieError, InvalidEntryError, InvalidTokenError, TokenizerMismatchError, TrieFileError
 from .fileio import check_vectors, read_arrays, write_arrays
 from .forms import resolve_forms, tokenize_forms
@@ -211,14 +211,11 @@ class TokenTrie:
                 raise InvalidEntryError(f"names[{bad}] is {type(names[bad]).__name__} {names[bad]!r:.40}: a name is a "
                                         "string (leave names= out for entries without names)")
         if keys is not None:
-            bad = next((i for i, key in enumerate(keys) if key is None), None)
-            if bad is not None:
-                raise InvalidEntryError(f"keys[{bad}] is None: a key is a string or a number (leave keys= out for "
-                                        "entries without keys)")
+            check_keys(keys)
         built = build_arrays(ragged, int(vocab_size))
         source = built.entry_source.tolist()
-        name_table = StringTable.from_strings([str(names[i]) for i in source]) if names is not None else None
-        key_table = StringTable.from_strings([str(keys[i]) for i in source]) if keys is not None else None
+        name_table = StringTable.from_strings([str(names[i]) for i in source], "name") if names is not None else None
+        key_table = StringTable.from_strings([str(keys[i]) for i in source], "key") if keys is not None else None
         return cls._from_built(built, int(vocab_size), name_table, key_table, fingerprint, options)
 
     @classmethod
@@ -310,6 +307,8 @@ class TokenTrie:
                 raise InvalidEntryError(f"entry {i} is {type(s).__name__} {s!r:.60}, not a string")
             if s == "":
                 raise InvalidEntryError(f"entry {i} is the empty string: every entry needs at least one token")
+            if not s.isascii() and not _is_utf8(s):  # a tokenizer fails deep inside on it
+                raise InvalidEntryError(f"entry {i} holds a lone surrogate, not UTF-8 text: {s!r:.60}")
         if not strings:
             raise EmptyTrieError("the set of entries is empty: a trie needs at least one entry")
         if keys is not None and len(keys) != len(strings):
