@@ -390,7 +390,8 @@ class TrieLogitsProcessor(LogitsProcessor):
         ``generate``, else the generation config's), before any token is chosen; ``fast_forward_generate`` before
         its prefill. Where the caller is unknown (a loop of one's own, or a transformers outside the verified
         versions) nothing is checked: such a loop may call it with its own stop ids. The check is kept on each
-        trie per stop token (:meth:`TokenTrie.derived`): after a trie's first generation it costs nothing.
+        trie per stop token (:meth:`TokenTrie.derived`): after a trie's first generation it costs nothing. A live
+        catalog is checked as it is decoded now, its view's trie with the entries removed since excepted.
 
         Args:
             stop_ids: the loop's stop tokens; None (unknown): nothing is checked.
@@ -401,8 +402,12 @@ class TrieLogitsProcessor(LogitsProcessor):
         """
         if stop_ids is None:
             return
-        for trie in self.tries:
-            check_stop_tokens_outside_entries(trie, stop_ids, change=change)
+        tries, denied = self.tries, None
+        if self._live is not None:  # the catalog as decoded now: its removed entries are still in the view's trie
+            view = self._view if self._view is not None else self._live.snapshot().view(self.rules)
+            tries, denied = [view.trie], view.deny
+        for trie in tries:
+            check_stop_tokens_outside_entries(trie, stop_ids, change=change, denied=denied)
 
     def _fresh(self, prompts: torch.Tensor, device: torch.device) -> RowState:
         """The rows' state where generation starts after ``prompts`` (Shape: (B, P)), with their filters as they are

@@ -138,6 +138,30 @@ def test_rank_names_its_own_option_for_a_live_catalogs_added_entry(tiny_llama):
         rank(tiny_llama, _inputs(1), catalog, 2, end_token_id=END, pad_token_id=EOS)
 
 
+def test_a_live_catalog_whose_removed_entry_held_the_end_token_decodes(tiny_llama):
+    """Removing the entry that holds the end token is the fix the refusal names: the view still holds it until the
+    next compaction (removals alone do not compact), denied, so it is no reason to refuse. An entry that holds it
+    and is not removed still is, through the processor and rank."""
+    from trie_decode import LiveCatalog
+
+    entries = ENTRIES + [[7158, END, 4002]]
+    catalog = LiveCatalog(TokenTrie.from_sequences(entries, vocab_size=49152, keys=["a", "b", "c", "d"]))
+    catalog.remove(["b"])
+    assert catalog.wait_compacted()
+    with pytest.raises(ConstraintConfigError, match=r"entry 3 \('d'\), tokens \[7158, 30, 4002\], contains token 30"):
+        rank(tiny_llama, _inputs(1), catalog, 2, end_token_id=END, pad_token_id=EOS)
+    processor = TrieLogitsProcessor(catalog, end_token_id=END)
+    with pytest.raises(ConstraintConfigError, match=r"entry 3 \('d'\), tokens \[7158, 30, 4002\], contains token 30"):
+        tiny_llama.generate(**_inputs(1), logits_processor=[processor], max_new_tokens=5, eos_token_id=END,
+                            pad_token_id=EOS, do_sample=False)
+    catalog.remove(["d"])
+    ranked = rank(tiny_llama, _inputs(1), catalog, 2, end_token_id=END, pad_token_id=EOS)[0]
+    assert sorted(e.entry.key for e in ranked) == ["a", "c"]
+    out = tiny_llama.generate(**_inputs(2), logits_processor=[processor], max_new_tokens=5, eos_token_id=END,
+                              pad_token_id=EOS, do_sample=False)
+    assert {e.key for e in processor.match(out)} <= {"a", "c"}
+
+
 class _OwnCaller:
     """A processor called from a frame that is not one of generate's loops (a caller of one's own)."""
 
@@ -231,3 +255,17 @@ def test_the_loops_keep_their_generation_config():
 
     for loop in (GenerationMixin._sample, GenerationMixin._beam_search, GenerationMixin._assisted_decoding):
         assert "generation_config" in inspect.signature(loop).parameters, loop.__name__
+
+
+def test_the_stop_token_check_names_an_entry_no_filter_denies():
+    """With denied entries, the check names the first entry past the stop token that is not denied, under any node
+    that holds it; it passes when every such entry is denied (an entry ending with the stop token is fine)."""
+    from trie_decode.constraint import check_stop_tokens_outside_entries
+
+    trie = TokenTrie.from_sequences([[1, 2, 3], [1, 2, 4], [5, 2, 6], [7, 2], [1, 2]], vocab_size=8)
+    for denied, named in ((None, r"entry 0, tokens \[1, 2, 3\]"), ([0], r"entry 1, tokens \[1, 2, 4\]"),
+                          ([0, 1], r"entry 2, tokens \[5, 2, 6\]"), ([1, 0, 4], r"entry 2, tokens \[5, 2, 6\]")):
+        with pytest.raises(ConstraintConfigError, match=named):
+            check_stop_tokens_outside_entries(trie, [2], denied=None if denied is None else np.array(denied))
+    check_stop_tokens_outside_entries(trie, [2], denied=np.array([0, 1, 2]))
+    check_stop_tokens_outside_entries(trie, [6, 3])

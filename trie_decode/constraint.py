@@ -28,7 +28,7 @@ from .device import DeviceTrie
 from .entries import Entry
 from .errors import ConstraintConfigError, InvalidTokenError
 from .filters import (CHILD_EXCLUDED, END_EXCLUDED, EntryOrder, ItemGroups, RowFilters, apply_filters_,
-                      completed_ranks, entry_indices)
+                      completed_ranks, entry_indices, usable_count)
 from .kernels.grouped import row_groups
 from .kernels.interface import check_logits, check_row_range, check_rows
 from .kernels.vectorized import plans_to_bool, plans_to_lists
@@ -58,7 +58,8 @@ def _excluded_moves(node: Any, new: Any, parent_of_new: Any, own_bits: Any, new_
     return off_child, excluded_end
 
 
-def check_stop_tokens_outside_entries(trie: TokenTrie, stop_ids: Sequence[int], *, change: Optional[str] = None) -> None:
+def check_stop_tokens_outside_entries(trie: TokenTrie, stop_ids: Sequence[int], *, change: Optional[str] = None,
+                                      denied: Optional[np.ndarray] = None) -> None:
     """Refuse a trie with an entry that holds a token generation stops at (``stop_ids``: the end token where it
     ends generation, and any other stop token of the loop) before its last token: a row would stop inside the entry,
     and its output would be no entry, whatever ``on_complete`` is (a span's value that contains its end is refused
@@ -76,6 +77,8 @@ def check_stop_tokens_outside_entries(trie: TokenTrie, stop_ids: Sequence[int], 
         stop_ids: the tokens the generation loop stops a row at.
         change: the options by which the caller's user picks those tokens (e.g. ``"end_token_id="``), named in the
             fix; None where they are not the user's to pick (vLLM: the model's EOS).
+        denied: entry indices no row can write (a live catalog's removed entries, which its view's trie still holds
+            until the next compaction): such an entry is no reason to refuse the trie. None: every entry counts.
 
     Raises:
         ConstraintConfigError: naming one such entry, the stop token and the fix.
@@ -93,11 +96,23 @@ def check_stop_tokens_outside_entries(trie: TokenTrie, stop_ids: Sequence[int], 
     for stop in dict.fromkeys(int(t) for t in stop_ids):
         if not 0 <= stop < len(inner) or not inner[stop]:
             continue
-        node = int(np.flatnonzero((trie.token == stop) & (trie.child_ptr[1:] > trie.child_ptr[:-1]))[0])
-        node = int(trie.child_ptr[node])  # an entry past the stop token: down first children to a terminal
-        while trie.node_entry[node] < 0:
-            node = int(trie.child_ptr[node])
-        entry = trie.entry(int(trie.node_entry[node]))
+        nodes = np.flatnonzero((trie.token == stop) & (trie.child_ptr[1:] > trie.child_ptr[:-1]))
+        if denied is None or not len(denied):
+            node = int(trie.child_ptr[nodes[0]])  # an entry past the stop token: down first children to a terminal
+            while trie.node_entry[node] < 0:
+                node = int(trie.child_ptr[node])
+            index = int(trie.node_entry[node])
+        else:  # the entries past the stop token are the ranks below each such node, its own entry's excepted
+            order = EntryOrder.of(trie)
+            ranks = order.sorted_ranks(np.asarray(denied, dtype=np.int64))
+            bounds = np.stack([order.lo[nodes] + (order.node_rank[nodes] >= 0), order.hi[nodes]], 1)
+            usable = np.flatnonzero(usable_count(bounds, None, ranks)[:, 0] > 0)
+            if not usable.size:
+                continue
+            first = int(bounds[usable[0], 0])  # the first rank there that is not denied
+            rank = int(np.setdiff1d(np.arange(first, first + len(ranks) + 1), ranks)[0])
+            index = int(np.flatnonzero(order.rank == rank)[0])
+        entry = trie.entry(index)
         label = "" if entry.name is None and entry.key is None else f" ({entry.name if entry.key is None else entry.key!r})"
         fix = (f"stop at a token no entry contains ({change}), or " if change else "") + "build the trie without such entries"
         raise ConstraintConfigError(
