@@ -50,7 +50,43 @@ def child_env(**overrides: str) -> dict[str, str]:
 def _size_list(text: str) -> list[int]:
     from .data import parse_size
 
-    return [parse_size(t) for t in text.split(",") if t.strip()]
+    try:
+        values = [parse_size(t) for t in text.split(",") if t.strip()]
+    except ValueError as exc:  # argparse would say only "invalid _size_list value"
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected comma-separated sizes, got {text!r}")
+    return values
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not 0 < value < float("inf"):  # NaN and infinity too
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
 
 
 def _int_list(text: str) -> list[int]:
@@ -82,14 +118,15 @@ def build_parser(prog: str = "trie-decode bench") -> argparse.ArgumentParser:
     p.add_argument("--names", choices=NAME_KINDS, default="auto",
                    help="name lists: auto = real names up to 13k, titles to 100k, semantic ids above")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1,
+    p.add_argument("--threads", type=_non_negative_int, default=1,
                    help="torch threads in the measuring processes on CPU (default 1; 0 = torch's default)")
-    p.add_argument("--setup-limit", type=float, help="seconds allowed for one peer's setup at one size "
-                                                       "(default 120, quick 30)")
-    p.add_argument("--budget", type=float, help="seconds of measuring per (peer, size, batch) (default 30, quick 3)")
-    p.add_argument("--mem-limit", type=float, help="GiB of RSS after which a peer's process is killed")
-    p.add_argument("--steps", type=int, help="decode steps per repeat (default 64, quick 32)")
-    p.add_argument("--repeats", type=int, help="repeats per measurement (default 5, quick 3)")
+    p.add_argument("--setup-limit", type=_positive_float,
+                   help="seconds allowed for one peer's setup at one size (default 120, quick 30)")
+    p.add_argument("--budget", type=_positive_float,
+                   help="seconds of measuring per (peer, size, batch) (default 30, quick 3)")
+    p.add_argument("--mem-limit", type=_positive_float, help="GiB of RSS after which a peer's process is killed")
+    p.add_argument("--steps", type=_positive_int, help="decode steps per repeat (default 64, quick 32)")
+    p.add_argument("--repeats", type=_positive_int, help="repeats per measurement (default 5, quick 3)")
     p.add_argument("--tokenizer", help="tokenizer folder, or a family: gemma3 (262k ids), llama3.2, deepseek, qwen3.6, "
                    "mistral-v1, mistral-v3, mistral-tekken, smollm2 (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,

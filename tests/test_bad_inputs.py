@@ -407,3 +407,100 @@ def test_a_number_key_is_its_text():
 @pytest.mark.parametrize("tokenizer", [None, "gpt2"])
 def test_from_strings_without_a_tokenizer_is_named(tokenizer):
     _raises(InvalidEntryError, "from_strings needs the model's tokenizer", TokenTrie.from_strings, ["a"], tokenizer)
+
+
+# ------------------------------------------------------------------ names and keys: one per entry, in order
+
+
+@pytest.mark.parametrize("kwargs, pattern", [
+    (dict(names="ab"), r"names is a single str 'ab': give a list, one name for each of the 2 sequences"),
+    (dict(keys="ab"), r"keys is a single str 'ab': give a list, one key for each of the 2 sequences"),
+    (dict(keys=b"ab"), r"keys is a single bytes"),
+    (dict(names={"a", "b"}), r"names is a set, which has no order of its own"),
+    (dict(keys={"a": 1, "b": 2}), r"keys is a dict, which has no order of its own"),
+    (dict(keys=7), r"keys is int 7, not a list"),
+])
+def test_names_or_keys_that_are_no_list_are_named(kwargs, pattern):
+    # A single string was read as one name (or key) per character.
+    _raises(InvalidEntryError, pattern, TokenTrie.from_sequences, [[1], [2]], 10, **kwargs)
+
+
+def test_names_and_keys_may_be_any_iterable_as_sequences_may():
+    # Was: TypeError "object of type 'generator' has no len()".
+    trie = TokenTrie.from_sequences(([i] for i in (1, 2)), 10, names=(s for s in ["a", "b"]),
+                                    keys=map(str, [7, 8]))
+    assert trie.names() == ["a", "b"] and [trie.entry(i).key for i in range(2)] == ["7", "8"]
+    _raises(InvalidEntryError, r"keys has 1 items but there are 2 sequences", TokenTrie.from_sequences, [[1], [2]],
+            10, keys=iter(["x"]))
+    _raises(InvalidEntryError, r"keys is a single str 'ab': give a list, one key for each of the 1 strings",
+            TokenTrie.from_strings, ["France"], _NeverCalled(), keys="ab")
+
+
+# ------------------------------------------------------------------ lookups take integers only
+
+
+def test_lookups_refuse_a_float_a_string_or_a_bool():
+    trie = TokenTrie.from_sequences([[1, 2], [3], [1, 4]], vocab_size=10)
+    # Were: index 1 (a float truncated, a bool read as 1), and -1 for the string token "5".
+    for bad in (1.7, "1", True, np.float64(1.0), None):
+        _raises(InvalidEntryError, rf"entry {re.escape(repr(bad))} is {type(bad).__name__}, not an integer",
+                trie.entry, bad)
+        _raises(InvalidEntryError, rf"node .* is {type(bad).__name__}, not an integer", trie.children, bad)
+        _raises(InvalidEntryError, r"node .*, not an integer", trie.step, bad, 1)
+        _raises(InvalidTokenError, rf"token .* is {type(bad).__name__}, not an integer token id", trie.step, 0, bad)
+    _raises(InvalidTokenError, r"token '5' is str", trie.walk, [1, "5"])
+    assert trie.entry(np.int64(1)).tokens == (3,) and trie.step(np.int32(0), np.int64(1)) == 1
+    assert trie.step(0, np.array(3)) == trie.walk([3]) and trie.children(np.uint8(0))[0].tolist() == [1, 3]
+    with pytest.raises(IndexError, match="entry 3 is not in this trie"):
+        trie.entry(3)
+
+
+# ------------------------------------------------------------------ options are JSON
+
+
+@pytest.mark.parametrize("options, pattern", [
+    ({"x": np.int64(3)}, r"options\['x'\] is int64 .*which JSON cannot hold"),
+    ({"x": {1, 2}}, r"options\['x'\] is set .*which JSON cannot hold"),
+    ({1: "a"}, r"options key 1 is int: the keys of options are strings"),
+    ("ab", r"options must be a dict"),
+])
+def test_options_that_a_file_cannot_hold_are_refused_before_the_build(options, pattern, tmp_path):
+    # Was: a plain TypeError from json at save(), after the build.
+    _raises(InvalidEntryError, pattern, TokenTrie.from_sequences, [[1]], 10, options=options)
+    if isinstance(options, dict):
+        trie = TokenTrie.from_sequences([[1]], 10)
+        trie.options.update(options)  # changed after the build: save() names it too
+        _raises(InvalidEntryError, pattern, trie.save, tmp_path / "t.trie")
+
+
+# ------------------------------------------------------------------ from_strings: options and forms
+
+
+def test_on_unstable_without_a_context_is_refused():
+    # Was: ignored (the leading-space forms always keep a merging entry's own tokens).
+    _raises(InvalidEntryError, r"on_unstable='raw' only applies with a context .*add context='TEXT'",
+            TokenTrie.from_strings, ["France"], _NeverCalled(), on_unstable="raw")
+    _raises(InvalidEntryError, r"on_unstable='raw' only applies with a context",
+            TokenTrie.from_strings, ["France"], _NeverCalled(), leading_space=[True, False], on_unstable="raw")
+
+
+class _DropsNone:
+    """SmolLM2's tokenizer, except that ``"NONE"`` not after a space tokenizes to nothing."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+    def __len__(self):
+        return len(self._tokenizer)
+
+    def __call__(self, texts, **kwargs):
+        return self._tokenizer([t.replace(" NONE", " none").replace("NONE", "") for t in texts], **kwargs)
+
+
+def test_a_string_with_no_token_in_a_later_form_is_named_by_its_own_index(tokenizer):
+    # Was: "entry 3 has no tokens" (its place among both forms' sequences) for 2 strings.
+    _raises(InvalidEntryError, r"entry 1 \('NONE'\) tokenizes to no token at the start of a line",
+            TokenTrie.from_strings, ["a", "NONE"], _DropsNone(tokenizer), leading_space=[True, False])

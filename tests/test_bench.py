@@ -134,3 +134,24 @@ def test_vllm_suite_quick(tmp_path):
         assert "error" not in runs, runs
         assert {"unconstrained/fixed", "trie/fixed", "choice/natural_cold"} <= set(runs)
         assert data["ratios"][n]["trie_vs_unconstrained_fixed_tokens_per_s"] > 0
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--budget", "-1"], "argument --budget: expected a positive number, got '-1'"),
+    (["--budget", "0"], "argument --budget: expected a positive number"),
+    (["--setup-limit", "nan"], "argument --setup-limit: expected a positive number"),
+    (["--mem-limit", "-2"], "argument --mem-limit: expected a positive number"),
+    (["--steps", "0"], "argument --steps: expected a positive integer"),
+    (["--repeats", "-3"], "argument --repeats: expected a positive integer"),
+    (["--threads", "-1"], "argument --threads: expected an integer >= 0"),
+    (["--sizes", "0"], "argument --sizes: size must be positive, got '0'"),
+    (["--sizes", ","], "argument --sizes: expected comma-separated sizes"),
+    (["--batches", "0"], "argument --batches: expected positive integers"),
+])
+def test_bad_numbers_are_usage_errors(flags, message, capsys):
+    # Were accepted (a negative budget, zero steps), or named only as "invalid _size_list value".
+    from benchmarks import build_parser
+
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(flags)
+    assert exc.value.code == 2 and message in capsys.readouterr().err

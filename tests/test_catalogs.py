@@ -211,3 +211,20 @@ def test_a_file_with_corrupt_item_lists_is_refused_on_load(tmp_path, change, mes
     write_arrays(tmp_path / "bad.trie", arrays, {k: v for k, v in meta.items() if k not in ("format", "crc32")})
     with pytest.raises(TrieFileError, match=message):
         TokenTrie.load(tmp_path / "bad.trie")
+
+
+def test_items_of_takes_an_integer_entry_and_keys_a_list():
+    trie = catalog_from_codes(np.array([[1, 2], [0, 3], [1, 2]]), codebook_size=4, vocab_size=8)
+    # Were: numpy's IndexError (a float) and TypeError (a bool), which name neither the entry nor the problem.
+    for bad in (1.5, True, "0"):
+        with pytest.raises(InvalidEntryError, match=f"entry {bad!r} is {type(bad).__name__}, not an integer"):
+            items_of(trie, bad)
+    with pytest.raises(IndexError, match="entry 2 is not in this trie"):
+        items_of(trie, 2)
+    assert items_of(trie, np.int64(0)).tolist() == [0, 2]
+    # A single string was one key per character.
+    with pytest.raises(InvalidEntryError, match="keys is a single str 'abc': give a list, one key for each of the 3 "
+                                                "rows of codes"):
+        catalog_from_codes(np.array([[1, 2], [0, 3], [1, 2]]), codebook_size=4, vocab_size=8, keys="abc")
+    keyed = catalog_from_codes(np.array([[1, 2], [0, 3]]), codebook_size=4, vocab_size=8, keys=(k for k in "ab"))
+    assert item_keys_of(keyed, 1) == ["b"]

@@ -225,3 +225,42 @@ def test_a_byte_order_mark_is_skipped(tmp_path, smollm2_dir, suffix, entries):
     out = tmp_path / "out.trie"
     assert main(["build", str(src), "--tokenizer", smollm2_dir, "-o", str(out)]) == 0
     assert TokenTrie.load(out).names() == ["France", "Japan"]
+
+
+# ------------------------------------------------------------------ the output is never one of the inputs
+
+
+@pytest.mark.parametrize("source", ["entries", "prefix_dict", "codes", "keys", "link"])
+def test_an_output_that_is_an_input_is_a_usage_error(tmp_path, capsys, monkeypatch, source):
+    # Was: the trie was written over the input file.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "in.txt").write_text("France\n", encoding="utf-8")
+    (tmp_path / "keys.txt").write_text("a\n", encoding="utf-8")
+    (tmp_path / "d.json").write_text("{}", encoding="utf-8")
+    np.save(tmp_path / "c.npy", np.array([[1, 2]]))
+    (tmp_path / "link.txt").symlink_to("in.txt")
+    codes = ["--codes", "c.npy", "--codebook-size", "4", "--vocab-size", "9"]
+    argv, what, output = {
+        "entries": (["in.txt", "--tokenizer", "t"], "entries file in.txt", "./in.txt"),
+        "prefix_dict": (["--prefix-dict", "d.json", "--vocab-size", "9"], "--prefix-dict file d.json",
+                        str(tmp_path / "d.json")),
+        "codes": (codes, "--codes file c.npy", "c.npy"),
+        "keys": ([*codes, "--keys", "keys.txt"], "--keys file keys.txt", "keys.txt"),
+        "link": (["in.txt", "--tokenizer", "t"], "entries file in.txt", "link.txt"),
+    }[source]
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    with pytest.raises(SystemExit) as exc:
+        main(["build", *argv, "-o", output])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"-o {output} is the {what}: the trie would overwrite it" in err, err
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def test_on_unstable_without_context_is_a_usage_error_naming_context(tmp_path, capsys):
+    # Was: --on-unstable raw built the trie and was ignored (it only says what a context does).
+    with pytest.raises(SystemExit) as exc:
+        main(["build", "names.txt", "--tokenizer", "t", "--leading-space", "--on-unstable", "raw", "-o",
+              str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "--on-unstable raw only applies with a context" in err
+    assert "add --context TEXT" in err and "context=" not in err

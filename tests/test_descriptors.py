@@ -203,3 +203,12 @@ def test_descriptor_tries_save_and_load(tmp_path, vocab):
     tries["p"].save(tmp_path / "p.safetensors")
     loaded = TokenTrie.load(Path(tmp_path / "p.safetensors"))
     assert loaded.names() == ["x", "y"] and loaded.options["path"] == "p"
+
+
+def test_a_bad_vocab_size_is_named_as_itself_not_as_a_leaf_problem():
+    # Was: "TokenTreePayload: descriptor 'p', leaves as entries: vocab_size must be ...".
+    from trie_decode import InvalidTokenError
+
+    payload = {"descriptors": [{"path": "p", "leaves": [{"name": "a", "tokens": [1]}]}]}
+    with pytest.raises(InvalidTokenError, match=r"^vocab_size must be an integer in \[1, 2\*\*31\], got -1$"):
+        tries_from_token_tree_payload(payload, -1)

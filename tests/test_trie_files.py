@@ -349,6 +349,19 @@ def test_saving_where_no_file_can_be_written_is_named(trie, tmp_path):
         trie.save(tmp_path / ("x" * 300) / "t.trie")
 
 
+def test_a_name_ending_with_a_slash_is_a_folder(trie, tmp_path):
+    # Was: safetensors' "I/O error: No such file or directory ... at path .../missing/.tmpXXXX".
+    with pytest.raises(TrieFileError, match=r"cannot write .*missing/: a name ending with a slash is a folder, and "
+                                            r".*missing does not exist"):
+        trie.save(f"{tmp_path}/missing/")
+    (tmp_path / "plain").write_text("x")
+    with pytest.raises(TrieFileError, match=r"plain/: a name ending with a slash is a folder, and .*plain is a file"):
+        trie.save(f"{tmp_path}/plain/")
+    with pytest.raises(TrieFileError, match="it is a folder"):
+        trie.save(f"{tmp_path}/")
+    assert list(tmp_path.iterdir()) == [tmp_path / "plain"]
+
+
 def test_extra_arrays_save_only_what_load_reads(tmp_path):
     # A big-endian array was saved little-endian under the CRC-32 of its own bytes (load: "corrupted"), and a dtype
     # the loader does not read was saved without a word (load: "malformed header entry"): save refuses or fixes both.

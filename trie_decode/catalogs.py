@@ -26,11 +26,12 @@ Dimension letters: N items, L levels, E entries (distinct codes), K nodes.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import numpy as np
 
-from .entries import ITEM_IDS, ITEM_KEYS_BLOB, ITEM_KEYS_OFFSETS, ITEM_PTR, StringTable, catalog_key_table, check_keys
+from .entries import (ITEM_IDS, ITEM_KEYS_BLOB, ITEM_KEYS_OFFSETS, ITEM_PTR, StringTable, catalog_key_table, check_keys,
+                      entry_column)
 from .errors import InvalidEntryError, InvalidTokenError
 from .trie import VOCAB_SIZE, TokenTrie, check_vocab_size
 
@@ -55,7 +56,7 @@ def catalog_from_codes(
     codebook_size: Union[int, Sequence[int], None] = None,
     token_offset: int = 0,
     level_offsets: Optional[Sequence[int]] = None,
-    keys: Optional[Sequence[str]] = None,
+    keys: Optional[Iterable[str]] = None,
     fingerprint: str = "",
 ) -> TokenTrie:
     """Build a trie from semantic ids.
@@ -92,9 +93,8 @@ def catalog_from_codes(
     if n == 0 or levels == 0:
         raise InvalidEntryError(f"codes has shape {codes.shape}: a catalog needs at least one item and one level")
     check_vocab_size(vocab_size, VOCAB_SIZE)
-    if keys is not None and len(keys) != n:
-        raise InvalidEntryError(f"keys has {len(keys)} items but codes has {n} rows")
     if keys is not None:
+        keys = entry_column(keys, "keys", n, "rows of codes")
         check_keys(keys)
     if codes.dtype == np.uint64 and int(codes.max()) >= 1 << 62:
         raise InvalidEntryError(f"codes hold {int(codes.max())}, outside any codebook")
@@ -309,6 +309,9 @@ def _item_lists(trie: TokenTrie) -> tuple[np.ndarray, np.ndarray]:
 def items_of(trie: TokenTrie, entry: int) -> np.ndarray:
     """The items (row indices of the codes array) that entry ``entry`` stands for, in input order.
 
+    Raises:
+        InvalidEntryError: not a catalog, or ``entry`` is not an integer. IndexError: ``entry`` is out of range.
+
     Example:
         >>> import numpy as np
         >>> trie = catalog_from_codes(np.array([[1, 2], [0, 3], [1, 2]]), codebook_size=4, vocab_size=8)
@@ -316,8 +319,7 @@ def items_of(trie: TokenTrie, entry: int) -> np.ndarray:
         [0, 2]
     """
     ptr, ids = _item_lists(trie)
-    if not 0 <= entry < len(ptr) - 1:
-        raise IndexError(f"entry {entry} is not in this catalog ({len(ptr) - 1} entries)")
+    entry = trie._check_entry(entry)  # a catalog has one item list per entry (catalog_problem)
     return ids[ptr[entry] : ptr[entry + 1]]
 
 

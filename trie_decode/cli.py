@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -23,7 +24,8 @@ from typing import Any, Optional, Sequence
 
 from .errors import ConstraintConfigError, DescriptorError, TokenizerNotFoundError, TrieDecodeError
 from .fileio import check_writable, text_lines
-from .options import FLAGS, NORMAL_FORMS, ON_UNSTABLE_MODES, check_positive, check_vocab_size, token_id
+from .options import (FLAGS, NORMAL_FORMS, ON_UNSTABLE_MODES, check_on_unstable_context, check_positive,
+                      check_vocab_size, token_id)
 from .tokenizers import ContextError
 
 __all__ = ["main", "read_entries", "checkout_root"]
@@ -280,6 +282,25 @@ _SOURCE_OPTIONS = {
     "codes": ("vocab_size", "codebook_size", "token_offset", "keys"),
 }
 _SOURCE_NAMES = {"entries": "an entries file", "prefix_dict": "--prefix-dict", "codes": "--codes"}
+#: The input files of ``build`` (by their ``args`` names), as named when ``-o`` would overwrite one.
+_INPUT_FILES = {"entries": "entries file", "prefix_dict": "--prefix-dict file", "codes": "--codes file",
+                "keys": "--keys file"}
+
+
+def _check_output_is_no_input(build: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A usage error when ``-o`` names one of the input files (the same file, by any path: a symbolic or hard link
+    too): the trie would overwrite it."""
+    for option, what in _INPUT_FILES.items():
+        source = getattr(args, option)
+        if not source:
+            continue
+        try:
+            same = os.path.samefile(source, args.output)
+        except (OSError, ValueError):  # one of them does not exist (nothing to overwrite), or cannot be looked at
+            continue
+        if same:
+            build.error(f"-o {args.output} is the {what} {source}: the trie would overwrite it; give another "
+                        "output file")
 
 
 def _check_build_args(build: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -299,6 +320,7 @@ def _check_build_args(build: argparse.ArgumentParser, args: argparse.Namespace) 
         build.error("--prefix-dict needs --vocab-size (the model's logits width) or --tokenizer")
     if source == "entries" and not args.tokenizer:
         build.error("--tokenizer is required to build from an entries file")
+    _check_output_is_no_input(build, args)
     try:  # the rules of options.py, spelled as flags
         if args.vocab_size is not None:
             check_vocab_size(args.vocab_size, FLAGS)
@@ -306,6 +328,8 @@ def _check_build_args(build: argparse.ArgumentParser, args: argparse.Namespace) 
             check_positive(args.codebook_size, "codebook_size", FLAGS)
         if args.token_offset is not None:
             token_id(args.token_offset, "token_offset", FLAGS)
+        if args.on_unstable is not None:
+            check_on_unstable_context(args.on_unstable, bool(args.context), FLAGS)
     except ConstraintConfigError as exc:
         build.error(str(exc))
 

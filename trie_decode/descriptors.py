@@ -95,8 +95,10 @@ def tries_from_token_tree_payload(payload: JsonSource, vocab_size: int, *, finge
     Raises:
         DescriptorError: not an object, ``descriptors`` missing or empty, a descriptor without ``path`` or with no
             leaves, a leaf without ``name`` or ``tokens``, a duplicated path.
-        InvalidTokenError / InvalidEntryError: as :meth:`TokenTrie.from_sequences` (the message names the entry).
+        InvalidTokenError / InvalidEntryError: as :meth:`TokenTrie.from_sequences` (the message names the entry);
+            ``vocab_size`` not in [1, 2**31].
     """
+    check_vocab_size(vocab_size, VOCAB_SIZE)  # here, not as a leaf's problem below
     data = read_json(payload, "TokenTreePayload")
     if not isinstance(data, dict):
         raise DescriptorError(f"TokenTreePayload must be a JSON object, got {type(data).__name__}")

@@ -7,15 +7,16 @@ strings live in one UTF-8 byte blob with offsets, decoded only when an entry is 
 
 from __future__ import annotations
 
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
 from .errors import InvalidEntryError
 
-__all__ = ["Entry", "StringTable", "check_keys", "catalog_item_keys", "catalog_key_table", "catalog_problem",
-           "filter_number_map", "retired_key_table", "filter_arrays_problem"]
+__all__ = ["Entry", "StringTable", "entry_column", "check_keys", "catalog_item_keys", "catalog_key_table",
+           "catalog_problem", "filter_number_map", "retired_key_table", "filter_arrays_problem"]
 
 
 def _is_utf8(text: str) -> bool:
@@ -25,6 +26,31 @@ def _is_utf8(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+def entry_column(values: Any, label: str, count: int, rows: str) -> list:
+    """``values``, the builders' ``names`` or ``keys`` (``label``: one per input, ``count`` ``rows``), as a list.
+
+    Any iterable is read once (a generator too), as the builders read their sequences; a single string is refused
+    (it would give one item per character), and so are a set and a dict (no order of their own).
+
+    Raises:
+        InvalidEntryError: a string, bytes, a set, a dict or no iterable at all; a length other than ``count``.
+    """
+    if isinstance(values, (str, bytes)):
+        raise InvalidEntryError(f"{label} is a single {type(values).__name__} {values!r:.40}: give a list, one "
+                                f"{label[:-1]} for each of the {count} {rows}")
+    if isinstance(values, (AbstractSet, Mapping)):
+        raise InvalidEntryError(f"{label} is a {type(values).__name__}, which has no order of its own: give a list, "
+                                f"one {label[:-1]} for each of the {count} {rows}")
+    try:
+        items = values if isinstance(values, list) else list(values)
+    except TypeError as exc:  # not iterable (a number, a 0-d array)
+        raise InvalidEntryError(f"{label} is {type(values).__name__} {values!r:.40}, not a list: give one "
+                                f"{label[:-1]} for each of the {count} {rows}") from exc
+    if len(items) != count:
+        raise InvalidEntryError(f"{label} has {len(items)} items but there are {count} {rows}")
+    return items
 
 
 def check_keys(keys: Sequence[object]) -> None:

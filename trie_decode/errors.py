@@ -53,7 +53,8 @@ class InvalidTokenError(TrieDecodeError, ValueError):
 
 
 class InvalidEntryError(TrieDecodeError, TypeError):
-    """An entry is not a sequence of integer token ids (or a string where one is needed), or is empty."""
+    """An entry is not a sequence of integer token ids (or a string where one is needed), or is empty; or an entry
+    index or node id is not an integer."""
 
 
 class DescriptorError(TrieDecodeError, ValueError):

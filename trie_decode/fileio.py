@@ -72,9 +72,14 @@ def check_writable(path: str | os.PathLike[str]) -> None:
     ``trie-decode build`` calls it before building, so that a wrong ``-o`` fails before the work, not after it.
     """
     target = Path(path)
+    text = os.fsdecode(path)
     try:
         if target.is_dir():
-            raise TrieFileError(f"cannot write {target}: it is a folder (give a file name in it)")
+            raise TrieFileError(f"cannot write {text}: it is a folder (give a file name in it)")
+        if text.endswith(("/", os.sep)):  # a name ending with a slash names a folder (Path drops the slash)
+            problem = "is a file" if target.exists() else "does not exist"
+            raise TrieFileError(f"cannot write {text}: a name ending with a slash is a folder, and {target} {problem} "
+                                "(give a file name, without the slash)")
         folder = target.parent
         if not folder.is_dir():
             problem = "is not a folder" if folder.exists() else "does not exist"

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
 
 from .errors import InvalidEntryError, InvalidTokenError
-from .options import check_on_unstable
+from .options import check_on_unstable, check_on_unstable_context
 from .tokenizers import (
     _ENTRY_OPTIONS,
     ContextError,
@@ -123,19 +123,28 @@ def tokenize_forms(
 
     Raises:
         ContextError: a context merges with an entry and ``on_unstable="raise"``.
-        InvalidEntryError: ``on_unstable`` or ``normalize`` is not one of its values.
+        InvalidEntryError: ``on_unstable`` or ``normalize`` is not one of its values; ``on_unstable`` is not
+            ``"raise"`` without a context form; a string tokenizes to no token in a form (the string's index and
+            the form are named).
     """
     check_on_unstable(on_unstable, _ENTRY_OPTIONS)
+    check_on_unstable_context(on_unstable, any(kind == "context" for kind, _ in forms), _ENTRY_OPTIONS)
     texts = normalize_strings(strings, normalize)
     sequences: list[list[int]] = []
     source: list[int] = []
     for kind, value in forms:
         if kind == "leading_space":
             seqs = tokenize_strings(texts, tokenizer, leading_space=bool(value))
+            where = "after a space" if value else "at the start of a line"
         elif kind == "context":
             seqs = tokenize_in_context(texts, tokenizer, str(value), on_unstable=on_unstable)
+            where = f"after the context {str(value)[-40:]!r}"
         else:
             raise InvalidEntryError(f"unknown form kind {kind!r}")
+        empty = next((i for i, ids in enumerate(seqs) if not ids), None)
+        if empty is not None:  # the builder would name it by its place among every form's sequences
+            raise InvalidEntryError(f"entry {empty} ({strings[empty]!r:.60}) tokenizes to no token {where}: every "
+                                    "entry needs at least one token")
         sequences += seqs
         source += range(len(texts))
     return sequences, source

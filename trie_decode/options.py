@@ -17,7 +17,9 @@ The rules, and who calls them:
     normalize forms  :data:`NORMAL_FORMS`, :func:`check_normalize`: ``TokenTrie.from_strings`` (through
                      ``tokenizers.normalize_strings``), vLLM request parsing, the CLI's ``--normalize`` choices.
     merging entries  :data:`ON_UNSTABLE_MODES`, :func:`check_on_unstable` (what ``from_strings`` does with an entry
-                     that merges with its context): ``tokenizers.tokenize_in_context``, the CLI's ``--on-unstable``.
+                     that merges with its context): ``tokenizers.tokenize_in_context``, the CLI's ``--on-unstable``;
+                     :func:`check_on_unstable_context` (a mode other than "raise" needs a context):
+                     ``forms.tokenize_forms``, the CLI.
     vocabulary size  :func:`is_vocab_size`, :func:`check_vocab_size` (an integer in ``[1, 2**31]``): the trie
                      builders, the CLI's ``--vocab-size``.
     token arguments  :func:`token_tuple` (token ids), :func:`token_id` (one id), :func:`text_or_ids` (a trigger or
@@ -93,6 +95,7 @@ __all__ = [
     "check_normalize",
     "ON_UNSTABLE_MODES",
     "check_on_unstable",
+    "check_on_unstable_context",
     "MAX_VOCAB_SIZE",
     "is_vocab_size",
     "check_vocab_size",
@@ -213,6 +216,23 @@ def check_on_unstable(value: Any, names: OptionNames = KEYWORDS) -> str:
     if not isinstance(value, str) or value not in ON_UNSTABLE_MODES:
         names.fail(f"{names('on_unstable')} must be one of {ON_UNSTABLE_MODES}, got {value!r:.20}")
     return value
+
+
+def check_on_unstable_context(value: str, has_context: bool, names: OptionNames = KEYWORDS) -> None:
+    """``names``' error when ``on_unstable`` is ``value``, not "raise", without a context: it says what a context
+    does with an entry that merges with the context's last token, and the other forms (``leading_space``) always
+    keep such an entry's own tokens, so it would be ignored.
+
+    Example:
+        >>> check_on_unstable_context("raw", False, FLAGS)
+        Traceback (most recent call last):
+        ...
+        trie_decode.errors.ConstraintConfigError: --on-unstable raw only applies with a context (it says what an entry that merges with the context's last token keeps): add --context TEXT (the text the entries follow) or leave --on-unstable out
+    """
+    if value != "raise" and not has_context:
+        names.fail(f"{names.given('on_unstable', value)} only applies with a context (it says what an entry that "
+                   f"merges with the context's last token keeps): add {names.given('context', 'TEXT')} (the text the "
+                   f"entries follow) or leave {names('on_unstable')} out")
 
 
 # ------------------------------------------------------------------------------------------------- vocabulary size

@@ -31,9 +31,9 @@ from typing import Any, BinaryIO, Callable, Hashable, Iterable, Mapping, Optiona
 
 import numpy as np
 
-from ._build import BuiltArrays, RaggedTokens, build_arrays, check_tokens, to_ragged, token_paths
+from ._build import BuiltArrays, RaggedTokens, _is_integer, build_arrays, check_tokens, to_ragged, token_paths
 from .entries import (FILTER_DTYPES, ITEM_DTYPES, Entry, StringTable, _is_utf8, catalog_item_keys, catalog_problem,
-                      check_keys, filter_arrays_problem)
+                      check_keys, entry_column, filter_arrays_problem)
 from .errors import EmptyTrieError, InvalidEntryError, InvalidTokenError, TokenizerMismatchError, TrieFileError
 from .fileio import check_vectors, read_arrays, write_arrays
 from .forms import resolve_forms, tokenize_forms
@@ -58,6 +58,44 @@ TABLES = ("names", "keys")
 
 #: ``vocab_size`` of the builders; a bad one is an :class:`InvalidTokenError` (every token id is checked against it).
 VOCAB_SIZE = OptionNames(error=InvalidTokenError)
+
+
+def _index(value: Any, what: str, count: int) -> int:
+    """``value`` as an int in ``[0, count)``: a node id or an entry index (``what``) of a trie of ``count`` of them.
+
+    Raises:
+        InvalidEntryError: ``value`` is not an integer (a float would be truncated, a bool read as 0 or 1).
+        IndexError: it is out of range.
+    """
+    if not _is_integer(value):
+        raise InvalidEntryError(f"{what} {value!r:.40} is {type(value).__name__}, not an integer")
+    index = int(value)
+    if not 0 <= index < count:
+        raise IndexError(f"{what} {index} is not in this trie (it has {count} {what}s)")
+    return index
+
+
+def _options_json(options: Mapping[str, Any]) -> str:
+    """``options`` as the JSON text a trie file records them in (what :meth:`TokenTrie.load` reads back).
+
+    Raises:
+        InvalidEntryError: ``options`` is not a dict with string keys, or a value is not JSON (a numpy scalar, a
+            set, an array): the key is named.
+    """
+    if not isinstance(options, Mapping):
+        raise InvalidEntryError(f"options must be a dict (recorded in the trie file as JSON), got "
+                                f"{type(options).__name__}")
+    for key, value in options.items():
+        if not isinstance(key, str):
+            raise InvalidEntryError(f"options key {key!r:.40} is {type(key).__name__}: the keys of options are strings "
+                                    "(JSON would turn it into one)")
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError) as exc:
+            raise InvalidEntryError(f"options[{key!r:.40}] is {type(value).__name__} {value!r:.40}, which JSON cannot "
+                                    "hold (options are recorded in the trie file as JSON): give a str, int, float, "
+                                    "bool or None, or lists and dicts of them (int(x) for a numpy integer)") from exc
+    return json.dumps(options, sort_keys=True)
 
 
 class TrieStats(dict):
@@ -178,8 +216,8 @@ class TokenTrie:
         sequences: Any,
         vocab_size: int,
         *,
-        names: Optional[Sequence[str]] = None,
-        keys: Optional[Sequence[Any]] = None,
+        names: Optional[Iterable[str]] = None,
+        keys: Optional[Iterable[Any]] = None,
         fingerprint: str = "",
         options: Optional[Mapping[str, Any]] = None,
     ) -> "TokenTrie":
@@ -189,22 +227,28 @@ class TokenTrie:
             sequences: a list of token-id sequences (lists, tuples, 1-D arrays), a 2-D integer array, or
                 :class:`~trie_decode._build.RaggedTokens`.
             vocab_size: every token id must be in ``[0, vocab_size)``.
-            names: optional text per input sequence (same length as ``sequences``); each a ``str``.
+            names: optional text per input sequence (same length as ``sequences``; a list, or any iterable, read
+                once); each a ``str``.
             keys: optional external id per input sequence (converted with ``str``; None is refused, not ``"None"``).
             fingerprint: the tokenizer's :func:`~trie_decode.tokenizer_fingerprint`, if known.
-            options: builder options recorded in the file's metadata.
+            options: builder options recorded in the file's metadata (as JSON: str, int, float, bool, None, lists
+                and dicts of them).
 
         Raises:
             EmptyTrieError: no sequences. InvalidEntryError: an empty or non-sequence entry, a name that is not a
-                string, a key that is None.
+                string, a key that is None; names or keys that are a single string, a set or a dict, or of another
+                length; options that JSON cannot hold.
             InvalidTokenError: a token id that is not an integer or is outside ``[0, vocab_size)``.
         """
         check_vocab_size(vocab_size, VOCAB_SIZE)
+        if options is not None:
+            _options_json(options)  # refused before the build, not at save()
         ragged = to_ragged(sequences)
         check_tokens(ragged, int(vocab_size))
-        for label, column in (("names", names), ("keys", keys)):
-            if column is not None and len(column) != len(ragged):
-                raise InvalidEntryError(f"{label} has {len(column)} items but there are {len(ragged)} sequences")
+        if names is not None:
+            names = entry_column(names, "names", len(ragged), "sequences")
+        if keys is not None:
+            keys = entry_column(keys, "keys", len(ragged), "sequences")
         if names is not None:
             bad = next((i for i, name in enumerate(names) if not isinstance(name, str)), None)
             if bad is not None:
@@ -251,7 +295,7 @@ class TokenTrie:
         *,
         leading_space: Any = None,
         context: Any = None,
-        keys: Optional[Sequence[Any]] = None,
+        keys: Optional[Iterable[Any]] = None,
         normalize: Optional[str] = None,
         on_unstable: str = "raise",
     ) -> "TokenTrie":
@@ -281,11 +325,13 @@ class TokenTrie:
             on_unstable: what a ``context`` does with an entry whose first characters merge with the context's last
                 token (``'"'`` before ``"-hello"``): ``"raise"`` (:class:`~trie_decode.tokenizers.ContextError`
                 naming it) or ``"raw"`` (store the entry's own tokens there, the ids the model can write after the
-                context's own; recorded in ``options``).
+                context's own; recorded in ``options``). ``"raw"`` needs a ``context`` (the ``leading_space`` forms
+                always keep such an entry's own tokens).
 
         Raises:
-            InvalidEntryError: no tokenizer, not a list of non-empty strings, or a bad option. EmptyTrieError: no
-                strings.
+            InvalidEntryError: no tokenizer, not a list of non-empty strings, or a bad option (``on_unstable="raw"``
+                without a ``context`` too); ``keys`` not a list of one per string; a string that tokenizes to no
+                token in a form (its index and the form are named). EmptyTrieError: no strings.
             ContextError: a context merges with an entry (e.g. it ends with a space) and ``on_unstable="raise"``.
 
         Example:
@@ -311,8 +357,8 @@ class TokenTrie:
                 raise InvalidEntryError(f"entry {i} holds a lone surrogate, not UTF-8 text: {s!r:.60}")
         if not strings:
             raise EmptyTrieError("the set of entries is empty: a trie needs at least one entry")
-        if keys is not None and len(keys) != len(strings):
-            raise InvalidEntryError(f"keys has {len(keys)} items but there are {len(strings)} strings")
+        if keys is not None:
+            keys = entry_column(keys, "keys", len(strings), "strings")
         forms = resolve_forms(leading_space, context)
         sequences, source = tokenize_forms(strings, tokenizer, forms, normalize=normalize, on_unstable=on_unstable)
         options: dict[str, Any] = {"source": "strings"}
@@ -419,19 +465,34 @@ class TokenTrie:
 
     # ------------------------------------------------------------------ queries
     def _check_node(self, node: int) -> int:
-        node = int(node)
-        if not 0 <= node < self.num_nodes:
-            raise IndexError(f"node {node} is not in this trie (it has {self.num_nodes} nodes)")
-        return node
+        """``node`` as an int: a node id of this trie (an :class:`InvalidEntryError` for a non-integer, a float or
+        a bool included; an ``IndexError`` out of range)."""
+        return _index(node, "node", self.num_nodes)
+
+    def _check_entry(self, index: int) -> int:
+        """``index`` as an int: an entry index of this trie (errors as :meth:`_check_node`'s); also what
+        :func:`trie_decode.catalogs.items_of` takes."""
+        return _index(index, "entry", self.num_entries)
 
     def children(self, node: int) -> tuple[np.ndarray, np.ndarray]:
-        """Tokens (sorted, a view) and node ids of the children of ``node``."""
+        """Tokens (sorted, a view) and node ids of the children of ``node``.
+
+        Raises:
+            InvalidEntryError: ``node`` is not an integer (a float, a string, a bool). IndexError: it is out of range.
+        """
         node = self._check_node(node)
         lo, hi = int(self.child_ptr[node]), int(self.child_ptr[node + 1])
         return self.token[lo:hi], np.arange(lo, hi, dtype=np.int32)
 
     def step(self, node: int, token: int) -> int:
-        """The child of ``node`` reached by ``token``, or -1 when ``token`` is not a child (binary search)."""
+        """The child of ``node`` reached by ``token``, or -1 when ``token`` is not a child (binary search).
+
+        Raises:
+            InvalidTokenError: ``token`` is not an integer (a float, a string, a bool). InvalidEntryError, IndexError:
+                a bad ``node``, as :meth:`children`.
+        """
+        if not _is_integer(token):
+            raise InvalidTokenError(f"token {token!r:.40} is {type(token).__name__}, not an integer token id")
         node = self._check_node(node)
         lo, hi = int(self.child_ptr[node]), int(self.child_ptr[node + 1])
         i = lo + int(np.searchsorted(self.token[lo:hi], token))
@@ -490,10 +551,12 @@ class TokenTrie:
         return tuple(reversed(out))
 
     def entry(self, index: int) -> Entry:
-        """Entry number ``index`` with its name, key and tokens."""
-        index = int(index)
-        if not 0 <= index < self.num_entries:
-            raise IndexError(f"entry {index} is not in this trie (it has {self.num_entries} entries)")
+        """Entry number ``index`` with its name, key and tokens.
+
+        Raises:
+            InvalidEntryError: ``index`` is not an integer (a float, a string, a bool). IndexError: out of range.
+        """
+        index = self._check_entry(index)
         return Entry(
             index=index,
             name=self._names[index] if self._names is not None else None,
@@ -709,7 +772,7 @@ class TokenTrie:
         metadata = {
             "vocab_size": str(self.vocab_size),
             "fingerprint": self.fingerprint,
-            "options": json.dumps(self.options, sort_keys=True),
+            "options": _options_json(self.options),
             "num_entries": str(self.num_entries),
             "num_nodes": str(self.num_nodes),
             "num_duplicates": str(self.num_duplicates),
