@@ -351,6 +351,33 @@ def test_a_space_ending_after_holds_each_value_in_both_forms_and_filters_name_bo
         FieldRules.build([Span(["Berlin", "Paris"], after="Final answer: ", end=None, allow=[2])], tokenizer)
 
 
+def test_start_refuses_prompt_tails_that_are_not_one_row_each(tokenizer):
+    """``TrieConstraint.start(R, tails=...)`` with spans reads each row's prompt tail: tails of another row count, 1-D
+    or not a tensor are a named error, not a state of the tails' row count or a crash in the automaton."""
+    tries, fields = FieldRules.build([Span(["Paris", "Rome"], after='"city": "')], tokenizer)
+    c = TrieConstraint(tries, SpanRules(end_token_id=tokenizer.eos_token_id, on_complete="release", fields=fields),
+                       "cpu")
+    ids = tokenizer('{"city": "', return_tensors="pt")["input_ids"]
+    assert int(c.start(1, tails=ids).node[0]) == 0
+    for rows, tails in ((3, ids), (1, torch.cat([ids, ids])), (1, ids[0]), (1, ids.tolist())):
+        with pytest.raises(ConstraintConfigError, match=r"tails must hold each row's last prompt tokens"):
+            c.start(rows, tails=tails)
+
+
+def test_a_value_index_names_that_value_where_the_trie_holds_fewer_entries_than_values(tokenizer):
+    """``allow``/``deny`` index ``i`` is value ``i``, also where the trie keeps one entry for several values' token
+    sequences: a repeated value, or a value beginning with the space that ends ``after`` (its two forms are one)."""
+    from trie_decode.fields import FieldRules
+
+    for values, after in (([" Paris", "Rome", "Berlin"], "A: "), (["Paris", "Paris", "Rome"], '"city": "'),
+                          (["Paris", "Paris", "Rome"], "A: ")):
+        for i in range(len(values)):
+            tries, _ = FieldRules.build([Span(values, after=after, allow=[i])], tokenizer)
+            assert set(tries[0].names()) == {values[i]}, (values, after, i)
+            tries, _ = FieldRules.build([Span(values, after=after, deny=[i])], tokenizer)
+            assert set(tries[0].names()) == set(values) - {values[i]}, (values, after, i)
+
+
 def test_the_model_writing_the_space_alone_enters_only_where_a_value_begins_with_it(tokenizer):
     """After ``"Final answer:"`` the lone space completes ``after`` with nothing carried: for city names (``" Berlin"``
     is one token) it is blocked, so the value is written in the tokenizer's own tokens; for numbers (``" 42"`` is

@@ -128,6 +128,17 @@ def test_a_final_slot_ends_with_the_end_token_and_a_first_slot_starts_at_once(to
         assert outs <= {want.format(v) for v in CITIES} and len(outs) > 3
 
 
+def test_a_slot_given_as_a_trie_keeps_the_space_before_it(tokenizer):
+    """A prebuilt trie is used as given: the space ending the text before its slot is forced with that text (only
+    value strings hold it in front of their values), so the output is still the template's text."""
+    eos = tokenizer.eos_token_id
+    for values in (CITIES, TokenTrie.from_strings(CITIES, tokenizer)):
+        c = TrieConstraint(*Template("Capital: {city}", city=values).rules(tokenizer, eos), "cpu")
+        rng = random.Random(3)
+        outs = {tokenizer.decode(_walk(c, rng, eos)[0], skip_special_tokens=True) for _ in range(10)}
+        assert outs <= {f"Capital: {v}" for v in CITIES} and len(outs) > 2, outs
+
+
 def test_fixed_text_is_the_tokenizers_own_and_forced(tokenizer):
     t = Template('{"city": "{city}", "country": "{country}"}', city=CITIES, country=COUNTRIES)
     c = TrieConstraint(*t.rules(tokenizer, tokenizer.eos_token_id), "cpu")

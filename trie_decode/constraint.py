@@ -267,6 +267,11 @@ class TrieConstraint:
         """Text spans: every row FREE, its automaton fed the prompt's tail (``tails``: token ids, Shape: (R, T));
         a prompt that already ends with a span's ``after`` starts in that span (:meth:`FieldRules.start_state`)."""
         f = self.rules.fields
+        if tails is not None and (not isinstance(tails, torch.Tensor) or tails.dim() != 2
+                                  or tails.shape[0] != num_rows):
+            got = tuple(tails.shape) if isinstance(tails, torch.Tensor) else type(tails).__name__
+            raise ConstraintConfigError(f"tails must hold each row's last prompt tokens (the span automaton reads "
+                                        f"them): ({num_rows}, T) for {num_rows} rows, got {got}")
         starts = [f.start_state(ids) for ids in (tails.tolist() if tails is not None else [[]] * num_rows)]
         text = [s for s, _ in starts]
         node = torch.tensor([f.start_node(k) if k >= 0 else FREE for _, k in starts], dtype=torch.long)

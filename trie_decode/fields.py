@@ -61,6 +61,18 @@ __all__ = ["Span", "FieldRules", "ESCAPES"]
 ESCAPES = (None, "json")
 
 
+def lead_space(after_text: str, values: Any, exact: bool = True) -> str:
+    """The space that ends ``after_text`` and that a trie of ``values`` holds in front of them (``""``: none): the
+    rule of :attr:`Span.lead`, and of the space a :class:`~trie_decode.templates.Template` leaves to its slot. Value
+    strings take it; a prebuilt :class:`TokenTrie` is used as given; an ``after`` matched with any whitespace, or
+    that is only a space, keeps it.
+
+    >>> lead_space("City: ", ["Rome"]), lead_space(" ", ["Rome"]), lead_space("City:", ["Rome"])
+    (' ', '', '')
+    """
+    takes = exact and len(after_text) > 1 and after_text.endswith(" ") and not isinstance(values, TokenTrie)
+    return " " if takes else ""
+
 @dataclass(frozen=True)
 class Span:
     """One catalog-valued field: the text ``after`` which a value starts, its values, the text that ends one.
@@ -126,9 +138,7 @@ class Span:
         the trie at the node its bytes from that space on reach (:meth:`FieldRules.entry_node`); a lone space written
         by the model is blocked unless a value's own tokens begin with it.
         """
-        exact = isinstance(self.after, str) or self.after.whitespace == "exact"
-        text = self.after_text
-        return " " if exact and len(text) > 1 and text.endswith(" ") and not isinstance(self.values, TokenTrie) else ""
+        return lead_space(self.after_text, self.values, isinstance(self.after, str) or self.after.whitespace == "exact")
 
     def build_trie(self, tokenizer: Any) -> TokenTrie:
         """This span's trie: ``values`` itself, or the strings tokenized in the context of ``after``; restricted
@@ -155,22 +165,23 @@ class Span:
         return f"Span after {self.after_text!r}"
 
     def _both_forms(self, name: str) -> Optional[list[Union[str, int]]]:
-        """``allow`` or ``deny`` in the trie's entries: with a :attr:`lead`, value ``i`` is entries ``i`` and
-        ``i + len(values)`` (its two forms); a key names both already.
+        """``allow`` or ``deny`` in the trie's entries: for value strings, index ``i`` is the key ``values[i]``, which
+        names every entry of that value (with a :attr:`lead`, its two forms; the trie keeps one entry per distinct
+        token sequence, so entry numbers are not value numbers where values repeat or a value's forms coincide).
 
         Raises:
-            ConstraintConfigError: an index that is not a value's (it would name one form only).
+            ConstraintConfigError: an index that is not a value's.
         """
         items = getattr(self, name)
-        if items is None or not self.lead:
+        if items is None or isinstance(self.values, TokenTrie):
             return items
-        n, out = len(self.values), []
+        values, out = list(self.values), []
         for j, item in enumerate(items):
             if isinstance(item, (int, np.integer)) and not isinstance(item, bool):
-                if not 0 <= int(item) < n:
+                if not 0 <= int(item) < len(values):
                     raise ConstraintConfigError(f"Span.{name}[{j}] is {item}: not the index of one of the span's "
-                                                f"{n} values")
-                out += [int(item), int(item) + n]
+                                                f"{len(values)} values")
+                out.append(values[int(item)])
             else:
                 out.append(item)
         return out

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from .errors import ConstraintConfigError
-from .fields import FieldRules, check_values, value_trie
+from .fields import FieldRules, check_values, lead_space, value_trie
 from .kernels.rules import floor_rule, kept_alive
 from .spans import FREE, SpanRules
 from .text_spans import EndTokens, vocabulary_bytes
@@ -198,14 +198,15 @@ class Template:
         """The texts the template forces: its segments, less the space that ends a text before a slot (``"City: "``
         before ``{city}`` is forced as ``"City:"``). That space belongs to the slot's values (:attr:`Span.lead`): the
         model writes ``":"`` + ``" Berlin"``, not a lone space and then ``"Ber"``. A segment that is only a space
-        stays whole. The value before such a text ends where the forced text begins, so it may not contain that
-        text without its space either (``"1,000"`` before ``", {unit}"``).
+        stays whole, and so does one before a slot given as a :class:`TokenTrie` (used as given, as a span's). The
+        value before such a text ends where the forced text begins, so it may not contain that text without its
+        space either (``"1,000"`` before ``", {unit}"``).
 
         Example:
             >>> Template("City: {city}, {country}.", city=["Rome"], country=["Italy"]).fixed_texts()
             ['City:', ',', '.']
         """
-        return [s[:-1] if k < len(self.slot_names) and len(s) > 1 and s.endswith(" ") else s
+        return [s[:-1] if k < len(self.slot_names) and lead_space(s, self.slots[self.slot_names[k]]) else s
                 for k, s in enumerate(self.segments)]
 
     def _build(self, tokenizer: Any, end_token_id: int) -> tuple[list[TokenTrie], "TemplateRules"]:
