@@ -378,6 +378,17 @@ def test_a_value_index_names_that_value_where_the_trie_holds_fewer_entries_than_
             assert set(tries[0].names()) == set(values) - {values[i]}, (values, after, i)
 
 
+def test_values_given_as_a_generator_are_read_once_and_kept(tokenizer):
+    """A generator of values is read when the span is made: each build (one per tokenizer, per vLLM request) sees
+    every value, and an index in ``allow`` names the value it numbers."""
+    from trie_decode.fields import FieldRules
+
+    span = Span((v for v in ["Paris", "Rome", "Berlin"]), after='"city": "', allow=[2])
+    for _ in range(2):
+        tries, _ = FieldRules.build([span], tokenizer)
+        assert tries[0].names() == ["Berlin"]
+
+
 def test_the_model_writing_the_space_alone_enters_only_where_a_value_begins_with_it(tokenizer):
     """After ``"Final answer:"`` the lone space completes ``after`` with nothing carried: for city names (``" Berlin"``
     is one token) it is blocked, so the value is written in the tokenizer's own tokens; for numbers (``" 42"`` is

@@ -139,6 +139,14 @@ def test_a_slot_given_as_a_trie_keeps_the_space_before_it(tokenizer):
         assert outs <= {f"Capital: {v}" for v in CITIES} and len(outs) > 2, outs
 
 
+def test_slot_values_given_as_a_generator_serve_every_build(tokenizer):
+    eos = tokenizer.eos_token_id
+    template = Template("Capital: {city}", city=(v for v in CITIES))
+    for end in (eos, eos + 1):  # two end tokens: two builds
+        tries = template.rules(tokenizer, end)[0]
+        assert sorted(set(tries[0].names())) == sorted(CITIES)
+
+
 def test_fixed_text_is_the_tokenizers_own_and_forced(tokenizer):
     t = Template('{"city": "{city}", "country": "{country}"}', city=CITIES, country=COUNTRIES)
     c = TrieConstraint(*t.rules(tokenizer, tokenizer.eos_token_id), "cpu")

@@ -112,7 +112,7 @@ class Span:
         if escape not in ESCAPES:
             raise ConstraintConfigError(f"Span.escape must be one of {ESCAPES}, got {self.escape!r}")
         object.__setattr__(self, "escape", escape)
-        check_values(self.values, "Span.values")
+        object.__setattr__(self, "values", check_values(self.values, "Span.values"))
         for name in ("allow", "deny"):  # the spec rule of every filter (trie_decode.filters)
             if getattr(self, name) is not None:
                 spec_items(getattr(self, name), f"Span.{name}")
@@ -187,13 +187,19 @@ class Span:
         return out
 
 
-def check_values(values: Any, what: str) -> None:
-    """Raise :class:`ConstraintConfigError` unless ``values`` is a :class:`TokenTrie` or a collection of value
-    strings (a single string would be read as one value per character). ``what`` names the field in the message."""
+def check_values(values: Any, what: str) -> Union[TokenTrie, Sequence[str]]:
+    """``values`` as a field keeps them: a :class:`TokenTrie`, or the value strings as a list or tuple (any other
+    iterable, a generator too, is read once here: the trie is built per tokenizer and ``allow``/``deny`` index it).
+
+    Raises:
+        ConstraintConfigError: a single string (it would be read as one value per character), or no iterable.
+            ``what`` names the field in the message.
+    """
     if isinstance(values, (str, bytes)):
         raise ConstraintConfigError(f"{what} must be a TokenTrie or a list of strings, not a single string")
     if not isinstance(values, TokenTrie) and not hasattr(values, "__iter__"):
         raise ConstraintConfigError(f"{what} must be a TokenTrie or a list of strings, got {type(values).__name__}")
+    return values if isinstance(values, (TokenTrie, list, tuple)) else list(values)
 
 
 def value_trie(values: Union[TokenTrie, Sequence[str]], tokenizer: Any, context: str, end: Optional[str],

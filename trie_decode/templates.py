@@ -139,11 +139,10 @@ class Template:
         if unused:
             raise ConstraintConfigError(f"values given for slots the template does not have: {unused} "
                                         f"(its slots: {list(dict.fromkeys(names))})")
-        for name in dict.fromkeys(names):
-            check_values(slots[name], f"slot {name!r}")
+        slots = {name: check_values(slots[name], f"slot {name!r}") for name in dict.fromkeys(names)}
         if escape not in ("auto", "json", None):
             raise ConstraintConfigError(f"escape must be 'auto', 'json' or None, got {escape!r}")
-        self.text, self.segments, self.slot_names, self.slots = text, segments, names, dict(slots)
+        self.text, self.segments, self.slot_names, self.slots = text, segments, names, slots
         self.escape = escape
         self._built: dict[tuple[int, int], tuple[Any, list[TokenTrie], TemplateRules]] = {}
 
