@@ -389,6 +389,16 @@ def test_values_given_as_a_generator_are_read_once_and_kept(tokenizer):
         assert tries[0].names() == ["Berlin"]
 
 
+def test_a_prebuilt_span_trie_whose_value_goes_on_with_the_end_token_is_refused(tokenizer):
+    """Value strings holding the span's end are refused as they are written; a prebuilt trie is checked where the
+    end token itself continues a value: the shorter value could never end."""
+    ids = [tokenizer.encode(v, add_special_tokens=False) for v in ("Inc", "Inc")]
+    ids[1] = ids[1] + tokenizer.encode('"', add_special_tokens=False)
+    trie = TokenTrie.from_sequences(ids, vocab_size=len(tokenizer), names=["Inc", 'Inc"'])
+    with pytest.raises(InvalidEntryError, match=r"Span after '\"name\": \"': the value 'Inc' could never be written"):
+        FieldRules.build([Span(trie, after='"name": "')], tokenizer)
+
+
 def test_the_model_writing_the_space_alone_enters_only_where_a_value_begins_with_it(tokenizer):
     """After ``"Final answer:"`` the lone space completes ``after`` with nothing carried: for city names (``" Berlin"``
     is one token) it is blocked, so the value is written in the tokenizer's own tokens; for numbers (``" 42"`` is

@@ -67,6 +67,15 @@ def test_the_refusal_of_a_value_containing_the_text_after_its_slot_names_only_fi
         Template('Q: "{x}"', x=['say "hi"'], escape=None).build(tokenizer, tokenizer.eos_token_id)
 
 
+def test_a_value_that_another_value_goes_on_from_with_the_only_token_ending_it_is_refused(tokenizer):
+    """"Inc" before the text ". " ends only with ".", which is also the next token of "Inc.": every row that wrote
+    "Inc" went on into "Inc." (writing "Inc.. "), so "Inc" could never be the value. The build says so."""
+    with pytest.raises(InvalidEntryError, match=r"slot 'x': the value 'Inc' could never be written: the value 'Inc\.' "
+                                                r"goes on from it with the token '\.'.*change the template's text after"):
+        Template("Name: {x}.\nDone", x=["Inc", "Inc.", "Ltd"]).build(tokenizer, tokenizer.eos_token_id)
+    Template("Name: {x}!\nDone", x=["Inc", "Inc.", "Ltd"]).build(tokenizer, tokenizer.eos_token_id)  # "!" ends it
+
+
 def test_slots_may_be_named_like_the_templates_parameters(tokenizer):
     """``text`` is positional-only, so a slot may be named ``text``; ``escape=`` is the escaping mode, so a slot
     named ``escape`` takes its values through ``Template.from_slots`` (any name does), and the message for the

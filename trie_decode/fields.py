@@ -258,6 +258,31 @@ def value_trie(values: Union[TokenTrie, Sequence[str]], tokenizer: Any, context:
     return TokenTrie.from_sequences(seqs, vocab_size=tokenizer_vocab_size(tokenizer), names=names, options=options)
 
 
+def check_values_can_end(tries: Sequence[TokenTrie], rules: "FieldRules", labels: Sequence[str],
+                         fixes: Sequence[str]) -> None:
+    """Refuse a value that could never be written: at a complete entry that a longer entry continues, the only token
+    that ends the value is the field's bare end token (:attr:`FieldRules.bare_ends`); where the longer entry
+    continues with that very token (values ``"Inc"`` and ``"Inc."`` before the text ``". "``), the row always goes
+    on and the shorter value is lost. ``labels``, ``fixes``: per field, how its messages name it and what its caller
+    can change.
+
+    Raises:
+        InvalidEntryError: naming the lost value, the one that continues it, and the token.
+    """
+    for k, trie in enumerate(tries):
+        bare = rules.bare_ends[k]
+        node = np.flatnonzero(trie.token == bare)
+        lost = node[trie.node_entry[trie.parent[node]] >= 0]
+        if len(lost):
+            short, below = trie.entry_at(int(trie.parent[lost[0]])), int(lost[0])
+            while trie.node_entry[below] < 0:  # the first entry under that token
+                below = int(trie.child_ptr[below])
+            raise InvalidEntryError(
+                f"{labels[k]}: the value {short.name!r:.60} could never be written: the value "
+                f"{trie.entry_at(below).name!r:.60} goes on from it with the token {bytes(rules._vocab[bare]).decode('utf-8', 'replace')!r}"
+                f", the only one that ends it there; {fixes[k]}")
+
+
 def _value_ids(texts: Sequence[str], tokenizer: Any, context: str, vocab: Sequence[bytes]) -> list[list[int]]:
     """Each text's ids right after ``context``, spelling exactly the text (never with SentencePiece's dummy-prefix
     space in front of a value that merges with its context: :func:`_spelled_exactly`)."""
@@ -560,7 +585,9 @@ class FieldRules:
             end_token_id = getattr(tokenizer, "eos_token_id", None)
         ends = _end_tables([s.end for s in spans], vocab, end_token_id)
         pieces = byte_piece_ids(tokenizer, sorted({int(t) for e in ends for t in e.ids}))
-        return tries, cls(triggers, ends, vocab, tries, byte_pieces=set(pieces))
+        rules = cls(triggers, ends, vocab, tries, byte_pieces=set(pieces))
+        check_values_can_end(tries, rules, [s.label() for s in spans], [s.value_fixes()[0] for s in spans])
+        return tries, rules
 
     def __repr__(self) -> str:
         return (f"FieldRules(spans={len(self.root_by_bytes)}, ends={sorted({e.end for e in self.ends})!r}, "

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from .errors import ConstraintConfigError
-from .fields import FieldRules, check_values, lead_space, value_trie
+from .fields import FieldRules, check_values, check_values_can_end, lead_space, value_trie
 from .kernels.rules import floor_rule, kept_alive
 from .spans import FREE, SpanRules
 from .text_spans import EndTokens, vocabulary_bytes
@@ -234,7 +234,10 @@ class Template:
         text.learn_tokens(tokenizer, end_token_id, first)
         ends = {int(t) for k in range(len(self.slot_names)) for t in text.end_tokens(k).ids}
         pieces = set(byte_piece_ids(tokenizer, sorted(ends)))
-        return tries, TemplateRules(text, vocab, tries, end_token_id, self.slot_names, byte_pieces=pieces)
+        rules = TemplateRules(text, vocab, tries, end_token_id, self.slot_names, byte_pieces=pieces)
+        check_values_can_end(tries, rules, [f"slot {name!r}" for name in self.slot_names],
+                             [self.value_fixes(k)[0] for k in range(len(self.slot_names))])
+        return tries, rules
 
     def rules(self, tokenizer: Any, end_token_id: int) -> tuple[list[TokenTrie], SpanRules]:
         """The slots' tries and the :class:`SpanRules` of a :class:`~trie_decode.constraint.TrieConstraint`.
