@@ -131,7 +131,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "trie-decode bench") -> 
     """
     args = build_parser(prog).parse_args(argv)
     from .peers import BUILD_PEERS, STEP_PEERS
-    from .suites import SUITES, BenchConfig, run
+    from .suites import SUITES, BenchConfig, run, workers_stop_with_us
 
     if args.list_peers:
         for label, reg in (("step", STEP_PEERS), ("build", BUILD_PEERS)):
@@ -147,7 +147,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "trie-decode bench") -> 
         steps=args.steps, repeats=args.repeats, tokenizer=args.tokenizer, isolate=args.isolate,
     )
     try:
-        run(cfg)
+        with workers_stop_with_us():  # Ctrl-C or SIGTERM stops the worker processes too
+            run(cfg)
     except ValueError as exc:
         print(f"{prog}: error: {exc}")
         return 2

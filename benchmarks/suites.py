@@ -17,23 +17,26 @@ Suites:
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import json
 import os
 import queue
+import signal
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from . import child_env, report
 from .data import format_size
 
-__all__ = ["BenchConfig", "SUITES", "SUITE_HOOKS", "run", "run_step", "run_build", "supervise"]
+__all__ = ["BenchConfig", "SUITES", "SUITE_HOOKS", "run", "run_step", "run_build", "supervise", "process_tree",
+           "workers_stop_with_us"]
 
 SUITES = ("build", "step", "generate", "fastforward", "vllm", "retrieval", "beam", "spans", "json-peers")
 
@@ -139,25 +142,64 @@ class WorkerOutcome:
     log_path: Path
 
 
-def _tree_rss(pid: int) -> int:
-    """RSS (bytes) of a process and its descendants, from /proc."""
-    total = 0
+def process_tree(pid: int) -> list[int]:
+    """A process and its descendants, each after its parent, from /proc."""
+    tree: list[int] = []
     stack = [pid]
-    seen: set[int] = set()
     while stack:
         p = stack.pop()
-        if p in seen:
+        if p in tree:
             continue
-        seen.add(p)
+        tree.append(p)
         try:
-            with open(f"/proc/{p}/statm") as f:
-                total += int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
             for task in os.listdir(f"/proc/{p}/task"):
                 with open(f"/proc/{p}/task/{task}/children") as f:
                     stack.extend(int(c) for c in f.read().split())
         except (OSError, ValueError):
             continue
+    return tree
+
+
+def _tree_rss(pid: int) -> int:
+    """RSS (bytes) of a process and its descendants, from /proc."""
+    total = 0
+    for p in process_tree(pid):
+        try:
+            with open(f"/proc/{p}/statm") as f:
+                total += int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError):
+            continue
     return total
+
+
+@contextlib.contextmanager
+def workers_stop_with_us() -> Iterator[None]:
+    """While in the block, SIGINT and SIGTERM first kill every process this one started (the workers and what they
+    started), then take their usual effect here (KeyboardInterrupt; the end of the process).
+
+    Why: a worker runs in a session of its own (:func:`supervise`, so that it is killed with its process tree), so
+    neither Ctrl-C at the terminal nor a SIGTERM to this process reaches it, and the hooked suites' workers write to
+    log files: an orphaned worker ran on until its next write to the closed pipe, or to its end. A signal this
+    process ignores (SIGINT in a background job) stays ignored.
+    """
+    def stop(signum: int, frame: Any) -> None:
+        for p in process_tree(os.getpid())[1:]:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        signal.signal(signum, previous[signum])
+        signal.raise_signal(signum)
+
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous = {s: h for s, h in previous.items() if h not in (signal.SIG_IGN, None)}  # None: not set from Python
+    for s in previous:
+        signal.signal(s, stop)
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
 
 
 def _kill_tree(proc: subprocess.Popen) -> None:

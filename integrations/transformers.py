@@ -38,6 +38,7 @@ from trie_decode.templates import Template
 from trie_decode.errors import ConstraintConfigError
 from trie_decode.filters import entry_indices, filtered_restrictions
 from trie_decode.forms import entry_identity, warn_prompt
+from trie_decode.kernels.rules import ALL_MASKED_FLOOR
 from trie_decode.live import CatalogSnapshot, LiveCatalog, constraint_for
 from trie_decode.options import (TrieArg, as_tries, check_alone, check_distinct, check_instance, check_no_distinct,
                                   check_not_taken, check_one_source, check_positive, check_prompts, end_token,
@@ -625,10 +626,13 @@ class TrieLogitsProcessor(LogitsProcessor):
         found = replayer.replay([r[start:] for r in rows], tree, [r[:start] for r in rows])
         if self._restrictions is not None:  # a filtered trie's entries, as the entries of the trie the user gave
             found = [[self._restrictions[t].source_entry(e) for e in row] for row, t in zip(found, tree)]
+        if self._live is not None:  # the view's entries, as the generation's snapshot holds them
+            found = self._view.source_entries(found)
         return found
 
 
-def match(trie: TokenTrie, generated: torch.Tensor | Sequence[Sequence[int]], *, end_token_id: Optional[int] = None) -> list[Optional[Entry]]:
+def match(trie: TokenTrie | CatalogSnapshot | LiveCatalog, generated: torch.Tensor | Sequence[Sequence[int]], *,
+          end_token_id: Optional[int] = None) -> list[Optional[Entry]]:
     """The entry at the start of each row of ``generated`` (generated tokens only, no prompt), or None.
 
     The longest entry that the row's tokens walk to is returned; trailing end/pad tokens are ignored.
@@ -637,8 +641,14 @@ def match(trie: TokenTrie, generated: torch.Tensor | Sequence[Sequence[int]], *,
     return [found[0] if found else None for found in match_all(trie, generated, rules)]
 
 
-def match_all(trie: TokenTrie, generated: torch.Tensor | Sequence[Sequence[int]], rules: SpanRules) -> list[list[Entry]]:
-    """Every entry each row generated under ``rules`` (generated tokens only, no prompt)."""
+def match_all(trie: TokenTrie | CatalogSnapshot | LiveCatalog, generated: torch.Tensor | Sequence[Sequence[int]],
+              rules: SpanRules) -> list[list[Entry]]:
+    """Every entry each row generated under ``rules`` (generated tokens only, no prompt); a live catalog's as its
+    snapshot now holds them, read over a trie of exactly its entries (:meth:`CatalogSnapshot.view` ``whole=True``:
+    may compact the snapshot, about 1 s per million entries, once)."""
+    if isinstance(trie, (LiveCatalog, CatalogSnapshot)):
+        view = trie.snapshot().view(rules, whole=True)
+        return view.source_entries(view.constraint(rules, "cpu").replay(generated))
     return constraint_for(trie, rules, "cpu").replay(generated)
 
 
@@ -708,7 +718,9 @@ def rank(
             and so are ``distinct``/``max_entries`` (a distinct list is the processor's: its entries are distinct)
             and the processor's other modes (``on_complete``, ``separator``, ``trigger``, ``spans``, ``template``,
             ``check_prompt``), and ``min_new_tokens``/``min_length`` (they ban the end token). A beam that did not
-            write its end token (cut by ``max_new_tokens``) is left out.
+            write its end token (cut by ``max_new_tokens``) is left out, and so is one that took a token at the floor
+            (``bad_words_ids``, ``suppress_tokens``, ``begin_suppress_tokens`` banned all the trie allowed there:
+            :data:`~trie_decode.kernels.rules.ALL_MASKED_FLOOR`): generate cannot write that entry.
 
     Raises:
         ConstraintConfigError: besides bad options, an entry that holds the end token before its last token (beam
@@ -773,6 +785,15 @@ def rank(
     entries = processor.match(out.sequences)
     # A beam that max_new_tokens cut before its end token did not finish either (its score lacks the end token's).
     closed = (out.sequences[:, processor.generation_start:] == processor.rules.end_token_id).any(1).tolist()
+    # A beam that took a token at the floor (another option banned every token the trie allowed there) holds an
+    # entry generate cannot write: the floor is that step's score, whatever the sum, its length or renormalizing.
+    # (Gathered here, not by compute_transition_scores, which assumes the scores are config.vocab_size wide.)
+    floored = torch.zeros(out.sequences.shape[0], dtype=torch.bool, device=out.sequences.device)
+    for t in range(out.beam_indices.shape[1]):
+        beam = out.beam_indices[:, t]  # -1 once the beam finished
+        chosen = out.scores[t][beam.clamp(min=0), out.sequences[:, processor.generation_start + t]]
+        floored |= (beam >= 0) & (chosen == ALL_MASKED_FLOOR)
+    floored = floored.tolist()
     raw = out.sequences_scores.tolist()
     scores = _renormalized(model, inputs, out.sequences, processor, length_normalize, raw) if renormalize else raw
     batch = out.sequences.shape[0] // beams
@@ -783,7 +804,8 @@ def rank(
         for i in range(p * beams, (p + 1) * beams):
             entry, score = entries[i], scores[i]
             # A beam that did not finish is padding, whatever its renormalized score: its raw score says so.
-            if entry is None or not closed[i] or raw[i] <= _UNFINISHED or raw[i] != raw[i] or score != score:
+            if (entry is None or not closed[i] or floored[i] or raw[i] <= _UNFINISHED or raw[i] != raw[i]
+                    or score != score):
                 continue
             ident = entry_identity(entry)  # the forms of one string (leading_space=[True, False]) are one entry
             if ident in seen:

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -51,6 +53,57 @@ def test_an_out_folder_that_cannot_be_made_is_a_usage_error(tmp_path, capsys):
     (tmp_path / "plain").write_text("x")  # was: a FileExistsError traceback from pathlib
     assert benchmarks.main(["--suite", "build", "--quick", "--out", str(tmp_path / "plain" / "out")]) == 2
     assert "error: cannot write the results to --out" in capsys.readouterr().out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")  # a zombie is dead, not yet reaped
+    except OSError:
+        return False
+
+
+def _workers(pid: int) -> list[int]:
+    """The ``benchmarks.worker`` children of process ``pid``, from /proc."""
+    found = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                found += [int(c) for c in f.read().split()]
+        for child in list(found):
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                if b"benchmarks.worker" not in f.read():
+                    found.remove(child)
+    except OSError:  # a process that ended meanwhile: look again
+        return []
+    return found
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_stopped_bench_stops_its_workers(tmp_path, sig):
+    """SIGTERM or SIGINT to the bench kills its worker processes before it ends. A worker runs in a session of its
+    own: neither signal reached it, and it ran on, orphaned, until its next write to the closed pipe. (Run as
+    ``python -m trie_decode.cli``: the checkout under test, whatever the venv's console script points to.)"""
+    proc = subprocess.Popen([sys.executable, "-m", "trie_decode.cli", "bench", "--suite", "step", "--quick", "--out",
+                             str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while not workers and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+            workers = _workers(proc.pid)
+        assert workers, "the bench started no worker"
+        proc.send_signal(sig)
+        assert proc.wait(timeout=60) == -sig
+        deadline = time.monotonic() + 2  # SIGKILL was sent before the bench ended: a moment to take effect
+        while any(map(_alive, workers)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [p for p in workers if _alive(p)], "a worker outlived the bench"
+    finally:
+        proc.kill()
+        for p in workers:  # a failed run leaves no orphan behind
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
 
 
 @pytest.mark.slow

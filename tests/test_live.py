@@ -824,3 +824,84 @@ def test_a_served_delta_means_what_the_snapshot_means(tmp_path):
     served = apply_delta_file(TokenTrie.load(trie_path), delta_path_for(trie_path))
     assert "filter_number_entry" not in served.extra and served.num_entries == 4
     assert entry_indices(served, ["t", "g"], "deny").tolist() == [1]
+
+
+def test_match_reads_a_live_catalog_as_its_snapshot_holds_it():
+    """match() on a catalog reads the entries it holds now: not a removed entry that its view's trie still holds
+    (a shorter live entry the tokens pass through is what a trie of the entries gives), not an added entry under
+    the key it had before it was removed and added back, and a pending addition; numbers are the snapshot's."""
+    from trie_decode.integrations.transformers import match
+
+    catalog = LiveCatalog(TokenTrie.from_sequences([[3], [3, 4], [5, 6]], vocab_size=8, keys=["a", "x", "b"]))
+    catalog.add([[7]], keys=["n"])
+    assert catalog.wait_compacted()
+    catalog.remove(["x", "n"])
+    rows = [[3, 4, END], [7, END]]
+    assert match(catalog, rows, end_token_id=END) == [catalog.snapshot().lookup([3]), None]
+    catalog.add([[7], [2]], keys=["n2", "p"])
+    found = match(catalog.snapshot(), rows + [[2, END]], end_token_id=END)
+    assert [(e.index, e.key) for e in found] == [(0, "a"), (3, "n2"), (4, "p")]
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**20))
+def test_match_on_a_catalog_equals_match_on_a_trie_of_its_entries(seed):
+    """Random changes, compactions or not: match() on the catalog finds what it finds on a trie built from the
+    entries the catalog holds, for rows that walk into removed, pending and live entries and off them."""
+    from trie_decode.integrations.transformers import match
+
+    rng = random.Random(seed)
+    catalog, base, live, _ = random_catalog(rng)
+    if not live:
+        return
+    entries = sorted(live)
+    reference = TokenTrie.from_sequences([list(s) for s in entries], vocab_size=V, keys=[key(s) for s in entries])
+    walks = [list(s) for s in base.sequences() + entries] + [[rng.randrange(2, V) for _ in range(3)] for _ in range(4)]
+    rows = [w[: rng.randrange(1, len(w) + 1)] + rng.choice([[END], [], [rng.randrange(V), END]]) for w in walks]
+    found = [(e.tokens, e.key) if e is not None else None for e in match(catalog, rows, end_token_id=END)]
+    assert found == [(e.tokens, e.key) if e is not None else None for e in match(reference, rows, end_token_id=END)]
+
+
+def test_a_processors_match_reports_the_snapshots_entries():
+    """Added, compacted, then removed: the processor's match reads its view (the compacted trie, the removal
+    denied) and reports the snapshot's entries: the removed one is no match, the others keep their numbers."""
+    from trie_decode.integrations.transformers import TrieLogitsProcessor
+
+    catalog = LiveCatalog(TokenTrie.from_sequences([[3, 4], [5], [6]], vocab_size=8, keys=["a", "b", "c"]))
+    catalog.remove(["b"])
+    catalog.add([[7]], keys=["d"])
+    assert catalog.wait_compacted()
+    catalog.remove(["a"])
+    processor = TrieLogitsProcessor(catalog, None, end_token_id=END)
+    found = processor.match(torch.tensor([[2, 3, 4, END], [2, 7, END, END], [2, 6, END, END]]), prompt_length=1)
+    snap = catalog.snapshot()
+    assert found == [None, snap.entry(3), snap.entry(2)] and found[1].key == "d"
+
+
+def test_a_delta_file_names_its_bases_item_lists(tmp_path):
+    """Two catalogs of one trie whose item ``m`` moved to another entry: a delta written for one (``m`` removed,
+    with the entry holding it) is refused on the other, where it would remove ``a`` and keep serving ``m``. A
+    version 1 file (its identity leaves the extra arrays out) is read for a base without any, refused otherwise."""
+    from trie_decode.catalogs import catalog_from_codes
+    from trie_decode.fileio import read_arrays, write_arrays
+
+    before = catalog_from_codes(np.array([[0, 0], [0, 0], [1, 0]]), vocab_size=8, codebook_size=2, keys=["a", "m", "b"])
+    after = catalog_from_codes(np.array([[0, 0], [1, 0], [1, 0]]), vocab_size=8, codebook_size=2, keys=["a", "b", "m"])
+    catalog = LiveCatalog(before)
+    catalog.remove(["m"])
+    path = tmp_path / "delta.safetensors"
+    catalog.save_delta(path)
+    with pytest.raises(TrieFileError, match="written for another base trie"):
+        apply_delta_file(after, path)
+
+    def as_version_1(catalog: LiveCatalog) -> str:
+        catalog.save_delta(path)
+        arrays, meta = read_arrays(path)
+        write_arrays(path, arrays, {**meta, "delta_version": "1"})
+        return path
+
+    with pytest.raises(TrieFileError, match="version 1 delta file: its base identity leaves out the base's extra"):
+        apply_delta_file(before, as_version_1(catalog))
+    plain = LiveCatalog(TokenTrie.from_sequences([[3, 4], [6]], vocab_size=8, keys=["a", "c"]))
+    plain.remove(["a"])
+    assert apply_delta_file(plain.base, as_version_1(plain)).sequences() == [(6,)]

@@ -153,6 +153,22 @@ def test_floor_keeps_a_banned_beam_below_every_live_beam(tiny_llama):
     assert all(abs(a.log_prob - b.log_prob) < 1e-4 for a, b in zip(banned, live))
 
 
+@pytest.mark.parametrize("scoring", [{}, {"length_normalize": True}, {"renormalize": True}])
+def test_rank_leaves_out_entries_reached_through_the_floor(tiny_llama, scoring):
+    """Banning both ways on after [100] leaves its three entries reachable only through the floor: rank leaves them
+    out (it listed them with -1e4 in the score, or with a plausible renormalized one) and keeps every other entry,
+    its place and its score. A batch with a padded prompt, so each beam's steps are gathered from its own rows."""
+    from trie_decode.integrations.transformers import rank
+
+    trie = TokenTrie.from_sequences(ENTRIES, vocab_size=tiny_llama.config.vocab_size)
+    plain = rank(tiny_llama, _inputs(), trie, 6, end_token_id=END, **scoring)
+    banned = rank(tiny_llama, _inputs(), trie, 6, end_token_id=END, bad_words_ids=[[200], [250]], **scoring)
+    for p, b in zip(plain, banned):
+        live = [r for r in p if r.entry.tokens[0] != 100]
+        assert [r.entry.tokens for r in b] == [r.entry.tokens for r in live]
+        assert all(abs(x.log_prob - y.log_prob) < 1e-4 for x, y in zip(b, live))
+
+
 def test_prefix_allowed_tokens_fn_reused_across_generate_calls(tiny_llama):
     """One function, three generate calls with other prompt lengths and batch sizes: every output stays in the
     trie (it used to remember the first call's prompt length and allow only the end token afterwards)."""

@@ -75,7 +75,9 @@ __all__ = [
 ]
 
 DELTA_KIND = "trie_decode.live_delta"
-DELTA_VERSION = 1
+#: 2: the base identity covers the base's ``extra`` arrays. A version 1 file's identity leaves them out: it is read
+#: only for a base without any (whose identity is the same in both versions).
+DELTA_VERSION = 2
 #: Compacted tries a catalog keeps besides its base, for the snapshots to come; a snapshot keeps the newest one it
 #: read (or that was built for it) as long as it lives, so a pinned snapshot never loses an entry it could generate.
 KEEP_COMPACTIONS = 2
@@ -97,7 +99,8 @@ def delta_path_for(trie_path: Union[str, "os.PathLike[str]"]) -> str:
 
 
 def base_identity(trie: TokenTrie) -> str:
-    """A digest of a trie's structure, entry numbering, names and keys: what a delta file names as its base.
+    """A digest of a trie's structure, entry numbering, names, keys and ``extra`` arrays (a catalog's item lists,
+    retired keys: what filters and removals by key resolve through): what a delta file names as its base.
 
     Costs one pass over the trie's arrays (~0.1 s per million entries); :class:`LiveCatalog` computes it once.
     """
@@ -110,6 +113,10 @@ def base_identity(trie: TokenTrie) -> str:
             h.update(label.encode())
             h.update(np.ascontiguousarray(table.offsets).data)
             h.update(np.ascontiguousarray(table.blob).data)
+    for name in sorted(trie.extra):  # none: the identity of delta files of version 1
+        array = np.ascontiguousarray(trie.extra[name], dtype=trie.extra[name].dtype.newbyteorder("<"))  # as saved
+        h.update(f"{name}:{array.dtype.str}:{array.shape}".encode())
+        h.update(array.data)
     return h.hexdigest()
 
 
@@ -414,11 +421,17 @@ class CatalogSnapshot:
         return trie
 
     # ------------------------------------------------------------------ decoding
-    def view(self, rules: Optional[SpanRules] = None) -> "CatalogView":
+    def view(self, rules: Optional[SpanRules] = None, *, whole: bool = False) -> "CatalogView":
         """What decoding this snapshot reads now: one trie and the entries of it to deny (see the module docstring).
         A snapshot whose added entries are not all in the newest compacted trie asks the catalog's background
         thread for a new one; the view is then the last one, with this snapshot's removals denied. With
         ``"release"`` rules (which take no filter) and removals, the snapshot's own compacted trie (built now, once).
+
+        Args:
+            whole: a view whose trie holds exactly this snapshot's entries (none denied, none pending; the
+                snapshot's own compacted trie, built now, once, when the newest lacks some): what reading back
+                generated tokens needs, since a denied entry still extends the trie's paths and a pending one is
+                absent from them.
 
         Raises:
             EmptyTrieError: the snapshot holds no entry.
@@ -428,9 +441,10 @@ class CatalogSnapshot:
         if rules is not None and not isinstance(rules, SpanRules):
             raise TypeError(f"rules must be SpanRules or None, not {type(rules).__name__}")
         found = self._latest_view()
-        if found.visible == 0 or (found.deny.size and rules is not None and rules.on_complete == "release"):
-            # Nothing live is visible yet (only added entries remain), or "release" mode, which takes no deny filter:
-            # this snapshot compacted now, on this thread, kept by it and as the catalog's newest compaction.
+        release = rules is not None and rules.on_complete == "release"
+        if found.visible == 0 or (found.deny.size and (release or whole)) or (found.pending and whole):
+            # Nothing live is visible yet (only added entries remain), "release" mode, which takes no deny filter, or
+            # a whole view: this snapshot compacted now, on this thread, kept by it and as the catalog's newest.
             record = _Compaction.of(self)
             self._keep(record)
             self._compactor.publish(record)
@@ -713,6 +727,13 @@ class CatalogView:
         held = [record.added.get(added[j], -1) for j in set(delta_idx)]
         return np.sort(np.concatenate([base, np.asarray([e for e in held if e >= 0], dtype=np.int64)]))
 
+    def source_entries(self, found: list[list[Entry]]) -> list[list[Entry]]:
+        """Entries of :attr:`trie` (per row, as :meth:`TrieConstraint.replay` gives them) as the snapshot's entries:
+        its entry numbers, names and keys (a compacted trie renumbers, and keeps the old key of an entry added back
+        under another); an entry the snapshot removed is left out."""
+        rows = [[self.snapshot.lookup(e.tokens) for e in row] for row in found]
+        return [[e for e in row if e is not None] for row in rows]
+
     def filters(
         self,
         constraint: TrieConstraint,
@@ -786,9 +807,10 @@ def constraint_for(
     trie: Union[TokenTrie, CatalogSnapshot, "LiveCatalog"], rules: SpanRules, device: torch.device | str,
     *, kernel: Optional[str] = None,
 ) -> TrieConstraint:
-    """The constraint of a trie, or of the trie a snapshot (a live catalog's latest) is viewed as
-    (:meth:`CatalogSnapshot.view`): what :meth:`TrieConstraint.replay` reads back generated entries with. Masking a
-    live catalog also needs the view's deny filter (:meth:`CatalogView.filters`).
+    """The constraint of a trie, or of the trie a snapshot (a live catalog's latest) is decoded with now
+    (:meth:`CatalogSnapshot.view`). Masking a live catalog also needs the view's deny filter
+    (:meth:`CatalogView.filters`); reading its entries back needs a trie of exactly its entries and their snapshot
+    numbers (:func:`~trie_decode.integrations.transformers.match_all`: ``view(whole=True)``, ``source_entries``).
 
     Example:
         >>> from trie_decode import TokenTrie
@@ -1183,9 +1205,14 @@ class LiveCatalog:
         label = str(getattr(path, "name", "the delta file")) if hasattr(path, "read") else os.fspath(path)
         if meta.get("kind") != DELTA_KIND:
             raise TrieFileError(f"{label} is not a live catalog delta file (kind {meta.get('kind')!r})")
-        if meta.get("delta_version") != str(DELTA_VERSION):
+        if meta.get("delta_version") not in ("1", str(DELTA_VERSION)):
             raise TrieFileError(f"{label}: unknown delta file version {meta.get('delta_version')!r}")
         base = self._base
+        if meta["delta_version"] == "1" and base.extra:
+            raise TrieFileError(
+                f"{label} is a version 1 delta file: its base identity leaves out the base's extra arrays "
+                f"({', '.join(sorted(base.extra))}), so it may have been written for this trie with other item lists "
+                "or retired keys; save it again (save_delta) from the catalog that wrote it")
         mine = self.identity()
         if meta.get("base_identity") != mine:
             raise TrieFileError(
