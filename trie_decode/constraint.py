@@ -378,15 +378,20 @@ class TrieConstraint:
                 and int(state.node) == FREE):
             return self._fields_move(state, tokens, state.node)  # only its text moves
         flags = None
-        if filters is not None and not filters.distinct and self.kernel.supports_filters:
-            flags = filters.built_node_flags(len(tokens))
+        if filters is not None and self.kernel.supports_filters:
+            flags = filters.list_flags(self.tries[0]) if filters.distinct else filters.built_node_flags(len(tokens))
         # A kernel that supports filters moves over the trie each row's filter leaves it, in the same call.
         new = self.kernel.advance_rows(self._prepared, state.node, state.tree, tokens, flags)
         if filters is not None and flags is None:
             new = self._off_excluded_children(state.node, tokens, new, filters)
-        if filters is not None and filters.distinct:
+        if filters is not None and filters.distinct and flags is None:
             done, rank = completed_ranks(state.node, new, self.dtries[0], filters.order)
             filters.add_denied(rank, done)
+        elif filters is not None and filters.distinct:
+            # With a list's flags (on the CPU): counted on the host, and a step that completes no entry changes no set.
+            done, rank = completed_ranks(state.node.numpy(), new.numpy(), self.dtries[0], filters.order)
+            if done.any():
+                filters.add_denied(torch.from_numpy(rank), torch.from_numpy(done))
         if self.rules.trigger:
             fires = (new == FREE) & self._tail_is_trigger(tails, len(tokens))
             new = torch.where(fires, torch.zeros_like(new), new)
@@ -504,13 +509,15 @@ class TrieConstraint:
             out = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         else:
             out = src = logits.clone()  # rows no state covers must be copied: clone, then mask in place
-        flags = None
-        if (filters is not None and (filters.has_static or not filters.distinct) and self.kernel.supports_filters
-                and self.kernel.takes_filters(out, src)):
-            # Static filters in the kernel's own pass (their per-node bits, built once per filter); a distinct
-            # list's static filter too, its emitted entries after (apply_filters_).
-            filters.node_flags(self.tries[0])
-            flags = filters.built_node_flags(len(state))
+        flags = whole = None
+        if filters is not None and self.kernel.supports_filters and self.kernel.takes_filters(out, src):
+            # A distinct list's whole filter in the kernel's own pass where its flags are kept (list_flags), its own
+            # rules after (apply_filters_); else static filters (their per-node bits, built once per filter), a
+            # distinct list's static filter too, its emitted entries after.
+            flags = whole = filters.list_flags(self.tries[0]) if filters.distinct else None
+            if flags is None and (filters.has_static or not filters.distinct):
+                filters.node_flags(self.tries[0])
+                flags = filters.built_node_flags(len(state))
         try:
             self.kernel.mask_rows(self._prepared, out, src, state.node, state.tree, rows, flags)
         except IndexError:
@@ -520,7 +527,8 @@ class TrieConstraint:
         if flags is not None and not filters.distinct:
             return out
         if filters is not None:
-            apply_filters_(out, state.node, filters, self.dtries[0], self.rules, rows, static_applied=flags is not None)
+            apply_filters_(out, state.node, filters, self.dtries[0], self.rules, rows, static_applied=flags is not None,
+                           whole_applied=whole is not None)
         if self.rules.fields is not None:
             self.rules.fields.free_rows_(out, state.node, state.text, rows)
         return out

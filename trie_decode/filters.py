@@ -14,7 +14,8 @@ request. The mechanism, written once for every integration:
 - the rule is stated once, here, as two bits per node (:data:`CHILD_EXCLUDED`, :data:`END_EXCLUDED`, by
   :func:`filter_bits` from :func:`usable_count`); the kernels only apply the bits: counted per row on any device
   (:meth:`RowFilters.bits`), or for a static filter once per node (:meth:`RowFilters.node_flags`, what the C kernel
-  reads).
+  reads), and for a distinct list's whole filter once per row, recounted on the paths of each entry a row completes
+  (:meth:`RowFilters.list_flags`).
 
 A distinct list has a capacity chosen at setup (``max_entries``; :func:`distinct_capacity` gives the most entries
 a row can complete in a token budget): the deny array has that much room per row, so the step keeps fixed shapes.
@@ -74,7 +75,7 @@ def usable_count(bounds: Any, allow: Optional[Any], deny: Any, has_allow: Option
         bounds: non-decreasing along the last axis (a decreasing pair gives a meaningless count). Shape: (M,) or
             (R, M), int64.
         allow, deny: sorted rank sets, padded with a rank above every entry. Shape: (K,) (one set for every row)
-            or (R, K) (torch only). allow None: no row has an allow set.
+            or (R, K). allow None: no row has an allow set.
         has_allow: with (R, M) bounds and an allow set, which rows have one (None: every row). Shape: (R,), bool.
     Returns:
         Shape: bounds' shape with one less on the last axis, int64.
@@ -84,8 +85,13 @@ def usable_count(bounds: Any, allow: Optional[Any], deny: Any, has_allow: Option
     def count(sets: Any) -> Any:
         if torch_:
             pos = torch.searchsorted(sets, bounds)
-        else:  # numpy searches a flat array of queries faster than a 2-D one
+        elif sets.ndim == 1:  # numpy searches a flat array of queries faster than a 2-D one
             pos = np.searchsorted(sets, bounds.ravel()).reshape(bounds.shape)
+        else:  # a set per row: the rows' sets and queries set apart by an offset above every rank, one flat search
+            row = np.arange(len(sets), dtype=np.int64)[:, None]
+            apart = row * (max(int(sets.max()), int(bounds.max())) + 1)
+            pos = np.searchsorted((sets + apart).ravel(), (bounds + apart).ravel()).reshape(bounds.shape)
+            pos = pos - row * sets.shape[1]
         return pos[..., 1:] - pos[..., :-1]
 
     if allow is not None and has_allow is None:
@@ -777,6 +783,7 @@ class RowFilters:
         self._host_sets = (allow_r, deny_r)
         self._host_rows: Optional[torch.Tensor] = None  # rows of _host_sets that a selection left, not yet applied
         self._flags: Optional[NodeFlags] = None
+        self._list: Any = None  # a distinct list's whole filter as node flags (list_flags); False: not kept
         self._allow: Optional[torch.Tensor] = None
         self._deny: Optional[torch.Tensor] = None
         self._shape = (1 if shared else r, max(a_cap, 1), max(d_cap, 1))  # of the padded sets
@@ -845,6 +852,28 @@ class RowFilters:
             self._flags = NodeFlags(rows, torch.tensor(per_row, dtype=torch.long), num_nodes=trie.num_nodes)
         return self._flags
 
+    def list_flags(self, trie: TokenTrie) -> Optional["NodeFlags"]:
+        """A distinct list's whole filter (its static part and every entry its rows emitted since) as node flags, for
+        a kernel that masks and moves with them (:class:`_ListFlags`), or None: no distinct list, not on the CPU, or
+        more than :data:`LIST_FLAG_BYTES` for these rows. Built on first use, then kept up to date by
+        :meth:`add_denied`. The kernel applies the filter rule with them; :func:`apply_filters_` (``whole_applied``)
+        adds the list's own rules (a full list, the separator at its last entry) for the rows that need them."""
+        if self._list is None:
+            rows = len(self.deny_count)
+            if not self.distinct or self.device.type != "cpu" or rows * trie.num_nodes > LIST_FLAG_BYTES:
+                self._list = False
+                return None
+            self.node_flags(trie)
+            static = self.built_node_flags(rows)
+            self._list = _ListFlags(trie, list(static.rows), static.filter_of_row.numpy().copy(),
+                                    (self.deny_limit - self.deny_count).numpy().copy(), _usable_left(self),
+                                    self._same_item.width if self._same_item is not None else 1)
+            emitted = self.emitted.numpy()  # entries emitted before now: their paths, as add_denied recounts them
+            emitting = np.flatnonzero(emitted[:, 0] != self.sentinel) if emitted.size else emitted[:0, 0]
+            if len(emitting):
+                self._list.update(self, emitting, emitted[emitting])
+        return self._list.node_flags() if self._list else None
+
     def check_rows(self, num_rows: int) -> None:
         """Raise :class:`ConstraintConfigError` unless these filters were made for ``num_rows`` state rows (rows
         that share one set included). Sizes only: no host read."""
@@ -853,9 +882,10 @@ class RowFilters:
             raise ConstraintConfigError(f"the filters have sets for {rows} rows, the state has {num_rows} rows: "
                                         "build them with TrieConstraint.filters(num_rows, ...) for these rows")
 
-    def select(self, index: torch.Tensor) -> "RowFilters":
+    def select(self, index: torch.Tensor, keep_list: bool = True) -> "RowFilters":
         """Rows ``index`` of these filters (beam reordering). Filters that every row shares, with no distinct list,
-        are the same whatever the rows: returned as they are."""
+        are the same whatever the rows: returned as they are. ``keep_list`` False: a selection to count with the
+        torch pass only, which leaves this object's :meth:`list_flags` as they are (the selection has none)."""
         if not self.distinct and self._shape[0] == 1 and len(index) == len(self.has_allow):
             return self  # one shared set (and so one filter, in the node flags too): every row is alike
         out = object.__new__(RowFilters)  # with this object's sets indexed (built here if they were deferred)
@@ -870,6 +900,7 @@ class RowFilters:
         out.has_static, out.emitted = self.has_static, self.emitted[index]
         out._host_sets, out._flags, out._same_item = self._host_sets, None, self._same_item
         out._host_rows = None
+        out._list = self._list.select(index.cpu().numpy()) if self._list and keep_list else self._list and None
         if self._flags is None and self.distinct:
             # A distinct list's step reads no host value: its rows are mapped to their static filters' when its
             # flags are first built (node_flags, by a CPU kernel). A copy, as every other set here: the caller may
@@ -895,34 +926,44 @@ class RowFilters:
         row_of[filt] = torch.arange(len(filt))
         return self.select(row_of[filter_of_row.long()])
 
-    def usable_count(self, bounds: torch.Tensor) -> torch.Tensor:
+    def usable_count(self, bounds: torch.Tensor, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
         """How many entries each rank interval ``[bounds[:, j], bounds[:, j + 1])`` of each row holds that the row
         may use (:func:`usable_count` over the rows' sets). One batched ``searchsorted`` for all intervals.
 
         Args:
-            bounds: non-decreasing along each row. Shape: (R, M), int64.
+            bounds: non-decreasing along each row. Shape: (R, M), int64 (with ``rows``: (len(rows), M)); a numpy
+                array for filters on the CPU (then ``rows`` too, and the count is one).
+            rows: the rows whose sets count, in the order of ``bounds``' rows (default: every row).
         Returns:
             Shape: (R, M - 1), int64.
         """
-        one = lambda sets: sets[0] if sets.shape[0] == 1 else sets  # noqa: E731  (shared: one 1-D set)
+        # shared: one 1-D set; numpy bounds (CPU sets only) read the sets as numpy
+        np_ = (lambda t: t.numpy()) if isinstance(bounds, np.ndarray) else (lambda t: t)  # noqa: E731
+        one = lambda sets: np_(sets[0] if sets.shape[0] == 1 else sets if rows is None else sets[rows])  # noqa: E731
         if not self.any_allow:
             return usable_count(bounds, None, one(self.deny))
-        return usable_count(bounds, one(self.allow), one(self.deny), None if self.all_allow else self.has_allow)
+        has_allow = None if self.all_allow else np_(self.has_allow if rows is None else self.has_allow[rows])
+        return usable_count(bounds, one(self.allow), one(self.deny), has_allow)
 
-    def bits(self, nodes: torch.Tensor) -> torch.Tensor:
+    def bits(self, nodes: torch.Tensor, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The filter bits (:func:`filter_bits`) of each row's filter at any nodes, from one batched count of the
         intervals ``[lo, lo + 1)`` (the node's own entry, when one ends there: depth-first, it ranks first) and
         ``[lo + 1, hi)`` (the rest of its subtree).
 
         Args:
-            nodes: node ids (>= 0) per row. Shape: (R, M), int64.
+            nodes: node ids (>= 0) per row. Shape: (R, M), int64 (with ``rows``: (len(rows), M)); numpy arrays
+                for filters on the CPU (``rows`` too): no torch op.
+            rows: the rows whose filters count, in the order of ``nodes``' rows (default: every row).
         Returns:
-            Shape: (R, M), uint8 (as :func:`filter_bits` gives them).
+            Shape: (R, M), uint8 (as :func:`filter_bits` gives them), same backend.
         """
-        lo, hi, node_rank = self.order.on(nodes.device)
+        host = isinstance(nodes, np.ndarray)
+        o = self.order
+        lo, hi, node_rank = (o.lo, o.hi, o.node_rank) if host else o.on(nodes.device)
         r, m = nodes.shape
         first = lo[nodes]
-        ok = self.usable(torch.stack([first, first + 1, hi[nodes]], 2).reshape(r, 3 * m))  # (R, 3M - 1)
+        bounds = (np.stack if host else torch.stack)([first, first + 1, hi[nodes]], 2).reshape(r, 3 * m)
+        ok = self.usable(bounds, rows)  # (R, 3M - 1)
         own, rest = ok[:, 0::3], ok[:, 1::3]
         return filter_bits(own | rest, own, node_rank[nodes] >= 0)
 
@@ -946,10 +987,10 @@ class RowFilters:
         kids = filter_bits(ok[:, 1:] | ~valid, torch.ones_like(valid), torch.zeros_like(valid))
         return own, kids
 
-    def usable(self, bounds: torch.Tensor) -> torch.Tensor:
+    def usable(self, bounds: torch.Tensor, rows: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Whether each rank interval holds an entry the row may use (see :meth:`usable_count`). Shape: (R, M - 1),
         bool."""
-        return self.usable_count(bounds) > 0
+        return self.usable_count(bounds, rows) > 0
 
     @property
     def full(self) -> torch.Tensor:
@@ -982,10 +1023,15 @@ class RowFilters:
         self.deny, self.emitted = _merged(self.deny, new, self.sentinel), _merged(self.emitted, new, self.sentinel)
         self.deny_count = self.deny_count + fits.long()
         # Out of the allow set: the ranks left move left over the dropped ones, which go to the last slot (free then).
-        keep = ~(where.unsqueeze(1) & (self.allow.unsqueeze(2) == mates.unsqueeze(1)).any(2))
-        last = self.allow.shape[1] - 1
-        self.allow = torch.full_like(self.allow, self.sentinel).scatter_(
-            1, torch.where(keep, keep.cumsum(1) - 1, last), torch.where(keep, self.allow, self.sentinel))
+        # (No row has one: its sets hold only the sentinel, and stay so.)
+        if self.any_allow:
+            keep = ~(where.unsqueeze(1) & (self.allow.unsqueeze(2) == mates.unsqueeze(1)).any(2))
+            last = self.allow.shape[1] - 1
+            self.allow = torch.full_like(self.allow, self.sentinel).scatter_(
+                1, torch.where(keep, keep.cumsum(1) - 1, last), torch.where(keep, self.allow, self.sentinel))
+        if self._list:  # the whole filter's node flags, on the paths of what the rows' sets lost
+            rows = np.flatnonzero(where.numpy())
+            self._list.update(self, rows, mates.numpy()[rows])
 
 
 def _merged(sets: torch.Tensor, new: torch.Tensor, sentinel: int) -> torch.Tensor:
@@ -1049,6 +1095,89 @@ class NodeFlags:
             mine = filt == f
             out[mine] = row[nodes[mine]]
         return out
+
+
+def _usable_left(filters: "RowFilters", rows: Optional[np.ndarray] = None) -> np.ndarray:
+    """How many ranks each row's filter leaves usable (its allow set, or every rank but its deny set). Shape: (R,)."""
+    s = filters.sentinel
+    pick = (lambda t: t.numpy()) if rows is None else (lambda t: t.numpy()[rows])  # noqa: E731
+    allow, deny = pick(filters.allow), pick(filters.deny)
+    return np.where(pick(filters.has_allow), (allow != s).sum(1), filters.order.num_entries - (deny != s).sum(1))
+
+
+#: The most bytes of node flags a distinct list keeps per batch (:class:`_ListFlags`, one (N,) row per row at most):
+#: beyond, its emitted entries are counted by the torch pass (:func:`apply_filters_`) instead.
+LIST_FLAG_BYTES = 16 << 20
+
+
+class _ListFlags:
+    """A distinct list's whole filter (its static part and the entries each row emitted since) as node flags, for a
+    kernel that masks and moves with them (the C kernel): the filter rule of :func:`_node_flags`, recounted only on
+    the paths of the entries a row completes (:meth:`RowFilters.add_denied`), so a step costs what a static filter's
+    does and the torch pass runs only for rows the flags cannot finish (:meth:`recount`). A row reads its static
+    filter's flags (the trie's cached rows, shared) until it completes an entry, then a copy of its own; a selection
+    (beams) shares every copy, and a row writes only to a copy it made since (one writer per array).
+
+    Attributes:
+        arrays: the flag rows. Each Shape: (N,), uint8.
+        of_row: each row's array. Shape: (R,), int64.
+        room, left: per row, how many more entries its list may hold and how many ranks it may still use (host
+            mirrors of the filters' sets, updated with them). Shape: (R,), int64.
+    """
+
+    def __init__(self, trie: TokenTrie, arrays: list, of_row: np.ndarray, room: np.ndarray, left: np.ndarray,
+                 width: int) -> None:
+        self.trie, self.arrays, self.of_row, self.room, self.left, self.width = trie, arrays, of_row, room, left, width
+        self._addresses = [a.ctypes.data for a in arrays]  # what the kernel reads (NodeFlags.addresses)
+        self._mine: set[int] = set()  # the arrays this object may write: copies it made since its last selection
+        self._flags: Optional[NodeFlags] = None
+
+    def node_flags(self) -> "NodeFlags":
+        if self._flags is None:
+            self._flags = NodeFlags(self.arrays, torch.from_numpy(self.of_row),
+                                    torch.tensor(self._addresses, dtype=torch.int64), num_nodes=self.trie.num_nodes)
+        return self._flags
+
+    def select(self, index: np.ndarray) -> "_ListFlags":
+        """Rows ``index``, sharing the arrays they read (kept: only those): from now on neither side writes them."""
+        self._mine = set()
+        used, of_row = np.unique(self.of_row[index], return_inverse=True)
+        return _ListFlags(self.trie, [self.arrays[i] for i in used.tolist()], of_row.astype(np.int64).reshape(-1),
+                          self.room[index], self.left[index], self.width)
+
+    def update(self, filters: "RowFilters", rows: np.ndarray, ranks: np.ndarray) -> None:
+        """Rows ``rows`` have ``ranks`` (Shape: (len(rows), G), int64, padded with the sentinel) out of their filters
+        now: their bits on those ranks' paths (the only nodes whose bits change), counted in one batch from the
+        rows' sets as they are now (:meth:`RowFilters.bits`)."""
+        order, trie, s = filters.order, self.trie, filters.sentinel
+        valid = ranks != s
+        node = np.where(valid, order.rank_node[np.where(valid, ranks, 0)], 0)  # no rank: the root, recounted alike
+        path, parent = [node], trie.parent
+        while node.any():  # up to the root (the deepest of these entries, not the trie's deepest)
+            node = np.maximum(parent[node], 0)
+            path.append(node)
+        nodes = np.concatenate(path, 1)
+        bits = filters.bits(nodes, rows)
+        for j, i in enumerate(rows.tolist()):
+            f = int(self.of_row[i])
+            if f not in self._mine:  # a shared array: this row's own copy from now on
+                f = len(self.arrays)
+                self.arrays.append(self.arrays[self.of_row[i]].copy())
+                self._addresses.append(self.arrays[f].ctypes.data)
+                self.of_row[i], self._flags = f, None
+                self._mine.add(f)
+            self.arrays[f][nodes[j]] = bits[j]
+        self.left[rows] = _usable_left(filters, rows)
+        self.room = (filters.deny_limit - filters.deny_count).numpy().copy()
+
+    def recount(self, node: np.ndarray, node_rank: np.ndarray) -> np.ndarray:
+        """The rows the flags cannot finish, to count with every child (:func:`_filter_rows_`): a full list, and a
+        row at an entry that may be its list's last (one item of room left, or no more usable ranks than an item
+        holds: the separator may be blocked there). Shape: (K,), int64 row indices."""
+        inside = node >= 0
+        terminal = inside & (node_rank[np.maximum(node, 0)] >= 0)
+        last = terminal & ((self.room <= 1) | (self.left <= self.width))
+        return np.flatnonzero(inside & ((self.room <= 0) | last))
 
 
 #: How many bytes of node flags a trie keeps for the filters it saw last (see :class:`_NodeFlagCache`).
@@ -1161,7 +1290,7 @@ def _node_flags(order: EntryOrder, trie: TokenTrie, allow: Optional[np.ndarray],
 
 def apply_filters_(
     logits: torch.Tensor, node: torch.Tensor, filters: RowFilters, dtrie: Any, rules: Any,
-    rows: Optional[torch.Tensor] = None, static_applied: bool = False,
+    rows: Optional[torch.Tensor] = None, static_applied: bool = False, whole_applied: bool = False,
 ) -> torch.Tensor:
     """After a row's trie mask: block its children whose subtrees hold no usable entry, and its end token (and
     separator) where the entry ending at its node is not usable. A row left with nothing gets the end token at the
@@ -1181,7 +1310,19 @@ def apply_filters_(
         node: the state rows' codes. Shape: (R,), int64.
         rows: logits row of each state row (default: row i).
         static_applied: the kernel masked these rows with the filters' static node flags already.
+        whole_applied: the kernel masked these rows with a distinct list's whole filter already
+            (:meth:`RowFilters.list_flags`): only the rows that may need the list's own rules are counted, with
+            every child (``_ListFlags.recount``).
     """
+    if whole_applied:
+        idx = filters._list.recount(node.numpy(), filters.order.node_rank)
+        if len(idx):
+            at = torch.from_numpy(idx)
+            lrows = at if rows is None else rows.index_select(0, at)
+            sub = logits.index_select(0, lrows)
+            _filter_rows_(sub, node.index_select(0, at), filters.select(at, keep_list=False), dtrie, rules, None)
+            logits.index_copy_(0, lrows, sub)
+        return logits
     x = logits if rows is None else logits.index_select(0, rows)
     blocking = filters.emitted if static_applied else filters.deny
     every = _counts_every_child(filters, node, dtrie, blocking, static_applied)
@@ -1306,7 +1447,7 @@ def _filter_rows_(x: torch.Tensor, node: torch.Tensor, filters: RowFilters, dtri
         if bool(redo.any()):
             idx = redo.nonzero().squeeze(1)
             sub = x.index_select(0, idx)
-            _filter_rows_(sub, node[idx], filters.select(idx), dtrie, rules, None)
+            _filter_rows_(sub, node[idx], filters.select(idx, keep_list=False), dtrie, rules, None)
             x.index_copy_(0, idx, sub)
 
 
@@ -1351,9 +1492,13 @@ def distinct_capacity(trie: TokenTrie, max_new_tokens: int, separator_length: in
     return max(1, min(fit, trie.num_entries))
 
 
-def completed_ranks(node_before: torch.Tensor, node_after: torch.Tensor, dtrie: Any, order: EntryOrder) -> tuple[torch.Tensor, torch.Tensor]:
+def completed_ranks(node_before: Any, node_after: Any, dtrie: Any, order: EntryOrder) -> tuple[Any, Any]:
     """Which rows completed an entry with their last token (they stood at its end and did not go down to a child)
-    and the entry's rank. Both Shape: (R,)."""
+    and the entry's rank. Both Shape: (R,). Torch tensors, or numpy arrays of CPU state (no torch op per step)."""
+    t = dtrie.tensors
+    if isinstance(node_before, np.ndarray):
+        r = order.node_rank[np.maximum(node_before, 0)]
+        return completes_entry(node_before, node_after, t.terminal.numpy(), dtrie.parent_tensor.numpy()), r
     _, _, node_rank = order.on(node_before.device)
     r = node_rank[node_before.clamp(min=0)]
-    return completes_entry(node_before, node_after, dtrie.tensors.terminal, dtrie.parent_tensor), r
+    return completes_entry(node_before, node_after, t.terminal, dtrie.parent_tensor), r
