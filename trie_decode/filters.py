@@ -1311,17 +1311,15 @@ def apply_filters_(
         rows: logits row of each state row (default: row i).
         static_applied: the kernel masked these rows with the filters' static node flags already.
         whole_applied: the kernel masked these rows with a distinct list's whole filter already
-            (:meth:`RowFilters.list_flags`): only the rows that may need the list's own rules are counted, with
-            every child (``_ListFlags.recount``).
+            (:meth:`RowFilters.list_flags`): only the rows that may need the list's own rules are counted, as after
+            its static filter (``_ListFlags.recount``).
     """
     if whole_applied:
         idx = filters._list.recount(node.numpy(), filters.order.node_rank)
-        if len(idx):
+        if len(idx):  # those rows as the kernel had masked their static filter only (a subset of the flags)
             at = torch.from_numpy(idx)
-            lrows = at if rows is None else rows.index_select(0, at)
-            sub = logits.index_select(0, lrows)
-            _filter_rows_(sub, node.index_select(0, at), filters.select(at, keep_list=False), dtrie, rules, None)
-            logits.index_copy_(0, lrows, sub)
+            apply_filters_(logits, node.index_select(0, at), filters.select(at, keep_list=False), dtrie, rules,
+                           at if rows is None else rows.index_select(0, at), static_applied=True)
         return logits
     x = logits if rows is None else logits.index_select(0, rows)
     blocking = filters.emitted if static_applied else filters.deny
