@@ -62,7 +62,8 @@ try:
     from transformers import DynamicCache, GenerationConfig, LogitsProcessorList
     from transformers.generation.utils import GenerateDecoderOnlyOutput
     from transformers.generation import (EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria, StoppingCriteriaList,
-                                         StopStringCriteria)
+                                         StopStringCriteria, SynthIDTextWatermarkLogitsProcessor,
+                                         UnbatchedClassifierFreeGuidanceLogitsProcessor)
     from .transformers import TrieLogitsProcessor
     from .transformers_internals import (
         CACHE_INPUT_NAMES,
@@ -144,6 +145,12 @@ def _where_state(keep_new: torch.Tensor, new: RowState, old: RowState) -> RowSta
                       for f in fields(RowState)))
 
 
+#: Processors that keep their own state of each row, advanced by one token per call (classifier-free guidance runs
+#: its own forward pass and cache; the SynthID watermark keeps each row's last tokens), with the option that adds them.
+_ONE_TOKEN_PER_CALL = ((UnbatchedClassifierFreeGuidanceLogitsProcessor, "guidance_scale"),
+                       (SynthIDTextWatermarkLogitsProcessor, "watermarking_config"))
+
+
 def _check_hooked_inputs(logits_processor: Any, stopping_criteria: Any) -> None:
     for proc in logits_processor or ():
         if isinstance(proc, TrieLogitsProcessor):
@@ -157,6 +164,19 @@ def _check_hooked_inputs(logits_processor: Any, stopping_criteria: Any) -> None:
                 f"fast_forward_generate supports max_length/max_new_tokens, eos_token_id, max_time and stop_strings as "
                 f"stopping criteria, not {type(crit).__name__}: use generate(logits_processor=[TrieLogitsProcessor(...)])"
             )
+
+
+def _check_one_token_per_call(logits_processor: Any) -> None:
+    """Refuse the processors (:data:`_ONE_TOKEN_PER_CALL`) that the fast path, which feeds several tokens per step and
+    asks about some rows only, would give other tokens than ``generate`` (token by token they work)."""
+    for proc in logits_processor or ():
+        for kind, option in _ONE_TOKEN_PER_CALL:
+            if isinstance(proc, kind):
+                raise ConstraintConfigError(
+                    f"fast_forward_generate feeds several tokens per step and some rows only, and {kind.__name__} "
+                    f"(from {option}= or given in logits_processor) expects every row and one token per call: "
+                    f"use model.generate(..., {option}=..., logits_processor=[TrieLogitsProcessor(...)])"
+                )
 
 
 def _check_stop_strings(stop_strings: Union[str, Sequence[str], None], tokenizer: Any, hooked: bool,
@@ -220,6 +240,7 @@ class _Run:
         self.generator = generator
         self.before, self.after = around_user_processors(processors)
         self.batch_state = holds_batch_state(self.before, b)
+        self.after_batch_state = holds_batch_state(self.after, b)
         self.stop_set = set(stop_ids)
         self.pad_id, self.max_new, self.max_time = pad_id, max_new, max_time
         self.do_sample = bool(config.do_sample)
@@ -274,33 +295,39 @@ class _Run:
     def _process(self, rows: list[int], scores: torch.Tensor, state: RowState, at: list[int]) -> torch.Tensor:
         """The logits processors in ``generate``'s order (:func:`~.transformers_internals.around_user_processors`):
         its own processors and a user's, the trie mask (where ``generate`` runs a user's ``TrieLogitsProcessor``),
-        then the sampling warpers and normalization. ``at``: each row's generated tokens before the scored one.
-
-        The processors before the mask may read the tokens so far (repetition penalty, min_new_tokens, a user's).
-        Fast-forward's rows are at different lengths, so they run once per length, on the rows at that length, as
-        ``generate``'s rows would be; a processor holding per-row state made for the whole batch (5.24's repetition
-        penalty, :func:`~.transformers_internals.holds_batch_state`) runs on the whole batch at that length, and
-        only those rows are kept. The warpers and normalization read scores only."""
-        if self.before:
-            groups: dict[int, list[int]] = {}
-            for i, n in enumerate(at):
-                groups.setdefault(n, []).append(i)
-            whole = None
-            for n, pos in groups.items():
-                if len(pos) == len(rows) and (not self.batch_state or rows == list(range(self.b))):  # one call
-                    scores = self.before(self._current_ids(rows, n), scores)
-                    continue
-                sel, idx = torch.tensor(pos, device=self.device), [rows[i] for i in pos]
-                if not self.batch_state:
-                    scores[sel] = self.before(self._current_ids(idx, n), scores[sel])
-                    continue
-                if whole is None:
-                    whole = scores.new_zeros((self.b, scores.shape[1]))
-                whole[idx] = scores[sel]
-                scores[sel] = self.before(self._current_ids(list(range(self.b)), n), whole)[idx]
+        then the sampling warpers, a watermark and normalization. ``at``: each row's generated tokens before the
+        scored one."""
+        scores = self._at_lengths(self.before, self.batch_state, rows, scores, at)
         scores = self.constraint.mask_(scores, state)
-        if self.after:
-            scores = self.after(self._current_ids(rows), scores)
+        return self._at_lengths(self.after, self.after_batch_state, rows, scores, at)
+
+    def _at_lengths(self, processors: LogitsProcessorList, batch_state: bool, rows: list[int], scores: torch.Tensor,
+                    at: list[int]) -> torch.Tensor:
+        """``processors`` on each row's tokens before the scored one, as ``generate``'s rows would be.
+
+        A processor may read the tokens so far (repetition penalty, min_new_tokens, a watermark, a user's).
+        Fast-forward's rows are at different lengths, so they run once per length, on the rows at that length; a
+        processor holding per-row state made for the whole batch (5.24's repetition penalty,
+        :func:`~.transformers_internals.holds_batch_state`) runs on the whole batch at that length, and only those
+        rows are kept."""
+        if not processors:
+            return scores
+        groups: dict[int, list[int]] = {}
+        for i, n in enumerate(at):
+            groups.setdefault(n, []).append(i)
+        whole = None
+        for n, pos in groups.items():
+            if len(pos) == len(rows) and (not batch_state or rows == list(range(self.b))):  # one call
+                scores = processors(self._current_ids(rows, n), scores)
+                continue
+            sel, idx = torch.tensor(pos, device=self.device), [rows[i] for i in pos]
+            if not batch_state:
+                scores[sel] = processors(self._current_ids(idx, n), scores[sel])
+                continue
+            if whole is None:
+                whole = scores.new_zeros((self.b, scores.shape[1]))
+            whole[idx] = scores[sel]
+            scores[sel] = processors(self._current_ids(list(range(self.b)), n), whole)[idx]
         return scores
 
     def _tails(self, idx: torch.Tensor, tokens: torch.Tensor, valid: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
@@ -421,15 +448,18 @@ class _Run:
         """One forward pass over the batch rows' new tokens; False when nothing needed feeding."""
         need_forced_logits = self.want_scores or self.want_logits
         feeds: dict[int, list[int]] = {}
+        keep = []  # rows the pass serves: unfinished ones, and those whose forced tokens' logits it gives
         for r in self.batch_rows:
+            feeds[r] = []  # a row the cache cannot drop stays in the batch, fed nothing
             if not self.finished[r]:
                 feeds[r] = blocks[r]
             elif need_forced_logits and len(blocks[r]) > 1 - int(first):
-                feeds[r] = blocks[r][:-1]  # only the logits of its forced tokens are still needed
+                # Only the logits of its forced tokens are still needed (the prefill gives the first block's first).
+                feeds[r] = blocks[r][:-1]
             else:
-                feeds[r] = []
+                continue
+            keep.append(r)
         # Rows with nothing to feed leave the batch (and the cache, once there is one) before the pass.
-        keep = [r for r in self.batch_rows if feeds[r] or not self.finished[r]]
         if first:
             self.batch_rows = keep
         else:
@@ -495,9 +525,10 @@ class _Run:
         return True
 
     def _forced_scores(self, logits, base, offset, row_of, columns, starts) -> None:
-        """Scores of the forced tokens, from the logits of the pass that consumed the token before each."""
+        """Scores of the forced tokens, from the logits of the pass that consumed the token before each; only of
+        those committed (a stop token or a stop string can cut a block inside its forced run)."""
         for rows, block_pos, state in columns:
-            keep = [i for i, r in enumerate(rows.tolist()) if r in row_of]
+            keep = [i for i, (r, k) in enumerate(zip(rows.tolist(), block_pos.tolist())) if starts[r] + k < self.n_gen[r]]
             if not keep:
                 continue
             sel = torch.tensor(keep, device=self.device)
@@ -533,10 +564,8 @@ class _Run:
             return None
         width = pieces[0][which].shape[1]
         out = torch.full((g, self.b, width), float("-inf"), device=self.device)
-        for rows, gen_pos, *vals in pieces:
-            v = vals[which - 2]
-            ok = gen_pos < torch.tensor([self.n_gen[r] for r in rows.tolist()], device=self.device)
-            out[gen_pos[ok], rows[ok]] = v[ok]
+        for rows, gen_pos, *vals in pieces:  # committed tokens only (_forced_scores)
+            out[gen_pos, rows] = vals[which - 2]
         return tuple(out.unbind(0))
 
     def run(self) -> None:
@@ -660,6 +689,11 @@ def fast_forward_generate(
     deny: Any = None,
     stop_strings: Union[str, Sequence[str], None] = None,
     generator: Optional[torch.Generator] = None,
+    tries: Any = None,
+    spans: Any = None,
+    check_prompt: Any = None,
+    distinct: Any = None,
+    max_entries: Any = None,
     **kwargs: Any,
 ) -> Union[FastForwardOutput, torch.Tensor]:
     r"""Constrained generation that feeds each trie-forced run through the model in the same pass as its decision.
@@ -712,6 +746,9 @@ def fast_forward_generate(
             ``custom_generate``, so through the hook bind it
             (``custom_generate=functools.partial(fast_forward_generate, tokenizer=tok)``) or call this function.
         generator (`torch.Generator`, optional): the random source of sampling.
+        tries, spans, check_prompt, distinct, max_entries: options of ``TrieLogitsProcessor`` this function does not
+            take, refused by name; parameters so that ``generate`` hands them to the hook (it refuses keywords that
+            are not as model kwargs the model does not use, naming no fix).
         kwargs: ``attention_mask`` (Shape: (B, P)), and on the plain path any ``generate`` option
             (``max_new_tokens``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``repetition_penalty``,
             ``output_scores``, ``output_logits``, ``return_dict_in_generate``, ``eos_token_id``, ``streamer`` (one
@@ -726,7 +763,8 @@ def fast_forward_generate(
         ConstraintConfigError: beam search (use the processor instead), an unsupported stopping criterion, a
             ``TrieLogitsProcessor`` in ``logits_processor``, a cache or model input this loop cannot handle, an
             entry that holds an EOS id before its last token, ``stop_strings`` without ``tokenizer``, a live catalog
-            (``trie=catalog.compact()`` decodes its entries now).
+            (``trie=catalog.compact()`` decodes its entries now), ``guidance_scale`` or a SynthID watermark (their
+            processors expect one token per call), an option of ``TrieLogitsProcessor`` it does not take.
 
     Examples:
 
@@ -749,7 +787,8 @@ def fast_forward_generate(
     True
     ```
     """
-    check_not_taken("fast_forward_generate", kwargs, ("tries",), "its trie is trie=", "pass trie=...")
+    refused = dict(tries=tries, spans=spans, check_prompt=check_prompt, distinct=distinct, max_entries=max_entries)
+    check_not_taken("fast_forward_generate", refused, ("tries",), "its trie is trie=", "pass trie=...")
     check_one_source("fast_forward_generate", {"trie": trie, "template": template},
                      hints={"trie": "a TokenTrie, or one per prompt"})
     hooked = logits_processor is not None and stopping_criteria is not None and generation_config is not None
@@ -760,8 +799,8 @@ def fast_forward_generate(
                 f"{text[0]} given as text needs a tokenizer, and generate(custom_generate=fast_forward_generate, "
                 f"tokenizer=...) keeps its tokenizer from the hook: pass {text[0]} as token ids, or call "
                 "fast_forward_generate(model, ..., tokenizer=tokenizer) directly")
-    check_no_distinct("fast_forward_generate", kwargs, "what a list may emit changes at every entry")
-    check_not_taken("fast_forward_generate", kwargs, ("spans", "check_prompt"), "its constraint is trie= or template=",
+    check_no_distinct("fast_forward_generate", refused, "what a list may emit changes at every entry")
+    check_not_taken("fast_forward_generate", refused, ("spans", "check_prompt"), "its constraint is trie= or template=",
                     "spans and the prompt check are model.generate(..., logits_processor=[TrieLogitsProcessor(...)])")
     base = generation_config if generation_config is not None else model.generation_config
     # A generation config with stop strings: generate drops tokenizer= before calling a callable custom_generate, so
@@ -817,6 +856,7 @@ def fast_forward_generate(
                              stopping_criteria if hooked else None, config, model_kwargs,
                              () if hooked else string_stops, tokenizer)
     max_length, processors = config.max_length, logits_processor
+    _check_one_token_per_call(processors)
     unknown = set(model_kwargs) - _KNOWN_MODEL_KWARGS
     if unknown:
         raise ConstraintConfigError(f"fast_forward_generate does not handle these model inputs: {sorted(unknown)}")

@@ -444,7 +444,9 @@ _AFTER_USER_PROCESSORS = ("WatermarkLogitsProcessor", "SynthIDTextWatermarkLogit
 
 def holds_batch_state(processors: Any, batch: int) -> bool:
     """Whether a processor keeps per-row state sized for ``generate``'s whole batch (a tensor attribute whose first
-    dimension is the batch: 5.24's repetition penalty keeps each row's prompt padding), so that it must be called on
-    every row of the batch, never on some of them."""
-    return any(isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == batch
-               for p in processors for v in getattr(p, "__dict__", {}).values())
+    dimension is the batch: 5.24's repetition penalty keeps each row's prompt padding) or tells a row by its place in
+    the batch (``PrefixConstrainedLogitsProcessor`` passes it to ``prefix_allowed_tokens_fn`` as ``batch_id``), so
+    that it must be called on every row of the batch, never on some of them."""
+    return any(isinstance(p, PrefixConstrainedLogitsProcessor) for p in processors) or any(
+        isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == batch
+        for p in processors for v in getattr(p, "__dict__", {}).values())

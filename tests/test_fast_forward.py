@@ -406,6 +406,98 @@ def test_tiny_scores_and_logits_match_processor(tiny_llama, tokenizer, small_tri
             torch.testing.assert_close(out.logits[j][r][kept], ref.logits[j][r][kept], atol=1e-4, rtol=1e-4)
 
 
+def _scores_agree(ref, out, p: int) -> None:
+    """Each row's chosen tokens have the processor's scores, at every generated position (forced ones included)."""
+    for r, n in enumerate(out.stats.row_tokens):
+        for j in range(n):
+            tok = int(out.sequences[r, p + j])
+            assert float(out.scores[j][r, tok]) == pytest.approx(float(ref.scores[j][r, tok]), abs=1e-4), (r, j)
+
+
+@pytest.mark.parametrize("case", ["entry ends in an EOS id", "stop string inside a forced run"])
+def test_scores_of_a_block_cut_inside_its_forced_run(tiny_llama, tokenizer, small_tries, case):
+    """A row that stops inside its forced run (an entry whose last token is an EOS id, before the forced end token;
+    a stop string) asked the logits of the forced tokens after its stop: IndexError inside the scores."""
+    inputs = tiny_inputs(tokenizer, n=2, seed=5)
+    opts = dict(max_new_tokens=12, return_dict_in_generate=True, output_scores=True)
+    if case.startswith("entry"):
+        trie = TokenTrie.from_sequences([[600, 601, 602, tokenizer.eos_token_id], [800, 801]], len(tokenizer))
+        ref, out = _both(tiny_llama, inputs, trie, tokenizer, **opts)
+    else:
+        trie, inputs = small_tries[0], tiny_inputs(tokenizer, n=1)
+        opts.update(stop_strings=["a"], do_sample=False)
+        ref = tiny_llama.generate(**inputs, logits_processor=[TrieLogitsProcessor(trie, tokenizer)], tokenizer=tokenizer,
+                                  **opts)
+        out = fast_forward_generate(tiny_llama, **inputs, trie=trie, tokenizer=tokenizer, **opts)
+    assert torch.equal(ref.sequences, out.sequences) and out.stats.forced_tokens > 0
+    _scores_agree(ref, out, inputs["input_ids"].shape[1])
+
+
+@pytest.mark.parametrize("prompts", [1, 2])
+def test_scores_of_a_row_whose_first_block_is_all_it_writes(tiny_llama, tokenizer, prompts):
+    """A row whose whole output is forced in the first block of one token (one entry, max_new_tokens=1) left the
+    batch before the prefill, which alone gives that token's logits: scores None for one prompt, -inf beside
+    another."""
+    one = TokenTrie.from_sequences([[600, 601, 602]], len(tokenizer))
+    two = TokenTrie.from_sequences([[600, 601, 602], [700]], len(tokenizer))
+    inputs = tiny_inputs(tokenizer, n=prompts, seed=5)
+    ref, out = _both(tiny_llama, inputs, [one, two][:prompts], tokenizer, max_new_tokens=1,
+                     return_dict_in_generate=True, output_scores=True, output_logits=True)
+    assert torch.equal(ref.sequences, out.sequences) and out.stats.row_forced[0] == 1
+    assert out.scores is not None and out.logits is not None
+    _scores_agree(ref, out, inputs["input_ids"].shape[1])
+
+
+def test_a_watermark_reads_each_rows_own_tokens(tiny_llama, tokenizer):
+    """generate runs a watermark after the warpers, on each row's tokens so far; rows at different lengths were
+    right-padded to the longest, so a shorter row's watermark read pad tokens: other tokens than generate's."""
+    seqs = [[500, 501, 502, 503, 504, 505], [500, 501], [600, 601, 602], [800], [900, 901], [900, 902, 903],
+            [1000, 1001, 1002, 1003, 1004, 1005, 1006, 1007], [1000, 1008]]
+    trie = TokenTrie.from_sequences(seqs, len(tokenizer))
+    inputs = tiny_inputs(tokenizer, n=4, seed=5)
+    ref, out = _both(tiny_llama, inputs, trie, tokenizer, max_new_tokens=20, on_complete="repeat", separator=[11],
+                     watermarking_config={"bias": 10.0, "seeding_scheme": "lefthash", "context_width": 1},
+                     return_dict_in_generate=True, output_scores=True)
+    assert torch.equal(ref.sequences, out.sequences) and out.stats.forced_tokens > 0
+    _scores_agree(ref, out, inputs["input_ids"].shape[1])
+
+
+def test_a_prefix_allowed_tokens_fn_gets_each_rows_own_batch_id(tiny_llama, tokenizer):
+    """generate's PrefixConstrainedLogitsProcessor passes each row's index in the batch to prefix_allowed_tokens_fn;
+    rows at other lengths, or beside a finished row, were asked as a smaller batch, so a row got another row's index
+    (and wrote a token its own call banned)."""
+    trie = TokenTrie.from_sequences([[500, 501, 502], [500, 700], [600, 601], [800], [900, 901, 902]], len(tokenizer))
+    banned = {0: {800}, 1: {600, 900, 500}, 2: {900, 800, 600}}
+    every = torch.arange(len(tokenizer))
+
+    def allowed(batch_id, sent):
+        return [t for t in every.tolist() if t not in banned.get(batch_id, ())]
+
+    inputs = tiny_inputs(tokenizer, n=3, seed=5)
+    ref, out = _both(tiny_llama, inputs, trie, tokenizer, max_new_tokens=16, on_complete="repeat", separator=[11],
+                     prefix_allowed_tokens_fn=allowed)
+    assert out.tolist() == ref.tolist() and out.stats.forced_tokens > 0
+
+
+@pytest.mark.parametrize("option", ["guidance_scale", "watermarking_config"])
+def test_processors_that_expect_one_token_per_call_are_refused_by_name(tiny_llama, tokenizer, small_tries, option):
+    """Classifier-free guidance (its own forward pass and cache, one token per call) and the SynthID watermark (its
+    own context of each row's last tokens) see several tokens per step here: a RuntimeError inside transformers
+    for a batch, other tokens than generate's for one prompt."""
+    from transformers import SynthIDTextWatermarkingConfig
+
+    value = 2.0 if option == "guidance_scale" else SynthIDTextWatermarkingConfig(keys=[654, 400, 836, 123], ngram_len=3)
+    for n in (1, 3):
+        inputs = tiny_inputs(tokenizer, n=n)
+        with pytest.raises(ConstraintConfigError, match=rf"fast_forward_generate feeds several tokens per step.*"
+                                                        rf"{option}=.*logits_processor=\[TrieLogitsProcessor"):
+            tiny_llama.generate(**inputs, custom_generate=fast_forward_generate, trie=small_tries[0], max_new_tokens=8,
+                                do_sample=True, **{option: value})
+        with pytest.raises(ConstraintConfigError, match=rf"{option}="):
+            fast_forward_generate(tiny_llama, **inputs, trie=small_tries[0], max_new_tokens=8, do_sample=True,
+                                  **{option: value})
+
+
 def test_plain_function_matches_hook(tiny_llama, tokenizer, small_tries):
     inputs = tiny_inputs(tokenizer)
     hooked = tiny_llama.generate(
@@ -470,6 +562,17 @@ def test_bad_arguments_are_named(tiny_llama, tokenizer, small_tries):
         fast_forward_generate(tiny_llama, **inputs, trie=small_tries[0], max_new_tokens=4, stop_strings=["."])
     with pytest.raises(ConstraintConfigError, match="streams one prompt.*without streamer"):
         fast_forward_generate(tiny_llama, **inputs, trie=small_tries[0], max_new_tokens=4, streamer=_Collect())
+
+
+@pytest.mark.parametrize("option", ["tries", "spans", "check_prompt", "distinct", "max_entries"])
+def test_processor_options_through_the_hook_are_refused_by_name(tiny_llama, tokenizer, small_tries, option):
+    """TrieLogitsProcessor's options that fast-forward does not take were refused by name on the plain call only;
+    through generate(custom_generate=...) transformers refused them as "model_kwargs are not used by the model"
+    (typos), naming no fix."""
+    value = {"tries": small_tries[0], "spans": [], "check_prompt": True, "distinct": True, "max_entries": 2}[option]
+    with pytest.raises(ConstraintConfigError, match=rf"^fast_forward_generate does not take {option}= "):
+        tiny_llama.generate(**tiny_inputs(tokenizer, n=1), custom_generate=fast_forward_generate, trie=small_tries[0],
+                            max_new_tokens=4, **{option: value})
 
 
 def test_per_prompt_tries_and_filters_must_give_one_per_prompt(tiny_llama, tokenizer, small_tries):
