@@ -211,3 +211,17 @@ def test_context_error_for_a_trailing_space_names_each_front_door_s_options(toke
         TokenTrie.from_strings(["France"], tokenizer, context="The answer is ")
     assert "context='The answer is' or leading_space=True" in str(info.value)
     assert "--context 'The answer is' or --leading-space" in info.value.message_for(FLAGS)
+
+
+def test_tokenize_strings_takes_the_fix_its_context_error_names_and_refuses_a_second_form(tokenizer):
+    """tokenize_strings(context=...)'s ContextError recommends on_unstable='raw': a keyword it takes; and
+    leading_space beside context (one form per string) is refused, not silently dropped."""
+    from trie_decode.tokenizers import ContextError
+
+    with pytest.raises(ContextError, match=r"on_unstable='raw'"):
+        tokenize_strings(["-hello"], tokenizer, context='"country": "')
+    assert tokenize_strings(["-hello"], tokenizer, context='"country": "', on_unstable="raw") == _ids(tokenizer, ["-hello"])
+    with pytest.raises(InvalidEntryError, match=r"on_unstable='raw' only applies with a context"):
+        tokenize_strings(["France"], tokenizer, on_unstable="raw")
+    with pytest.raises(InvalidEntryError, match=r"leading_space=True .*context="):
+        tokenize_strings(["Paris"], tokenizer, leading_space=True, context="\n")

@@ -425,3 +425,44 @@ def test_a_bad_prompt_is_named(tokenizer, prompt, error, message):
     if prompt is not None and not isinstance(prompt, list):
         with pytest.raises(error, match=message):
             heal_prompt(prompt, tokenizer)
+
+
+@pytest.mark.parametrize("family,backend", CASES, ids=IDS)
+def test_raw_form_of_an_entry_that_merges_with_its_context_spells_the_entry(family, backend):
+    """``on_unstable="raw"`` keeps the entry's own tokens where it merges with its context: the ids of the entry
+    itself, never with SentencePiece's dummy-prefix space in front (after '"', "'Are'are" was "▁'Are'are": the
+    model would write '" \\'Are\\'are'; after "Answer: ", "Paris" was "▁Paris", two spaces)."""
+    tok = load(family, backend)
+    table = token_bytes(tok)
+    for context, strings in (('"', ["'Are'are", "-hello", ".NET"]), ("Answer: ", ["Paris", "  two"])):
+        trie = TokenTrie.from_strings(strings, tok, context=context, on_unstable="raw")
+        for i, text in enumerate(strings):
+            assert b"".join(table[t] for t in trie.entry(i).tokens) == text.encode(), (family, context, text)
+
+
+SPECIAL_TEXTS = ["<s>", "</s>", "<unk>", "[INST]", "<|endoftext|>", "<|im_end|>", "x <|im_start|>", "<start_of_turn>",
+                 "<|begin_of_text|>"]
+
+
+@pytest.mark.parametrize("family,backend", CASES, ids=IDS)
+def test_an_entry_that_spells_a_special_token_is_text_not_markup(family, backend):
+    """A special token's text inside an entry (``"<s>"``, the HTML tag, or ``"</s>"``) is text the model writes with
+    ordinary tokens: the trie never holds a special id (a fast tokenizer read ``"</s>"`` as the end token, id 2, where
+    ``MistralCommonBackend`` of the same files reads text, and the two loaders' tries load with each other)."""
+    from trie_decode.tokenizers import markup_ids
+
+    tok = load(family, backend)
+    table, markup = token_bytes(tok), markup_ids(tok)
+    # Each family's own special tokens too ("▁" in one is a space to a SentencePiece tokenizer: left out there).
+    texts = list(dict.fromkeys(SPECIAL_TEXTS + [t for t in (tok.bos_token, tok.eos_token) if isinstance(t, str) and (
+        "\u2581" not in t or byte_scheme(tok) == "bytelevel")]))
+    for form in (dict(leading_space=True), dict(leading_space=False), dict(context="The tag is"),
+                 dict(context="[/INST]"), dict(context='"', on_unstable="raw")):
+        trie = TokenTrie.from_strings(texts, tok, **form)
+        for i, text in enumerate(texts):
+            tokens = trie.entry(i).tokens
+            assert not markup.intersection(tokens), (family, form, text, tokens)
+            assert b"".join(table[t] for t in tokens).decode().strip() == text, (family, form, text, tokens)
+        if backend == "hf" and family.startswith("mistral"):
+            assert trie.sequences() == TokenTrie.from_strings(texts, load(family, "mistral-common"),
+                                                              **form).sequences(), (family, form)

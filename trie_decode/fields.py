@@ -284,8 +284,9 @@ def check_values_can_end(tries: Sequence[TokenTrie], rules: "FieldRules", labels
 
 
 def _value_ids(texts: Sequence[str], tokenizer: Any, context: str, vocab: Sequence[bytes]) -> list[list[int]]:
-    """Each text's ids right after ``context``, spelling exactly the text (never with SentencePiece's dummy-prefix
-    space in front of a value that merges with its context: :func:`_spelled_exactly`)."""
+    """Each text's ids right after ``context``, spelling exactly the text (a value that merges with its context
+    gets its own ids, which never open with SentencePiece's dummy-prefix space where a newline before it merges with
+    nothing: :func:`~trie_decode.tokenizers.tokenize_in_context`; else :func:`_spelled_exactly`)."""
     seqs = tokenize_in_context(texts, tokenizer, context, separator="", on_unstable="raw")
     for i, seq in enumerate(seqs):
         if _spelled(seq, vocab) == b" " + texts[i].encode("utf-8"):
@@ -298,15 +299,10 @@ def _spelled(ids: Sequence[int], vocab: Sequence[bytes]) -> bytes:
 
 
 def _spelled_exactly(text: str, tokenizer: Any, vocab: Sequence[bytes]) -> list[int]:
-    """Ids writing exactly ``text``, for a value that merges with its context (its own tokens are used) on a
-    SentencePiece tokenizer, whose own tokens of a text open with its dummy-prefix space (``▁(Paris)``, which is not
-    the value): the tokenizer's ids of ``text`` after a newline (which merges with nothing) when they spell it, else
-    the longest tokens (:func:`~trie_decode.tokenizers.spelling_ids`, byte-fallback pieces last)."""
-    want = text.encode("utf-8")
-    ids = tokenize_in_context([text], tokenizer, "\n", separator="", on_unstable="raw")[0]
-    if _spelled(ids, vocab) == want:
-        return ids
-    ids = spelling_ids(want, vocab, avoid=set(byte_piece_ids(tokenizer, range(len(vocab)))))
+    """Ids writing exactly ``text``, for a value whose own ids open with SentencePiece's dummy-prefix space even
+    after a newline (a value that starts with one): the longest tokens
+    (:func:`~trie_decode.tokenizers.spelling_ids`, byte-fallback pieces last)."""
+    ids = spelling_ids(text.encode("utf-8"), vocab, avoid=set(byte_piece_ids(tokenizer, range(len(vocab)))))
     if ids is None:
         raise InvalidEntryError(f"no tokens of this vocabulary write the value {text!r:.60}")
     return ids

@@ -65,7 +65,7 @@ import numpy as np
 import torch
 
 from .errors import InvalidTokenError, TrieDecodeError
-from .tokenizers import added_tokens_decoder, token_bytes
+from .tokenizers import markup_ids, token_bytes
 
 __all__ = [
     "Trigger",
@@ -381,20 +381,6 @@ class TextTriggers:
 # The vocabulary as bytes
 
 
-def _special_ids(tokenizer: Any) -> set[int]:
-    """Ids whose text is markup, not output text: special ids, added tokens flagged special, unk/bos/eos/pad."""
-    found = {int(i) for i in (getattr(tokenizer, "all_special_ids", None) or [])}
-    found |= {int(i) for i, t in added_tokens_decoder(tokenizer).items() if getattr(t, "special", False)}
-    for name in ("unk_token_id", "bos_token_id", "eos_token_id", "pad_token_id"):
-        try:
-            value = getattr(tokenizer, name, None)
-        except Exception:  # noqa: BLE001 - some loaders raise for a token they do not have
-            value = None
-        if isinstance(value, int) and value >= 0:
-            found.add(value)
-    return found
-
-
 def vocabulary_bytes(tokenizer: Any, *, special_ids: Optional[Sequence[int]] = None) -> list[bytes]:
     """Each token id's bytes for text matching: :func:`~trie_decode.tokenizers.token_bytes`, with special tokens
     (``special_ids``, by default the tokenizer's own: see the module docstring) as ``b""``.
@@ -405,7 +391,7 @@ def vocabulary_bytes(tokenizer: Any, *, special_ids: Optional[Sequence[int]] = N
     if not hasattr(tokenizer, "get_vocab"):
         raise TriggerTypeError(f"tokenizer must be a Hugging Face-style tokenizer, got {type(tokenizer).__name__}")
     out = list(token_bytes(tokenizer))
-    specials = _special_ids(tokenizer) if special_ids is None else {int(i) for i in special_ids}
+    specials = markup_ids(tokenizer) if special_ids is None else {int(i) for i in special_ids}
     for i in specials:
         if 0 <= i < len(out):
             out[i] = b""

@@ -37,7 +37,14 @@ from typing import Any, Collection, Optional, Sequence
 import numpy as np
 
 from .errors import InvalidEntryError, TrieDecodeError
-from .options import KEYWORDS, NORMAL_FORMS, OptionNames, check_normalize, check_on_unstable
+from .options import (
+    KEYWORDS,
+    NORMAL_FORMS,
+    OptionNames,
+    check_normalize,
+    check_on_unstable,
+    check_on_unstable_context,
+)
 
 __all__ = [
     "tokenizer_fingerprint",
@@ -48,6 +55,7 @@ __all__ = [
     "tokenize_in_context",
     "separator_after",
     "special_token_strings",
+    "markup_ids",
     "ends_with_special_token",
     "token_bytes",
     "byte_scheme",
@@ -69,6 +77,7 @@ LINE_ANCHOR = "\n"
 _CACHE: dict[int, tuple[Any, int, str]] = {}
 _BYTES_CACHE: dict[int, tuple[Any, int, tuple[np.ndarray, bytes, Optional[list[bytes]]]]] = {}
 _SPECIAL_CACHE: dict[int, tuple[Any, int, frozenset[str]]] = {}
+_MARKUP_CACHE: dict[int, tuple[Any, int, frozenset[int]]] = {}
 
 
 class ContextError(TrieDecodeError, ValueError):
@@ -423,11 +432,14 @@ def normalize_strings(strings: Sequence[str], normalize: Optional[str]) -> list[
     return [unicodedata.normalize(normalize, s) for s in strings]
 
 
-def encode_texts(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
-    """Token ids of each text, without special tokens, in one batched call (any Hugging Face-style tokenizer)."""
+def encode_texts(tokenizer: Any, texts: Sequence[str], *, text_only: bool = False) -> list[list[int]]:
+    """Token ids of each text, without special tokens, in one batched call (any Hugging Face-style tokenizer);
+    with ``text_only``, a special token's text in a text is read as text (``split_special_tokens``), as a model
+    writes it (``MistralCommonBackend`` always reads it so, and refuses the keyword)."""
     if not texts:
         return []
-    encoded = tokenizer(list(texts), add_special_tokens=False)
+    split = {"split_special_tokens": True} if text_only and byte_scheme(tokenizer) != "mistral-common" else {}
+    encoded = tokenizer(list(texts), add_special_tokens=False, **split)
     ids = encoded["input_ids"] if isinstance(encoded, dict) or hasattr(encoded, "keys") else encoded
     return [[int(t) for t in x] for x in ids]
 
@@ -473,7 +485,8 @@ def tokenize_in_context(
         separator: the text between context and entry; by default :func:`separator_after` (a space after a word,
             nothing after a newline or an opening quote). Entries that start with whitespace get none.
         on_unstable: ``"raise"`` (:class:`ContextError` naming the first such entry and the fix) or ``"raw"`` (use
-            the entry's own tokenization, ``separator + s`` as if the context were absent, for those entries).
+            the entry's own tokenization, ``separator + s`` as if the context were absent, for those entries: its ids
+            after a newline, so without SentencePiece's dummy-prefix ``"▁"``).
 
     Raises:
         ContextError: with ``on_unstable="raise"``, the context merges with an entry.
@@ -500,7 +513,14 @@ def tokenize_in_context(
         out.append([])
         raw_needed.append(i)
     if raw_needed:
-        for i, ids in zip(raw_needed, encode_texts(tokenizer, [texts[i] for i in raw_needed])):
+        # The entry's own ids: after a newline, which merges with nothing else, so that SentencePiece's dummy prefix
+        # adds no "▁" the entry does not have ("▁'Are'are" after '"'); alone where the newline merges with it too.
+        own = [texts[i] for i in raw_needed]
+        if context == LINE_ANCHOR and separator == "":
+            own_ids = [ids or [] for ids in _split_after(own, tokenizer, "", "")[1]]
+        else:
+            own_ids = tokenize_in_context(own, tokenizer, LINE_ANCHOR, separator="", on_unstable="raw")
+        for i, ids in zip(raw_needed, own_ids):
             out[i] = ids
     return out
 
@@ -560,10 +580,39 @@ def ends_with_special_token(tokenizer: Any, context: str) -> bool:
     return bool(context) and any(context.endswith(t) for t in special_token_strings(tokenizer))
 
 
+def markup_ids(tokenizer: Any) -> frozenset[int]:
+    """Ids whose text is markup, not output text: special ids, added tokens flagged special, unk/bos/eos/pad; cached.
+
+    A fast tokenizer reads such a token's text in its input as the token (``"</s>"`` as the end token), a model
+    writes that text with ordinary tokens; non-special added tokens (Gemma's ``"\\n"`` tokens) are text.
+    """
+    cached = _MARKUP_CACHE.get(id(tokenizer))
+    size = _size_key(tokenizer)
+    if cached is not None and cached[0] is tokenizer and cached[1] == size:
+        return cached[2]
+    found = {int(i) for i in (getattr(tokenizer, "all_special_ids", None) or [])}
+    found |= {int(i) for i, t in added_tokens_decoder(tokenizer).items() if getattr(t, "special", False)}
+    for name in ("unk_token_id", "bos_token_id", "eos_token_id", "pad_token_id"):
+        try:
+            value = getattr(tokenizer, name, None)
+        except Exception:  # noqa: BLE001 - some loaders raise for a token they do not have
+            value = None
+        if isinstance(value, int) and value >= 0:
+            found.add(value)
+    result = frozenset(found)
+    _MARKUP_CACHE[id(tokenizer)] = (tokenizer, size, result)
+    return result
+
+
 def _split_after(
-    strings: Sequence[str], tokenizer: Any, context: str, separator: Optional[str]
+    strings: Sequence[str], tokenizer: Any, context: str, separator: Optional[str], text_only: bool = False
 ) -> tuple[list[str], list[Optional[list[int]]], list[int]]:
-    """(texts with their separator, in-context ids of each text or None where the context merges, context ids)."""
+    """(texts with their separator, in-context ids of each text or None where the context merges, context ids).
+
+    A text that spells a special token's text (``"</s>"``, the HTML tag ``"<s>"``) is text, which the model writes
+    with ordinary tokens: where its ids hold a :func:`markup_ids` token, it is tokenized again reading special
+    tokens' text as text (``text_only``: see :func:`encode_texts`).
+    """
     if not isinstance(context, str):
         raise InvalidEntryError(f"context must be a string (the text the entries follow), got {type(context).__name__}")
     fresh = not context or ends_with_special_token(tokenizer, context)
@@ -571,11 +620,21 @@ def _split_after(
         separator = "" if fresh else separator_after(context)
     texts = [s if s[:1].isspace() else separator + s for s in strings]
     if fresh:
-        return texts, encode_texts(tokenizer, texts), []
-    head = encode_texts(tokenizer, [context])[0]
-    full = encode_texts(tokenizer, [context + t for t in texts])
-    k = len(head)
-    return texts, [ids[k:] if ids[:k] == head and len(ids) > k else None for ids in full], head
+        split: list[Optional[list[int]]] = list(encode_texts(tokenizer, texts, text_only=text_only))
+        head: list[int] = []
+    else:
+        head = encode_texts(tokenizer, [context], text_only=text_only)[0]
+        full = encode_texts(tokenizer, [context + t for t in texts], text_only=text_only)
+        k = len(head)
+        split = [ids[k:] if ids[:k] == head and len(ids) > k else None for ids in full]
+    if not text_only:
+        markup = markup_ids(tokenizer)
+        marked = [i for i, ids in enumerate(split) if ids is not None and not markup.isdisjoint(ids)]
+        if marked:
+            again = _split_after([strings[i] for i in marked], tokenizer, context, separator, text_only=True)[1]
+            for i, ids in zip(marked, again):
+                split[i] = ids
+    return texts, split, head
 
 
 def _unstable_message(
@@ -602,7 +661,12 @@ def _unstable_message(
 
 
 def tokenize_strings(
-    strings: Sequence[str], tokenizer: Any, *, leading_space: bool = False, context: Optional[str] = None
+    strings: Sequence[str],
+    tokenizer: Any,
+    *,
+    leading_space: bool = False,
+    context: Optional[str] = None,
+    on_unstable: str = "raise",
 ) -> list[list[int]]:
     """Tokenize entry strings in one batched call, without special tokens, as the model writes them in context.
 
@@ -617,6 +681,11 @@ def tokenize_strings(
             merges with the anchor keeps its own tokenization (``" " + s`` or ``s``).
         context: instead of ``leading_space``, the exact text the entries follow (see :func:`tokenize_in_context`;
             raises :class:`ContextError` when the context merges with an entry).
+        on_unstable: with a ``context``, ``"raise"`` or ``"raw"`` (see :func:`tokenize_in_context`).
+
+    Raises:
+        InvalidEntryError: ``leading_space=True`` with a ``context`` (one form per string: ``from_strings`` stores
+            several), or ``on_unstable="raw"`` without one.
 
     Example:
         >>> from transformers import AutoTokenizer                                       # doctest: +SKIP
@@ -625,8 +694,13 @@ def tokenize_strings(
         True
     """
     strings = list(strings)
+    check_on_unstable(on_unstable, _ENTRY_OPTIONS)
+    check_on_unstable_context(on_unstable, context is not None, _ENTRY_OPTIONS)
     if context is not None:
-        return tokenize_in_context(strings, tokenizer, context)
+        if leading_space:
+            raise InvalidEntryError(f"{_ENTRY_OPTIONS.given('leading_space', True)} and {_ENTRY_OPTIONS('context')}= "
+                                    "ask for two forms of each string: give one (TokenTrie.from_strings stores both)")
+        return tokenize_in_context(strings, tokenizer, context, on_unstable=on_unstable)
     # An entry that merges with the anchor keeps its own tokenization (of " " + s, or s).
     if leading_space:
         return tokenize_in_context(strings, tokenizer, SPACE_ANCHOR, separator=" ", on_unstable="raw")

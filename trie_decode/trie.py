@@ -60,8 +60,8 @@ TABLES = ("names", "keys")
 VOCAB_SIZE = OptionNames(error=InvalidTokenError)
 
 
-def _index(value: Any, what: str, count: int) -> int:
-    """``value`` as an int in ``[0, count)``: a node id or an entry index (``what``) of a trie of ``count`` of them.
+def _index(value: Any, what: str, count: int, plural: str) -> int:
+    """``value`` as an int in ``[0, count)``: a node id or an entry index (``what``, ``plural``) of a trie of ``count`` of them.
 
     Raises:
         InvalidEntryError: ``value`` is not an integer (a float would be truncated, a bool read as 0 or 1).
@@ -71,7 +71,7 @@ def _index(value: Any, what: str, count: int) -> int:
         raise InvalidEntryError(f"{what} {value!r:.40} is {type(value).__name__}, not an integer")
     index = int(value)
     if not 0 <= index < count:
-        raise IndexError(f"{what} {index} is not in this trie (it has {count} {what}s)")
+        raise IndexError(f"{what} {index} is not in this trie (it has {count} {plural})")
     return index
 
 
@@ -312,7 +312,8 @@ class TokenTrie:
         :func:`trie_decode.forms.check_prompt` tells whether a given prompt and the trie agree.
 
         Args:
-            strings: the entries' texts; they become the entries' names.
+            strings: the entries' texts; they become the entries' names. A special token's text in one (``"</s>"``)
+                is text: the trie holds the ordinary tokens that write it, never the special token.
             tokenizer: the tokenizer of the model that will generate (its fingerprint is recorded).
             leading_space: a bool or a list of bools (see :func:`~trie_decode.tokenize_strings`). Default: False
                 when no ``context`` is given.
@@ -467,12 +468,12 @@ class TokenTrie:
     def _check_node(self, node: int) -> int:
         """``node`` as an int: a node id of this trie (an :class:`InvalidEntryError` for a non-integer, a float or
         a bool included; an ``IndexError`` out of range)."""
-        return _index(node, "node", self.num_nodes)
+        return _index(node, "node", self.num_nodes, "nodes")
 
     def _check_entry(self, index: int) -> int:
         """``index`` as an int: an entry index of this trie (errors as :meth:`_check_node`'s); also what
         :func:`trie_decode.catalogs.items_of` takes."""
-        return _index(index, "entry", self.num_entries)
+        return _index(index, "entry", self.num_entries, "entries")
 
     def children(self, node: int) -> tuple[np.ndarray, np.ndarray]:
         """Tokens (sorted, a view) and node ids of the children of ``node``.
