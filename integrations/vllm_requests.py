@@ -19,6 +19,8 @@ Request keys (in ``extra_args``; see :func:`trie_args` for a typed builder):
     context         inline strings: the text they follow (the end of the prompt), or a list of such texts: the trie
                     holds the ids the model writes there (``TokenTrie.from_strings(..., context=)``)
     normalize       inline strings: "NFC" (or "NFKC", "NFD", "NFKD") before tokenizing (Qwen's tokenizers)
+    on_unstable     inline strings with a context: "raise" (default: an entry that merges with the context's last
+                    token is refused) or "raw" (it keeps its own tokens there)
     prefix          token ids of the output that are already at the end of the prompt: the state starts after
                     them (used by the fast-forward driver, :mod:`trie_decode.integrations.vllm_fastforward`)
     stop_at_forced  an int k >= 1: end the request with the end token as soon as it reaches a state (inside an
@@ -68,9 +70,10 @@ from trie_decode.fields import ESCAPES, FieldRules, Span
 from trie_decode.templates import Template, template_slots
 from trie_decode.filters import check_allow_leaves_entries, entry_indices, spec_items
 from trie_decode.options import (OptionNames, check_alone, check_filter_mode, check_normalize, check_on_complete,
-                                  check_separator, first_eos, given_filters, rule_args, text_or_ids, token_tuple)
+                                  check_on_unstable, check_on_unstable_context, check_separator, first_eos,
+                                  given_filters, rule_args, text_or_ids, token_tuple)
 from trie_decode.text_spans import WHITESPACE_MODES, Trigger
-from trie_decode.tokenizers import fingerprint_matches, tokenizer_fingerprint, tokenizer_vocab_size
+from trie_decode.tokenizers import ContextError, fingerprint_matches, tokenizer_fingerprint, tokenizer_vocab_size
 from trie_decode.trie import TokenTrie
 
 from .vllm_access import (
@@ -107,8 +110,8 @@ __all__ = [
 
 TRIE_KEY = "trie"
 OPTION_KEYS = (
-    "trie", "on_complete", "trigger", "separator", "leading_space", "context", "normalize", "prefix", "stop_at_forced",
-    "forced_tail_only",
+    "trie", "on_complete", "trigger", "separator", "leading_space", "context", "normalize", "on_unstable", "prefix",
+    "stop_at_forced", "forced_tail_only",
     "allow", "deny", "spans", "template", "slots",
 )
 #: The keys that ask for a constraint: a request with none of them is not this processor's.
@@ -153,8 +156,8 @@ class TrieRequest:
             access policy only when the trie is needed), ``"strings"`` or ``"sequences"`` (``payload`` is a tuple).
         payload: the name or path, or the inline entries as a tuple of str / tuple of tuples of int.
         on_complete, trigger, separator: the options (text or token ids; tokenized on resolve).
-        leading_space, context, normalize: how inline strings are tokenized (``TokenTrie.from_strings``'s options;
-            ``leading_space`` a bool or a tuple of bools, ``context`` a string or a tuple of them, or None).
+        leading_space, context, normalize, on_unstable: how inline strings are tokenized (``TokenTrie.from_strings``'s
+            options; ``leading_space`` a bool or a tuple of bools, ``context`` a string or a tuple of them, or None).
     """
 
     source: str
@@ -165,6 +168,7 @@ class TrieRequest:
     leading_space: Any = False
     context: Any = None
     normalize: Optional[str] = None
+    on_unstable: str = "raise"
     prefix: tuple = ()
     stop_at_forced: int = 0
     forced_tail_only: bool = False
@@ -181,7 +185,7 @@ class TrieRequest:
             return (self.source, hashlib.sha256(blob.encode("utf-8", "surrogatepass")).hexdigest())
         if self.source == "file":
             return ("file", self.payload)
-        forms = [self.leading_space, self.context, self.normalize]
+        forms = [self.leading_space, self.context, self.normalize, self.on_unstable]
         blob = json.dumps([self.source, forms, self.payload], ensure_ascii=False).encode("utf-8")
         return ("inline", hashlib.sha256(blob).hexdigest())
 
@@ -406,9 +410,10 @@ MAX_FORMS = 8
 MAX_RULE_LENGTH = 256
 
 
-def _string_forms(extra_args: dict) -> tuple[Any, Any, Optional[str]]:
-    """The inline strings' ``leading_space`` (a bool, or a tuple of them), ``context`` (None, a string, or a tuple)
-    and ``normalize`` options, checked (the values themselves are checked again by ``TokenTrie.from_strings``)."""
+def _string_forms(extra_args: dict) -> tuple[Any, Any, Optional[str], str]:
+    """The inline strings' ``leading_space`` (a bool, or a tuple of them), ``context`` (None, a string, or a tuple),
+    ``normalize`` and ``on_unstable`` options, checked (the values themselves are checked again by
+    ``TokenTrie.from_strings``)."""
     def flag(v: Any) -> bool:
         if isinstance(v, bool):
             return v
@@ -429,7 +434,9 @@ def _string_forms(extra_args: dict) -> tuple[Any, Any, Optional[str]]:
         _fail("extra_args['leading_space'] is an empty list")
     if n > MAX_FORMS:
         _fail(f"extra_args asks for {n} forms of every string, over the limit of {MAX_FORMS}")
-    return leading_space, context, check_normalize(extra_args.get("normalize"), EXTRA_ARGS)
+    on_unstable = check_on_unstable(extra_args.get("on_unstable", "raise"), EXTRA_ARGS)
+    check_on_unstable_context(on_unstable, context is not None, EXTRA_ARGS)
+    return leading_space, context, check_normalize(extra_args.get("normalize"), EXTRA_ARGS), on_unstable
 
 
 def _inline_payload(value: list, max_entries: int, max_bytes: int) -> tuple[str, tuple]:
@@ -519,7 +526,7 @@ def parse_trie_request(
             _fail(f"extra_args[{key!r}] holds {size} {'bytes of text' if isinstance(value, str) else 'token ids'}, "
                   f"over the limit of {MAX_RULE_LENGTH}: a {key} is a few tokens")
     check_separator(on_complete, separator is not None, EXTRA_ARGS)
-    leading_space, context, normalize = _string_forms(extra_args)
+    leading_space, context, normalize, on_unstable = _string_forms(extra_args)
     if (leading_space or context is not None or normalize is not None) and source != "strings":
         _fail("extra_args['leading_space'], ['context'] and ['normalize'] apply only to an inline list of strings")
     prefix, stop_at, tail_only = _fast_forward_options(extra_args)
@@ -537,6 +544,7 @@ def parse_trie_request(
         leading_space=leading_space,
         context=context,
         normalize=normalize,
+        on_unstable=on_unstable,
         prefix=prefix,
         stop_at_forced=stop_at,
         forced_tail_only=tail_only,
@@ -589,6 +597,7 @@ def trie_args(
     leading_space: Union[bool, Sequence[bool]] = False,
     context: Union[str, Sequence[str], None] = None,
     normalize: Optional[str] = None,
+    on_unstable: str = "raise",
     allow: Union[Sequence[Union[str, int]], dict, None] = None,
     deny: Union[Sequence[Union[str, int]], dict, None] = None,
 ) -> dict[str, Any]:
@@ -616,7 +625,8 @@ def trie_args(
         "trie": trie is not None, "spans": spans is not None, "on_complete": on_complete != "eos",
         "trigger": trigger is not None, "separator": separator is not None,
         "leading_space": leading_space is not False, "context": context is not None,
-        "normalize": normalize is not None, "allow": allow is not None, "deny": deny is not None,
+        "normalize": normalize is not None, "on_unstable": on_unstable != "raise", "allow": allow is not None,
+        "deny": deny is not None,
     }.items() if is_set]
     if template is not None or slots is not None:
         check_alone("template", given, TRIE_ARGS)
@@ -655,6 +665,8 @@ def trie_args(
         out["context"] = context if isinstance(context, str) else list(context)
     if normalize is not None:
         out["normalize"] = normalize
+    if on_unstable != "raise":
+        out["on_unstable"] = on_unstable
     for name, value in (("allow", allow), ("deny", deny)):
         if value is not None:  # the request's filter rules, then plain JSON values ({"file": PATH}, or a list)
             spec = _filter_option(value, TRIE_ARGS(name))
@@ -831,8 +843,11 @@ class TrieResolver:
             context = list(req.context) if isinstance(req.context, tuple) else req.context
             if context is not None and spaces is False:
                 spaces = None  # only the context's form
-            return TokenTrie.from_strings(list(req.payload), self.tokenizer, leading_space=spaces, context=context,
-                                          normalize=req.normalize)
+            try:
+                return TokenTrie.from_strings(list(req.payload), self.tokenizer, leading_space=spaces,
+                                              context=context, normalize=req.normalize, on_unstable=req.on_unstable)
+            except ContextError as exc:  # its fix, in the request's own options
+                raise TrieRequestError(exc.message_for(EXTRA_ARGS)) from exc
         return TokenTrie.from_sequences([list(s) for s in req.payload], self.vocab_size, fingerprint=self.fingerprint)
 
     def _build_inline(self, req: TrieRequest, admit: bool = False) -> TokenTrie:

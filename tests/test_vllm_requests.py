@@ -23,6 +23,7 @@ def resolver(tokenizer):
     (dict(context=["The answer is", "Answer:\n"]), dict(context=["The answer is", "Answer:\n"])),
     (dict(leading_space=[True, False]), dict(leading_space=[True, False])),
     (dict(leading_space=True, normalize="NFD"), dict(leading_space=True, normalize="NFD")),
+    (dict(context='"country": "', on_unstable="raw"), dict(context='"country": "', on_unstable="raw")),
 ])
 def test_inline_strings_are_the_python_builders_trie(resolver, tokenizer, options, kwargs):
     req = parse_trie_request(trie_args(NAMES, **options))
@@ -39,6 +40,8 @@ def test_inline_strings_are_the_python_builders_trie(resolver, tokenizer, option
     ({"trie": NAMES, "leading_space": []}, "empty list"),
     ({"trie": NAMES, "leading_space": [True, "no"]}, "must be a boolean"),
     ({"trie": NAMES, "normalize": "NFX"}, r"extra_args\['normalize'\] must be one of"),
+    ({"trie": NAMES, "on_unstable": "keep"}, r"extra_args\['on_unstable'\] must be one of"),
+    ({"trie": NAMES, "on_unstable": "raw"}, r"extra_args\['on_unstable'\]='raw' only applies with a context"),
     ({"trie": NAMES, "context": [f"c{i}" for i in range(9)]}, "over the limit of 8"),
 ])
 def test_bad_tokenization_options_are_named(extra, message):
@@ -48,8 +51,14 @@ def test_bad_tokenization_options_are_named(extra, message):
 
 def test_a_context_that_merges_with_the_entries_is_refused_with_the_fix(resolver):
     req = parse_trie_request({"trie": NAMES, "context": "The answer is "})
-    with pytest.raises(TrieRequestError, match=r"extra_args\['trie'\]: context 'The answer is ' .*rstrip"):
+    with pytest.raises(TrieRequestError, match=r"extra_args\['trie'\]: context 'The answer is ' .*rstrip.*"
+                                               r"extra_args\['context'\]='The answer is' or extra_args\['leading_space"):
         resolver.admit(req)
+    # A context whose last token merges with an entry: the fix is the request's on_unstable, which builds it.
+    req = parse_trie_request({"trie": ["-hello"], "context": '"country": "'})
+    with pytest.raises(TrieRequestError, match=r"build with extra_args\['on_unstable'\]='raw'"):
+        resolver.admit(req)
+    resolver.admit(parse_trie_request({"trie": ["-hello"], "context": '"country": "', "on_unstable": "raw"}))
 
 
 # ---------------------------------------------------------------------------------------------- requests that would run unconstrained
