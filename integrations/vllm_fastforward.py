@@ -41,6 +41,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import torch
 
 from trie_decode.constraint import RowState, TrieConstraint
+from trie_decode.options import check_positive
 
 from .vllm import _SPAN_TAIL, _engine_constraint, _resolver_for
 from .vllm_requests import parse_trie_request, trie_args
@@ -124,7 +125,8 @@ def generate(
             tokens or its KV blocks hold at most :data:`AUTO_RESUBMIT_MAX_BLOCK`; measured: see the module
             docstring), else off, in which case only runs that complete the entry (the output) are skipped, which
             never needs another engine round.
-        max_rounds: safety cap on resubmissions per request.
+        max_rounds: engine rounds per request at most; the last one decodes to the end without stopping at a
+            forced run (so no output is cut inside an entry).
 
     Raises:
         ValueError: neither or both of ``tries`` and ``template``, or a count or option that does not fit.
@@ -157,6 +159,8 @@ def generate(
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    for key, value in (("max_tokens", max_tokens), ("min_run", min_run), ("max_rounds", max_rounds)):
+        check_positive(value, key)
     n = len(prompts)
     if (tries is None) == (template is None):
         raise ValueError("pass either tries= (one trie spec per prompt) or template= and slots= (one for every prompt)")
@@ -203,8 +207,9 @@ def generate(
     def params(i: int, generated: list[int]) -> SamplingParams:
         extra: dict[str, Any] = dict(wire[i])
         if fast_forward:
-            extra["stop_at_forced"] = min_run
-            extra["forced_tail_only"] = not resubmit
+            if rounds[i] < max_rounds - 1:  # the last round decodes to the end: no output is cut inside an entry
+                extra["stop_at_forced"] = min_run
+                extra["forced_tail_only"] = not resubmit
             if generated:
                 extra["prefix"] = list(generated)
         return SamplingParams(max_tokens=max_tokens - len(generated), temperature=temperature, seed=seed, extra_args=extra)

@@ -312,6 +312,10 @@ def test_fast_forward_driver_matches_plain_decoding(llm, tokenizer, country_file
         assert first_refused(code_seqs, rules, f.token_ids) is None, f.text
         assert f.forced > 0 and f.rounds >= 2, f
         assert t.rounds == 1, "without resubmission a request is submitted once"
+    # A cap on the rounds: the last round decodes to the end (it used to return the tokens before a forced run).
+    for cap in (1, 2):
+        capped = generate(llm, prompts, mid, max_tokens=40, fast_forward=True, min_run=2, resubmit=True, max_rounds=cap)
+        assert [c.token_ids for c in capped] == [p.token_ids for p in plain] and all(c.rounds <= cap for c in capped)
 
 
 def test_vllm_constraints_that_empty_a_row_never_push_it_out_of_the_trie(llm, tokenizer):
@@ -425,6 +429,16 @@ def test_fast_forward_driver_twice_gives_the_same_output(llm, tokenizer, country
         again = generate(llm, prompts, tries, max_tokens=24, fast_forward=True, min_run=2, **kwargs)
         assert again == first, (kwargs, first, again)
         assert first[1].text in codes and first[1].forced > 0, first[1]
+
+
+@pytest.mark.parametrize("key", ["max_tokens", "min_run", "max_rounds"])
+def test_fast_forward_driver_counts_must_be_positive(key):
+    """max_rounds=0 returned empty outputs, with no engine call and no error."""
+    from trie_decode.errors import ConstraintConfigError
+    from trie_decode.integrations.vllm_fastforward import generate
+
+    with pytest.raises(ConstraintConfigError, match=f"{key} must be a positive integer, got 0"):
+        generate(None, ["x"], [["a"]], **{key: 0})
 
 
 def test_fast_forward_default_resubmits_where_it_measured_faster():
