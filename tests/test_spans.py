@@ -397,6 +397,10 @@ def test_a_prebuilt_span_trie_whose_value_goes_on_with_the_end_token_is_refused(
     trie = TokenTrie.from_sequences(ids, vocab_size=len(tokenizer), names=["Inc", 'Inc"'])
     with pytest.raises(InvalidEntryError, match=r"Span after '\"name\": \"': the value 'Inc' could never be written"):
         FieldRules.build([Span(trie, after='"name": "')], tokenizer)
+    unnamed = TokenTrie.from_sequences(ids, vocab_size=len(tokenizer))  # named by entry number and tokens
+    with pytest.raises(InvalidEntryError, match=r"the value of entry 0 \[\d+\] could never be written: the value of "
+                                                r"entry 1 \[\d+, \d+\] goes on"):
+        FieldRules.build([Span(unnamed, after='"name": "')], tokenizer)
 
 
 def test_the_model_writing_the_space_alone_enters_only_where_a_value_begins_with_it(tokenizer):

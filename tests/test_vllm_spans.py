@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 
+from trie_decode import TokenTrie
 from trie_decode.constraint import TrieConstraint
 from trie_decode.fields import Span
 
@@ -160,19 +161,24 @@ def test_resolver_builds_cached_span_tries_and_rules(tokenizer, country_names, t
         resolver.spans(bad)
 
 
-def test_a_span_or_slot_value_that_holds_the_eos_is_refused_at_admission(tokenizer):
-    """A value whose text holds the EOS's special-token text tokenizes to the EOS id inside it: the engine would stop
-    the request inside the value (it wrote ' a' for the value ' a<|im_end|>b'), so the front-end refuses it as it
-    refuses such an entry of ``extra_args['trie']``, naming the span or the slots."""
+def test_a_span_or_slot_trie_that_holds_the_eos_is_refused_at_admission(tokenizer, tmp_path, monkeypatch):
+    """A trie file whose entry holds the EOS id inside it: the engine would stop the request inside the value, so the
+    front-end refuses it as it refuses such an entry of ``extra_args['trie']``, naming the span or the slots. A value
+    string that spells the EOS's text is text (``TokenTrie.from_strings``): its ordinary tokens, admitted."""
     resolver = TrieResolver(tokenizer)
-    eos = tokenizer.eos_token
-    with pytest.raises(TrieRequestError, match=r"^extra_args\['spans'\]\[1\]: entry 1 .*contains token "
-                                               f"{tokenizer.eos_token_id}, at which generation stops"):
+    eos, a = tokenizer.eos_token_id, tokenizer.encode("a", add_special_tokens=False)
+    path = tmp_path / "eos.trie"
+    TokenTrie.from_sequences([a, a + [eos] + a], vocab_size=len(tokenizer)).save(path)
+    monkeypatch.setenv("TRIE_DECODE_ALLOWED_DIRS", str(tmp_path))
+    with pytest.raises(TrieRequestError, match=r"^extra_args\['spans'\]\[1\]: entry 1, .*contains token "
+                                               f"{eos}, at which generation stops"):
         resolver.admit(parse_trie_request({"spans": [{"after": "x=", "values": ["a"]},
-                                                     {"after": "y=", "values": ["ok", f"a{eos}b"], "end": None}]}))
-    with pytest.raises(TrieRequestError, match=r"^extra_args\['slots'\]: entry 0 .*at which generation stops"):
-        resolver.admit(parse_trie_request({"template": "A: {x}.", "slots": {"x": [f"b{eos}c", "d"]}}))
-    resolver.admit(parse_trie_request({"template": "A: {x}.", "slots": {"x": ["b", "d"]}}))  # others pass
+                                                     {"after": "y=", "trie": str(path), "end": None}]}))
+    with pytest.raises(TrieRequestError, match=r"^extra_args\['slots'\]: entry 1, .*at which generation stops"):
+        resolver.admit(parse_trie_request({"template": "A: {x}.", "slots": {"x": str(path)}}))
+    spelled = parse_trie_request({"template": "A: {x}.", "slots": {"x": [f"b{tokenizer.eos_token}c", "d"]}})
+    resolver.admit(spelled)
+    assert all(eos not in seq for t in resolver.spans(spelled)[0] for seq in t.sequences())
     two = tokenizer.encode(" New York", add_special_tokens=False)[0]  # a request's stop_token_ids cut values too
     with pytest.raises(TrieRequestError, match=rf"^extra_args\['spans'\]\[0\]: .*contains token {two}.*stop_token_ids"):
         resolver.admit(parse_trie_request({"spans": [{"after": "x: ", "values": ["New York"]}]}), stop_ids=[two])

@@ -48,6 +48,7 @@ from typing import Any, Collection, Optional, Sequence, Union
 import numpy as np
 import torch
 
+from .entries import Entry
 from .errors import ConstraintConfigError, EmptyTrieError, InvalidEntryError, InvalidTokenError
 from .filters import restricted_trie, spec_items
 from .spans import FREE
@@ -266,21 +267,28 @@ def check_values_can_end(tries: Sequence[TokenTrie], rules: "FieldRules", labels
     on and the shorter value is lost. ``labels``, ``fixes``: per field, how its messages name it and what its caller
     can change.
 
+    A field closed by the end token (``end=None``) is left to the stop-token check: a value that goes on past that
+    token holds it inside, where generation stops (:func:`~trie_decode.constraint.check_stop_tokens_outside_entries`).
+
     Raises:
         InvalidEntryError: naming the lost value, the one that continues it, and the token.
     """
+    def named(entry: Entry) -> str:
+        return f"{entry.name!r:.60}" if entry.name is not None else f"of entry {entry.index} {list(entry.tokens)[:8]}"
+
     for k, trie in enumerate(tries):
         bare = rules.bare_ends[k]
         node = np.flatnonzero(trie.token == bare)
         lost = node[trie.node_entry[trie.parent[node]] >= 0]
-        if len(lost):
+        if len(lost) and rules.ends[k].end:
             short, below = trie.entry_at(int(trie.parent[lost[0]])), int(lost[0])
             while trie.node_entry[below] < 0:  # the first entry under that token
                 below = int(trie.child_ptr[below])
+            token = bytes(rules._vocab[bare]).decode("utf-8", "replace")
             raise InvalidEntryError(
-                f"{labels[k]}: the value {short.name!r:.60} could never be written: the value "
-                f"{trie.entry_at(below).name!r:.60} goes on from it with the token {bytes(rules._vocab[bare]).decode('utf-8', 'replace')!r}"
-                f", the only one that ends it there; {fixes[k]}")
+                f"{labels[k]}: the value {named(short)} could never be written: the value "
+                f"{named(trie.entry_at(below))} goes on from it with the token {token!r}, the only one that ends it "
+                f"there; {fixes[k]}")
 
 
 def _value_ids(texts: Sequence[str], tokenizer: Any, context: str, vocab: Sequence[bytes]) -> list[list[int]]:
