@@ -749,7 +749,7 @@ def rank(
                     "rank(model, inputs, trie, k, tokenizer=..., end_token_id=..., allow=..., deny=...) takes a trie "
                     "and its filters; other modes are model.generate(..., logits_processor=[TrieLogitsProcessor(...)])")
     check_not_taken("rank", generate_kwargs, ("min_new_tokens", "min_length"), "they ban the end token that closes "
-                    "each entry, which the trie then emits at the floor, -1e4, in its score", "leave them out")
+                    "each entry, which the trie then emits at the floor: no entry could be ranked", "leave them out")
     own = sorted(set(generate_kwargs) & _RANK_SETS)
     if own:
         raise ConstraintConfigError(f"rank sets {own} itself: use its own options (k, num_beams, length_normalize, "
