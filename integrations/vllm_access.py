@@ -701,7 +701,7 @@ def file_identity(handle: BinaryIO) -> tuple[int, int, int, int]:
 MAX_FILTER_FILE_BYTES = 64 << 20
 
 
-def read_filter_file(value: str, what: str, cache: Any = None) -> tuple:
+def read_filter_file(value: str, what: str, cache: Any) -> tuple:
     """A request's allow/deny filter named as a file (``{"file": PATH}``), under the same access policy as trie
     files: a ``.npy`` array of entry indices, or UTF-8 text with one entry key per line. Returns its items. Raises
     :class:`TrieAccessError` with client-safe messages (the file's bytes and size never reach the client).
@@ -713,7 +713,7 @@ def read_filter_file(value: str, what: str, cache: Any = None) -> tuple:
     resolved = policy.resolve(value, what)
     with policy.open(resolved) as handle:
         identity = (resolved.path, *file_identity(handle))
-        found = cache.get(identity) if cache is not None else None
+        found = cache.get(identity)
         if found is not None:
             return found
         data = handle.read(MAX_FILTER_FILE_BYTES + 1)
@@ -735,8 +735,7 @@ def read_filter_file(value: str, what: str, cache: Any = None) -> tuple:
     except (ValueError, UnicodeDecodeError, OSError, EOFError) as exc:
         _log("load", logging.WARNING, "trie_decode: filter file %s does not load: %s", resolved.path, exc)
         raise bad from None
-    if cache is not None:
-        cache.put(identity, items)
+    cache.put(identity, items)
     return items
 
 

@@ -62,8 +62,9 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Collection, Hashable, MutableMapping, Optional, Sequence, Union
 
 import numpy as np
+import torch
 
-from trie_decode.constraint import SpanRules, check_stop_tokens_outside_entries
+from trie_decode.constraint import SpanRules, TrieConstraint, check_stop_tokens_outside_entries
 from trie_decode.entries import filter_number_map
 from trie_decode.errors import ConstraintConfigError, TrieDecodeError, raised_as
 from trie_decode.fields import ESCAPES, FieldRules, Span
@@ -108,7 +109,6 @@ __all__ = [
     "TrieBeamSearchGuard",
 ]
 
-TRIE_KEY = "trie"
 OPTION_KEYS = (
     "trie", "on_complete", "trigger", "separator", "leading_space", "context", "normalize", "on_unstable", "prefix",
     "stop_at_forced", "forced_tail_only",
@@ -196,8 +196,7 @@ _fail = EXTRA_ARGS.fail
 
 def is_trie_request(extra_args: Optional[dict]) -> bool:
     """Whether a request's ``extra_args`` asks for a constraint (``"trie"``, ``"spans"`` or ``"template"``)."""
-    return bool(extra_args) and (TRIE_KEY in extra_args or "spans" in extra_args  # type: ignore[operator]
-                                 or "template" in extra_args)
+    return bool(extra_args) and any(key in extra_args for key in MAIN_KEYS)  # type: ignore[operator]
 
 
 def _meant_option(key: Any, among: Sequence[str] = OPTION_KEYS, near: bool = True) -> Optional[str]:
@@ -259,16 +258,18 @@ class SpanRequest:
         return self.after if self.whitespace == "exact" else Trigger(self.after, whitespace=self.whitespace)
 
 
-def _json_option(text: str, failure: str, what: str = "", max_bytes: Optional[int] = None) -> Any:
-    """A value a client sent as JSON text (over HTTP, where values cannot nest), parsed; ``failure`` starts the
-    message when it does not parse (too deeply nested included). With ``max_bytes`` (the request's inline limit),
-    text far longer than the JSON of that many bytes of values is refused unparsed, naming the option ``what``."""
+def _json_option(text: str, what: str, max_bytes: Optional[int] = None,
+                 failure: str = "as a string must be JSON, and does not parse") -> Any:
+    """A value a client sent as JSON text (over HTTP, where values cannot nest) for the option ``what``, parsed;
+    ``what`` and ``failure`` start the message when it does not parse (too deeply nested included). With
+    ``max_bytes`` (the request's inline limit), text far longer than the JSON of that many bytes of values is
+    refused unparsed."""
     if max_bytes is not None and len(text) > 8 * max_bytes + 4096:
         _fail(f"{what} holds {len(text)} characters of JSON, over the limit of {max_bytes} bytes")
     try:
         return json.loads(text)
     except (json.JSONDecodeError, RecursionError) as exc:
-        _fail(f"{failure}: {exc}")
+        _fail(f"{what} {failure}: {exc}")
 
 
 def _spans_option(value: Any, max_entries: int, max_bytes: int, key: str = "spans", slots: bool = False) -> tuple:
@@ -277,8 +278,7 @@ def _spans_option(value: Any, max_entries: int, max_bytes: int, key: str = "span
     are a template's slots (each span's ``after`` is the slot's name; the messages name ``extra_args[key][name]``,
     where its values or trie were sent)."""
     if isinstance(value, str):
-        value = _json_option(value, f"extra_args[{key!r}] as a string must be JSON, and does not parse",
-                             f"extra_args[{key!r}]", max_bytes)
+        value = _json_option(value, f"extra_args[{key!r}]", max_bytes)
     if not isinstance(value, (list, tuple)) or not value:
         _fail(f"extra_args[{key!r}] must be a non-empty list of span objects, got {value!r:.80}")
     out, entries, size = [], 0, 0
@@ -300,9 +300,9 @@ def _spans_option(value: Any, max_entries: int, max_bytes: int, key: str = "span
         if escape != "auto" and escape not in ESCAPES:
             _fail(f"{what}['escape'] must be 'auto', 'json' or null, got {escape!r:.40}")
         for name, text in (("after", after), ("end", end)):
-            size = len(text.encode("utf-8", "surrogatepass")) if text is not None and not slots else 0
-            if size > MAX_RULE_LENGTH:
-                _fail(f"{what}[{name!r}] holds {size} bytes of text, over the limit of {MAX_RULE_LENGTH}")
+            length = len(text.encode("utf-8", "surrogatepass")) if text is not None and not slots else 0
+            if length > MAX_RULE_LENGTH:
+                _fail(f"{what}[{name!r}] holds {length} bytes of text, over the limit of {MAX_RULE_LENGTH}")
         whitespace = item.get("whitespace", "exact")
         if whitespace not in WHITESPACE_MODES:
             _fail(f"{what}['whitespace'] must be one of {list(WHITESPACE_MODES)}, got {whitespace!r:.40}")
@@ -315,9 +315,7 @@ def _spans_option(value: Any, max_entries: int, max_bytes: int, key: str = "span
             _fail(f"{what} needs exactly one of 'values' (a list of strings) and 'trie' (a trie name or file path)")
         filters = {}
         for name in ("allow", "deny"):
-            if isinstance(item.get(name), dict):
-                _fail(f"{what}[{name!r}] must be a list of entry keys or indices (a span takes no filter file)")
-            filters[name] = _filter_option(item.get(name), f"{what}[{name!r}]")
+            filters[name] = _filter_option(item.get(name), f"{what}[{name!r}]", files=False)
         sent = f"extra_args[{key!r}][{after!r}]" if slots else None  # where a slot's values or trie were sent
         if "trie" in item:
             path = item["trie"]
@@ -357,8 +355,7 @@ def _template_request(extra_args: dict, max_entries: int, max_bytes: int) -> Tri
     if not isinstance(text, str) or not text:
         _fail(f"extra_args['template'] must be a non-empty string, got {text!r:.60}")
     if isinstance(slots, str):
-        slots = _json_option(slots, "extra_args['slots'] as a string must be JSON, and does not parse",
-                             "extra_args['slots']", max_bytes)
+        slots = _json_option(slots, "extra_args['slots']", max_bytes)
     if not isinstance(slots, dict) or not slots:
         _fail("extra_args['template'] needs extra_args['slots']: an object of each slot's values (a list of strings) "
               f"or trie (a name or path), got {slots!r:.60}")
@@ -501,11 +498,10 @@ def parse_trie_request(
         return _spans_request(extra_args, max_entries, max_bytes)
     if "template" in extra_args:
         return _template_request(extra_args, max_entries, max_bytes)
-    value = extra_args[TRIE_KEY]
+    value = extra_args["trie"]
     if isinstance(value, str) and value.lstrip().startswith("["):
         # What parses is a list: JSON skips no whitespace that str.lstrip does not.
-        value = _json_option(value, "extra_args['trie'] looks like inline JSON but does not parse",
-                             "extra_args['trie']", max_bytes)
+        value = _json_option(value, "extra_args['trie']", max_bytes, "looks like inline JSON but does not parse")
     if isinstance(value, str):
         if not value.strip():
             _fail("extra_args['trie'] is an empty path")
@@ -562,15 +558,19 @@ class FilterFile:
     path: str
 
 
-def _filter_option(value: Any, what: str) -> Optional[Union[tuple, FilterFile]]:
+def _filter_option(value: Any, what: str, files: bool = True) -> Optional[Union[tuple, FilterFile]]:
     """An ``allow``/``deny`` filter: entry keys (strings) or entry indices (ints), or both mixed, as a list (a 1-D
     numpy array in process; the spec rule of every front door, :func:`trie_decode.filters.spec_items`); a file on
-    the server, ``{"file": PATH}``; or, over HTTP where values cannot nest, a JSON string of either. ``what``: the
-    option as the messages name it (``extra_args['allow']``, or a span's)."""
+    the server, ``{"file": PATH}`` (unless ``files`` is false: a span's filter); or, over HTTP where values cannot
+    nest, a JSON string of either. ``what``: the option as the messages name it (``extra_args['allow']``, or a
+    span's)."""
     if value is None:
         return None
     if isinstance(value, str) and value.lstrip().startswith(("[", "{")):  # other text is a single key (refused)
-        value = _json_option(value, f"{what} must be a list of entry keys or indices (or its JSON), got invalid JSON")
+        value = _json_option(value, what,
+                             failure="must be a list of entry keys or indices (or its JSON), got invalid JSON")
+    if isinstance(value, dict) and not files:
+        _fail(f"{what} must be a list of entry keys or indices (a span takes no filter file)")
     if isinstance(value, dict):
         path = value.get("file")
         if set(value) != {"file"} or not isinstance(path, str) or not path:
@@ -630,47 +630,44 @@ def trie_args(
     }.items() if is_set]
     if template is not None or slots is not None:
         check_alone("template", given, TRIE_ARGS)
-        made = {"template": template, "slots": {k: list(v) if isinstance(v, tuple) else v
-                                                for k, v in (slots or {}).items()} if isinstance(slots, dict) else slots}
         if template is None:
             _fail("trie_args(slots=...) holds a template's slot values: it needs template=")
-        parse_trie_request(made)
-        return made
-    if spans is not None:
+        out: dict[str, Any] = {"template": template, "slots": {
+            k: list(v) if isinstance(v, tuple) else v for k, v in slots.items()} if isinstance(slots, dict) else slots}
+    elif spans is not None:
         check_alone("spans", [k for k in given if k != "spans"], TRIE_ARGS)
-        if isinstance(spans, (str, dict)) or not isinstance(spans, (list, tuple)):
+        if not isinstance(spans, (list, tuple)):
             _fail(f"trie_args(spans=...) must be a list of span dicts, got {type(spans).__name__}")
-        made = {"spans": [dict(s) if isinstance(s, dict) else s for s in spans]}
-        for s in made["spans"]:
+        out = {"spans": [dict(s) if isinstance(s, dict) else s for s in spans]}
+        for s in out["spans"]:
             if isinstance(s, dict) and isinstance(s.get("values"), tuple):
                 s["values"] = list(s["values"])
-        parse_trie_request(made)
-        return made
-    if trie is None:
+    elif trie is None:
         _fail("trie_args needs a trie (a name, a path or an inline list) or spans=")
-    out: dict[str, Any] = {"trie": os.fspath(trie) if isinstance(trie, os.PathLike) else trie}
-    if isinstance(out["trie"], tuple):
-        out["trie"] = list(out["trie"])
-    if on_complete != "eos":
-        out["on_complete"] = on_complete
-    if trigger is not None:
-        out["trigger"] = trigger if isinstance(trigger, (str, int)) else list(trigger)
-    if separator is not None:
-        out["separator"] = separator if isinstance(separator, (str, int)) else list(separator)
-    if isinstance(leading_space, (list, tuple)):
-        out["leading_space"] = [bool(v) for v in leading_space]
-    elif leading_space:
-        out["leading_space"] = True
-    if context is not None:
-        out["context"] = context if isinstance(context, str) else list(context)
-    if normalize is not None:
-        out["normalize"] = normalize
-    if on_unstable != "raise":
-        out["on_unstable"] = on_unstable
-    for name, value in (("allow", allow), ("deny", deny)):
-        if value is not None:  # the request's filter rules, then plain JSON values ({"file": PATH}, or a list)
-            spec = _filter_option(value, TRIE_ARGS(name))
-            out[name] = {"file": spec.path} if isinstance(spec, FilterFile) else list(spec)
+    else:
+        out = {"trie": os.fspath(trie) if isinstance(trie, os.PathLike) else trie}
+        if isinstance(out["trie"], tuple):
+            out["trie"] = list(out["trie"])
+        if on_complete != "eos":
+            out["on_complete"] = on_complete
+        if trigger is not None:
+            out["trigger"] = trigger if isinstance(trigger, (str, int)) else list(trigger)
+        if separator is not None:
+            out["separator"] = separator if isinstance(separator, (str, int)) else list(separator)
+        if isinstance(leading_space, (list, tuple)):
+            out["leading_space"] = [bool(v) for v in leading_space]
+        elif leading_space:
+            out["leading_space"] = True
+        if context is not None:
+            out["context"] = context if isinstance(context, str) else list(context)
+        if normalize is not None:
+            out["normalize"] = normalize
+        if on_unstable != "raise":
+            out["on_unstable"] = on_unstable
+        for name, value in (("allow", allow), ("deny", deny)):
+            if value is not None:  # the request's filter rules, then plain JSON values ({"file": PATH}, or a list)
+                spec = _filter_option(value, TRIE_ARGS(name))
+                out[name] = {"file": spec.path} if isinstance(spec, FilterFile) else list(spec)
     parse_trie_request(out)
     return out
 
@@ -890,7 +887,7 @@ class TrieResolver:
         ``option``: where in the request a file's name was sent, as messages name it (default
         ``extra_args['trie']``; a span's or a template slot's own key)."""
         origin = None
-        where = option or f"extra_args[{TRIE_KEY!r}]"
+        where = option or "extra_args['trie']"
         try:
             if req.source == "file":
                 trie, origin = self._load_file(req.payload, admit, option)
@@ -898,7 +895,9 @@ class TrieResolver:
                 trie = self._build_inline(req, admit)
         except TrieAccessError as exc:
             raise TrieRequestError(str(exc)) from None
-        if trie.fingerprint and trie.fingerprint != self.fingerprint and not self._legacy_match(trie.fingerprint):
+        # A trie saved with the previous fingerprint computation may still match the engine's tokenizer.
+        if trie.fingerprint and trie.fingerprint != self.fingerprint and (
+                not fingerprint_matches(trie.fingerprint, self.tokenizer)):
             raise TrieRequestError(
                 f"{where}: the trie was built for a tokenizer with fingerprint {trie.fingerprint}, "
                 f"the engine's tokenizer has {self.fingerprint}: rebuild it with the served model's tokenizer"
@@ -951,10 +950,6 @@ class TrieResolver:
         self._spans.put(key, (tries, rules))
         return tries, rules
 
-    def _legacy_match(self, fingerprint: str) -> bool:
-        """Whether a trie saved with the previous fingerprint computation matches the engine's tokenizer."""
-        return fingerprint_matches(fingerprint, self.tokenizer)
-
     def rules(self, req: TrieRequest) -> SpanRules:
         """The request's span rules (text options tokenized with the engine's tokenizer)."""
         try:
@@ -993,6 +988,23 @@ class TrieResolver:
         if req.prefix and trie.walk(req.prefix) < 0:
             raise TrieRequestError(f"extra_args['prefix'] {list(req.prefix)[:20]} is not a path of the trie")
 
+    @staticmethod
+    def _check_template_prefix(req: TrieRequest, tries: Sequence[TokenTrie], rules: SpanRules) -> None:
+        """A template request's ``prefix`` (output tokens already at the prompt's end) refused unless the template
+        could have written it: each token allowed by the mask of the state before it (the constraint's own rule,
+        replayed on one CPU row). Without this check a stray prefix leaves the row where it may only end."""
+        if not req.prefix:
+            return
+        constraint = TrieConstraint(tries, rules, "cpu")
+        state = constraint.start(1)
+        for i, token in enumerate(req.prefix):
+            allowed = constraint.allowed_tokens(state)[0]
+            if allowed is not None and token not in allowed:
+                raise TrieRequestError(
+                    f"extra_args['prefix'] {list(req.prefix)[:20]} is not what the template writes: token {token} "
+                    f"(at {i}) is not allowed there")
+            state = constraint.advance(state, torch.tensor([token]))
+
     def admit(self, req: TrieRequest, stop_ids: Sequence[int] = (), model_stop_ids: Sequence[int] = ()) -> str:
         """The front-end's complete check of a request (trie within the build budget, rules, prefix, filters, no
         entry or span value cut by the model's EOS, by one of ``model_stop_ids`` (the EOS ids of its generation
@@ -1008,6 +1020,7 @@ class TrieResolver:
         """
         if req.source in ("spans", "template"):
             tries, rules = self.spans(req, admit=True)
+            self._check_template_prefix(req, tries, rules)
             for i, trie in enumerate(tries):  # a value a stop token would cut (one tree per span, in order)
                 self._check_end_inside(trie, (rules.end_token_id, *model_stop_ids), stop_ids,
                                        "extra_args['slots']" if req.source == "template" else f"extra_args['spans'][{i}]")
@@ -1042,7 +1055,7 @@ class TrieResolver:
         """
         extra = extra_args or {}
         try:
-            cause, key, message = diagnose_engine_refusal(extra.get(TRIE_KEY), extra.get(STAMP_KEY), exc)
+            cause, key, message = diagnose_engine_refusal(extra.get("trie"), extra.get(STAMP_KEY), exc)
         except Exception as err:  # noqa: BLE001 - the diagnosis must never take the engine down
             cause, key, message = "unexpected", ("diagnosis", type(err).__name__), f"{exc!r} (diagnosis failed: {err!r})"
         with self._refusal_lock:
@@ -1230,7 +1243,7 @@ class TrieBeamSearchGuard:
         self._api_key = api_key_middleware(app)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope.get("method") != "POST" or not self._guarded(scope):
+        if scope["type"] != "http" or scope.get("method") != "POST" or self._route(scope) not in BEAM_SEARCH_ROUTES:
             await self.app(scope, receive, send)
             return
         if self._api_key is not None and await api_key_refuses(self._api_key, scope):
@@ -1268,10 +1281,6 @@ class TrieBeamSearchGuard:
         path: str = scope.get("path", "")
         root = scope.get("root_path", "")
         return path[len(root):] if root and path.startswith(root) else path
-
-    @classmethod
-    def _guarded(cls, scope: Scope) -> bool:
-        return cls._route(scope) in BEAM_SEARCH_ROUTES
 
     @classmethod
     async def _refusal(cls, scope: Scope, body: bytes) -> Optional[str]:

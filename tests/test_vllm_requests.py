@@ -197,3 +197,29 @@ def test_a_numpy_filter_is_one_spec_and_a_2d_one_is_refused():
             trie_args(NAMES, allow=spec)
         with pytest.raises(TrieRequestError, match=r"^extra_args\['deny'\] must be one list \(or 1-D array\)"):
             parse_trie_request({"trie": NAMES, "deny": spec})
+
+
+def test_the_inline_limit_counts_the_values_of_every_span():
+    values = ["x" * 1000 + str(i) for i in range(40)]  # about 40 kB per span
+    one = {"spans": [{"after": "a0", "values": values}]}
+    assert parse_trie_request(one, max_entries=10_000, max_bytes=64 * 1024) is not None
+    two = {"spans": [{"after": f"a{i}", "values": values} for i in range(2)]}
+    with pytest.raises(TrieRequestError, match=r"holds 80140 bytes of inline values, over the limit of 65536"):
+        parse_trie_request(two, max_entries=10_000, max_bytes=64 * 1024)
+
+
+@pytest.mark.parametrize("allow", [{"file": "/tmp/x"}, '{"file": "/tmp/x"}', '{"x": 1}'])
+def test_a_span_filter_file_is_refused_as_an_object_or_as_its_json(allow):
+    with pytest.raises(TrieRequestError, match=r"\['allow'\] must be a list of entry keys or indices \(a span takes "
+                                               r"no filter file\)"):
+        parse_trie_request({"spans": [{"after": "a", "values": ["x"], "allow": allow}]})
+
+
+def test_a_template_prefix_is_refused_unless_the_template_writes_it(resolver, tokenizer):
+    template = {"template": '{"city": "{city}"}', "slots": {"city": ["Paris", "Rome"]}}
+    ids = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    for prefix in ([99999], ids("Hello"), ids('{"city": "Lyon"}')):
+        with pytest.raises(TrieRequestError, match=r"extra_args\['prefix'\] .* is not what the template writes"):
+            resolver.admit(parse_trie_request({**template, "prefix": prefix}))
+    for prefix in (ids('{"city": "'), ids('{"city": "Rome"}')):
+        resolver.admit(parse_trie_request({**template, "prefix": prefix}))

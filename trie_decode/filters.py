@@ -170,8 +170,8 @@ class EntryOrder:
         self.num_entries = e
         self.level_ptr = trie.level_ptr
         self._device: dict[str, tuple[torch.Tensor, ...]] = {}
-        # id -> (a weak reference to an index array entry_indices made, its sorted ranks): see sorted_ranks
-        self._ranks_of: dict[int, tuple[weakref.ref, np.ndarray]] = {}
+        # an index array entry_indices made -> its sorted ranks: see sorted_ranks
+        self._ranks_of = _ByIdentity()
         # (allow ranks, deny ranks) made here -> the allow ranks not denied (see RowFilters)
         self._usable_allow = _ByIdentity()
         self._nothing: Optional[np.ndarray] = None  # see nothing_usable
@@ -192,18 +192,16 @@ class EntryOrder:
         >>> order.sorted_ranks(np.array([2, 0, 0])).tolist()   # entry 0 ([6]) ranks 1, entry 2 ([7]) ranks 2
         [1, 2]
         """
-        hit = self._ranks_of.get(id(indices))  # only arrays made here are kept
-        if hit is not None and hit[0]() is indices:
-            return hit[1]
+        hit = self._ranks_of.get(indices)  # only arrays made here are kept
+        if hit is not None:
+            return hit
         made_here = _MADE_HERE.get(indices) is not None
         got = np.sort(self.rank[indices])
         got = got[np.concatenate([[True], got[1:] != got[:-1]])] if len(got) > 1 else got  # unique
         if made_here:
             got.setflags(write=False)
             _RANKS_HERE.put((got,), True)
-            key, memo = id(indices), self._ranks_of  # the callback holds the dict, not this order (no cycle)
-            memo[key] = (weakref.ref(indices, lambda r, k=key: memo.pop(k) if memo.get(k, (None,))[0] is r else None),
-                         got)
+            self._ranks_of.put((indices,), got)
         return got
 
     def nothing_usable(self) -> np.ndarray:
@@ -393,9 +391,6 @@ class _ByIdentity:
                 found.pop(k, None)
 
         found[key] = (tuple(None if a is None else weakref.ref(a, gone) for a in arrays), value)
-
-    def __len__(self) -> int:
-        return len(self._found)
 
 
 #: The index arrays :func:`entry_indices` made (read only), while they live, with their largest index (-1: empty):
@@ -937,12 +932,22 @@ class RowFilters:
         Returns:
             Shape: (R, M - 1), int64.
         """
-        # shared: one 1-D set; numpy bounds (CPU sets only) read the sets as numpy
-        np_ = (lambda t: t.numpy()) if isinstance(bounds, np.ndarray) else (lambda t: t)  # noqa: E731
-        one = lambda sets: np_(sets[0] if sets.shape[0] == 1 else sets if rows is None else sets[rows])  # noqa: E731
+        # Numpy bounds (CPU sets only) read the sets as numpy and pick their rows there: a torch gather of 2 rows of a
+        # (64, 10k) set took 16 ms under thread contention (measured; numpy's: 8 us).
+        as_np = isinstance(bounds, np.ndarray)
+
+        def rows_of(t: torch.Tensor) -> Any:
+            got = t.numpy() if as_np else t
+            return got if rows is None else got[rows] if as_np else got.index_select(0, rows)
+
+        def one(sets: torch.Tensor) -> Any:
+            if sets.shape[0] == 1:  # shared: one 1-D set
+                return sets[0].numpy() if as_np else sets[0]
+            return rows_of(sets)
+
         if not self.any_allow:
             return usable_count(bounds, None, one(self.deny))
-        has_allow = None if self.all_allow else np_(self.has_allow if rows is None else self.has_allow[rows])
+        has_allow = None if self.all_allow else rows_of(self.has_allow)
         return usable_count(bounds, one(self.allow), one(self.deny), has_allow)
 
     def bits(self, nodes: torch.Tensor, rows: Optional[torch.Tensor] = None) -> torch.Tensor:

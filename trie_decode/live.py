@@ -61,6 +61,7 @@ from .errors import (CatalogUpdateError, ConstraintConfigError, EmptyFilterError
                      TrieFileError, UnknownEntryError)
 from .fileio import check_vectors, read_arrays, write_arrays
 from .filters import LIVE_ALLOW_HINT, EntryOrder, KeyIndex, RowFilters, spec_items
+from .kernels.vectorized import NUMPY_KERNEL
 from .options import row_specs
 from .trie import TokenTrie
 
@@ -135,17 +136,14 @@ def _tuples(ragged: RaggedTokens) -> list[tuple[int, ...]]:
 
 
 def _entries_of(trie: TokenTrie, ragged: RaggedTokens) -> list[int]:
-    """The entry of ``trie`` each sequence is (-1: none): the node it reaches, one ``searchsorted`` per depth over the
-    trie's edge keys (the CPU :class:`~trie_decode.device.DeviceTrie`'s, built once per trie), then its entry."""
-    edge_key = DeviceTrie.get(trie, "cpu").arrays.edge_key
+    """The entry of ``trie`` each sequence is (-1: none): the node it reaches, one batched child lookup per depth
+    (the numpy kernel's, over the CPU :class:`~trie_decode.device.DeviceTrie`, built once per trie), then its entry."""
+    dtrie = DeviceTrie.get(trie, "cpu")
     lengths = ragged.lengths
     node = np.zeros(len(ragged), dtype=np.int64)
-    vocab = np.int64(trie.vocab_size)
     for d in range(int(lengths.max(initial=0))):
         idx = np.flatnonzero((lengths > d) & (node >= 0))
-        key = node[idx] * vocab + ragged.values[ragged.offsets[idx] + d]
-        pos = np.minimum(np.searchsorted(edge_key, key), len(edge_key) - 1)
-        node[idx] = np.where(edge_key[pos] == key, pos, -1)
+        node[idx] = NUMPY_KERNEL.child(dtrie, node[idx], ragged.values[ragged.offsets[idx] + d])
     return np.where(node >= 0, trie.node_entry[np.maximum(node, 0)], -1).tolist()
 
 
@@ -1243,13 +1241,10 @@ class LiveCatalog:
                                     f"{'has' if table is not None else 'has no'} {t})")
             if present:
                 column = StringTable(arrays[f"{t}_blob"], arrays[f"{t}_offsets"])
-                offs = column.offsets
-                if len(column) != k or offs[0] != 0 or offs[-1] != len(column.blob) or np.any(np.diff(offs) < 0):
-                    raise TrieFileError(f"{label}: the {t} table does not match the delta's sequences")
-                try:
-                    columns[t] = column.to_list()
-                except UnicodeDecodeError as exc:
-                    raise TrieFileError(f"{label}: the {t} table is not UTF-8 text") from exc
+                problem = column.problem(k)
+                if problem:
+                    raise TrieFileError(f"{label}: the {t} table {problem}")
+                columns[t] = column.to_list()
         retired: list[str] = []
         if "retired_blob" in arrays or "retired_offsets" in arrays:
             column = StringTable(arrays.get("retired_blob", np.zeros(0, np.uint8)),
