@@ -3,6 +3,8 @@ and bad input is a named error (exit status 1) or a usage error (exit status 2).
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -113,6 +115,21 @@ def test_unreadable_inputs_and_outputs_are_named_errors(tmp_path, smollm2_dir, c
     assert "keys file not found" in _error(capsys)
 
 
+@pytest.mark.parametrize("kind", ["fifo", "folder"])
+def test_a_keys_or_entries_file_that_is_not_a_regular_file_is_named(tmp_path, capsys, kind):
+    # A FIFO given as --keys blocked `trie-decode build` forever (the codes and entries files were checked).
+    odd = tmp_path / "odd"
+    os.mkfifo(odd) if kind == "fifo" else odd.mkdir()
+    said = "is not a regular file" if kind == "fifo" else "is a folder, not a file"
+    np.save(tmp_path / "codes.npy", np.array([[0, 1], [1, 0]]))
+    out = str(tmp_path / "o.trie")
+    assert main(["build", "--codes", str(tmp_path / "codes.npy"), "--codebook-size", "2", "--vocab-size", "8",
+                 "--keys", str(odd), "-o", out]) == 1
+    assert f"keys file {odd} {said}" in _error(capsys)
+    assert main(["build", str(odd), "--tokenizer", "unused", "-o", out]) == 1
+    assert f"entries file {odd} {said}" in _error(capsys)
+
+
 @pytest.mark.parametrize("source", [["{long}", "--tokenizer", "unused"],
                                     ["--codes", "{long}", "--codebook-size", "2", "--vocab-size", "8"],
                                     ["--prefix-dict", "{long}", "--vocab-size", "8"],
@@ -132,7 +149,7 @@ def test_a_path_stat_refuses_is_a_named_error_not_a_traceback(tmp_path, capsys, 
 def test_an_empty_source_path_is_that_source(tmp_path, capsys):
     # An empty path is a path too: it was taken for no source at all (TypeError: Path(None), a traceback).
     assert main(["build", "--codes", "", "--codebook-size", "2", "--vocab-size", "8", "-o", str(tmp_path / "o")]) == 1
-    assert "codes file not found" in _error(capsys)
+    assert "codes file . is a folder, not a file" in _error(capsys)
     assert main(["build", "--prefix-dict", "", "--vocab-size", "8", "-o", str(tmp_path / "o")]) == 1
     assert "prefix dict: no such file" in _error(capsys)
 

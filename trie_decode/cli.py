@@ -38,12 +38,9 @@ def _read_text(path: Path, what: str) -> str:
     Raises:
         DescriptorError: the file is missing, a folder or unreadable, or not UTF-8 (the line is named).
     """
+    _check_file(path, what)
     try:
         raw = path.read_bytes()
-    except FileNotFoundError as exc:
-        raise DescriptorError(f"{what} not found: {path}") from exc
-    except IsADirectoryError as exc:
-        raise DescriptorError(f"{what} {path} is a folder, not a file") from exc
     except OSError as exc:
         raise DescriptorError(f"cannot read the {what} {path}: {exc.strerror or exc}") from exc
     try:
@@ -60,6 +57,10 @@ def _check_file(path: Path, what: str) -> None:
     try:
         if path.is_file():
             return
+        if path.is_dir():
+            raise DescriptorError(f"{what} {path} is a folder, not a file")
+        if path.exists():
+            raise DescriptorError(f"{what} {path} is not a regular file (a pipe or a device would block the read)")
     except OSError as exc:
         raise DescriptorError(f"cannot read the {what} {path}: {exc.strerror or exc}") from exc
     raise DescriptorError(f"{what} not found: {path}")
@@ -194,7 +195,6 @@ def _cmd_build(args: argparse.Namespace) -> int:
     from .trie import TokenTrie
 
     path = Path(args.entries)
-    _check_file(path, "entries file")
     texts, keys = read_entries(path)
     for i, text in enumerate(texts):
         if text == "":

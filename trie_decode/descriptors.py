@@ -414,6 +414,11 @@ def _strict_problems(p: _Parsed, t: _Tables, walk: _Walk, vocab_size: int) -> li
             shown = [f"{keys[key_of[i]]!r}: {int(values[i])}" for i in idx[:_EXAMPLES]]
             out.append(f"{len(idx)} {what}, e.g. {_examples(shown, len(idx))}")
 
+    def per_key(idx: Any, what: str) -> None:
+        if len(idx):
+            shown = [repr(keys[i]) for i in idx[:_EXAMPLES]]
+            out.append(f"{len(idx)} {what}, e.g. {_examples(shown, len(idx))}")
+
     per_id(values < 0, "negative candidate ids (RTP-LLM skips them)")
     per_id(values > INT32_MAX, "candidate ids beyond int32 (RTP-LLM skips them)")
     per_id(t.usable & (values >= vocab_size),
@@ -426,11 +431,8 @@ def _strict_problems(p: _Parsed, t: _Tables, walk: _Walk, vocab_size: int) -> li
         shown = [f"{keys[key_of[i]]!r}: {int(values[i])}" for i in rep[:_EXAMPLES]]
         out.append(f"{int((counts - 1).sum())} repeated candidates (RTP-LLM keeps one), e.g. "
                    f"{_examples(shown, len(rep))}")
-    empty = np.flatnonzero(t.no_candidates)
-    if len(empty):
-        shown = [repr(keys[i]) for i in empty[:_EXAMPLES]]
-        out.append(f"{len(empty)} keys without a usable candidate ([] or only skipped ids; RTP-LLM allows only the "
-                   f"end token there), e.g. {_examples(shown, len(empty))}")
+    per_key(np.flatnonzero(t.no_candidates), "keys without a usable candidate ([] or only skipped ids; RTP-LLM "
+            "allows only the end token there)")
     nothing = np.flatnonzero(t.allows_nothing & (walk.visits > 0))
     if len(nothing):
         out.append(f"{len(nothing)} reachable keys allow no token inside the vocabulary (RTP-LLM masks every logit; "
@@ -444,15 +446,9 @@ def _strict_problems(p: _Parsed, t: _Tables, walk: _Walk, vocab_size: int) -> li
                    f"token is out; the trie allows only the end token), e.g. "
                    f"{_examples([repr(s) for s in after], len(after))}")
     after_idx = {p.index[s] for s in after}
-    unreachable = [i for i in np.flatnonzero(walk.visits == 0).tolist() if i not in after_idx]
-    if unreachable:
-        shown = [repr(keys[i]) for i in unreachable[:_EXAMPLES]]
-        out.append(f"{len(unreachable)} keys are not reachable from the start key {root!r} through candidates "
-                   f"(RTP-LLM never uses them), e.g. {_examples(shown, len(unreachable))}")
-    merged = np.flatnonzero(walk.visits > 1)
-    if len(merged):
-        shown = [repr(keys[i]) for i in merged[:_EXAMPLES]]
-        out.append(f"{len(merged)} keys are spelled by more than one token path, e.g. {_examples(shown, len(merged))}")
+    per_key([i for i in np.flatnonzero(walk.visits == 0).tolist() if i not in after_idx],
+            f"keys are not reachable from the start key {root!r} through candidates (RTP-LLM never uses them)")
+    per_key(np.flatnonzero(walk.visits > 1), "keys are spelled by more than one token path")
     return out
 
 
@@ -500,8 +496,7 @@ def trie_from_prefix_dict(
         >>> sorted(trie_from_prefix_dict(rtp, vocab_size=70000).sequences())
         [(64000,), (64003, 64001), (64003, 64004), (64006,)]
     """
-    check_vocab_size(vocab_size, VOCAB_SIZE)
-    vocab_size = int(vocab_size)
+    vocab_size = check_vocab_size(vocab_size, VOCAB_SIZE)
     parsed = _parse_prefix_dict(payload)
     if parsed.end >= vocab_size:
         raise InvalidTokenError(f"prefix dict: end_token_id {parsed.end} is outside the vocabulary [0, {vocab_size})")

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
 
 from .errors import InvalidEntryError, InvalidTokenError
-from .options import check_on_unstable, check_on_unstable_context
+from .options import check_on_unstable, check_on_unstable_context, check_positive
 from .tokenizers import (
     _ENTRY_OPTIONS,
     ContextError,
@@ -242,11 +242,6 @@ def heal_prompt(prompt: Any, tokenizer: Any = None) -> Any:
     return ids
 
 
-def _context_ids(texts: Sequence[str], tokenizer: Any, context: str) -> list[Optional[list[int]]]:
-    """In-context ids of each text after ``context``, None where the context merges with the text."""
-    return _split_after(texts, tokenizer, context, None)[1]
-
-
 def entry_identity(entry: Any) -> tuple:
     """What makes two trie entries *the same entry* for a user: the key, else the name, else the index.
 
@@ -265,10 +260,6 @@ def entry_identity(entry: Any) -> tuple:
     if entry.name is not None:
         return ("name", entry.name)
     return ("index", entry.index)
-
-
-def _entry_label(entry: Any) -> Optional[tuple]:
-    return None if entry is None else entry_identity(entry)
 
 
 def _suggest(tokenizer: Any, texts: list[str], wanted: list[list[int]], prompt: str, normalize: Optional[str]) -> str:
@@ -322,8 +313,7 @@ def check_prompt(trie: Any, tokenizer: Any, prompt: Any, *, sample: int = 200) -
         >>> check_prompt(spaced, tok, "The answer is")                                     # doctest: +SKIP
         []
     """
-    if not isinstance(sample, int) or isinstance(sample, bool) or sample < 1:
-        raise InvalidEntryError(f"sample must be a positive integer, got {sample!r}")
+    check_positive(sample, "sample", _ENTRY_OPTIONS)
     text = _prompt_text(tokenizer, prompt)
     findings: list[Finding] = []
     healed = heal_prompt(text)
@@ -348,15 +338,14 @@ def check_prompt(trie: Any, tokenizer: Any, prompt: Any, *, sample: int = 200) -
     step = max(1, n // sample)
     picked = list(range(0, n, step))[:sample]
     texts = normalize_strings([names[i] for i in picked], normalize)
-    in_context = _context_ids(texts, tokenizer, text)
-    merged, mismatched, agreeing_ids = [], [], []
+    in_context = _split_after(texts, tokenizer, text, None)[1]  # None where the prompt merges with the entry
+    merged, mismatched = [], []
     for i, ids in zip(picked, in_context):
         if ids is None:
             merged.append(i)
             continue
-        want = _entry_label(trie.entry(i))
         found = trie.lookup(ids)
-        if found is None or _entry_label(found) != want:
+        if found is None or entry_identity(found) != entry_identity(trie.entry(i)):
             mismatched.append((i, ids))
     checked = len(picked)
     if merged:

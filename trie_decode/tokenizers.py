@@ -32,7 +32,7 @@ from __future__ import annotations
 import hashlib
 import json
 import unicodedata
-from typing import Any, Collection, Optional, Sequence
+from typing import Any, Callable, Collection, Optional, Sequence
 
 import numpy as np
 
@@ -80,6 +80,16 @@ _SPECIAL_CACHE: dict[int, tuple[Any, int, frozenset[str]]] = {}
 _MARKUP_CACHE: dict[int, tuple[Any, int, frozenset[int]]] = {}
 
 
+def _cached(cache: dict, tokenizer: Any, size: int, build: Callable[[], Any]) -> Any:
+    """``build()`` for ``tokenizer``, kept in ``cache`` per tokenizer object and rebuilt when ``size`` changes."""
+    cached = cache.get(id(tokenizer))
+    if cached is not None and cached[0] is tokenizer and cached[1] == size:
+        return cached[2]
+    value = build()
+    cache[id(tokenizer)] = (tokenizer, size, value)
+    return value
+
+
 class ContextError(TrieDecodeError, ValueError):
     """The text before the entries merges with them: the context's own tokens change when an entry follows.
 
@@ -103,8 +113,9 @@ class ContextError(TrieDecodeError, ValueError):
 # Each token's bytes
 
 
-def _byte_decoder_table() -> dict[int, int]:
-    """GPT-2's byte-level alphabet, inverted: code point of the printable stand-in -> the byte it stands for."""
+def byte_decoder_table() -> dict[int, int]:
+    """GPT-2's byte-level alphabet, inverted (code point of a printable stand-in -> its byte); shared with the
+    benchmark's outlines-core vocabulary."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     cs = bs[:]
     n = 0
@@ -116,13 +127,7 @@ def _byte_decoder_table() -> dict[int, int]:
     return {c: b for b, c in zip(bs, cs)}
 
 
-def byte_decoder_table() -> dict[int, int]:
-    """GPT-2's byte-level alphabet, inverted (code point of a printable stand-in -> its byte); shared with the
-    benchmark's outlines-core vocabulary."""
-    return dict(_BYTE_DECODER)
-
-
-_BYTE_DECODER = _byte_decoder_table()
+_BYTE_DECODER = byte_decoder_table()
 _BYTE_ENCODER = {b: chr(c) for c, b in _BYTE_DECODER.items()}
 _TO_LATIN1 = str.maketrans({c: chr(b) for c, b in _BYTE_DECODER.items()})
 _BYTE_PIECES = {f"<0x{b:02X}>": bytes([b]) for b in range(256)}
@@ -269,9 +274,10 @@ def token_bytes(tokenizer: Any) -> list[bytes]:
 def _bytes_table(tokenizer: Any) -> tuple[np.ndarray, bytes, Optional[list[bytes]]]:
     """(byte length of each id, all ids' bytes concatenated, the per-id list if already built); cached."""
     size = tokenizer_vocab_size(tokenizer)
-    cached = _BYTES_CACHE.get(id(tokenizer))
-    if cached is not None and cached[0] is tokenizer and cached[1] == size:
-        return cached[2]
+    return _cached(_BYTES_CACHE, tokenizer, size, lambda: _build_bytes_table(tokenizer, size))
+
+
+def _build_bytes_table(tokenizer: Any, size: int) -> tuple[np.ndarray, bytes, Optional[list[bytes]]]:
     scheme = byte_scheme(tokenizer)
     out: Optional[list[bytes]] = None
     if scheme == "mistral-common":
@@ -289,30 +295,19 @@ def _bytes_table(tokenizer: Any) -> tuple[np.ndarray, bytes, Optional[list[bytes
             texts = [p or "" for p in pieces]
             try:
                 blob = "".join(texts).translate(_TO_LATIN1).encode("latin-1")
-                table = (np.fromiter(map(len, texts), dtype=np.int64, count=size), blob, None)
-                _BYTES_CACHE[id(tokenizer)] = (tokenizer, size, table)
-                return table
+                return np.fromiter(map(len, texts), dtype=np.int64, count=size), blob, None
             except UnicodeEncodeError:  # a piece outside the byte-level alphabet: decode what can be decoded
                 out = [bytes(_BYTE_DECODER.get(ord(c), 0) for c in t) for t in texts]
-        elif scheme == "sentencepiece":
-            out = []
-            for i, p in enumerate(pieces):
-                if p is None:
-                    out.append(b"")
-                elif i in added:
-                    out.append(added[i].encode("utf-8"))
-                elif p in _BYTE_PIECES:
-                    out.append(_BYTE_PIECES[p])
-                else:
-                    out.append(p.replace("\u2581", " ").encode("utf-8"))
         else:
-            out = [(p or "").encode("utf-8") for p in pieces]
-            for i, content in added.items():
+            if scheme == "sentencepiece":  # "▁" for a space, <0xNN> byte-fallback pieces
+                out = [_BYTE_PIECES[p] if p in _BYTE_PIECES else (p or "").replace("\u2581", " ").encode("utf-8")
+                       for p in pieces]
+            else:
+                out = [(p or "").encode("utf-8") for p in pieces]
+            for i, content in added.items():  # added and special tokens: their text
                 if 0 <= i < size:
                     out[i] = content.encode("utf-8")
-    table = (np.fromiter(map(len, out), dtype=np.int64, count=len(out)), b"".join(out), out)
-    _BYTES_CACHE[id(tokenizer)] = (tokenizer, size, table)
-    return table
+    return np.fromiter(map(len, out), dtype=np.int64, count=len(out)), b"".join(out), out
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -343,18 +338,15 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     Raises:
         TypeError: not a tokenizer (no ``get_vocab``).
     """
-    size = _size_key(tokenizer)
-    cached = _CACHE.get(id(tokenizer))
-    if cached is not None and cached[0] is tokenizer and cached[1] == size:
-        return cached[2]
-    _require_get_vocab(tokenizer)
-    lengths, blob, _ = _bytes_table(tokenizer)
-    h = hashlib.sha256(b"trie_decode token bytes v2\0")
-    h.update(lengths.astype("<i8").tobytes())
-    h.update(blob)
-    digest = h.hexdigest()[:32]
-    _CACHE[id(tokenizer)] = (tokenizer, size, digest)
-    return digest
+
+    def build() -> str:
+        lengths, blob, _ = _bytes_table(tokenizer)  # TypeError for what has no get_vocab (tokenizer_vocab_size)
+        h = hashlib.sha256(b"trie_decode token bytes v2\0")
+        h.update(lengths.astype("<i8").tobytes())
+        h.update(blob)
+        return h.hexdigest()[:32]
+
+    return _cached(_CACHE, tokenizer, _size_key(tokenizer), build)
 
 
 def legacy_tokenizer_fingerprint(tokenizer: Any) -> str:
@@ -559,15 +551,13 @@ def special_token_strings(tokenizer: Any) -> frozenset[str]:
     Hugging Face tokenizers split text at every added token, special or not (DeepSeek's ``"<｜Assistant｜>"``,
     Gemma's ``"\\n"``), so the text after one is tokenized on its own.
     """
-    cached = _SPECIAL_CACHE.get(id(tokenizer))
-    size = _size_key(tokenizer)
-    if cached is not None and cached[0] is tokenizer and cached[1] == size:
-        return cached[2]
-    found = {str(t) for t in (getattr(tokenizer, "all_special_tokens", None) or [])}
-    found |= set(_added_tokens(tokenizer).values())
-    result = frozenset(t for t in found if t)
-    _SPECIAL_CACHE[id(tokenizer)] = (tokenizer, size, result)
-    return result
+
+    def build() -> frozenset[str]:
+        found = {str(t) for t in (getattr(tokenizer, "all_special_tokens", None) or [])}
+        found |= set(_added_tokens(tokenizer).values())
+        return frozenset(t for t in found if t)
+
+    return _cached(_SPECIAL_CACHE, tokenizer, _size_key(tokenizer), build)
 
 
 def ends_with_special_token(tokenizer: Any, context: str) -> bool:
@@ -586,22 +576,20 @@ def markup_ids(tokenizer: Any) -> frozenset[int]:
     A fast tokenizer reads such a token's text in its input as the token (``"</s>"`` as the end token), a model
     writes that text with ordinary tokens; non-special added tokens (Gemma's ``"\\n"`` tokens) are text.
     """
-    cached = _MARKUP_CACHE.get(id(tokenizer))
-    size = _size_key(tokenizer)
-    if cached is not None and cached[0] is tokenizer and cached[1] == size:
-        return cached[2]
-    found = {int(i) for i in (getattr(tokenizer, "all_special_ids", None) or [])}
-    found |= {int(i) for i, t in added_tokens_decoder(tokenizer).items() if getattr(t, "special", False)}
-    for name in ("unk_token_id", "bos_token_id", "eos_token_id", "pad_token_id"):
-        try:
-            value = getattr(tokenizer, name, None)
-        except Exception:  # noqa: BLE001 - some loaders raise for a token they do not have
-            value = None
-        if isinstance(value, int) and value >= 0:
-            found.add(value)
-    result = frozenset(found)
-    _MARKUP_CACHE[id(tokenizer)] = (tokenizer, size, result)
-    return result
+
+    def build() -> frozenset[int]:
+        found = {int(i) for i in (getattr(tokenizer, "all_special_ids", None) or [])}
+        found |= {int(i) for i, t in added_tokens_decoder(tokenizer).items() if getattr(t, "special", False)}
+        for name in ("unk_token_id", "bos_token_id", "eos_token_id", "pad_token_id"):
+            try:
+                value = getattr(tokenizer, name, None)
+            except Exception:  # noqa: BLE001 - some loaders raise for a token they do not have
+                value = None
+            if isinstance(value, int) and value >= 0:
+                found.add(value)
+        return frozenset(found)
+
+    return _cached(_MARKUP_CACHE, tokenizer, _size_key(tokenizer), build)
 
 
 def _split_after(
@@ -702,6 +690,5 @@ def tokenize_strings(
                                     "ask for two forms of each string: give one (TokenTrie.from_strings stores both)")
         return tokenize_in_context(strings, tokenizer, context, on_unstable=on_unstable)
     # An entry that merges with the anchor keeps its own tokenization (of " " + s, or s).
-    if leading_space:
-        return tokenize_in_context(strings, tokenizer, SPACE_ANCHOR, separator=" ", on_unstable="raw")
-    return tokenize_in_context(strings, tokenizer, LINE_ANCHOR, separator="", on_unstable="raw")
+    anchor, separator = (SPACE_ANCHOR, " ") if leading_space else (LINE_ANCHOR, "")
+    return tokenize_in_context(strings, tokenizer, anchor, separator=separator, on_unstable="raw")

@@ -747,7 +747,7 @@ class TokenTrie:
         leaves = np.diff(ptr) == 0
         if np.any(leaves & (self.node_entry < 0)):
             fail("a leaf node is not the end of an entry")
-        for label, table in zip(TABLES, self._tables()):
+        for label, table in zip(TABLES, (self._names, self._keys)):
             problem = table.problem(e) if table is not None else None
             if problem:
                 fail(f"the {label} table {problem}")
@@ -758,15 +758,11 @@ class TokenTrie:
         if problem:
             fail(f"the filter arrays: {problem}")
 
-    def _tables(self) -> tuple[Optional[StringTable], Optional[StringTable]]:
-        """The entry tables, in the order of ``TABLES``."""
-        return self._names, self._keys
-
     # ------------------------------------------------------------------ files
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the trie as a safetensors file (arrays + metadata; never pickle)."""
         arrays = {name: getattr(self, name) for name in ARRAYS}
-        for label, table in zip(TABLES, self._tables()):
+        for label, table in zip(TABLES, (self._names, self._keys)):
             if table is not None:
                 arrays[f"{label}_blob"] = table.blob
                 arrays[f"{label}_offsets"] = table.offsets
