@@ -198,11 +198,6 @@ def _check_stop_strings(stop_strings: Union[str, Sequence[str], None], tokenizer
         raise ConstraintConfigError(f"{what} need the tokenizer (to find them in the tokens); {where}")
 
 
-def _stop_string_criteria(stop_strings: Union[str, Sequence[str], None], tokenizer: Any) -> list[StopStringCriteria]:
-    """``stop_strings`` as the criterion ``generate`` builds from them (none without stop strings)."""
-    return [StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings)] if stop_strings else []
-
-
 # ---------------------------------------------------------------------------------------------------- the loop
 class _Run:
     """State of one fast-forward generation. All per-row bookkeeping that the forward pass needs is in tensors;
@@ -216,12 +211,12 @@ class _Run:
         cache: Any,
         constraint: TrieConstraint,
         groups: torch.Tensor,
+        tails: Optional[torch.Tensor],
         config: GenerationConfig,
         processors: LogitsProcessorList,
         stop_ids: list[int],
         pad_id: int,
         max_new: int,
-        max_time: Optional[float],
         generator: Optional[torch.Generator],
         streamer: Any = None,
         string_stops: Sequence[Any] = (),
@@ -242,17 +237,13 @@ class _Run:
         self.batch_state = holds_batch_state(self.before, b)
         self.after_batch_state = holds_batch_state(self.after, b)
         self.stop_set = set(stop_ids)
-        self.pad_id, self.max_new, self.max_time = pad_id, max_new, max_time
+        self.pad_id, self.max_new, self.max_time = pad_id, max_new, config.max_time
         self.do_sample = bool(config.do_sample)
         self.want_scores = bool(config.return_dict_in_generate and config.output_scores)
         self.want_logits = bool(config.return_dict_in_generate and config.output_logits)
         self.trig = len(constraint.rules.trigger)
-        self.hist = None  # (B, t) last tokens, for triggers; a prompt shorter than the trigger padded with -1
-        if self.trig:
-            self.hist = torch.full((b, self.trig), -1, dtype=input_ids.dtype, device=input_ids.device)
-            keep = min(p, self.trig)
-            if keep:
-                self.hist[:, self.trig - keep :] = input_ids[:, p - keep :]
+        # (B, t) last tokens, for triggers; a prompt shorter than the trigger padded with -1 (a copy: _tails writes it)
+        self.hist = tails.clone() if self.trig else None
         self.state = constraint.start(b, groups, self.hist)
         self.gen = torch.full((b, max(max_new, 1)), pad_id, dtype=torch.long, device=self.device)
         self.n_gen = [0] * b
@@ -266,10 +257,9 @@ class _Run:
         self.next_logits: Optional[torch.Tensor] = None  # (len(batch_rows), V) logits for the next decision
 
     # -- 1. decide ------------------------------------------------------------------------------------------------
-    def _current_ids(self, rows: list[int], n: Optional[int] = None) -> torch.Tensor:
-        """The rows' tokens so far for logits processors: the prompt and the first ``n`` generated tokens (None:
-        every generated token, right-padded). Shape: (R, P + n)."""
-        n = max(self.n_gen[r] for r in rows) if n is None else n
+    def _current_ids(self, rows: list[int], n: int) -> torch.Tensor:
+        """The rows' tokens so far for logits processors: the prompt and the first ``n`` generated tokens. Shape:
+        (R, P + n)."""
         idx = torch.tensor(rows, device=self.device)
         return torch.cat([self.input_ids[idx], self.gen[idx, :n]], dim=1)
 
@@ -387,12 +377,9 @@ class _Run:
 
     # -- 3. commit ------------------------------------------------------------------------------------------------
     def commit(self, blocks: list[list[int]]) -> list[int]:
-        """Cut blocks at max_new_tokens and after the first stop token or stop string, write them out; return the
-        block starts."""
+        """Cut blocks after the first stop token or stop string, write them out; return the block starts. (Blocks
+        are within max_new_tokens already: :meth:`fast_forward` cuts each forced run to the row's room.)"""
         starts = list(self.n_gen)
-        for r in range(self.b):
-            if not self.finished[r]:
-                del blocks[r][self.max_new - self.n_gen[r] :]
         string_ends = self._string_stops(blocks) if self.string_stops else {}
         for r in range(self.b):
             block = blocks[r]
@@ -626,26 +613,30 @@ def _general_path(
     stopping_criteria: Any,
     config: GenerationConfig,
     model_kwargs: dict[str, Any],
+    hooked: bool,
     string_stops: Sequence[Any] = (),
     tokenizer: Any = None,
 ) -> Union[FastForwardOutput, torch.Tensor]:
     """Token-by-token decoding with ``processor``, for a transformers whose ``custom_generate`` convention this
     module was not checked against (:mod:`.transformers_internals`): the same tokens, one pass per token.
 
-    Called by ``generate`` (``processors`` given), it runs the sampling loop ``generate`` would have run, with the
-    trie processor placed before the sampling warpers; called directly, it calls ``model.generate``.
-    ``string_stops``: the stop strings' criteria, for the direct call (the hook's are in ``stopping_criteria``);
-    ``tokenizer``: for the stop strings of ``config`` (the direct call hands it to ``generate``).
+    Called by ``generate`` (``hooked``: ``processors`` and ``stopping_criteria`` are the prepared ones), it runs the
+    sampling loop ``generate`` would have run, with the trie processor placed before the sampling warpers; called
+    directly (``processors`` and ``stopping_criteria``: the caller's own, or None), it calls ``model.generate`` with
+    them and the trie processor after the caller's processors. ``string_stops``: the stop strings' criteria, for the
+    direct call; ``tokenizer``: for the stop strings of ``config`` (the direct call hands it to ``generate``).
     """
     if not verified():
         warn_unverified("fast_forward_generate (token by token, no fast-forward)")
-    if processors is None:
-        if string_stops:
-            model_kwargs = {**model_kwargs, "stopping_criteria": StoppingCriteriaList(string_stops)}
+    if not hooked:
+        _check_hooked_inputs(processors, None)  # token by token, any stopping criterion works
+        criteria = [*(stopping_criteria or ()), *string_stops]
+        if criteria:
+            model_kwargs = {**model_kwargs, "stopping_criteria": StoppingCriteriaList(criteria)}
         if config.stop_strings and tokenizer is not None:
             model_kwargs = {**model_kwargs, "tokenizer": tokenizer}
         out = model.generate(input_ids, attention_mask=attention_mask, generation_config=config,
-                             logits_processor=LogitsProcessorList([processor]), **model_kwargs)
+                             logits_processor=LogitsProcessorList([*(processors or ()), processor]), **model_kwargs)
     else:
         sample = getattr(model, "_sample", None)
         if sample is None:
@@ -818,7 +809,10 @@ def fast_forward_generate(
                                  generator=generator)
         return model.generate(input_ids, generation_config=generation_config, logits_processor=logits_processor,
                               stopping_criteria=stopping_criteria, custom_generate=hook, **kwargs)
-    string_stops = _stop_string_criteria(stop_strings, tokenizer)
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        raise ConstraintConfigError("input_ids must be a 2-D tensor of token ids (batch, prompt length)")
+    # stop_strings as the criterion generate builds from them (none without stop strings)
+    string_stops = [StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings)] if stop_strings else []
     attention_mask = kwargs.pop("attention_mask", None)
     streamer = generate_streamer() if hooked else None  # generate put the prompt into it, and keeps it from the hook
     if streamer is not None and input_ids.shape[0] != 1:
@@ -852,9 +846,8 @@ def fast_forward_generate(
                             "calling a callable custom_generate, cannot find them. To fast-forward, set "
                             "generation_config.stop_strings = None and pass stop_strings=... to fast_forward_generate")
     if not verified() or config_stops:
-        return _general_path(model, input_ids, attention_mask, processor, logits_processor if hooked else None,
-                             stopping_criteria if hooked else None, config, model_kwargs,
-                             () if hooked else string_stops, tokenizer)
+        return _general_path(model, input_ids, attention_mask, processor, logits_processor, stopping_criteria, config,
+                             model_kwargs, hooked, () if hooked else string_stops, tokenizer)
     max_length, processors = config.max_length, logits_processor
     _check_one_token_per_call(processors)
     unknown = set(model_kwargs) - _KNOWN_MODEL_KWARGS
@@ -862,13 +855,9 @@ def fast_forward_generate(
         raise ConstraintConfigError(f"fast_forward_generate does not handle these model inputs: {sorted(unknown)}")
     if getattr(model.config, "is_encoder_decoder", False):
         raise ConstraintConfigError("fast_forward_generate supports decoder-only models, not encoder-decoders")
-    if input_ids is None or input_ids.dim() != 2:
-        raise ConstraintConfigError("input_ids must be a 2-D tensor of token ids (batch, prompt length)")
 
     caches = [model_kwargs[name] for name in CACHE_INPUT_NAMES if model_kwargs.get(name) is not None]
-    cache = caches[0] if caches else None
-    if cache is None:
-        cache = DynamicCache(config=model.config)
+    cache = caches[0] if caches else DynamicCache(config=model.config)
     if not isinstance(cache, DynamicCache):
         raise ConstraintConfigError(f"fast_forward_generate needs a DynamicCache, got {type(cache).__name__}")
     window = sliding_window_slots(cache)
@@ -882,7 +871,6 @@ def fast_forward_generate(
     if cache.get_seq_length() > 0:
         raise ConstraintConfigError("fast_forward_generate starts from an empty cache; do not pass a filled one")
 
-    rules = processor.rules
     # Forced tokens reach the model without a mask that would check the logits' width: check the trie against it.
     width = getattr(model.config, "vocab_size", None)
     if isinstance(width, int):
@@ -891,7 +879,7 @@ def fast_forward_generate(
     stop_ids = sorted(set(eos_ids))
     pad_id = first_eos(config.pad_token_id)
     if pad_id is None:
-        pad_id = eos_ids[0] if eos_ids else rules.end_token_id
+        pad_id = eos_ids[0] if eos_ids else processor.rules.end_token_id
 
     # With a template every row starts at the template's start (its tree is the slot it is in, not its prompt's).
     groups = prompt_groups(input_ids.shape[0], 1 if template is not None else len(processor.tries), input_ids.device)
@@ -903,12 +891,12 @@ def fast_forward_generate(
         cache,
         constraint,
         groups,
+        processor._trigger_tails(input_ids),
         config,
         processors,
         stop_ids,
         pad_id,
         max_length - input_ids.shape[1],
-        config.max_time,
         generator,
         streamer,
         [crit for crit in stopping_criteria if isinstance(crit, StopStringCriteria)],

@@ -24,7 +24,6 @@ else can still see.
 from __future__ import annotations
 
 import inspect
-from dataclasses import replace
 import weakref
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -140,10 +139,10 @@ def _span_tries(tokenizer: Any, spans: Any, on_complete: str, separator: Any, tr
               "allow": allow is not None, "deny": deny is not None, "distinct": bool(distinct),
               "max_entries": max_entries is not None, "check_prompt": bool(check_prompt)}
     check_alone(key, [k for k, v in others.items() if v])
+    end = end_token(end_token_id, tokenizer)
     if isinstance(spans, Template):
-        end = end_token(end_token_id, tokenizer)
         return spans.build(tokenizer, end) if tokenizer is not None else spans.prebuilt(end)
-    return FieldRules.build(spans, tokenizer, end_token(end_token_id, tokenizer))
+    return FieldRules.build(spans, tokenizer, end)
 
 
 class TrieLogitsProcessor(LogitsProcessor):
@@ -240,6 +239,7 @@ class TrieLogitsProcessor(LogitsProcessor):
                          hints={"tries": "a TokenTrie, or one per prompt"})
         if template is not None:
             spans = check_instance(template, Template, "template")
+        fields = None
         if spans is not None:
             tries, fields = _span_tries(tokenizer, spans, on_complete, separator, trigger, allow, deny, distinct,
                                         check_prompt, end_token_id, max_entries)
@@ -253,9 +253,7 @@ class TrieLogitsProcessor(LogitsProcessor):
             raise ConstraintConfigError("check_prompt=True needs the tokenizer and no trigger (the span must start "
                                         "right after the prompt)")
         self._check_with = tokenizer if check_prompt else None
-        self.rules = SpanRules(**rule_args(tokenizer, end_token_id, on_complete, separator, trigger))
-        if spans is not None:
-            self.rules = replace(self.rules, fields=fields)
+        self.rules = SpanRules(**rule_args(tokenizer, end_token_id, on_complete, separator, trigger), fields=fields)
         check_distinct(self.rules.on_complete, distinct, max_entries)  # a bool; max_entries only with it
         distinct = bool(distinct)
         # With filters over one trie per prompt, each prompt decodes the trie of the entries its filter leaves; the

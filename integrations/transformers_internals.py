@@ -201,12 +201,6 @@ class GenerateLoop:
         return self._owner is None or self._owner() is previous._owner()
 
     @classmethod
-    def unknown(cls, owner: Any = None) -> "GenerateLoop":
-        """The general caller: rows may move, scores are not ours to overwrite; called by a ``LogitsProcessorList``
-        (``owner``), its calls may rewind."""
-        return cls(reorders=True, in_place=False, owner=owner, rewinds=owner is not None)
-
-    @classmethod
     def of_caller(cls, previous: Optional["GenerateLoop"], depth: int = 2) -> "GenerateLoop":
         """The loop calling the processor (``depth``: frames between this call and the processor's caller;
         ``previous``: the loop of the processor's last call, reused when the same generation calls again)."""
@@ -249,7 +243,9 @@ class GenerateLoop:
             frame = frame.f_back
         if not _VERIFIED:
             warn_unverified("TrieLogitsProcessor (caller detection)")
-        return cls.unknown(owner)
+        # The general caller: rows may move, scores are not ours to overwrite; called by a LogitsProcessorList
+        # (owner), its calls may rewind.
+        return cls(reorders=True, in_place=False, owner=owner, rewinds=owner is not None)
 
 
 #: The candidate generators whose assistant model drafts in the main model's vocabulary through its own ``generate``
@@ -324,11 +320,6 @@ def beam_parents(parents: torch.Tensor, rows: int, column: int, check: bool) -> 
     return col
 
 
-def _storage_users(t: torch.Tensor) -> int:
-    """How many tensors use ``t``'s storage (``t`` and its views), not counting the probe's own handle."""
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata) - 1
-
-
 _HAS_STORAGE_COUNT = hasattr(torch._C, "_storage_Use_Count")
 
 
@@ -336,7 +327,9 @@ def reusable_buffer(buf: torch.Tensor, references: int) -> bool:
     """Whether nothing outside its owner can see ``buf``: exactly ``references`` Python references held by the
     caller (this call's own argument and ``sys.getrefcount``'s are not counted) and no other tensor on its storage.
     Without torch's private storage count, never (the caller allocates a new tensor)."""
-    return _HAS_STORAGE_COUNT and sys.getrefcount(buf) == references + 2 and _storage_users(buf) == 1
+    # Users of buf's storage: buf itself (no view) and the probe's own handle (untyped_storage()).
+    return (_HAS_STORAGE_COUNT and sys.getrefcount(buf) == references + 2
+            and torch._C._storage_Use_Count(buf.untyped_storage()._cdata) == 2)
 
 
 def prefix_processor_start(depth: int) -> Optional[tuple[Any, int]]:

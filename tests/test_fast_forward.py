@@ -326,6 +326,47 @@ def test_tiny_stop_strings_match_processor(tiny_llama, tokenizer, small_tries, s
     assert (out.stats.forced_tokens > 0) == verified
 
 
+@pytest.mark.parametrize("verified", [True, False], ids=["fast-forward", "general path"])
+@pytest.mark.filterwarnings("ignore::trie_decode.integrations.transformers_internals.UnverifiedTransformersWarning")
+def test_a_direct_calls_own_processors_and_criteria_run_on_both_paths(tiny_llama, tokenizer, small_tries, verified,
+                                                                       monkeypatch):
+    """fast_forward_generate(model, ..., logits_processor=..., stopping_criteria=...) called directly: the general
+    path (outside the verified transformers) dropped both, the fast path ran them."""
+    from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+
+    from trie_decode.integrations import transformers_internals as internals
+
+    class Ban(LogitsProcessor):  # bans the first choice of every row: the outputs must differ from plain ones
+        def __init__(self, token: int) -> None:
+            self.token, self.calls = token, 0
+
+        def __call__(self, input_ids, scores):
+            self.calls += 1
+            scores[:, self.token] = -float("inf")
+            return scores
+
+    class AfterTwo(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.full((input_ids.shape[0],), input_ids.shape[1] >= start + 2, dtype=torch.bool)
+
+    inputs = tiny_inputs(tokenizer, n=1)
+    start = inputs["input_ids"].shape[1]
+    plain = fast_forward_generate(tiny_llama, **inputs, trie=small_tries[0], max_new_tokens=6, do_sample=False)
+    first = int(plain[0, start])
+    monkeypatch.setattr(internals, "_VERIFIED", verified)
+    ban = Ban(first)
+    out = fast_forward_generate(tiny_llama, **inputs, trie=small_tries[0], max_new_tokens=6, do_sample=False,
+                                logits_processor=LogitsProcessorList([ban]),
+                                stopping_criteria=StoppingCriteriaList([AfterTwo()]) if not verified else None)
+    ref = tiny_llama.generate(**inputs, max_new_tokens=6, do_sample=False, logits_processor=[
+        Ban(first), TrieLogitsProcessor(small_tries[0], tokenizer)],
+        stopping_criteria=StoppingCriteriaList([AfterTwo()]) if not verified else None)
+    assert ban.calls >= 1 and int(out[0, start]) != first
+    assert out.tolist() == ref.tolist()
+    if not verified:
+        assert out.shape[1] == start + 2
+
+
 def test_tiny_release_mode_continues_as_free_text(tiny_llama, tokenizer, small_tries):
     inputs = tiny_inputs(tokenizer)
     ref, out = _both(tiny_llama, inputs, small_tries, tokenizer, max_new_tokens=12, on_complete="release")
