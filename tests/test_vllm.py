@@ -431,6 +431,88 @@ def test_fast_forward_driver_twice_gives_the_same_output(llm, tokenizer, country
         assert first[1].text in codes and first[1].forced > 0, first[1]
 
 
+class _EngineByTheCore:
+    """A stand-in for ``vllm.LLM`` in the fast-forward driver: each request is decoded by the core's own constraint
+    as the engine's processor decodes it (``prefix`` replayed, ``stop_at_forced`` honoured), sampling uniformly
+    among the allowed tokens with a ``random.Random(seed)`` started per request, as a seeded vLLM request starts
+    its generator. It records each submission's seed."""
+
+    def __init__(self, tokenizer, smollm2_dir):
+        from types import SimpleNamespace
+
+        self.tokenizer = tokenizer
+        model_config = SimpleNamespace(tokenizer=smollm2_dir, tokenizer_revision=None, trust_remote_code=False,
+                                       get_vocab_size=lambda: len(tokenizer))
+        self.llm_engine = SimpleNamespace(vllm_config=SimpleNamespace(
+            model_config=model_config, cache_config=SimpleNamespace(block_size=128)))
+        self.seeds: list = []
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def generate(self, prompts, params, use_tqdm=False):
+        import random
+        from types import SimpleNamespace
+
+        import torch
+
+        from trie_decode.constraint import TrieConstraint
+        from trie_decode.integrations.vllm import _engine_constraint, _resolver_for
+        from trie_decode.integrations.vllm_requests import parse_trie_request
+
+        resolver = _resolver_for(self.llm_engine.vllm_config.model_config)
+        outs = []
+        for prompt, sp in zip(prompts, params):
+            self.seeds.append(sp.seed)
+            extra = sp.extra_args
+            trie, rules, _, _ = _engine_constraint(resolver, parse_trie_request(extra))
+            c = TrieConstraint(trie, rules, "cpu")
+            state = c.start(1)
+            for t in extra.get("prefix", []):
+                state = c.advance(state, torch.tensor([t]))
+            stop = torch.tensor([extra.get("stop_at_forced", 0)])
+            tail = torch.tensor([bool(extra.get("forced_tail_only", False))])
+            rng, toks = random.Random(sp.seed), []
+            while len(toks) < sp.max_tokens:
+                (allowed,) = c.allowed_tokens(c.stop_at_forced(state, stop, tail))
+                toks.append(rng.choice(allowed) if sp.temperature > 0 else allowed[0])
+                if toks[-1] == rules.end_token_id:
+                    break
+                state = c.advance(state, torch.tensor([toks[-1]]))
+            outs.append(SimpleNamespace(outputs=[SimpleNamespace(token_ids=toks)]))
+        return outs
+
+
+def test_fast_forward_driver_seeds_each_round_apart(tokenizer, smollm2_dir):
+    """A seeded request decoded in rounds (a forced run appended, then resubmitted) used to submit the user's seed
+    in every round, restarting its random stream: the token after each forced run was drawn with the numbers of
+    the request's first token. Now the first round keeps the seed and every later round gets round_seed(seed,
+    round): distinct per round, the same for the same seed (the output is reproducible), None without a seed."""
+    from trie_decode.integrations.vllm_fastforward import generate
+
+    codes = [f"ref-{a}-catalogue-section-{b}" for a in ("alpha", "beta", "gamma") for b in ("north", "south", "east")]
+    prompt = _chat(tokenizer, "Give a reference code.")
+    kw = dict(max_tokens=40, temperature=1.0, min_run=2, resubmit=True)
+    llm = _EngineByTheCore(tokenizer, smollm2_dir)
+    (first,) = generate(llm, [prompt], [codes], seed=5, **kw)
+    seeds, llm.seeds = llm.seeds, []
+    assert first.rounds >= 2 and len(seeds) == first.rounds and first.text in codes, first
+    assert seeds[0] == 5, seeds  # the first round samples as plain vLLM does with this seed
+    assert len(set(seeds)) == len(seeds), f"rounds restart the same random stream: seeds {seeds}"
+    (again,) = generate(llm, [prompt], [codes], seed=5, **kw)
+    assert (again, llm.seeds) == (first, seeds)  # reproducible
+    llm.seeds = []
+    generate(llm, [prompt], [codes], seed=6, **kw)
+    assert llm.seeds[0] == 6 and not set(llm.seeds[1:]) & set(seeds), (llm.seeds, seeds)
+    llm.seeds = []
+    generate(llm, [prompt], [codes], **kw)  # no seed: none in any round
+    assert llm.seeds and set(llm.seeds) == {None}
+    llm.seeds = []
+    greedy = generate(llm, [prompt], [codes], max_tokens=40, min_run=2, resubmit=True, seed=5)
+    plain = generate(llm, [prompt], [codes], max_tokens=40, fast_forward=False, seed=5)
+    assert greedy[0].token_ids == plain[0].token_ids and greedy[0].rounds >= 2  # greedy: as step-by-step decoding
+
+
 @pytest.mark.parametrize("key", ["max_tokens", "min_run", "max_rounds"])
 def test_fast_forward_driver_counts_must_be_positive(key):
     """max_rounds=0 returned empty outputs, with no engine call and no error."""
