@@ -1,4 +1,5 @@
-"""The examples: every script runs, every notebook executes, and each notebook is its script's cells.
+"""The examples: every notebook executes and is its script's cells (so every script's code runs); the vLLM scripts
+also run as processes.
 
 Scripts run as subprocesses of this interpreter (``sys.executable``, the venv's python), from a temporary working
 folder. Notebooks execute with nbclient in the ``python3`` kernel of ipykernel; jupyter_client launches a kernelspec
@@ -104,7 +105,10 @@ def test_committed_notebook_has_outputs_and_no_errors(name):
     assert not errors, errors[0].get("evalue")
 
 
-@pytest.mark.parametrize("name", _params(SCRIPTS))
+# A transformers example's notebook is its script's cells (test_notebook_is_its_script), executed in a kernel whose
+# __name__ is "__main__" too: executing it runs the script's code, so only the vLLM scripts also run as processes
+# (an engine started from a script and from a kernel spawn its workers differently).
+@pytest.mark.parametrize("name", _params(VLLM))
 def test_script_runs(name, smollm2_dir, tmp_path):
     _needs_vllm(name)
     start = time.perf_counter()
