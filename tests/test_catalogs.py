@@ -177,6 +177,12 @@ def test_vocab_size_and_offsets_that_are_not_token_ids_are_named():
     for token_offset in (2**70, -1, 10, 1.5):
         with pytest.raises(InvalidTokenError, match="token_offset"):
             catalog_from_codes(np.array([[1, 2]]), codebook_size=4, token_offset=token_offset, vocab_size=10)
+    # beside level_offsets, an array token_offset failed inside numpy ("The truth value of an array ... is
+    # ambiguous")
+    with pytest.raises(InvalidTokenError, match=r"token_offset must be a token id in \[0, 10\), got array"):
+        catalog_from_codes(np.array([[1, 2]]), level_offsets=[0, 4], token_offset=np.array([1, 2]), vocab_size=10)
+    with pytest.raises(InvalidEntryError, match="not both"):
+        catalog_from_codes(np.array([[1, 2]]), level_offsets=[0, 4], token_offset=np.int64(3), vocab_size=10)
     # codebook sizes and level offsets: a huge int overflowed inside numpy, a float was truncated, a wrong length
     # failed in a broadcast
     for name, value, message in (("codebook_size", 2**70, "fit int64"), ("codebook_size", 4.5, "must be integers"),
@@ -195,6 +201,10 @@ def test_vocab_size_and_offsets_that_are_not_token_ids_are_named():
     ({"catalog_item_ids": None}, "without both"),
     ({"catalog_item_keys_offsets": None}, "half of the item key table"),
     ({"catalog_item_keys_offsets": np.array([0, 1, 2, 3, 4, 50])}, "item key table"),
+    # Offsets without even their end: a bare ValueError from StringTable.__len__ (-1) instead of the named refusal.
+    ({"catalog_item_keys_offsets": np.zeros(0, np.int64)}, "item key table does not match"),
+    ({"retired_keys_blob": np.zeros(0, np.uint8), "retired_keys_offsets": np.zeros(0, np.int64)},
+     "retired key table does not match"),
 ])
 def test_a_file_with_corrupt_item_lists_is_refused_on_load(tmp_path, change, message):
     # The item lists were not checked on load: a file whose CRCs agree but whose lists are wrong gave items that do

@@ -212,3 +212,18 @@ def test_a_bad_vocab_size_is_named_as_itself_not_as_a_leaf_problem():
     payload = {"descriptors": [{"path": "p", "leaves": [{"name": "a", "tokens": [1]}]}]}
     with pytest.raises(InvalidTokenError, match=r"^vocab_size must be an integer in \[1, 2\*\*31\], got -1$"):
         tries_from_token_tree_payload(payload, -1)
+
+
+def test_a_model_id_json_cannot_hold_is_named_as_the_payloads_field():
+    """A payload built in Python with a numpy or set ``modelId`` was refused as "leaves as entries: options['modelId']
+    ... which JSON cannot hold": neither the leaves nor an ``options`` argument (the function has none) were the
+    problem. The payload's field is named now."""
+    import numpy as np
+
+    from trie_decode import DescriptorError
+
+    for model_id in (np.int64(3), {"smollm2"}):
+        payload = {"modelId": model_id, "descriptors": [{"path": "p", "leaves": [{"name": "a", "tokens": [1]}]}]}
+        with pytest.raises(DescriptorError, match=r"^TokenTreePayload: 'modelId' is (int64|set) .*not JSON") as info:
+            tries_from_token_tree_payload(payload, 8)
+        assert "options" not in str(info.value)

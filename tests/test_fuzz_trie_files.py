@@ -330,6 +330,8 @@ CRAFTED = {
     "names blob not UTF-8": (dict(names_blob=np.array([0xFF, 0xFE, 0x41], np.uint8)), "names"),
     "names split inside a character": (dict(names_blob=np.frombuffer("éa".encode(), np.uint8).copy()), "names"),
     "names blob missing": (dict(names_blob=None), "half of the names table"),
+    # An offsets array without even its end: len() of the table is -1 (was a bare ValueError from __len__).
+    "names offsets empty": (dict(names_offsets=np.zeros(0, np.int64)), "names table does not match"),
     "no nodes": (dict(child_ptr=np.array([0], np.int32), token=np.array([-1], np.int32),
                       node_entry=np.array([-1], np.int32), entry_node=np.zeros(0, np.int32),
                       level_ptr=np.array([0, 1], np.int64), names_blob=None, names_offsets=None,

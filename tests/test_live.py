@@ -610,6 +610,17 @@ def test_adding_strings_without_a_tokenizer_points_to_add_s_tokenizer_argument()
         catalog.add("Chile", keys=["CL"])
 
 
+def test_removing_strings_as_sequences_points_to_removal_by_key():
+    # remove(sequences=["Chile"]) said "build from strings with TokenTrie.from_strings" (InvalidEntryError): the
+    # builders' hint, for a call that removes entries by key instead.
+    catalog = LiveCatalog(TokenTrie.from_sequences([[1]], vocab_size=10, keys=["Chile"]))
+    for sequences in (["Chile"], "Chile", (s for s in ["Chile"])):
+        with pytest.raises(CatalogUpdateError, match=r"remove entries by key, remove\(\[\.\.\.\]\)") as info:
+            catalog.remove(sequences=sequences)
+        assert "from_strings" not in str(info.value)
+    assert catalog.version == 0 and catalog.remove(["Chile"]) == 1
+
+
 # ------------------------------------------------------------------ removed entries' keys, items, pinned snapshots
 def _keys_of(view: CatalogView, spec, what: str = "deny") -> list:
     """The keys of the entries a filter spec names that the view serves (not denied as removed)."""
@@ -776,6 +787,12 @@ def test_remove_takes_a_list_and_says_so():
                           ("fr", r"single string 'fr': pass \['fr'\]"), (1.5, "single float")):
         with pytest.raises(CatalogUpdateError, match=shown):
             catalog.remove(single)
+    # a 0-d array or tensor failed inside numpy or torch ("iteration over a 0-d array"), and an index held in a 0-d
+    # tensor was refused as neither a key nor an index
+    for single in (np.array(0), torch.tensor(0)):
+        with pytest.raises(CatalogUpdateError, match="single integer"):
+            catalog.remove(single)
+    assert catalog.remove([torch.tensor(1)]) == 1
     assert catalog.remove([0]) == 1
 
 
@@ -905,3 +922,96 @@ def test_a_delta_file_names_its_bases_item_lists(tmp_path):
     plain = LiveCatalog(TokenTrie.from_sequences([[3, 4], [6]], vocab_size=8, keys=["a", "c"]))
     plain.remove(["a"])
     assert apply_delta_file(plain.base, as_version_1(plain)).sequences() == [(6,)]
+
+
+def test_added_names_and_keys_are_checked_as_the_builders_check_them():
+    """add() wrote names and keys with str(): a key None became the key "None", a name 5 the name "5", a single
+    string was split into one key per character, a set paired keys with sequences in its own order; a generator
+    failed on len() (TypeError); and a lone surrogate was accepted, then failed every later snapshot (the catalog
+    could no longer be read). Each is refused by name now, before anything changes."""
+    from trie_decode.errors import InvalidEntryError
+
+    keyed = LiveCatalog(TokenTrie.from_sequences([[3, 4], [6]], vocab_size=10, keys=["a", "c"]))
+    named = LiveCatalog(TokenTrie.from_sequences([[3, 4], [6]], vocab_size=10, names=["A", "C"]))
+    for catalog, kwargs, message in [
+        (keyed, dict(keys=[None]), r"keys\[0\] is None"),
+        (keyed, dict(keys=5), "not a list"),
+        (named, dict(names=[None]), r"names\[0\] is NoneType None: a name is a string"),
+        (named, dict(names=[5]), r"names\[0\] is int 5"),
+        (keyed, dict(keys=["\ud800"]), "lone surrogate"),
+        (named, dict(names=["\ud800"]), "lone surrogate"),
+    ]:
+        with pytest.raises(CatalogUpdateError, match=message) as info:
+            catalog.add([[7]], **kwargs)
+        assert isinstance(info.value, InvalidEntryError)  # the builders' class for the same problem
+    with pytest.raises(CatalogUpdateError, match="single str 'xy'"):
+        keyed.add([[7], [8]], keys="xy")
+    with pytest.raises(CatalogUpdateError, match="no order of its own"):
+        keyed.add([[7], [8]], keys={"x", "y"})
+    for catalog in (keyed, named):  # nothing was applied, and the catalog is still readable
+        assert catalog.version == 0 and catalog.snapshot().sequences() == [(3, 4), (6,)]
+    assert keyed.add([[7], [8]], keys=iter(["x", 9])) == 2  # any iterable, read once; a number key is written
+    assert [keyed.snapshot().lookup(s).key for s in ([7], [8])] == ["x", "9"]
+    with pytest.raises(CatalogUpdateError, match="pass tokenizer="):  # a generator of strings is strings too
+        keyed.add(s for s in ["Chile"])
+
+
+def test_a_snapshot_entry_number_is_an_integer():
+    """CatalogSnapshot.entry(1.5), entry(True) and entry("1") returned entry 1 (int() truncated or parsed them);
+    TokenTrie.entry refuses them: so does a snapshot now, by name."""
+    from trie_decode.errors import InvalidEntryError
+
+    catalog = LiveCatalog(TokenTrie.from_sequences([[3, 4], [3, 5], [6]], vocab_size=8, keys=["a", "b", "c"]))
+    catalog.add([[7]], keys=["d"])
+    snap = catalog.snapshot()
+    for bad in (1.5, True, "1"):
+        with pytest.raises(InvalidEntryError, match="not an integer"):
+            snap.entry(bad)
+    assert snap.entry(np.int64(3)).key == "d" and snap.entry(torch.tensor(1)).key == "b"
+
+
+def test_a_delta_file_is_not_applied_to_a_base_rebased_while_it_was_read(tmp_path, monkeypatch):
+    """load_delta checked the file against the base it found at its start, then applied it to whatever base the
+    catalog had by then: a rebase() from another thread in between (here, while the arrays are checked) renumbers the
+    entries, and the delta's tombstones removed other entries than the ones it names, silently. It is refused now."""
+    import trie_decode.live as live
+
+    base = TokenTrie.from_sequences([[3, 4], [3, 5], [6]], vocab_size=8, keys=["a", "b", "c"])
+    writer = LiveCatalog(base)
+    writer.remove(["a"])
+    delta = tmp_path / "d.safetensors"
+    writer.save_delta(delta)
+    catalog = LiveCatalog(base)
+    catalog.remove(["a"])
+    real = live.check_vectors
+
+    def rebased_meanwhile(*args, **kwargs):
+        catalog.rebase()  # the new base: [3, 5] is entry 0, [6] entry 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(live, "check_vectors", rebased_meanwhile)
+    with pytest.raises(TrieFileError, match="rebased while the delta file was read"):
+        catalog.load_delta(delta)
+    assert sorted(catalog.snapshot().sequences()) == [(3, 5), (6,)]  # the rebased catalog, unchanged
+
+
+@pytest.mark.parametrize("table", ["names", "retired"])
+def test_a_delta_file_with_an_empty_offsets_array_is_refused_by_name(tmp_path, table):
+    """A string table whose offsets array is empty (not even its end) failed with a bare ValueError from len() of
+    the table (-1), not the TrieFileError of every other malformed delta file."""
+    from trie_decode.fileio import read_arrays, write_arrays
+
+    base = TokenTrie.from_sequences([[1], [2]], vocab_size=8, names=["a", "b"])
+    catalog = LiveCatalog(base)
+    catalog.add([[3]], names=["c"])
+    catalog.remove(sequences=[[3]])  # its name is retired
+    catalog.add([[4]], names=["d"])
+    catalog.save_delta(tmp_path / "good.delta")
+    arrays, meta = read_arrays(tmp_path / "good.delta")
+    arrays = {name: np.array(a) for name, a in arrays.items()}
+    arrays[f"{table}_offsets"] = np.zeros(0, np.int64)
+    write_arrays(tmp_path / "bad.delta", arrays, {k: v for k, v in meta.items() if k not in ("format", "crc32")})
+    fresh = LiveCatalog(base)
+    with pytest.raises(TrieFileError, match=f"the {table} (key )?table does not match"):
+        fresh.load_delta(tmp_path / "bad.delta")
+    assert fresh.version == 0

@@ -120,8 +120,13 @@ def test_duplicates_are_merged_and_keep_the_first_name_and_key():
         lambda: [[np.int64(5), np.int32(6)], [5, 7, 8], [9]],
         lambda: (s for s in SEQS),  # any iterable of sequences
         lambda: RaggedTokens(np.array([5, 6, 5, 7, 8, 9], dtype=np.int64), np.array([0, 2, 5, 6], dtype=np.int64)),
+        # uint64 rows beside signed ones: numpy promotes their elements to float64 together, and the build refused
+        # them as "entry -1 has token id 0, outside any vocabulary (exceeds int64)"
+        lambda: [np.array([5, 6], dtype=np.uint64), np.array([5, 7, 8], dtype=np.int64), np.array([9], np.int8)],
+        lambda: [np.array([5, 6], dtype=np.uint64), [5, 7, 8], (np.int32(9),)],
     ],
-    ids=["tuples", "numpy-rows", "torch-rows", "numpy-scalars", "generator", "ragged"],
+    ids=["tuples", "numpy-rows", "torch-rows", "numpy-scalars", "generator", "ragged", "uint64-and-signed-rows",
+         "uint64-and-list-rows"],
 )
 def test_input_forms_give_the_same_trie(make, small):
     trie = TokenTrie.from_sequences(make(), vocab_size=np.int64(10))
@@ -131,12 +136,40 @@ def test_input_forms_give_the_same_trie(make, small):
 
 
 @pytest.mark.parametrize(
-    "array", [np.array([[3, 1], [2, 2], [3, 1]], dtype=np.uint16), torch.tensor([[3, 1], [2, 2], [3, 1]])]
+    "array", [np.array([[3, 1], [2, 2], [3, 1]], dtype=np.uint16), torch.tensor([[3, 1], [2, 2], [3, 1]]),
+              # Python ints in an object array (a table's values) were refused as "got dtype object"
+              np.array([[3, 1], [2, 2], [3, 1]], dtype=object)]
 )
 def test_2d_input(array):
     trie = TokenTrie.from_sequences(array, vocab_size=4)
     assert trie.sequences() == [(3, 1), (2, 2)]
     assert trie.num_duplicates == 1
+
+
+def test_a_2d_object_array_names_the_element_that_is_no_token_id():
+    for row, shown in (([1, 2.5], r"2\.5 \(float\)"), ([1, True], r"True \(bool\)"), ([1, None], "None")):
+        with pytest.raises(InvalidTokenError, match=f"token ids must be integers; entry 0 has {shown}"):
+            TokenTrie.from_sequences(np.array([row], dtype=object), vocab_size=10)
+
+
+def test_uint64_rows_beside_signed_ones_name_the_bad_id():
+    # Was "entry -1 has token id 0, outside any vocabulary" for each of them (the float64 numpy made of the ids).
+    with pytest.raises(InvalidTokenError, match=r"^entry 1 has token id -1, outside the vocabulary \[0, 10\)$"):
+        TokenTrie.from_sequences([np.array([5], dtype=np.uint64), [-1]], vocab_size=10)
+    with pytest.raises(InvalidTokenError, match=r"^entry 1 has token id 4611686018427387905, outside the vocabulary"):
+        TokenTrie.from_sequences([np.array([5], dtype=np.uint64), np.array([2**62 + 1])], vocab_size=10)
+    with pytest.raises(InvalidTokenError, match=r"^entry 0 has token id 9223372036854775808, outside any vocabulary"):
+        TokenTrie.from_sequences([np.array([2**63], dtype=np.uint64), np.array([1])], vocab_size=10)
+
+
+def test_a_2d_tensor_numpy_cannot_read_is_named_or_read():
+    # A float tensor that requires grad failed inside numpy (RuntimeError "Can't call numpy() on Tensor that requires
+    # grad"); a GPU tensor of token ids was refused as "token ids must be integers, got dtype torch.int64".
+    with pytest.raises(InvalidTokenError, match=r"^sequences: token ids must be integers, got dtype torch.float32$"):
+        TokenTrie.from_sequences(torch.tensor([[1.0, 2.0]], requires_grad=True), vocab_size=10)
+    if torch.cuda.is_available():
+        trie = TokenTrie.from_sequences(torch.tensor([[3, 1], [2, 2]], device="cuda"), vocab_size=4)
+        assert trie.sequences() == [(3, 1), (2, 2)]
 
 
 def test_single_entry_and_boundary_token_ids():
@@ -372,6 +405,9 @@ def test_subset_and_entry_tokens_refuse_masks_and_wrapping_indices(small):
         small.subset(np.array([0.7]))
     with pytest.raises(IndexError, match="entry_tokens: entry index -1 is out of range for a trie of 3 entries"):
         small.entry_tokens(np.array([-1]))
+    # an unsigned index beyond int64 was named as the -1 it wrapped to
+    with pytest.raises(IndexError, match="subset: entry index 18446744073709551615 is out of range"):
+        small.subset(np.array([2**64 - 1], dtype=np.uint64))
     assert small.entry_tokens(np.zeros(0, dtype=np.int64)).offsets.tolist() == [0]
 
 
@@ -388,3 +424,13 @@ def test_ragged_tokens_that_do_not_describe_sequences_are_named():
         TokenTrie.from_sequences(RaggedTokens(np.array([1, 2]), np.array([0.0, 2.0])), 10)
     trie = TokenTrie.from_sequences(RaggedTokens(np.array([1, 2, 3], dtype=np.uint8), np.array([0, 2, 3])), 10)
     assert trie.sequences() == [(1, 2), (3,)]
+
+
+def test_from_strings_refuses_a_set_or_a_dict_of_strings(tokenizer):
+    # A set of strings was read in its hash order, which changes from one process to the next: the entry numbers
+    # of the trie changed with it, and keys= was paired with the strings in that order (silently wrong keys).
+    for strings in ({"France", "Chile"}, frozenset({"France"}), {"France": "FR"}):
+        with pytest.raises(InvalidEntryError, match="no order of its own"):
+            TokenTrie.from_strings(strings, tokenizer, keys=["FR", "CL"][: len(strings)])
+    trie = TokenTrie.from_strings(sorted({"France", "Chile"}), tokenizer, keys=["CL", "FR"])
+    assert [(e.name, e.key) for e in map(trie.entry, range(2))] == [("Chile", "CL"), ("France", "FR")]

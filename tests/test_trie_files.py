@@ -376,3 +376,43 @@ def test_extra_arrays_save_only_what_load_reads(tmp_path):
     trie.extra = {"__metadata__": np.zeros(3, dtype=np.int32)}  # was written, then refused as a corrupted header
     with pytest.raises(TrieFileError, match="'__metadata__' is not a name an array can have"):
         trie.save(tmp_path / "meta.trie")
+
+
+def test_a_fingerprint_that_is_not_text_is_refused_when_the_trie_is_built(tmp_path):
+    # fingerprint=None (or a number, bytes, a lone surrogate) built a trie whose save() failed inside safetensors
+    # ("TypeError: argument 'metadata': 'None' is not an instance of 'str'", or a UnicodeEncodeError).
+    from trie_decode import InvalidEntryError
+    from trie_decode.catalogs import catalog_from_codes
+    from trie_decode.descriptors import tries_from_token_tree_payload, trie_from_prefix_dict
+
+    for fingerprint in (None, 123, b"abc", "\ud800"):
+        with pytest.raises(InvalidEntryError, match="fingerprint must be UTF-8 text"):
+            TokenTrie.from_sequences([[1, 2]], vocab_size=4, fingerprint=fingerprint)
+        with pytest.raises(InvalidEntryError, match="fingerprint must be UTF-8 text"):
+            catalog_from_codes(np.array([[1, 0]]), codebook_size=2, vocab_size=4, fingerprint=fingerprint)
+        with pytest.raises(InvalidEntryError, match="^fingerprint must be UTF-8 text"):  # not "leaves as entries: ..."
+            tries_from_token_tree_payload({"descriptors": [{"path": "p", "leaves": [{"name": "a", "tokens": [1]}]}]},
+                                          4, fingerprint=fingerprint)
+        with pytest.raises(InvalidEntryError, match="fingerprint must be UTF-8 text"):
+            trie_from_prefix_dict({"start_token_id": 0, "end_token_id": 2, "prefix_dict": {"0": [1]}}, 4,
+                                  fingerprint=fingerprint)
+    TokenTrie.from_sequences([[1, 2]], vocab_size=4, fingerprint="").save(tmp_path / "t.trie")
+    assert TokenTrie.load(tmp_path / "t.trie").fingerprint == ""
+
+
+def test_a_file_name_with_a_nul_byte_is_refused_by_name(trie, tmp_path):
+    # Loading failed with os.open's bare ValueError ("embedded null byte"), saving with one from os.unlink while it
+    # cleaned up after safetensors; both are TrieFileErrors now (a delta file's too).
+    from trie_decode.live import LiveCatalog
+
+    name = str(tmp_path / "a\x00b.trie")
+    with pytest.raises(TrieFileError, match="cannot open trie file .*a file name holds no NUL byte"):
+        TokenTrie.load(name)
+    with pytest.raises(TrieFileError, match="cannot write .*a file name holds no NUL byte"):
+        trie.save(name)
+    catalog = LiveCatalog(trie)
+    with pytest.raises(TrieFileError, match="a file name holds no NUL byte"):
+        catalog.save_delta(name)
+    with pytest.raises(TrieFileError, match="a file name holds no NUL byte"):
+        catalog.load_delta(name)
+    assert list(tmp_path.iterdir()) == []

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import numpy as np
+import torch
 
 from .errors import EmptyTrieError, InvalidEntryError, InvalidTokenError
 
@@ -45,9 +46,6 @@ class RaggedTokens:
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
-
-    def row(self, i: int) -> np.ndarray:
-        return self.values[self.offsets[i] : self.offsets[i + 1]]
 
 
 @dataclass(frozen=True)
@@ -83,11 +81,13 @@ def to_ragged(sequences: Any) -> RaggedTokens:
             f"expected a collection of token-id sequences, got a 1-D {type(sequences).__name__} (one sequence: wrap "
             "it in a list, [ids])"
         )
-    if hasattr(sequences, "ndim") and getattr(sequences, "ndim") == 2:
-        try:
-            array = np.asarray(sequences)
-        except TypeError as exc:  # a tensor dtype numpy has no counterpart for (bfloat16): not an integer dtype
-            raise InvalidTokenError(f"sequences: token ids must be integers, got dtype {sequences.dtype}") from exc
+    # A 2-D object array (a table's values, from pandas) holds Python objects: read row by row, element by element.
+    if getattr(sequences, "ndim", None) == 2 and getattr(sequences, "dtype", None) != object:
+        if isinstance(sequences, torch.Tensor):  # numpy reads only a CPU tensor, with no graph and a numpy dtype
+            if sequences.is_floating_point() or sequences.is_complex() or sequences.dtype == torch.bool:
+                raise InvalidTokenError(f"sequences: token ids must be integers, got dtype {sequences.dtype}")
+            sequences = sequences.detach().cpu()  # token ids on a GPU (rows of GPU tensors are read too)
+        array = np.asarray(sequences)
         _check_integer_dtype(array.dtype, "sequences")
         k, length = array.shape
         offsets = np.arange(k + 1, dtype=np.int64) * length
@@ -119,14 +119,16 @@ def to_ragged(sequences: Any) -> RaggedTokens:
     offsets = np.zeros(len(sequences) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
     flat = list(itertools.chain.from_iterable(sequences))
-    try:
-        values = np.array(flat) if flat else np.zeros(0, dtype=np.int64)
-    except (ValueError, TypeError):  # a nested list of another length: numpy refuses the inhomogeneous shape
-        values = np.zeros(0, dtype=object)
     # numpy promotes [True, 2] to int64, so bools mixed with ints are only visible in the element types (and a 0-d
     # bool tensor only in its own dtype: any element type but an integer one is looked at one by one).
     types = set(map(type, flat))
     well_typed = not types or all(issubclass(t, (int, np.integer)) and t is not bool for t in types)
+    try:
+        # Integers are read as int64 directly: numpy would promote uint64 ids mixed with signed ones (rows of
+        # different dtypes) to float64, refused below as no integers.
+        values = np.array(flat, dtype=np.int64 if well_typed else None) if flat else np.zeros(0, dtype=np.int64)
+    except (ValueError, TypeError, OverflowError):  # a nested list of another length (numpy refuses the
+        values = np.zeros(0, dtype=object)  # inhomogeneous shape), or an integer beyond int64: named below
     wrong_array = values.ndim != 1 or values.dtype == object or not np.issubdtype(values.dtype, np.integer)
     if wrong_array or not well_typed or values.dtype == np.bool_:
         entry, bad = _first_non_integer(sequences)

@@ -33,7 +33,7 @@ import numpy as np
 from .entries import (ITEM_IDS, ITEM_KEYS_BLOB, ITEM_KEYS_OFFSETS, ITEM_PTR, StringTable, catalog_key_table, check_keys,
                       entry_column)
 from .errors import InvalidEntryError, InvalidTokenError
-from .trie import VOCAB_SIZE, TokenTrie, check_vocab_size
+from .trie import VOCAB_SIZE, TokenTrie, check_fingerprint, check_vocab_size
 
 __all__ = ["catalog_from_codes", "items_of", "item_keys_of", "item_entries", "item_key_table", "compacted_items"]
 
@@ -77,7 +77,8 @@ def catalog_from_codes(
         ``extra`` arrays list each entry's items (:func:`items_of`), saved and loaded with the trie.
 
     Raises:
-        InvalidEntryError: not a 2-D integer array, no item, or a negative code or one outside its codebook.
+        InvalidEntryError: not a 2-D integer array, no item, or a negative code or one outside its codebook; a
+            ``fingerprint`` that is not a string.
         InvalidTokenError: a token outside ``[0, vocab_size)``.
     """
     try:
@@ -93,6 +94,7 @@ def catalog_from_codes(
     if n == 0 or levels == 0:
         raise InvalidEntryError(f"codes has shape {codes.shape}: a catalog needs at least one item and one level")
     check_vocab_size(vocab_size, VOCAB_SIZE)
+    check_fingerprint(fingerprint)
     if keys is not None:
         keys = entry_column(keys, "keys", n, "rows of codes")
         check_keys(keys)
@@ -103,6 +105,11 @@ def catalog_from_codes(
     if int(codes.min()) < 0:
         raise InvalidEntryError(f"level {int(np.flatnonzero(_per_level(codes, np.min) < 0)[0])} holds a negative code")
     highest = int(codes.max())
+    # Checked first, in both forms: beside level_offsets, an array compared with 0 failed inside numpy.
+    if isinstance(token_offset, (bool, np.bool_)) or not isinstance(token_offset, (int, np.integer)) or not (
+        0 <= token_offset < vocab_size
+    ):
+        raise InvalidTokenError(f"token_offset must be a token id in [0, {vocab_size}), got {token_offset!r:.40}")
     if level_offsets is None:
         if codebook_size is None:
             raise InvalidEntryError("give codebook_size (codes per level) or level_offsets (token of code 0 per level)")
@@ -116,10 +123,6 @@ def catalog_from_codes(
                 bad = int(np.flatnonzero(high >= sizes)[0])
                 raise InvalidEntryError(
                     f"level {bad} holds code {int(high[bad])}, outside its codebook of {int(sizes[bad])}")
-        if isinstance(token_offset, (bool, np.bool_)) or not isinstance(token_offset, (int, np.integer)) or not (
-            0 <= token_offset < vocab_size
-        ):
-            raise InvalidTokenError(f"token_offset must be a token id in [0, {vocab_size}), got {token_offset!r:.40}")
         offsets = token_offset + np.concatenate([[0], np.cumsum(sizes)[:-1]])
     else:
         if codebook_size is not None or token_offset != 0:  # level_offsets places every level: they would be ignored

@@ -37,7 +37,7 @@ import numpy as np
 
 from ._build import RaggedTokens, token_paths
 from .errors import DescriptorError, InvalidEntryError, InvalidTokenError
-from .trie import VOCAB_SIZE, TokenTrie, check_vocab_size
+from .trie import VOCAB_SIZE, TokenTrie, check_fingerprint, check_vocab_size
 
 __all__ = ["read_json", "tries_from_token_tree_payload", "trie_from_prefix_dict"]
 
@@ -94,11 +94,12 @@ def tries_from_token_tree_payload(payload: JsonSource, vocab_size: int, *, finge
 
     Raises:
         DescriptorError: not an object, ``descriptors`` missing or empty, a descriptor without ``path`` or with no
-            leaves, a leaf without ``name`` or ``tokens``, a duplicated path.
+            leaves, a leaf without ``name`` or ``tokens``, a duplicated path, a ``modelId`` JSON cannot hold.
         InvalidTokenError / InvalidEntryError: as :meth:`TokenTrie.from_sequences` (the message names the entry);
-            ``vocab_size`` not in [1, 2**31].
+            ``vocab_size`` not in [1, 2**31]; a ``fingerprint`` that is not a string.
     """
     check_vocab_size(vocab_size, VOCAB_SIZE)  # here, not as a leaf's problem below
+    check_fingerprint(fingerprint)
     data = read_json(payload, "TokenTreePayload")
     if not isinstance(data, dict):
         raise DescriptorError(f"TokenTreePayload must be a JSON object, got {type(data).__name__}")
@@ -106,6 +107,11 @@ def tries_from_token_tree_payload(payload: JsonSource, vocab_size: int, *, finge
     if not isinstance(descriptors, list) or not descriptors:
         raise DescriptorError("TokenTreePayload: field 'descriptors' is missing or is not a non-empty list")
     model_id = data.get("modelId")
+    try:  # recorded in every trie's options (JSON in the trie file): a payload built in Python may hold anything
+        json.dumps(model_id)
+    except (TypeError, ValueError) as exc:
+        raise DescriptorError(f"TokenTreePayload: 'modelId' is {type(model_id).__name__} {model_id!r:.40}, not JSON "
+                              "(give a string)") from exc
     tries: dict[str, TokenTrie] = {}
     for i, desc in enumerate(descriptors):
         if not isinstance(desc, dict):
@@ -488,6 +494,7 @@ def trie_from_prefix_dict(
             string (RTP-LLM's loader refuses these too); with ``strict=True``, any of the cases above.
         InvalidTokenError: ``vocab_size`` not in [1, 2**31]; ``start_token_id`` or ``end_token_id`` negative or
             beyond int32; ``end_token_id`` outside the vocabulary.
+        InvalidEntryError: a ``fingerprint`` that is not a string.
 
     Example:
         >>> from trie_decode.descriptors import trie_from_prefix_dict
@@ -497,6 +504,7 @@ def trie_from_prefix_dict(
         [(64000,), (64003, 64001), (64003, 64004), (64006,)]
     """
     vocab_size = check_vocab_size(vocab_size, VOCAB_SIZE)
+    check_fingerprint(fingerprint)
     parsed = _parse_prefix_dict(payload)
     if parsed.end >= vocab_size:
         raise InvalidTokenError(f"prefix dict: end_token_id {parsed.end} is outside the vocabulary [0, {vocab_size})")

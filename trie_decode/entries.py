@@ -15,8 +15,8 @@ import numpy as np
 
 from .errors import InvalidEntryError
 
-__all__ = ["Entry", "StringTable", "entry_column", "check_keys", "catalog_item_keys", "catalog_key_table",
-           "catalog_problem", "filter_number_map", "retired_key_table", "filter_arrays_problem"]
+__all__ = ["Entry", "StringTable", "entry_column", "check_names", "check_keys", "catalog_item_keys",
+           "catalog_key_table", "catalog_problem", "filter_number_map", "retired_key_table", "filter_arrays_problem"]
 
 
 def _is_utf8(text: str) -> bool:
@@ -51,6 +51,15 @@ def entry_column(values: Any, label: str, count: int, rows: str) -> list:
     if len(items) != count:
         raise InvalidEntryError(f"{label} has {len(items)} items but there are {count} {rows}")
     return items
+
+
+def check_names(names: Sequence[object]) -> None:
+    """Raise :class:`InvalidEntryError` naming the first name that is not a string (``str`` would write None as
+    ``"None"``)."""
+    bad = next((i for i, name in enumerate(names) if not isinstance(name, str)), None)
+    if bad is not None:
+        raise InvalidEntryError(f"names[{bad}] is {type(names[bad]).__name__} {names[bad]!r:.40}: a name is a "
+                                "string (leave names= out for entries without names)")
 
 
 def check_keys(keys: Sequence[object]) -> None:
@@ -145,9 +154,10 @@ class StringTable:
         gather = np.repeat(start - offsets[:-1], lengths) + np.arange(int(offsets[-1]), dtype=np.int64)
         return StringTable(self.blob[gather], offsets)
 
-    def problem(self, count: int) -> Optional[str]:
-        """What is wrong with this table as the strings of ``count`` entries (None when nothing is): a 1-D uint8
-        blob with 1-D int64 offsets from 0 to the blob's end, UTF-8 text with no entry starting inside a character.
+    def problem(self, count: Optional[int]) -> Optional[str]:
+        """What is wrong with this table as the strings of ``count`` entries (None when nothing is; ``count`` None:
+        any number of strings, a table of its own such as retired keys): a 1-D uint8 blob with 1-D int64 offsets
+        (one or more) from 0 to the blob's end, UTF-8 text with no entry starting inside a character.
         """
         blob, offsets = self.blob, self.offsets
         if (
@@ -159,7 +169,13 @@ class StringTable:
             or offsets.dtype != np.int64
         ):
             return "must be a 1-D uint8 blob with 1-D int64 offsets"
-        if len(self) != count or offsets[0] != 0 or offsets[-1] != len(blob) or np.any(np.diff(offsets) < 0):
+        if (
+            len(offsets) == 0  # not even the end: no table of any length (len(self) would be -1)
+            or (count is not None and len(offsets) - 1 != count)
+            or offsets[0] != 0
+            or offsets[-1] != len(blob)
+            or np.any(np.diff(offsets) < 0)
+        ):
             return "does not match the entries"
         # Every entry's text must decode: the blob is UTF-8 and no entry starts inside a character.
         try:
@@ -274,7 +290,7 @@ def filter_arrays_problem(extra: Mapping[str, np.ndarray], num_entries: int) -> 
     if (RETIRED_KEYS_BLOB in extra) != (RETIRED_KEYS_OFFSETS in extra):
         return f"has only half of the retired key table ({RETIRED_KEYS_BLOB}/{RETIRED_KEYS_OFFSETS})"
     table = retired_key_table(extra)
-    problem = table.problem(max(len(table), 0)) if table is not None else None
+    problem = table.problem(None) if table is not None else None
     if problem:
         return f"the retired key table {problem}"
     numbers = filter_number_map(extra)

@@ -73,6 +73,8 @@ def check_writable(path: str | os.PathLike[str]) -> None:
     """
     target = Path(path)
     text = os.fsdecode(path)
+    if "\x00" in text:  # pathlib's checks read it as a missing file, and the write failed inside os.unlink
+        raise TrieFileError(f"cannot write {text!r}: a file name holds no NUL byte")
     try:
         if target.is_dir():
             raise TrieFileError(f"cannot write {text}: it is a folder (give a file name in it)")
@@ -151,6 +153,8 @@ def open_regular_file(path: str | os.PathLike[str], *, follow_symlinks: bool = T
         fd = os.open(path, flags)
     except FileNotFoundError as exc:
         raise TrieFileError(f"trie file not found: {path}") from exc
+    except ValueError as exc:  # what open() says of a name holding a NUL byte ("embedded null byte")
+        raise TrieFileError(f"cannot open trie file {path!r}: a file name holds no NUL byte") from exc
     except IsADirectoryError as exc:  # pragma: no cover - Linux opens directories read-only; the fstat below catches it
         raise TrieFileError(f"trie file not found: {path} is a directory, not a file") from exc
     except OSError as exc:

@@ -46,19 +46,19 @@ import os
 import threading
 import time
 from dataclasses import replace
-from typing import Any, BinaryIO, Iterable, Optional, Sequence, Union
+from typing import Any, BinaryIO, Iterable, Iterator, Optional, Sequence, Union
 
 import numpy as np
 import torch
 
-from ._build import RaggedTokens, build_arrays, check_tokens, to_ragged
+from ._build import RaggedTokens, _is_integer, build_arrays, check_tokens, to_ragged
 from .constraint import SpanRules, TrieConstraint
 from .device import DeviceTrie
 from .catalogs import compacted_items
-from .entries import NUMBER_ENTRY, RETIRED_KEYS_BLOB, RETIRED_KEYS_OFFSETS, Entry, StringTable, catalog_key_table
-from .entries import retired_key_table
+from .entries import (NUMBER_ENTRY, RETIRED_KEYS_BLOB, RETIRED_KEYS_OFFSETS, Entry, StringTable, catalog_key_table,
+                      check_keys, check_names, entry_column, retired_key_table)
 from .errors import (CatalogUpdateError, ConstraintConfigError, EmptyFilterError, EmptyTrieError, FilterModeError,
-                     TrieFileError, UnknownEntryError)
+                     InvalidEntryError, TrieFileError, UnknownEntryError, raised_as)
 from .fileio import check_vectors, read_arrays, write_arrays
 from .filters import LIVE_ALLOW_HINT, EntryOrder, KeyIndex, RowFilters, spec_items
 from .kernels.vectorized import NUMPY_KERNEL
@@ -127,6 +127,45 @@ def _key_index(trie: TokenTrie) -> KeyIndex:
         return KeyIndex.of(trie)
     except ConstraintConfigError:
         raise CatalogUpdateError("this catalog has neither keys nor names: name entries by index or by tokens") from None
+
+
+def _sequences(entries: Any, strings: str) -> RaggedTokens:
+    """The token-id sequences given to :meth:`LiveCatalog.add` or ``remove(sequences=)``, packed; strings are refused
+    with the message ``strings``, which names the argument of that call that takes them (the builders' own message
+    points to ``TokenTrie.from_strings``).
+
+    Raises:
+        CatalogUpdateError: a string, or a list or tuple (an iterator, read once) holding one.
+        InvalidEntryError, InvalidTokenError: anything else :func:`~trie_decode._build.to_ragged` refuses.
+    """
+    if isinstance(entries, Iterator):  # read once, here: the check for strings sees its items
+        entries = list(entries)
+    if isinstance(entries, str) or (isinstance(entries, (list, tuple)) and any(isinstance(e, str) for e in entries)):
+        raise CatalogUpdateError(strings)
+    return to_ragged(entries)
+
+
+def _column(values: Any, label: str, count: int) -> Optional[list[str]]:
+    """``names=`` or ``keys=`` (``label``) of :meth:`LiveCatalog.add` for ``count`` sequences, as the builders take
+    them (any iterable read once, one item per sequence; a name is a string, a key is not None), written as strings.
+    Checked before the change is applied: every later snapshot builds its delta trie from them, so one the builders
+    refuse (a lone surrogate too) would make every snapshot of the catalog fail.
+
+    Raises:
+        CatalogUpdateError: (an :class:`~trie_decode.errors.InvalidEntryError` too, as the builders raise) a single
+            string, a set or a dict, a length other than ``count``, a name that is not a string, a key that is None,
+            text that is not UTF-8.
+    """
+    if values is None:
+        return None
+    try:
+        items = entry_column(values, label, count, "sequences")
+        (check_names if label == "names" else check_keys)(items)
+        strings = [str(x) for x in items]
+        StringTable.from_strings(strings, label[:-1])  # refuses a lone surrogate, naming it
+    except InvalidEntryError as exc:  # the builders' problem, and a refused change: both classes (raised_as)
+        raise raised_as(type(exc), CatalogUpdateError)(str(exc)) from None
+    return strings
 
 
 def _tuples(ragged: RaggedTokens) -> list[tuple[int, ...]]:
@@ -297,7 +336,14 @@ class CatalogSnapshot:
         return i < len(self.tombstones) and int(self.tombstones[i]) == int(index)
 
     def entry(self, index: int) -> Entry:
-        """Entry number ``index`` of this snapshot (see the class docstring for the numbering)."""
+        """Entry number ``index`` of this snapshot (see the class docstring for the numbering).
+
+        Raises:
+            InvalidEntryError: ``index`` is not an integer (a float, a string, a bool), as :meth:`TokenTrie.entry`.
+            IndexError: a removed base entry, or a number outside the snapshot.
+        """
+        if not _is_integer(index):
+            raise InvalidEntryError(f"entry {index!r:.40} is {type(index).__name__}, not an integer")
         index = int(index)
         nb = self.base.num_entries
         if 0 <= index < nb:
@@ -974,14 +1020,9 @@ class LiveCatalog:
             for label, value in (("leading_space", leading_space), ("context", context), ("normalize", normalize)):
                 if value is not None:
                     raise CatalogUpdateError(f"{label}= applies to strings: pass tokenizer= too")
-            strings = isinstance(entries, (list, tuple)) and any(isinstance(e, str) for e in entries)
-            if strings or isinstance(entries, str):
-                raise CatalogUpdateError("entries given as strings need the base's tokenizer: pass tokenizer= (or "
+            ragged = _sequences(entries, "entries given as strings need the base's tokenizer: pass tokenizer= (or "
                                          "give token-id sequences)")
-            ragged = to_ragged(entries)
-            for label, column in (("names", names), ("keys", keys)):
-                if column is not None and len(column) != len(ragged):
-                    raise CatalogUpdateError(f"{label} has {len(column)} items but there are {len(ragged)} sequences")
+            names, keys = _column(names, "names", len(ragged)), _column(keys, "keys", len(ragged))
         if len(ragged) == 0:
             return 0
         check_tokens(ragged, base.vocab_size)
@@ -993,8 +1034,6 @@ class LiveCatalog:
                 problems.append(f"the base trie has no entry {label}: they would be lost; leave {label}= out")
         if problems:
             raise CatalogUpdateError("; ".join(problems))
-        names = [str(x) for x in names] if names is not None else None
-        keys = [str(x) for x in keys] if keys is not None else None
         with self._lock:
             if self._base is not base:
                 raise CatalogUpdateError("the catalog was rebased during add(); add again")
@@ -1037,8 +1076,10 @@ class LiveCatalog:
             CatalogUpdateError: an entry the catalog does not hold (unless ``missing_ok``), an index outside the
                 base, an item that is neither a key nor an index, keys on a catalog with neither keys nor names.
         """
-        if isinstance(items, (str, bytes, int, np.integer)) or (items is not None and not hasattr(items, "__iter__")):
-            kind = ("string" if isinstance(items, (str, bytes)) else "integer" if isinstance(items, (int, np.integer))
+        # One item: a scalar, or a 0-d array or tensor (iterating one failed inside numpy or torch).
+        single = items is not None and (not hasattr(items, "__iter__") or getattr(items, "ndim", 1) == 0)
+        if isinstance(items, (str, bytes)) or single:
+            kind = ("string" if isinstance(items, (str, bytes)) else "integer" if _is_integer(items)
                     else type(items).__name__)
             raise CatalogUpdateError(f"items must be a list of entry keys or base entry indices, got the single {kind} "
                                      f"{items!r:.60}: pass [{items!r:.60}]")
@@ -1056,7 +1097,7 @@ class LiveCatalog:
                     delta_del.update(added)
                     if not hits and not added:
                         missing.append(x)
-                elif isinstance(x, (int, np.integer)) and not isinstance(x, bool):
+                elif _is_integer(x):  # an int, a numpy integer, a 0-d integer tensor (not a bool)
                     e = int(x)
                     if not 0 <= e < nb:
                         raise CatalogUpdateError(f"entry index {e} is not a base entry (the base has {nb}); remove "
@@ -1067,7 +1108,8 @@ class LiveCatalog:
                 else:
                     raise CatalogUpdateError(f"items must hold entry keys (str) or base entry indices (int), got {x!r:.40}")
             if sequences is not None:
-                ragged = to_ragged(sequences)
+                ragged = _sequences(sequences, "sequences= takes token-id sequences: remove entries by key, "
+                                               "remove([...]) (the base's keys, else its names)")
                 if len(ragged):
                     check_tokens(ragged, base.vocab_size)
                     for e, seq in zip(_entries_of(base, ragged), _tuples(ragged)):
@@ -1249,12 +1291,15 @@ class LiveCatalog:
         if "retired_blob" in arrays or "retired_offsets" in arrays:
             column = StringTable(arrays.get("retired_blob", np.zeros(0, np.uint8)),
                                  arrays.get("retired_offsets", np.zeros(0, np.int64)))
-            problem = column.problem(max(len(column), 0))
+            problem = column.problem(None)
             if problem:
                 raise TrieFileError(f"{label}: the retired key table {problem}")
             retired = column.to_list()
         ragged = RaggedTokens(tokens.astype(np.int64), offsets.astype(np.int64))
         with self._lock:
+            if self._base is not base:  # checked against a base another thread has replaced since (rebase())
+                raise TrieFileError(f"{label}: the catalog was rebased while the delta file was read, and the delta "
+                                    "applies only to the base it was saved with")
             saved = (self._tomb, self._delta, self._delta_by_label, self._retired, self._snap)
             self._tomb, self._delta, self._delta_by_label, self._retired = set(tomb.tolist()), {}, {}, set()
             try:

@@ -27,17 +27,18 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Set as AbstractSet
 from typing import Any, BinaryIO, Callable, Hashable, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
 from ._build import BuiltArrays, RaggedTokens, _is_integer, build_arrays, check_tokens, to_ragged, token_paths
 from .entries import (FILTER_DTYPES, ITEM_DTYPES, Entry, StringTable, _is_utf8, catalog_item_keys, catalog_problem,
-                      check_keys, entry_column, filter_arrays_problem)
+                      check_keys, check_names, entry_column, filter_arrays_problem)
 from .errors import EmptyTrieError, InvalidEntryError, InvalidTokenError, TokenizerMismatchError, TrieFileError
 from .fileio import check_vectors, read_arrays, write_arrays
 from .forms import resolve_forms, tokenize_forms
-from .options import MAX_VOCAB_SIZE, OptionNames, check_vocab_size, is_vocab_size  # noqa: F401 (re-exported)
+from .options import OptionNames, check_vocab_size, is_vocab_size
 from .tokenizers import fingerprint_matches, tokenizer_fingerprint, tokenizer_vocab_size
 
 _MISSING = object()
@@ -96,6 +97,21 @@ def _options_json(options: Mapping[str, Any]) -> str:
                                     "hold (options are recorded in the trie file as JSON): give a str, int, float, "
                                     "bool or None, or lists and dicts of them (int(x) for a numpy integer)") from exc
     return json.dumps(options, sort_keys=True)
+
+
+def check_fingerprint(fingerprint: Any) -> str:
+    """``fingerprint``, the builders' argument, once it is known to be text a trie file can record (a builder calls
+    it before its work; a ``TokenTrie`` on construction).
+
+    Raises:
+        InvalidEntryError: not a string (None included: ``""`` is an unknown tokenizer), or a lone surrogate (save()
+            failed inside safetensors on either).
+    """
+    if not isinstance(fingerprint, str) or not _is_utf8(fingerprint):
+        kind = "a lone surrogate" if isinstance(fingerprint, str) else type(fingerprint).__name__
+        raise InvalidEntryError(f"fingerprint must be UTF-8 text (the tokenizer's tokenizer_fingerprint, or \"\" when "
+                                f"unknown), got {kind} {fingerprint!r:.40}")
+    return fingerprint
 
 
 class TrieStats(dict):
@@ -195,7 +211,7 @@ class TokenTrie:
         self.entry_node = entry_node
         self.level_ptr = level_ptr
         self.vocab_size = int(vocab_size)
-        self.fingerprint = fingerprint
+        self.fingerprint = check_fingerprint(fingerprint)
         self.options = dict(options or {})
         self.num_duplicates = int(num_duplicates)
         self._names = names
@@ -237,10 +253,11 @@ class TokenTrie:
         Raises:
             EmptyTrieError: no sequences. InvalidEntryError: an empty or non-sequence entry, a name that is not a
                 string, a key that is None; names or keys that are a single string, a set or a dict, or of another
-                length; options that JSON cannot hold.
+                length; options that JSON cannot hold; a fingerprint that is not a string (None included).
             InvalidTokenError: a token id that is not an integer or is outside ``[0, vocab_size)``.
         """
         check_vocab_size(vocab_size, VOCAB_SIZE)
+        check_fingerprint(fingerprint)  # refused before the build, not at save()
         if options is not None:
             _options_json(options)  # refused before the build, not at save()
         ragged = to_ragged(sequences)
@@ -250,10 +267,7 @@ class TokenTrie:
         if keys is not None:
             keys = entry_column(keys, "keys", len(ragged), "sequences")
         if names is not None:
-            bad = next((i for i, name in enumerate(names) if not isinstance(name, str)), None)
-            if bad is not None:
-                raise InvalidEntryError(f"names[{bad}] is {type(names[bad]).__name__} {names[bad]!r:.40}: a name is a "
-                                        "string (leave names= out for entries without names)")
+            check_names(names)
         if keys is not None:
             check_keys(keys)
         built = build_arrays(ragged, int(vocab_size))
@@ -330,9 +344,10 @@ class TokenTrie:
                 always keep such an entry's own tokens).
 
         Raises:
-            InvalidEntryError: no tokenizer, not a list of non-empty strings, or a bad option (``on_unstable="raw"``
-                without a ``context`` too); ``keys`` not a list of one per string; a string that tokenizes to no
-                token in a form (its index and the form are named). EmptyTrieError: no strings.
+            InvalidEntryError: no tokenizer, not a list of non-empty strings (a set or a dict has no order of its
+                own), or a bad option (``on_unstable="raw"`` without a ``context`` too); ``keys`` not a list of one
+                per string; a string that tokenizes to no token in a form (its index and the form are named).
+            EmptyTrieError: no strings.
             ContextError: a context merges with an entry (e.g. it ends with a space) and ``on_unstable="raise"``.
 
         Example:
@@ -348,6 +363,10 @@ class TokenTrie:
                                     f"tokenize the strings, got {type(tokenizer).__name__}")
         if isinstance(strings, (str, bytes)):
             raise InvalidEntryError("expected a collection of strings, got a single string")
+        if isinstance(strings, (AbstractSet, Mapping)):  # entry numbers (and keys=) would follow the hash order
+            raise InvalidEntryError(f"strings is a {type(strings).__name__}, which has no order of its own (a set of "
+                                    "strings iterates in another order in every process): give a list, e.g. "
+                                    "sorted(strings)")
         strings = list(strings)
         for i, s in enumerate(strings):
             if not isinstance(s, str):
@@ -604,11 +623,10 @@ class TokenTrie:
             raise InvalidEntryError(
                 f"{what}: entries must be a 1-D array of entry indices, not {index.dtype} of shape {index.shape}"
             )
-        index = index.astype(np.int64, copy=False)
-        if index.size and (index.min() < 0 or index.max() >= self.num_entries):
+        if index.size and (index.min() < 0 or index.max() >= self.num_entries):  # in its own dtype: no wrapping
             bad = index[(index < 0) | (index >= self.num_entries)][0]
             raise IndexError(f"{what}: entry index {bad} is out of range for a trie of {self.num_entries} entries")
-        return index
+        return index.astype(np.int64, copy=False)
 
     def subset(self, entries: np.ndarray) -> "TokenTrie":
         """The trie of entries ``entries`` only, in that order (names, keys, fingerprint and options kept; ``extra``
