@@ -350,12 +350,14 @@ class _SlotTable:
             prefix=len(req.prefix), stop_at=req.stop_at_forced, tail_only=req.forced_tail_only, allow=allow, deny=deny,
         )
 
-    def nodes(self, slots: Sequence[int]) -> list[int]:
-        """The state codes of ``slots``' rows, read on the host (for host-side callers such as beam bookkeeping;
-        the per-step path never reads them). A row refused in the engine reads as DONE."""
+    def nodes(self, slots: Sequence[int]) -> list[tuple[int, int]]:
+        """The ``(node, tree)`` of ``slots``' rows (the state code, and which of the group's tries it is a node of),
+        read on the host in one transfer (for host-side callers such as beam bookkeeping; the per-step path never
+        reads them). A row refused in the engine reads as ``(DONE, 0)``."""
         rows = [self.rows[s] for s in slots]
-        got = self.node[torch.as_tensor([max(r.index, 0) for r in rows], dtype=torch.long, device=self.device)].tolist()
-        return [n if r.group is not None else DONE for n, r in zip(got, rows)]
+        at = torch.as_tensor([max(r.index, 0) for r in rows], dtype=torch.long, device=self.device)
+        got = torch.stack([self.node[at], self.tree[at]], dim=1).tolist()
+        return [(n, t) if r.group is not None else (DONE, 0) for (n, t), r in zip(got, rows)]
 
     def _by_group(self, slots: Sequence[int]) -> dict[Optional[Hashable], list[int]]:
         out: dict[Optional[Hashable], list[int]] = {}
@@ -382,7 +384,13 @@ class _SlotTable:
             rows = [self.rows[slots[i]] for i in pos]
             nxt = np.array([r.begin + r.done for r in rows], dtype=np.int64)
             end = np.asarray(ends, dtype=np.int64)[pos]
-            new = np.maximum(end - nxt, 0)
+            if (end < nxt).any():
+                # The history lost tokens the state already holds (vLLM 0.32's V1 runner truncates the live output
+                # list after a KV-load failure, and the tokens decoded again may differ): replay those rows.
+                for i in np.flatnonzero(end < nxt).tolist():
+                    rows[i].started, rows[i].done = False, 0
+                nxt = np.array([r.begin + r.done for r in rows], dtype=np.int64)
+            new = end - nxt
             fresh = np.array([not r.started for r in rows])
             if not new.any() and not fresh.any():
                 continue
@@ -449,26 +457,46 @@ def _where(cond: torch.Tensor, new: RowState, old: RowState) -> RowState:
 
 
 class _Staging:
-    """Host-to-device transfer of a small int64 block per step: written into one of two pinned host buffers
-    (alternating, so a copy still in flight is never overwritten) and copied without blocking the host."""
+    """Host-to-device transfer of the small int64 blocks of a step (each trie's history block, then the mask layout):
+    each is written into a host buffer that no pending copy still reads, and copied without blocking the host.
+
+    On CUDA the buffers are pinned and the copies asynchronous: a buffer's copy may still be queued behind the
+    model's forward pass when the host writes the step's next block, so an event is recorded after each copy and a
+    buffer is written again only once its event has completed (a step of several tries then uses as many buffers;
+    they stay in ``_pool`` for later steps). Other devices copy from pageable memory synchronously, so their one
+    buffer is free again as soon as ``put`` returns.
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._pin = device.type == "cuda" and torch.cuda.is_available()
-        self._bufs: list[torch.Tensor] = []
-        self._turn = 0
+        self._pool: list[tuple[torch.Tensor, Any]] = []  # (host buffer, event after its last copy or None)
 
     def put(self, block: np.ndarray) -> torch.Tensor:
         if self.device.type == "cpu":
             return torch.from_numpy(block)
         n = block.size
-        if not self._bufs or self._bufs[0].numel() < n:
-            size = max(n, 1024)
-            self._bufs = [torch.empty(size, dtype=torch.int64, pin_memory=self._pin) for _ in range(2)]
-        buf = self._bufs[self._turn][:n]
-        self._turn ^= 1
-        buf.numpy()[:] = block.reshape(-1)
-        return buf.view(block.shape).to(self.device, non_blocking=True)
+        for at, (buf, event) in enumerate(self._pool):
+            if buf.numel() >= n and (event is None or event.query()):
+                break
+        else:
+            at, buf = len(self._pool), torch.empty(max(n, 1024), dtype=torch.int64, pin_memory=self._pin)
+            self._pool.append((buf, None))
+        host = buf[:n]
+        host.numpy()[:] = block.reshape(-1)
+        out = host.view(block.shape).to(self.device, non_blocking=self._pin)
+        if self._pin:
+            event = torch.cuda.Event()
+            event.record()
+            self._pool[at] = (buf, event)
+        return out
+
+
+def _refuse_speculative(vllm_config: Any, why: str) -> None:
+    """Refuse an engine with speculative decoding (``vllm_config.speculative_config`` set), saying why."""
+    if getattr(vllm_config, "speculative_config", None):
+        raise ValueError(f"trie_decode's vLLM processors do not support speculative decoding ({why}): start the "
+                         "engine without speculative_config")
 
 
 def _logits_rows(ctx: Any, slots: Any) -> tuple[list[int], list[int]]:
@@ -495,11 +523,15 @@ class TrieLogitsProcessorV1(V1LogitsProcessor):
     State: ``update_state`` applies the batch's removed, added and moved requests with vLLM's own
     ``process_dict_updates``; ``apply`` first folds each constrained request's new output tokens into its trie state
     (usually one token, more after a preemption; the output lists are live references held since the request was
-    added; under async scheduling they are complete only by the time ``apply`` runs), then masks all constrained
-    rows at once.
+    added; under async scheduling they are complete only by the time ``apply`` runs; a list the runner cuts back
+    replays its row), then masks all constrained rows at once. Speculative decoding is refused (``ValueError``): the
+    V1 rejection sampler would accept draft tokens no custom processor masked.
     """
 
     def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
+        # The V1 runner's rejection sampler applies no custom processor to the draft tokens' logits (only the bonus
+        # token's): a draft token would be accepted unmasked, so the output would silently leave the trie.
+        _refuse_speculative(vllm_config, "the V1 runner would accept draft tokens the trie refuses")
         self._table = _SlotTable(_resolver_for(vllm_config.model_config), device)
 
     @classmethod
@@ -545,14 +577,14 @@ class TrieLogitsProcessorV2(V2LogitsProcessor):
             ``all_token_ids`` (Shape: (S, max_model_len), int32) valid up to ``total_len``; ``prompt_len``.
 
     State per slot is (re)initialized by ``add_request``; ``apply`` reads the constrained rows' new committed
-    tokens (one device-to-host read of their lengths and one of the new tokens per step), folds them in and masks
-    the rows, mapping logits rows to slots with ``ctx.idx_mapping_np``. Speculative decoding is not supported (one
-    logits row per request is assumed).
+    tokens (gathered on the device, their lengths from the runner's host-side bounds), folds them in and masks the
+    rows, mapping logits rows to slots with ``ctx.idx_mapping_np``. A row whose prompt is still being prefilled in
+    chunks samples nothing: it is started at the step where its whole prompt is in. Speculative decoding is refused
+    (``ValueError``; one logits row per request is assumed).
     """
 
     def __init__(self, vllm_config: Any, req_states: Any) -> None:
-        if getattr(vllm_config, "speculative_config", None):
-            raise ValueError("TrieLogitsProcessorV2 does not support speculative decoding")
+        _refuse_speculative(vllm_config, "one logits row per request is assumed")
         vllm_internals.check_v2_request_state(req_states)  # a buffer layout it does not know fails here, named
         self.req_states = req_states
         self._table = _SlotTable(_resolver_for(vllm_config.model_config), req_states.device)
@@ -576,12 +608,22 @@ class TrieLogitsProcessorV2(V2LogitsProcessor):
         if not batch_pos:
             return logits
         prompt_lens = vllm_internals.v2_prompt_lengths(self.req_states, np.array(slots, dtype=np.int64)).tolist()
-        for row, p in zip((table.rows[s] for s in slots), prompt_lens):
+        rows = [table.rows[s] for s in slots]
+        for row, p in zip(rows, prompt_lens):
             if not row.started:
                 row.begin = p - row.prefix  # the span starts at the end of the prompt (before a resubmitted prefix)
         # Each row's committed tokens (prompt + outputs) without reading the device: the runner's host-side bound
         # of the tokens visible to this step's sample is exact without speculative decoding (refused in __init__).
         ends = np.asarray(ctx.seq_lens_upper_bound_np, dtype=np.int64)[batch_pos]
+        ready = ends >= np.array([r.begin for r in rows], dtype=np.int64)
+        if not ready.all():
+            # Chunked prefill: a row whose prompt is not all in yet samples nothing this step (the runner drops its
+            # token). It is neither started nor masked: started now, it would read a cut trigger or span tail
+            # (positions past ``end`` read -1) and stay unconstrained after a trigger the prompt ends with.
+            keep = np.flatnonzero(ready).tolist()
+            batch_pos, slots, ends = [batch_pos[i] for i in keep], [slots[i] for i in keep], ends[ready]
+            if not slots:
+                return logits
         table.catch_up(slots, ends, self._history_v2)
         return table.mask_(logits, slots, batch_pos)
 

@@ -120,10 +120,17 @@ TrieSpec = Union[str, "os.PathLike[str]", Sequence[str], Sequence[Sequence[int]]
 
 
 # ---------------------------------------------------------------------------------------------- the processor
+def _flag_value(value: Any) -> Optional[bool]:
+    """``extra_args["raw_logprobs"]`` read as a flag: True/False, or 1/0 (HTTP clients may send ints: vllm_xargs has
+    no bool); None for anything else (1.0 or "true" included), which ``validate_params`` refuses."""
+    if type(value) is bool or (type(value) is int and value in (0, 1)):
+        return bool(value)
+    return None
+
+
 def _wants_raw(params: Any) -> bool:
     extra = getattr(params, "extra_args", None)
-    value = extra.get(RAW_LOGPROBS_KEY) if extra else None
-    return value is True or (type(value) is int and value == 1)  # HTTP clients may send 0/1 (vllm_xargs has no bool)
+    return bool(extra) and _flag_value(extra.get(RAW_LOGPROBS_KEY)) is True
 
 
 def _logprobs_mode(model_config: Any) -> str:
@@ -153,7 +160,8 @@ class TrieBeamLogitsProcessor(TrieLogitsProcessor):
     @classmethod
     def validate_params(cls, sampling_params: Any) -> None:
         extra = getattr(sampling_params, "extra_args", None)
-        if extra and RAW_LOGPROBS_KEY in extra and extra[RAW_LOGPROBS_KEY] not in (True, False, 0, 1):
+        if extra and RAW_LOGPROBS_KEY in extra and _flag_value(extra[RAW_LOGPROBS_KEY]) is None:
+            # A value the engine would not read as the flag (1.0 == 1 in Python) would run as an ordinary request.
             raise TrieRequestError(f"extra_args[{RAW_LOGPROBS_KEY!r}] must be a boolean, got {extra[RAW_LOGPROBS_KEY]!r:.40}")
         if _wants_raw(sampling_params) and getattr(sampling_params, "max_tokens", None) != 1:
             # The refused mass sits on a refused token (the sink), which the sampler may take: one scoring step only.
@@ -205,10 +213,11 @@ class TrieBeamLogitsProcessor(TrieLogitsProcessor):
         sub = logits[idx]
         ours = before & ~torch.isfinite(sub)  # refused by the trie or the filters
         has = ours.any(dim=1)
-        if not bool(has.any()):
+        masked = has.tolist()  # one read: the rows this processor masked (not a row still prefilling its prompt)
+        if not any(masked):
             return
         preferred = ours.clone()
-        r, c = self._acceptable_columns(slots, sub.shape[1])
+        r, c = self._acceptable_columns([s if m else None for s, m in zip(slots, masked)], sub.shape[1])
         if r:
             preferred[torch.tensor(r, device=sub.device), torch.tensor(c, device=sub.device)] = False
         first = lambda m: m.to(torch.uint8).argmax(dim=1)  # noqa: E731 - the lowest True column of each row
@@ -218,22 +227,26 @@ class TrieBeamLogitsProcessor(TrieLogitsProcessor):
         keep = has.nonzero().squeeze(1)
         logits[idx[keep], col[keep]] = rest[keep].to(logits.dtype)
 
-    def _acceptable_columns(self, slots: list[int], width: int) -> tuple[list[int], list[int]]:
-        """(row, token) pairs a beam could continue with at each flagged row, whatever the filters: the end token,
-        the separator and trigger tokens, and the children of the row's node."""
+    def _acceptable_columns(self, slots: list[Optional[int]], width: int) -> tuple[list[int], list[int]]:
+        """(row, token) pairs a beam could continue with at each flagged row (None: a row left out, one this
+        processor did not mask), whatever the filters: the end token, the separator and trigger tokens, and the
+        children of the row's node, in the trie it is a node of (a spans or template row's tree)."""
         table = self._table
-        known = [s for s in slots if s in table.rows]  # a flagged request without a trie has no row
-        node = dict(zip(known, table.nodes(known))) if known else {}
+        known = [s for s in slots if s is not None and s in table.rows]  # a flagged request without a trie: no row
+        state = dict(zip(known, table.nodes(known))) if known else {}
         rr: list[int] = []
         cc: list[int] = []
         for i, s in enumerate(slots):
+            if s is None:
+                continue
             cols = [table.resolver.end_token_id]
             row = table.rows.get(s)
             if row is not None and row.group is not None:
                 c = table.groups[row.group].constraint
                 cols += list(c.rules.separator) + list(c.rules.trigger)
-                if node[s] >= 0:
-                    cols += c.tries[0].children(node[s])[0].tolist()
+                node, tree = state[s]
+                if node >= 0:
+                    cols += c.tries[tree].children(node)[0].tolist()
             cols = [t for t in cols if 0 <= t < width]
             rr += [i] * len(cols)
             cc += cols

@@ -42,6 +42,7 @@ models on one engine: on another engine or model, measure and pass ``resubmit=Tr
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence, Union
 
@@ -61,7 +62,7 @@ AUTO_RESUBMIT_MIN_VOCAB = 131_072
 #: ... or when its KV blocks hold at most this many tokens (a resubmitted request then re-prefills little).
 AUTO_RESUBMIT_MAX_BLOCK = 32
 
-TrieSpec = Union[str, Sequence[str], Sequence[Sequence[int]]]
+TrieSpec = Union[str, "os.PathLike[str]", Sequence[str], Sequence[Sequence[int]]]
 
 
 @dataclass
@@ -135,8 +136,8 @@ def generate(
     Args:
         llm: a ``vllm.LLM`` built with ``logits_processors=[TrieLogitsProcessor]`` (prefix caching on).
         prompts: text (tokenized without special tokens; apply the chat template first) or token ids.
-        tries: one trie spec per prompt: a trie file path, or an inline list of strings or token-id lists (as in
-            ``extra_args["trie"]``); options other than the defaults are not supported here.
+        tries: one trie spec per prompt: a trie file path (str or ``os.PathLike``), or an inline list of strings or
+            token-id lists (as in ``extra_args["trie"]``); options other than the defaults are not supported here.
         template, slots: instead of ``tries``, one template for every prompt (as in
             ``trie_args(template=, slots=)``, :class:`trie_decode.Template`): its fixed text is forced, so the
             driver appends it instead of decoding it (the text before the first slot always; the text between
@@ -200,7 +201,8 @@ def generate(
         specs = list(tries)  # type: ignore[arg-type]
         if len(specs) != n:
             raise ValueError(f"tries has {len(specs)} items for {n} prompts: pass one trie spec per prompt")
-        wire = [{"trie": list(s) if not isinstance(s, str) else s} for s in specs]
+        # A path (str or os.PathLike, as beam_search takes it) goes on the wire as text; a list as a list.
+        wire = [{"trie": os.fspath(s) if isinstance(s, (str, os.PathLike)) else list(s)} for s in specs]
     tok = llm.get_tokenizer()
     model_config = llm.llm_engine.vllm_config.model_config
     resolver = _resolver_for(model_config)

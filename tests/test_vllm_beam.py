@@ -398,7 +398,7 @@ def test_processor_returns_raw_log_probs_of_allowed_tokens_v2(req_states, smollm
     before = logits.clone()
     ctx = LogitsContext(expanded_idx_mapping=idx, idx_mapping=idx, idx_mapping_np=order,
                         expanded_local_pos=torch.zeros(3, dtype=torch.int64), input_ids=torch.zeros(3, dtype=torch.int64),
-                        pos=torch.zeros(3, dtype=torch.int64), seq_lens_upper_bound_np=np.zeros(3, dtype=np.int64))
+                        pos=torch.zeros(3, dtype=torch.int64), seq_lens_upper_bound_np=np.full(3, len(ids), dtype=np.int64))
     out = proc.apply(logits, ctx)
     allowed = sorted(trie.children(0)[0].tolist())
     assert torch.equal(out[0], before[0])  # slot 2: unconstrained
@@ -449,3 +449,92 @@ def test_sink_avoids_every_token_a_beam_could_take(req_states, tiny_eos0):
     finite = torch.isfinite(out).nonzero().flatten().tolist()
     assert finite == [3, wine[0]], finite  # the sink: the lowest id that is no end token, child or banned token
     assert torch.allclose(out[wine], raw[0, wine], atol=1e-5)
+
+
+@pytest.mark.parametrize("value", [1.0, 0.0, "true", None])
+def test_a_raw_logprobs_value_the_engine_would_not_read_as_the_flag_is_a_400(value):
+    """``raw_logprobs`` is read as a flag by the engine only when it is True/False or the ints 1/0. Before, admission
+    tested membership in (True, False, 0, 1), which 1.0 passes (1.0 == 1): a request sending 1.0 with any max_tokens
+    was admitted and then served as an ordinary constrained request, its log-probs renormalized over the allowed
+    tokens instead of raw, with no error. Now every value the engine would not read as the flag is refused."""
+    from vllm import SamplingParams
+
+    from trie_decode.integrations.vllm_beam import TrieBeamLogitsProcessor
+    from trie_decode.integrations.vllm_requests import TrieRequestError
+
+    with pytest.raises(TrieRequestError, match=r"extra_args\['raw_logprobs'\] must be a boolean"):
+        TrieBeamLogitsProcessor.validate_params(SamplingParams(max_tokens=4, extra_args={"raw_logprobs": value}))
+    for flag in (True, 1):
+        with pytest.raises(TrieRequestError, match="needs max_tokens=1"):
+            TrieBeamLogitsProcessor.validate_params(SamplingParams(max_tokens=4, extra_args={"raw_logprobs": flag}))
+    for flag in (False, 0):
+        TrieBeamLogitsProcessor.validate_params(SamplingParams(max_tokens=4, extra_args={"raw_logprobs": flag}))
+
+
+def test_sink_of_a_template_row_inside_its_second_slot_and_of_a_row_still_prefilling(req_states, smollm2_dir, tokenizer):
+    """A request any HTTP client may send to a beam engine: a template with ``prefix`` (output so far, inside its
+    second slot) and ``raw_logprobs`` (max_tokens=1). Before, the sink's bookkeeping looked the row's node up in the
+    template's first slot trie, where node 6 does not exist: ``IndexError`` inside ``apply``, which takes the engine
+    core (and every request on it) down. Now the node is looked up in the row's own slot, the row is masked to that
+    slot's continuation plus the sink, and the log-probs vLLM returns for it are the raw ones. Beside it, a flagged row
+    whose prompt is still prefilling in chunks (its slot's previous occupant left a node of another trie behind) is
+    left alone and costs no lookup."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    import torch
+    from vllm import SamplingParams
+    from vllm.v1.worker.gpu.sample.logits_processor import LogitsContext, build_custom_logits_processors
+
+    from trie_decode.constraint import TrieConstraint
+    from trie_decode.integrations.vllm_beam import FQCN, TrieBeamLogitsProcessor
+    from trie_decode.integrations.vllm_requests import TrieResolver, parse_trie_request, trie_args
+
+    model_config = SimpleNamespace(tokenizer=smollm2_dir, tokenizer_revision=None, trust_remote_code=False,
+                                   get_vocab_size=lambda: len(tokenizer), logprobs_mode="processed_logprobs")
+    (proc,) = build_custom_logits_processors(SimpleNamespace(model_config=model_config, speculative_config=None),
+                                             req_states, False, [FQCN])
+    extra = trie_args(template='{"a": "{a}", "b": "{b}"}',
+                      slots={"a": ["x"], "b": ["Bosnia and Herzegovina", "Botswana"]})
+    out = tokenizer('{"a": "x", "b": "Bosnia and', add_special_tokens=False)["input_ids"]
+    template = SamplingParams(max_tokens=1, extra_args={**extra, "prefix": out, "raw_logprobs": 1})
+    TrieBeamLogitsProcessor.validate_params(template)  # admitted
+    deep = ["a very long catalogue entry with many many tokens in it"]
+    deep_prefix = tokenizer(deep[0], add_special_tokens=False)["input_ids"][:8]
+    prompts = {0: tokenizer("Write:")["input_ids"] + out, 1: tokenizer("Pick:")["input_ids"] + deep_prefix}
+
+    def put(slot, sp):
+        proc.add_request(slot, sp)
+        ids = prompts[slot]
+        req_states.all_token_ids.gpu[slot, : len(ids)] = torch.tensor(ids)
+        req_states.prompt_len.np[slot] = req_states.prefill_len.np[slot] = len(ids)
+
+    def ctx(ends):
+        order = np.array(sorted(ends), dtype=np.int64)
+        idx = torch.from_numpy(order)
+        zeros = torch.zeros(len(order), dtype=torch.int64)
+        return LogitsContext(idx, idx, order, zeros, zeros, zeros, np.array([ends[s] for s in order.tolist()]))
+
+    # Slot 1's first occupant: a long entry, advanced to a deep node of its own trie.
+    put(1, SamplingParams(extra_args={"trie": deep, "prefix": deep_prefix}))
+    proc.apply(torch.zeros(1, len(tokenizer)), ctx({1: len(prompts[1])}))
+    assert int(proc._table.node[proc._table.rows[1].index]) >= 8
+    prompts[1] = tokenizer("Pick a color, any color you like:")["input_ids"]
+    put(1, SamplingParams(max_tokens=1, extra_args={"trie": ["red", "blue"], "raw_logprobs": True}))
+    put(0, template)
+
+    logits = torch.randn(2, len(tokenizer), generator=torch.Generator().manual_seed(0)) * 3
+    raw = torch.log_softmax(logits.clone(), dim=-1)
+    before = logits.clone()
+    got = proc.apply(logits, ctx({0: len(prompts[0]), 1: 3}))  # slot 1: 3 of its prompt tokens computed so far
+    core = TrieConstraint(*TrieResolver(tokenizer).spans(parse_trie_request(extra)), "cpu")
+    state = core.start(1, None, torch.tensor([prompts[0][: len(prompts[0]) - len(out)][-64:]]))
+    for t in out:
+        state = core.advance(state, torch.tensor([t]))
+    allowed = set(core.allowed_tokens(state)[0])
+    assert int(state.tree[0]) == 1 and len(allowed) == 1  # inside the second slot: " Herzegovina"
+    finite = set(torch.isfinite(got[0]).nonzero().flatten().tolist())
+    assert allowed < finite and len(finite - allowed) == 1  # the continuation and the sink
+    lp = torch.log_softmax(got[0], dim=-1)
+    assert torch.allclose(lp[sorted(allowed)], raw[0, sorted(allowed)], atol=1e-5)
+    assert torch.equal(got[1], torch.log_softmax(before[1], dim=-1))  # still prefilling: no mask, no sink

@@ -300,3 +300,154 @@ def test_v1_template_resumes_after_a_prefix_and_stops_at_its_fixed_text(smollm2_
         sp = SamplingParams(extra_args={**extra, "prefix": out[:cut], **options})
         proc.update_state(BatchUpdate(batch_size=1, removed=[], moved=[], added=[(0, sp, [1, 2] + out[:cut], [])]))
         assert _allowed(proc, 1, len(tokenizer))[0] == want, (cut, options)
+
+
+def test_v1_refuses_speculative_decoding_by_name(smollm2_dir, tokenizer):
+    """vLLM's V1 rejection sampler runs custom logits processors on the bonus token's logits only, never on the
+    draft tokens' (vllm/v1/sample/rejection_sampler.py, ``apply_logits_processors``): a draft token the trie refuses
+    is accepted as it is. Before, the V1 processor was built under speculative decoding and the output silently
+    left the trie; now it refuses the engine with a ValueError that says so, as the V2 processor does."""
+    import torch
+
+    from trie_decode.integrations.vllm import TrieLogitsProcessor, TrieLogitsProcessorV1
+    from trie_decode.integrations.vllm_beam import TrieBeamLogitsProcessor
+
+    model_config = SimpleNamespace(tokenizer=smollm2_dir, tokenizer_revision=None, trust_remote_code=False,
+                                   get_vocab_size=lambda: len(tokenizer))
+    spec = SimpleNamespace(method="ngram", num_speculative_tokens=3)
+    cfg = SimpleNamespace(model_config=model_config, speculative_config=spec)
+    for cls in (TrieLogitsProcessor, TrieLogitsProcessorV1, TrieBeamLogitsProcessor):
+        with pytest.raises(ValueError, match=r"do not support speculative decoding \(the V1 runner would accept "
+                                             r"draft tokens the trie refuses\)"):
+            cls(cfg, torch.device("cpu"), False)
+    cls(SimpleNamespace(model_config=model_config, speculative_config=None), torch.device("cpu"), False)  # no spec: built
+
+
+def test_v1_an_output_list_cut_back_and_decoded_again_is_replayed(smollm2_dir, tokenizer):
+    """vLLM 0.32's V1 runner truncates a request's live output list in place when output tokens are discarded
+    (``del req_state.output_token_ids[num_output_tokens:]`` in ``_update_states``, after a KV-load failure), masks
+    the step that decodes them again with the shorter list, and that step may pick other tokens. Before, the
+    processor kept the state of the discarded tokens (it only counted how many it had folded in): after "dark red"
+    was cut back to "dark", the row still allowed only " wine" (the continuation of "dark red wine"), never " blue".
+    Now the row is replayed from its history and masks as the reference does after the tokens the list holds."""
+    from vllm import SamplingParams
+    from vllm.v1.sample.logits_processor import BatchUpdate
+
+    from trie_decode import TokenTrie
+
+    eos = tokenizer.eos_token_id
+    names = ["dark red wine", "dark blue", "red"]
+    trie = TokenTrie.from_strings(names, tokenizer)
+    ids = {n: tokenizer(n, add_special_tokens=False)["input_ids"] for n in names}
+    assert ids["dark red wine"][0] == ids["dark blue"][0] and ids["dark red wine"][1] != ids["dark blue"][1]
+    proc = _proc(smollm2_dir, tokenizer)
+    out, other = [], []
+    proc.update_state(BatchUpdate(batch_size=2, removed=[], moved=[], added=[
+        (0, SamplingParams(extra_args={"trie": names}), [1], out), (1, SamplingParams(extra_args={"trie": COLORS}), [1], other)]))
+    colors = TokenTrie.from_strings(COLORS, tokenizer)
+    for tok in ids["dark red wine"][:2]:
+        assert _allowed(proc, 2, len(tokenizer))[0] == _expect(trie, out, eos)
+        out.append(tok)
+        other.append(sorted(_expect(colors, other, eos))[0])
+        proc.update_state(None)
+    assert _allowed(proc, 2, len(tokenizer))[0] == _expect(trie, out, eos) == {ids["dark red wine"][2]}
+    del out[1:]  # the runner discards the second token (the step that computes it again is masked first) ...
+    proc.update_state(None)
+    assert _allowed(proc, 2, len(tokenizer))[0] == _expect(trie, out, eos) == {ids["dark red wine"][1], ids["dark blue"][1]}
+    out.append(ids["dark blue"][1])  # ... and that step picks another
+    proc.update_state(None)
+    allowed = _allowed(proc, 2, len(tokenizer))
+    assert allowed[0] == _expect(trie, out, eos) == _expect(trie, ids["dark blue"], eos)
+    assert allowed[1] == _expect(colors, other, eos)  # the other row is not replayed
+
+
+def test_staging_never_overwrites_a_host_buffer_a_queued_copy_still_reads(monkeypatch):
+    """On CUDA the processors copy each step's small blocks (each trie's history block, then the mask layout) from
+    pinned host buffers without blocking, and such a copy runs only when the stream reaches it (behind the forward
+    pass). Before, two buffers alternated, so a step with two tries in the batch wrote its third block into the
+    buffer the first block's copy had not read yet: the first trie's rows advanced over the mask layout's numbers.
+    Played here with a stand-in CUDA whose copies read their host buffer only when the test runs the stream: every
+    copy must deliver the block that was put, and the buffers are reused once their copies are done."""
+    import numpy as np
+    import torch
+
+    from trie_decode.integrations.vllm import _Staging
+
+    queued = []  # (host view, what the copy delivers) in stream order
+
+    class Delivered:
+        value = None
+
+    class Event:  # torch.cuda.Event: done once the stream has run past its record()
+        def __init__(self):
+            self.done = False
+
+        def record(self):
+            queued.append((None, self))
+
+        def query(self):
+            return self.done
+
+    to = torch.Tensor.to
+
+    def lagging_to(self, *args, **kwargs):
+        device = args[0] if args else kwargs.get("device")
+        if isinstance(device, torch.device) and device.type == "cuda":
+            got = Delivered()
+            queued.append((self, got))
+            return got
+        return to(self, *args, **kwargs)
+
+    def run_stream():
+        for host, item in queued:
+            if host is None:
+                item.done = True
+            else:
+                item.value = host.clone().numpy()
+        queued.clear()
+
+    empty = torch.empty
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: empty(*a, **k))  # no pinned allocator here
+    monkeypatch.setattr(torch.Tensor, "to", lagging_to)
+    staging = _Staging(torch.device("cuda"))
+    for step in range(2):
+        blocks = [np.arange(8, dtype=np.int64).reshape(2, 4) + 100 * k + 1000 * step for k in range(3)]
+        copies = [staging.put(b) for b in blocks]  # two tries' history blocks, then the layout
+        run_stream()
+        for k, (copy, block) in enumerate(zip(copies, blocks)):
+            assert np.array_equal(copy.value, block), (step, k)
+    assert len(staging._pool) <= 3  # the second step reused the first step's buffers
+
+
+def test_fast_forward_takes_a_trie_file_as_a_path_object(smollm2_dir, tokenizer, tmp_path, monkeypatch):
+    """``vllm_fastforward.generate(tries=[...])`` takes "a trie file path" per prompt, as ``beam_search`` does.
+    Before, a ``pathlib.Path`` went through ``list(spec)`` (the inline-list branch) and failed with "'PosixPath'
+    object is not iterable"; now it is sent as the path's text. A one-entry trie is forced from its root to its
+    end token, so the driver answers without an engine round."""
+    from pathlib import Path
+
+    from trie_decode import TokenTrie
+    from trie_decode.integrations.vllm_access import ENV_ALLOWED_DIRS
+    from trie_decode.integrations.vllm_fastforward import generate
+
+    monkeypatch.setenv(ENV_ALLOWED_DIRS, str(tmp_path))
+    path = Path(tmp_path) / "one.trie"
+    TokenTrie.from_strings(["Paris"], tokenizer).save(path)
+    model_config = SimpleNamespace(tokenizer=smollm2_dir, tokenizer_revision=None, trust_remote_code=False,
+                                   get_vocab_size=lambda: len(tokenizer))
+
+    class NoEngine:  # every token is forced: the driver must not call generate
+        llm_engine = SimpleNamespace(vllm_config=SimpleNamespace(model_config=model_config,
+                                                                 cache_config=SimpleNamespace(block_size=128)))
+
+        def get_tokenizer(self):
+            return tokenizer
+
+        def generate(self, *args, **kwargs):
+            raise AssertionError("no engine round expected")
+
+    (got,) = generate(NoEngine(), ["The capital of France is"], [path])
+    assert got.token_ids == tokenizer("Paris", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    assert got.text == "Paris" and got.rounds == 0

@@ -208,3 +208,53 @@ def test_v2_apply_reads_nothing_back_from_the_device(req_states, smollm2_dir, to
             req_states.all_token_ids.gpu[slot, len(prompts[slot]) + len(out[slot]) - 1] = tok
         order = order[::-1].copy()  # rows move every step
     assert all(trie.lookup(out[s][: out[s].index(eos)]) is not None for s in params)
+
+
+def test_v2_chunked_prefill_starts_a_row_only_once_its_prompt_is_in(req_states, smollm2_dir, tokenizer):
+    """Chunked prefill: Model Runner V2 calls ``apply`` for a request whose prompt is only partly computed (its
+    ``seq_lens_upper_bound`` is below the prompt length; the runner drops that row's token). Before, the processor
+    started such a row there, reading its trigger or span tail cut at the chunk's end: a prompt that ends with the
+    trigger (or a span's ``after``) then left the whole entry unconstrained (all 49,152 tokens open). Now the row
+    starts at the step where its prompt is in, and masks exactly as if the prompt had come in one piece."""
+    import torch
+    from vllm import SamplingParams
+    from vllm.v1.worker.gpu.sample.logits_processor import LogitsContext, build_custom_logits_processors
+
+    from reference import allowed_after
+    from trie_decode import TokenTrie
+    from trie_decode.constraint import SpanRules
+
+    eos = tokenizer.eos_token_id
+    trigger = tuple(tokenizer("Answer:", add_special_tokens=False)["input_ids"])
+    params = {0: SamplingParams(extra_args={"trie": COLORS, "trigger": "Answer:"}),
+              1: SamplingParams(extra_args={"spans": [{"after": '"city": "', "values": ["Paris", "Rome"], "end": '"'}]}),
+              2: SamplingParams(extra_args={"trie": COLORS})}
+    prompts = {0: tokenizer("Pick a color, then write it after the colon.")["input_ids"] + list(trigger),
+               1: tokenizer('Write the JSON. {"city": "')["input_ids"],
+               2: tokenizer("Pick a color:")["input_ids"]}
+    (proc,) = build_custom_logits_processors(_vllm_config(smollm2_dir, tokenizer), req_states, False,
+                                             ["trie_decode.integrations.vllm:TrieLogitsProcessorV2"])
+    for slot, sp in params.items():
+        assert proc.add_request(slot, sp)
+        ids = prompts[slot]
+        req_states.all_token_ids.gpu[slot, : len(ids)] = torch.tensor(ids)
+        req_states.prompt_len.np[slot] = req_states.prefill_len.np[slot] = len(ids)
+
+    def step(ends):
+        order = np.array([2, 0, 1], dtype=np.int64)
+        idx = torch.from_numpy(order)
+        ctx = LogitsContext(idx, idx, order, torch.zeros(3, dtype=torch.int64), torch.zeros(3, dtype=torch.int64),
+                            torch.zeros(3, dtype=torch.int64), np.array([ends[s] for s in order.tolist()]))
+        out = proc.apply(torch.zeros(3, len(tokenizer)), ctx)
+        return {s: set(torch.isfinite(out[i]).nonzero().flatten().tolist()) for i, s in enumerate(order.tolist())}
+
+    full = {s: len(p) for s, p in prompts.items()}
+    step({0: 3, 1: 4, 2: 2})  # first chunks of every prompt
+    step({0: full[0] - 1, 1: full[1] - 2, 2: full[2]})  # slot 2 is in and samples; 0 and 1 still prefill
+    got = step(full)
+    colors = TokenTrie.from_strings(COLORS, tokenizer)
+    assert got[0] == allowed_after(colors.sequences(), SpanRules(end_token_id=eos, trigger=trigger), [],
+                                   prompt_tail=tuple(prompts[0]))
+    assert len(got[0]) == len(COLORS)
+    assert got[1] == {tokenizer(c, add_special_tokens=False)["input_ids"][0] for c in ("Paris", "Rome")}
+    assert got[2] == allowed_after(colors.sequences(), SpanRules(end_token_id=eos), [])
