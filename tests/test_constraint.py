@@ -191,6 +191,15 @@ def test_bad_row_tries_are_named():
         c.replay([[3, END]], None, [[5], [6]])
 
 
+def test_row_tries_that_are_no_tensor_are_named():
+    """start(2, tree=[0, 1]) and a numpy tree raised AttributeError ('list' object has no attribute 'shape')."""
+    c = TrieConstraint([TokenTrie.from_sequences([[3]], vocab_size=V)] * 2, SpanRules(end_token_id=END), "cpu")
+    for tree, got in (([0, 1], "list"), (np.array([0, 1]), "ndarray"), ((0, 1), "tuple")):
+        with pytest.raises(ConstraintConfigError, match=rf"one integer trie index per row: \(2,\), got {got}$"):
+            c.start(2, tree)
+    assert c.start(2, torch.tensor([1, 0], dtype=torch.int32)).tree.tolist() == [1, 0]
+
+
 @pytest.mark.parametrize("kernel", ["native", "numpy", "torch"])
 def test_filters_for_other_rows_are_named(kernel):
     """Per-row filters made for 3 rows, used with 2 (the core API called directly): a named error in mask_ and
@@ -274,6 +283,62 @@ def test_logits_that_no_kernel_takes_are_named(kernel):
     assert c.mask_(leaf.detach(), c.start(2)).isfinite().sum() == 4
     with torch.no_grad():
         assert c.mask_(leaf, c.start(2)).isfinite().sum() == 4
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_float8_logits_are_named(kernel):
+    """float8 logits are floating point, so they passed the dtype check and failed inside torch (NotImplementedError,
+    "take_cpu" or "scatter_gather_tensor_cpu" not implemented); float8_e4m3fn cannot even hold -inf. Every dtype the
+    kernels do mask still masks alike."""
+    c = _small(kernel)
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        logits = torch.zeros(2, 10).to(dtype)
+        for kwargs in ({}, {"inplace": False}):
+            with pytest.raises(ConstraintConfigError, match=r"float16, bfloat16, float32 or float64.*got "
+                                                            + re.escape(str(dtype))):
+                c.mask_(logits, c.start(2), **kwargs)
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        assert c.mask_(torch.zeros(2, 10, dtype=dtype), c.start(2)).isfinite().nonzero()[:, 1].tolist() == [3, 6, 3, 6]
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_row_count_that_is_no_count_is_named(kernel):
+    """start(-1) and start(True) failed inside torch.zeros (a RuntimeError, a TypeError naming zeros' ``size``).
+    Numpy ints and a 0-d integer tensor are counts."""
+    c = _small(kernel)
+    for bad in (-1, True, 1.5, "2", None):
+        with pytest.raises(ConstraintConfigError, match=f"num_rows must be an int >= 0, got {re.escape(repr(bad))}"):
+            c.start(bad)
+    assert c.start(np.int64(2)).node.tolist() == c.start(torch.tensor(2)).node.tolist() == [0, 0]
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_dense_fanout_that_is_no_count_is_named(kernel):
+    """dense_min_fanout="2" failed inside numpy's comparison (UFuncTypeError); 1.5, True and 0 were taken as they
+    were (0: a dense row for every leaf)."""
+    trie = TokenTrie.from_sequences([[3, 4], [3, 5], [6]], vocab_size=10)
+    for bad in ("2", 1.5, True, 0, -1):
+        with pytest.raises(ConstraintConfigError, match=rf"dense_min_fanout must be .*an int >= 1.*got {re.escape(repr(bad))}"):
+            TrieConstraint(trie, SpanRules(0), "cpu", kernel=kernel, dense_min_fanout=bad)
+    dense = TrieConstraint(trie, SpanRules(0), "cpu", kernel=kernel, dense_min_fanout=np.int32(2))
+    assert dense.dtries[0].num_dense == 2 and dense.allowed_tokens(dense.start(1)) == [[3, 6]]
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_an_allowed_width_that_is_no_count_is_named(kernel):
+    """allowed(state, 10.5) and bitmask(state, 10.5) failed inside torch.ones (a TypeError naming its ``size``),
+    allowed_tokens(state, 10.5) on a list index, a width "12" on a comparison; width 0 stood for the vocabulary's."""
+    c = _small(kernel)
+    for bad in (10.5, -3, "12"):
+        with pytest.raises(ConstraintConfigError, match=f"width must be an int >= 0, got {re.escape(repr(bad))}"):
+            c.allowed(c.start(1), bad)
+        with pytest.raises(ConstraintConfigError, match="width must be an int >= 0"):
+            c.allowed_tokens(c.start(1), bad)
+        with pytest.raises(ConstraintConfigError, match="width must be an int >= 0"):
+            c.bitmask(c.start(1), bad)
+    with pytest.raises(InvalidTokenError, match="logits have 0 columns"):
+        c.allowed(c.start(1), 0)
+    assert c.allowed_tokens(c.start(1), np.int64(12)) == [[3, 6]] and c.bitmask(c.start(1), 33).shape == (1, 2)
 
 
 @pytest.mark.parametrize("kernel", KERNELS)

@@ -854,7 +854,7 @@ static PyObject *py_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs
     if (n == 0) return PyLong_FromSsize_t(0);  /* no rows (mask_job_check let their arrays be NULL) */
     /* scratch: the parents' nodes (n), the new nodes (n), the searches' bounds (2n), the parents' filters (n) */
     int64_t *scratch = NULL;
-    if (tokens && !(scratch = (int64_t *)malloc((size_t)(n > 0 ? n : 1) * 5 * sizeof(int64_t)))) return PyErr_NoMemory();
+    if (tokens && !(scratch = (int64_t *)malloc((size_t)n * 5 * sizeof(int64_t)))) return PyErr_NoMemory();  /* n > 0 */
     int64_t *from = scratch, *filt_from = scratch + 4 * n;
     if (tokens) {
         /* each row's parent node, every parent index checked before anything is written */

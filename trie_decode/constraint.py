@@ -17,6 +17,7 @@ Dimension letters: R state rows, B logits rows, V vocabulary width, L generated 
 from __future__ import annotations
 
 import copy
+import operator
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
@@ -30,7 +31,7 @@ from .errors import ConstraintConfigError, InvalidTokenError
 from .filters import (CHILD_EXCLUDED, END_EXCLUDED, EntryOrder, ItemGroups, RowFilters, apply_filters_,
                       completed_ranks, entry_indices, usable_count)
 from .kernels.grouped import row_groups
-from .kernels.interface import check_logits, check_row_range, check_rows
+from .kernels.interface import check_logits, check_row_range, check_rows, described, is_index_tensor
 from .kernels.vectorized import plans_to_bool, plans_to_lists
 from .bitmask import pack_bitmask
 from .options import check_distinct, check_filter_mode, given_filters, row_specs
@@ -38,6 +39,26 @@ from .spans import ANCHOR, DONE, FREE, ON_COMPLETE_MODES, ON_TOKEN, OTHERWISE, S
 from .trie import TokenTrie
 
 __all__ = ["SpanRules", "RowState", "TrieConstraint", "DONE", "FREE", "ON_COMPLETE_MODES"]
+
+
+def _count(value: Any, what: str) -> int:
+    """``value`` as a count (an int >= 0: a Python or numpy int, or a 0-d integer tensor; not a bool), or a
+    ConstraintConfigError naming ``what`` (torch's own errors named neither, and read True as 1)."""
+    try:
+        count = operator.index(value) if not isinstance(value, bool) else -1
+    except TypeError:
+        count = -1
+    if count < 0:
+        raise ConstraintConfigError(f"{what} must be an int >= 0, got {value!r:.40}")
+    return count
+
+
+def _misfit_tails(tails: Any, num_rows: int) -> Optional[str]:
+    """None when ``tails`` is a (num_rows, T) tensor (each row's last tokens), else how an error names what it is
+    (its shape, or its type)."""
+    if isinstance(tails, torch.Tensor):
+        return None if tails.dim() == 2 and tails.shape[0] == num_rows else str(tuple(tails.shape))
+    return type(tails).__name__
 
 
 def _excluded_moves(node: Any, new: Any, parent_of_new: Any, own_bits: Any, new_bits: Any) -> tuple[Any, Any]:
@@ -239,19 +260,20 @@ class TrieConstraint:
         """The state of rows about to generate their first token.
 
         Args:
-            num_rows: R.
+            num_rows: R, an int >= 0 (else ConstraintConfigError).
             tree: each row's trie index (default 0). Shape: (R,), int64.
             tails: the rows' last tokens before generation (at least ``len(trigger)`` columns; a shorter prompt
                 padded on the left with -1); used only with a trigger: a prompt that already ends with the trigger
                 starts inside the entry (without tails, every row waits for the trigger).
         """
+        num_rows = _count(num_rows, "num_rows")
         dev = self.device
         if tree is None:
             tree = torch.zeros(num_rows, dtype=torch.long, device=dev)
         else:
-            if tree.shape != (num_rows,) or tree.is_floating_point() or tree.is_complex() or tree.dtype == torch.bool:
+            if not is_index_tensor(tree, (num_rows,)):  # a list or a numpy array failed on its attributes
                 raise ConstraintConfigError(f"tree must hold one integer trie index per row: ({num_rows},), got "
-                                            f"{tuple(tree.shape)} {tree.dtype}")
+                                            f"{described(tree)}")
             tree = tree.to(dev, torch.long)
             if tree.numel() and (int(tree.min()) < 0 or int(tree.max()) >= len(self.tries)):  # the caller's indices
                 raise ConstraintConfigError(f"row trie indices must be in [0, {len(self.tries)})")
@@ -267,9 +289,8 @@ class TrieConstraint:
         """Text spans: every row FREE, its automaton fed the prompt's tail (``tails``: token ids, Shape: (R, T));
         a prompt that already ends with a span's ``after`` starts in that span (:meth:`FieldRules.start_state`)."""
         f = self.rules.fields
-        if tails is not None and (not isinstance(tails, torch.Tensor) or tails.dim() != 2
-                                  or tails.shape[0] != num_rows):
-            got = tuple(tails.shape) if isinstance(tails, torch.Tensor) else type(tails).__name__
+        got = None if tails is None else _misfit_tails(tails, num_rows)
+        if got is not None:
             raise ConstraintConfigError(f"tails must hold each row's last prompt tokens (the span automaton reads "
                                         f"them): ({num_rows}, T) for {num_rows} rows, got {got}")
         starts = [f.start_state(ids) for ids in (tails.tolist() if tails is not None else [[]] * num_rows)]
@@ -331,8 +352,8 @@ class TrieConstraint:
             raise ConstraintConfigError(
                 f"{where} needs tails= with a trigger: each row's last {t} tokens, the new one included, Shape: "
                 f"({num_rows}, >= {t}) (all of a shorter history); without them the trigger never fires")
-        if not isinstance(tails, torch.Tensor) or tails.dim() != 2 or tails.shape[0] != num_rows:
-            got = tuple(tails.shape) if isinstance(tails, torch.Tensor) else type(tails).__name__
+        got = _misfit_tails(tails, num_rows)
+        if got is not None:
             raise ConstraintConfigError(
                 f"tails must hold each row's last tokens, {t} (the trigger's length) or more, or all of a shorter "
                 f"history: ({num_rows}, T), got {got}")
@@ -361,13 +382,13 @@ class TrieConstraint:
             filters: the rows' filters; when they are ``distinct``, each entry a row completes is denied to it
                 from now on (updated in place).
         """
-        # Every kernel's inputs, checked here once (attributes only).
+        # Every kernel's inputs, checked here once (attributes only; written out, not is_index_tensor: each read of a
+        # tensor attribute is a call into torch, and this runs at every step).
         dtype = tokens.dtype if isinstance(tokens, torch.Tensor) else None
         if dtype is None or tokens.shape != state.node.shape or (dtype is not torch.long and (
                 dtype.is_floating_point or dtype.is_complex or dtype is torch.bool)):
-            got = f"{tuple(tokens.shape)} {tokens.dtype}" if isinstance(tokens, torch.Tensor) else type(tokens).__name__
             raise ConstraintConfigError(f"tokens must hold one integer token per state row: ({len(state)},) for the "
-                                        f"state's {len(state)} rows, got {got}")
+                                        f"state's {len(state)} rows, got {described(tokens)}")
         if self.rules.trigger:
             self._check_tails(tails, len(state), "advance")
         if dtype is not torch.long or tokens.device != self.device:
@@ -555,7 +576,7 @@ class TrieConstraint:
         With the rows' ``filters`` (:meth:`filters`), what the filtered mask leaves: the tokens :meth:`mask_` keeps
         finite in a row of zeros, the one filter rule (:mod:`trie_decode.filters`).
         """
-        width = width or self.vocab_size
+        width = self.vocab_size if width is None else _count(width, "width")
         if filters is not None:
             return self.mask_(torch.zeros(len(state), width, device=self.device), state, filters=filters).isfinite()
         out = plans_to_bool(self._plans(state, width), len(state), width)
@@ -575,7 +596,7 @@ class TrieConstraint:
             >>> c.allowed_tokens(c.advance(c.start(2), torch.tensor([3, 6])))
             [[4, 5], [0]]
         """
-        width = width or self.vocab_size
+        width = self.vocab_size if width is None else _count(width, "width")
         out = plans_to_lists(self._plans(state, width), len(state), width)
         free = self._free_rows_allowed(state, width)
         if free is not None:

@@ -39,6 +39,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
+from .errors import ConstraintConfigError
 from .kernels.arrays import NUMPY, Ops
 from .spans import SpanRules, step_table
 from .trie import TokenTrie
@@ -93,7 +94,8 @@ class DeviceTrie:
     Args:
         trie: the trie.
         device: where the tensors live (the logits' device).
-        dense_min_fanout: nodes with at least this many children get a dense row (default max(256, V // 16)).
+        dense_min_fanout: nodes with at least this many children get a dense row (default max(256, V // 16)); an
+            int >= 1, else ConstraintConfigError.
         dense_budget_bytes: cap on the dense rows' memory (V bytes each); the widest nodes are kept first.
     """
 
@@ -105,6 +107,11 @@ class DeviceTrie:
         dense_min_fanout: Optional[int] = DEFAULT_DENSE_MIN_FANOUT,
         dense_budget_bytes: int = DEFAULT_DENSE_BUDGET_BYTES,
     ) -> None:
+        if dense_min_fanout is not None and (isinstance(dense_min_fanout, bool)
+                                             or not isinstance(dense_min_fanout, (int, np.integer)) or dense_min_fanout < 1):
+            # a string failed inside numpy's comparison; a float, a bool or a fanout below 1 was taken as it was
+            raise ConstraintConfigError(f"dense_min_fanout must be a number of children, an int >= 1 (or None for "
+                                        f"the default), got {dense_min_fanout!r:.40}")
         self.trie = trie
         self.device = torch.device(device)
         self.vocab_size = trie.vocab_size

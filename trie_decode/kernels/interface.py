@@ -13,17 +13,23 @@ import torch
 
 from ..errors import ConstraintConfigError
 
-__all__ = ["Kernel", "check_state_rows", "check_logits", "check_rows", "check_row_range"]
+__all__ = ["Kernel", "LOGITS_DTYPES", "check_state_rows", "check_logits", "check_rows", "check_row_range",
+           "is_index_tensor", "described"]
+
+
+#: The logits dtypes every kernel masks: float8 dtypes are floating point too, but torch has no gather or scatter
+#: for them on the CPU, and float8_e4m3fn has no -inf to mask with.
+LOGITS_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 
 
 def check_logits(logits: Any) -> None:
-    """The logits every kernel takes, checked once before dispatch (``TrieConstraint.mask_``): a (B, V) floating
-    tensor that masking may write outside autograd (the C kernel writes its memory, so no kernel records the mask
-    in a graph). Attributes only: no host read.
+    """The logits every kernel takes, checked once before dispatch (``TrieConstraint.mask_``): a (B, V) tensor of a
+    dtype in :data:`LOGITS_DTYPES` that masking may write outside autograd (the C kernel writes its memory, so no
+    kernel records the mask in a graph). Attributes only: no host read.
 
     Raises:
         TypeError: ``logits`` is not a tensor.
-        ConstraintConfigError: not two dimensions, not a float dtype, or a tensor that requires grad while grad
+        ConstraintConfigError: not two dimensions, not one of those dtypes, or a tensor that requires grad while grad
             mode is on.
     """
     if not isinstance(logits, torch.Tensor):
@@ -31,12 +37,26 @@ def check_logits(logits: Any) -> None:
     if len(logits.shape) != 2:
         raise ConstraintConfigError(f"logits must be Shape (B, V), one row per sequence, got {tuple(logits.shape)} "
                                     "(for (B, L, V) model outputs pass the last position, logits[:, -1, :])")
-    if not logits.is_floating_point():
-        raise ConstraintConfigError(f"logits must be a floating-point tensor (-inf marks a masked token), got "
-                                    f"{logits.dtype}")
+    if logits.dtype not in LOGITS_DTYPES:
+        raise ConstraintConfigError(f"logits must be a floating-point tensor of float16, bfloat16, float32 or float64 "
+                                    f"(-inf marks a masked token), got {logits.dtype}")
     if logits.requires_grad and torch.is_grad_enabled():
         raise ConstraintConfigError("logits require grad: the mask is written outside autograd and would not be "
                                     "differentiable; pass logits.detach(), or mask under torch.no_grad()")
+
+
+def is_index_tensor(x: Any, shape: tuple) -> bool:
+    """Whether ``x`` is a tensor of ``shape`` with an integer dtype (bool is none): a row map, the rows' tries.
+    Attributes only: no host read."""
+    if not isinstance(x, torch.Tensor) or x.shape != shape:
+        return False
+    dtype = x.dtype  # each tensor attribute read is a call into torch: read once, int64 (the usual one) first
+    return dtype is torch.int64 or not (dtype.is_floating_point or dtype.is_complex or dtype is torch.bool)
+
+
+def described(x: Any) -> str:
+    """How an error names an argument it refuses: a tensor's shape and dtype, else its type."""
+    return f"{tuple(x.shape)} {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__
 
 
 def check_rows(rows: Any, num_states: int, batch: int, device: torch.device, host_range: bool) -> torch.Tensor:
@@ -52,10 +72,9 @@ def check_rows(rows: Any, num_states: int, batch: int, device: torch.device, hos
         ConstraintConfigError: not an (R,) integer tensor. IndexError: a CPU row outside ``[0, B)`` (the C kernel's
             own message, ``_kernel.c``).
     """
-    if (not isinstance(rows, torch.Tensor) or rows.shape != (num_states,) or rows.is_floating_point()
-            or rows.is_complex() or rows.dtype is torch.bool):
-        got = f"{tuple(rows.shape)} {rows.dtype}" if isinstance(rows, torch.Tensor) else type(rows).__name__
-        raise ConstraintConfigError(f"rows must hold one integer logits row per state row: ({num_states},), got {got}")
+    if not is_index_tensor(rows, (num_states,)):
+        raise ConstraintConfigError(f"rows must hold one integer logits row per state row: ({num_states},), got "
+                                    f"{described(rows)}")
     if host_range and num_states and rows.is_cpu:
         check_row_range(rows, batch)
     if rows.device != device or rows.dtype is not torch.int64:

@@ -29,7 +29,7 @@ import torch
 from ..errors import InvalidTokenError
 from ..spans import COUNT, START, TABLE_COLUMNS
 from .grouped import GroupedKernel
-from .interface import check_state_rows
+from .interface import LOGITS_DTYPES, check_state_rows
 from .rules import ALL_MASKED_FLOOR, NEG_INF
 from .vectorized import NUMPY_KERNEL
 
@@ -85,12 +85,12 @@ def _bits(value: float, dtype: torch.dtype) -> int:
     return bits if size == 8 else bits & ((1 << (8 * size)) - 1)
 
 
-# The float dtypes the kernel handles (it copies elements, it never computes on them), each with the last three
-# LOGITS_FIELDS: its element size, the bit pattern of -inf and that of the floor given to a row whose kept values
-# were all -inf (the floor rule, kernels/rules.py).
+# The float dtypes the kernel handles (every logits dtype, interface.LOGITS_DTYPES: it copies elements, it never
+# computes on them), each with the last three LOGITS_FIELDS: its element size, the bit pattern of -inf and that of
+# the floor given to a row whose kept values were all -inf (the floor rule, kernels/rules.py).
 _DTYPE_ARGS = {
     dtype: (torch.empty(0, dtype=dtype).element_size(), _bits(NEG_INF, dtype), _bits(ALL_MASKED_FLOOR, dtype))
-    for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+    for dtype in LOGITS_DTYPES
 }
 
 
@@ -116,6 +116,15 @@ def usable_logits(logits: torch.Tensor) -> bool:
     return (stride[1] == 1 or shape[1] <= 1) and (stride[0] >= shape[1] or shape[0] <= 1)
 
 
+def _pack_trie(**fields: int) -> bytes:
+    """The packed :data:`TRIE_FIELDS`, given by name (a field not given is 0: none), so that their order is written
+    once, in TRIE_FIELDS."""
+    unknown = set(fields) - set(TRIE_FIELDS)
+    if unknown:
+        raise ValueError(f"no trie fields {sorted(unknown)}")
+    return _PACK["trie"].pack(*(fields.get(name, 0) for name in TRIE_FIELDS))
+
+
 def trie_fields(table: Any) -> bytes:
     """The packed :data:`TRIE_FIELDS` of a CPU step table and its trie, checked and packed once per table (kept
     with it; the table keeps the arrays alive)."""
@@ -129,11 +138,12 @@ def trie_fields(table: Any) -> bytes:
         raise ValueError("step table and trie sizes disagree")
     found = kernel_bits(table)
     bits, wide = (None, None) if found is None else found
-    packed = _PACK["trie"].pack(
-        table.tensor.data_ptr(), d.num_nodes, table.num_codes, t.child_token.data_ptr(), t.child_ptr.data_ptr(),
-        t.dense_blocked.data_ptr(), d.vocab_size, d.num_dense,
-        0 if bits is None else bits.ctypes.data, 0 if bits is None else len(bits),
-        0 if wide is None else wide.ctypes.data, 0 if wide is None else len(wide),
+    packed = _pack_trie(
+        table=table.tensor.data_ptr(), num_nodes=d.num_nodes, num_codes=table.num_codes,
+        child_token=t.child_token.data_ptr(), child_ptr=t.child_ptr.data_ptr(), dense_blocked=t.dense_blocked.data_ptr(),
+        vocab_size=d.vocab_size, num_dense=d.num_dense,
+        bits=0 if bits is None else bits.ctypes.data, num_bits=0 if bits is None else len(bits),
+        wide_nodes=0 if wide is None else wide.ctypes.data, num_wide=0 if wide is None else len(wide),
     )
     table.kernel_cache["native_bits"] = found  # kept alive with the packed pointers
     table.kernel_cache["native"] = packed
@@ -304,8 +314,9 @@ def child(dtrie: Any, nodes: torch.Tensor, tokens: torch.Tensor, table: Any = No
         trie = dtrie.__dict__.get("_kernel_trie_fields")
         if trie is None:
             t = _checked_tensors(dtrie)
-            trie = dtrie._kernel_trie_fields = _PACK["trie"].pack(
-                0, dtrie.num_nodes, 0, t.child_token.data_ptr(), t.child_ptr.data_ptr(), 0, dtrie.vocab_size, 0, 0, 0, 0, 0)
+            trie = dtrie._kernel_trie_fields = _pack_trie(
+                num_nodes=dtrie.num_nodes, child_token=t.child_token.data_ptr(), child_ptr=t.child_ptr.data_ptr(),
+                vocab_size=dtrie.vocab_size)
     else:
         if table.dtrie is not dtrie:
             raise ValueError("the step table belongs to another trie")
