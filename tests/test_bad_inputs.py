@@ -404,8 +404,10 @@ def test_a_number_key_is_its_text():
     assert TokenTrie.from_sequences([[1]], 10, keys=[7]).entry(0).key == "7"
 
 
-@pytest.mark.parametrize("tokenizer", [None, "gpt2"])
+@pytest.mark.parametrize("tokenizer", [None, "gpt2", lambda text, **kw: {"input_ids": [1]}],
+                         ids=["none", "a name", "a function"])
 def test_from_strings_without_a_tokenizer_is_named(tokenizer):
+    # a plain function was called with add_special_tokens= and failed with its own TypeError
     _raises(InvalidEntryError, "from_strings needs the model's tokenizer", TokenTrie.from_strings, ["a"], tokenizer)
 
 

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from trie_decode import TokenTrie
 from trie_decode.descriptors import read_json, tries_from_token_tree_payload, trie_from_prefix_dict
+from trie_decode.errors import DescriptorError
 
 PAYLOAD = {
     "modelId": "smollm2-135m",
@@ -227,3 +228,10 @@ def test_a_model_id_json_cannot_hold_is_named_as_the_payloads_field():
         with pytest.raises(DescriptorError, match=r"^TokenTreePayload: 'modelId' is (int64|set) .*not JSON") as info:
             tries_from_token_tree_payload(payload, 8)
         assert "options" not in str(info.value)
+
+
+@pytest.mark.parametrize("strict", ["no", "false", 0, None])
+def test_prefix_dict_strict_is_a_bool(strict):
+    # strict="no" was truthy, so it ran the strict checks; 0 and None read as False without a word.
+    with pytest.raises(DescriptorError, match=f"strict must be True or False, got {type(strict).__name__}"):
+        trie_from_prefix_dict({"start_token_id": 0, "end_token_id": 2, "prefix_dict": {"0": [1]}}, 4, strict=strict)

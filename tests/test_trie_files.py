@@ -416,3 +416,19 @@ def test_a_file_name_with_a_nul_byte_is_refused_by_name(trie, tmp_path):
     with pytest.raises(TrieFileError, match="a file name holds no NUL byte"):
         catalog.load_delta(name)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_path_is_text_bytes_or_a_path_object_to_save_and_load(trie, tmp_path):
+    # save() took only str and os.PathLike: bytes (which load() takes) and None failed with pathlib's TypeError, and
+    # load(None) with an AttributeError about fileno.
+    import os
+
+    name = os.fsencode(tmp_path / "b.trie")
+    trie.save(name)
+    assert TokenTrie.load(name).sequences() == trie.sequences()
+    assert [p.name for p in tmp_path.iterdir()] == ["b.trie"]
+    for bad in (None, 5):
+        with pytest.raises(TrieFileError, match=f"a path is a str, bytes or os.PathLike, got {type(bad).__name__}"):
+            trie.save(bad)
+        with pytest.raises(TrieFileError, match=f"give a path .* or a binary file object, got {type(bad).__name__}"):
+            TokenTrie.load(bad)

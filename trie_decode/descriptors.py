@@ -491,7 +491,8 @@ def trie_from_prefix_dict(
     Raises:
         DescriptorError: not a JSON object, ``prefix_dict`` missing or not an object, a candidate list that is
             not a list of integers, ``start_token_id``/``end_token_id`` not integers, ``sep`` not a non-empty
-            string (RTP-LLM's loader refuses these too); with ``strict=True``, any of the cases above.
+            string (RTP-LLM's loader refuses these too); with ``strict=True``, any of the cases above; ``strict``
+            that is not a bool.
         InvalidTokenError: ``vocab_size`` not in [1, 2**31]; ``start_token_id`` or ``end_token_id`` negative or
             beyond int32; ``end_token_id`` outside the vocabulary.
         InvalidEntryError: a ``fingerprint`` that is not a string.
@@ -505,6 +506,8 @@ def trie_from_prefix_dict(
     """
     vocab_size = check_vocab_size(vocab_size, VOCAB_SIZE)
     check_fingerprint(fingerprint)
+    if not isinstance(strict, (bool, np.bool_)):  # "no" or "false" would read as True
+        raise DescriptorError(f"strict must be True or False, got {type(strict).__name__} {strict!r:.40}")
     parsed = _parse_prefix_dict(payload)
     if parsed.end >= vocab_size:
         raise InvalidTokenError(f"prefix dict: end_token_id {parsed.end} is outside the vocabulary [0, {vocab_size})")

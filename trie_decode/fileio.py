@@ -66,13 +66,18 @@ def _crc(array: np.ndarray) -> int:
     return zlib.crc32(np.ascontiguousarray(array).view(np.uint8).reshape(-1)) & 0xFFFFFFFF
 
 
-def check_writable(path: str | os.PathLike[str]) -> None:
-    """Raise :class:`TrieFileError` unless a file can be written at ``path``: not a folder, in a folder that exists.
+def check_writable(path: str | bytes | os.PathLike[str]) -> str:
+    """``path`` as text, once a file can be written there: not a folder, in a folder that exists; else
+    :class:`TrieFileError` (a path that is no str, bytes or ``os.PathLike`` too, as :func:`read_arrays` refuses it).
 
     ``trie-decode build`` calls it before building, so that a wrong ``-o`` fails before the work, not after it.
     """
-    target = Path(path)
-    text = os.fsdecode(path)
+    try:
+        text = os.fsdecode(path)
+    except TypeError:  # None, a number: pathlib's TypeError named neither the call nor the argument
+        raise TrieFileError(f"cannot write to {path!r:.60}: a path is a str, bytes or os.PathLike, got "
+                            f"{type(path).__name__}") from None
+    target = Path(text)
     if "\x00" in text:  # pathlib's checks read it as a missing file, and the write failed inside os.unlink
         raise TrieFileError(f"cannot write {text!r}: a file name holds no NUL byte")
     try:
@@ -88,6 +93,7 @@ def check_writable(path: str | os.PathLike[str]) -> None:
             raise TrieFileError(f"cannot write {target}: the folder {folder} {problem}")
     except OSError as exc:  # a name too long, a folder that cannot be searched: what stat() says
         raise TrieFileError(f"cannot write {target}: {exc.strerror or exc}") from exc
+    return text
 
 
 def write_arrays(path: str | os.PathLike[str], arrays: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> None:
@@ -100,7 +106,7 @@ def write_arrays(path: str | os.PathLike[str], arrays: Mapping[str, np.ndarray],
     from safetensors import SafetensorError
     from safetensors.numpy import save_file
 
-    check_writable(path)
+    path = check_writable(path)
     # The bytes on disk are little-endian: the CRC-32s are of those bytes (a big-endian array's own bytes differ).
     arrays = {name: np.ascontiguousarray(a, dtype=np.asarray(a).dtype.newbyteorder("<")) for name, a in arrays.items()}
     for name, a in arrays.items():
@@ -205,6 +211,9 @@ def read_arrays(
     if isinstance(source, (str, bytes, os.PathLike)):
         with open_regular_file(source) as handle:
             return _read_open(handle, str(os.fsdecode(source)), verify)
+    if not hasattr(source, "read"):
+        raise TrieFileError(f"cannot read a trie file from {source!r:.60}: give a path (str, bytes, os.PathLike) or a "
+                            f"binary file object, got {type(source).__name__}")
     label = getattr(source, "name", None)
     return _read_open(source, label if isinstance(label, str) else "<trie file>", verify)
 

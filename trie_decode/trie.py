@@ -358,9 +358,9 @@ class TokenTrie:
             >>> [both.entry(i).name for i in range(both.num_entries)]                                # doctest: +SKIP
             ['France', 'France']
         """
-        if tokenizer is None or not callable(tokenizer):
-            raise InvalidEntryError(f"from_strings needs the model's tokenizer (a Hugging Face tokenizer) to "
-                                    f"tokenize the strings, got {type(tokenizer).__name__}")
+        if not callable(tokenizer) or not hasattr(tokenizer, "get_vocab"):  # a plain function failed when called
+            raise InvalidEntryError(f"from_strings needs the model's tokenizer (a Hugging Face tokenizer: callable, "
+                                    f"with get_vocab()) to tokenize the strings, got {type(tokenizer).__name__}")
         if isinstance(strings, (str, bytes)):
             raise InvalidEntryError("expected a collection of strings, got a single string")
         if isinstance(strings, (AbstractSet, Mapping)):  # entry numbers (and keys=) would follow the hash order
