@@ -301,6 +301,19 @@ def test_float8_logits_are_named(kernel):
         assert c.mask_(torch.zeros(2, 10, dtype=dtype), c.start(2)).isfinite().nonzero()[:, 1].tolist() == [3, 6, 3, 6]
 
 
+@pytest.mark.parametrize("kernel", ["native", "numpy"])
+def test_a_logits_row_given_to_two_state_rows_is_named(kernel):
+    """Two state rows on one logits row: the numpy kernel kept the union of their allowed sets, the C kernel their
+    intersection in place and what the last one allowed out of place. The CPU kernels read their row map anyway: a
+    repeated row is named there, by the C kernel itself (the torch kernel reads nothing on the host, see check_rows)."""
+    c = _small(kernel)
+    state = c.advance(c.start(2), torch.tensor([3, 6]))  # two rows that allow different tokens
+    with pytest.raises(ValueError, match=r"rows gives logits row 1 to state rows \[0, 1\]"):
+        c.mask_(torch.zeros(3, 10), state, rows=torch.tensor([1, 1]))
+    out = c.mask_(torch.zeros(3, 10), state, rows=torch.tensor([2, 0]))
+    assert [out[r].isfinite().nonzero().flatten().tolist() for r in (2, 0)] == c.allowed_tokens(state)
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_a_row_count_that_is_no_count_is_named(kernel):
     """start(-1) and start(True) failed inside torch.zeros (a RuntimeError, a TypeError naming zeros' ``size``).

@@ -691,6 +691,27 @@ static PyObject *py_mask(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         }
         i = e;
     }
+    if (rows && n > 1) {  /* every row is in the batch (mask_job_check): no logits row may be two state rows' */
+        const Py_ssize_t batch = (Py_ssize_t)f[LF_BATCH];
+        uint8_t *seen = (uint8_t *)calloc((size_t)batch, 1);
+        if (!seen) {
+            free(jobs);
+            return PyErr_NoMemory();
+        }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            if (seen[rows[i]]) {
+                Py_ssize_t first = 0;
+                while (rows[first] != rows[i]) first++;
+                PyErr_Format(PyExc_ValueError, "rows gives logits row %lld to state rows [%zd, %zd]: each state row "
+                             "masks a row of its own", (long long)rows[i], first, i);
+                free(seen);
+                free(jobs);
+                return NULL;
+            }
+            seen[rows[i]] = 1;
+        }
+        free(seen);
+    }
     Py_ssize_t masked;
     Py_BEGIN_ALLOW_THREADS
     masked = run_jobs(jobs, g);

@@ -497,7 +497,8 @@ class TrieConstraint:
                 masked too); not requiring grad (the mask is not recorded by autograd).
             state: the state of the rows to mask.
             rows: logits row of each state row (default: state row i is logits row i; logits rows no state row
-                names are left as they are). Shape: (R,), integer; a CPU tensor is checked against B.
+                names are left as they are), each a different row. Shape: (R,), integer; a CPU tensor is checked
+                against B, and a logits row it gives to two state rows is refused (ValueError).
             inplace: modify ``logits`` (default) or return a new tensor and leave ``logits`` unchanged.
             out: write the result into this tensor (same shape, dtype and device; its contents are overwritten)
                 and leave ``logits`` unchanged: out-of-place masking without an allocation per step.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from ..errors import ConstraintConfigError
@@ -61,16 +62,17 @@ def described(x: Any) -> str:
 
 def check_rows(rows: Any, num_states: int, batch: int, device: torch.device, host_range: bool) -> torch.Tensor:
     """The row map of ``TrieConstraint.mask_`` (logits row of each state row), checked once before dispatch and
-    returned as int64 on the logits' device. Its shape and dtype are always checked; its range only where that
-    reads no device: a CPU tensor, for a kernel that reads its step on the host anyway (``host_range``: the
-    kernel's ``reads_host``). The torch kernel's step reads nothing on the host wherever it runs (no GPU
-    synchronization): there the kernel's indexing is the range check.
+    returned as int64 on the logits' device. Its shape and dtype are always checked; its range, and that no logits
+    row is given to two state rows, only where that reads no device: a CPU tensor, for a kernel that reads its step
+    on the host anyway (``host_range``: the kernel's ``reads_host``); the C kernel checks both itself. The torch
+    kernel's step reads nothing on the host wherever it runs (no GPU synchronization): there the kernel's indexing is
+    the range check, and a repeated row is not looked for.
 
     Args:
         rows: Shape: (R,), an integer tensor. num_states: R. batch: B, the logits rows.
     Raises:
-        ConstraintConfigError: not an (R,) integer tensor. IndexError: a CPU row outside ``[0, B)`` (the C kernel's
-            own message, ``_kernel.c``).
+        ConstraintConfigError: not an (R,) integer tensor; a CPU row map that gives one logits row to two state
+            rows. IndexError: a CPU row outside ``[0, B)`` (the C kernel's own message, ``_kernel.c``).
     """
     if not is_index_tensor(rows, (num_states,)):
         raise ConstraintConfigError(f"rows must hold one integer logits row per state row: ({num_states},), got "
@@ -90,14 +92,22 @@ def check_state_rows(num_states: int, batch: int) -> None:
 
 
 def check_row_range(rows: torch.Tensor, batch: int) -> None:
-    """IndexError naming the first of ``rows`` outside ``[0, batch)`` (the C kernel's message, ``_kernel.c``). Reads
-    the rows on the host: before dispatch only for CPU rows (:func:`check_rows`), else on an error path."""
+    """IndexError naming the first of ``rows`` outside ``[0, batch)`` (the C kernel's message, ``_kernel.c``), or one
+    given to two state rows (the kernels would disagree on what that row keeps). Reads the rows on the host: before
+    dispatch only for CPU rows (:func:`check_rows`), else on an error path."""
     if not rows.numel():
         return
-    lo, hi = torch.aminmax(rows)
-    if int(lo) < 0 or int(hi) >= batch:
-        bad = int(rows[(rows < 0) | (rows >= batch)][0])
+    host = rows.numpy() if rows.is_cpu else rows.cpu().numpy()
+    order = np.sort(host)  # one sort: the range from its ends, a repeat from neighbours
+    if order[0] < 0 or order[-1] >= batch:
+        bad = int(host[(host < 0) | (host >= batch)][0])
         raise IndexError(f"logits row {bad} is outside the batch of {batch} rows")
+    same = order[1:] == order[:-1]
+    if same.any():
+        twice = int(order[1:][same][0])
+        raise ConstraintConfigError(f"rows gives logits row {twice} to state rows "
+                                    f"{np.flatnonzero(host == twice)[:2].tolist()}: each state row masks a row of "
+                                    "its own")
 
 
 class Kernel:
