@@ -152,8 +152,10 @@ def test_options_that_do_not_combine_with_spans_are_named(tokenizer):
         Span(["Paris"], after="")
     with pytest.raises(ConstraintConfigError, match="Span.values must be a TokenTrie or a list of strings, got NoneType"):
         Span(None, after="A: ")
-    with pytest.raises(InvalidTokenError, match=r"token -1, which closes a span's value, is outside the vocabulary"):
+    with pytest.raises(ConstraintConfigError, match=r"end_token_id must be a non-negative token id, got -1"):
         FieldRules.build([Span(["Paris"], after="A: ", end=None)], tokenizer, end_token_id=-1)
+    with pytest.raises(InvalidTokenError, match=r"token 99999, which closes a span's value, is outside the vocabulary"):
+        FieldRules.build([Span(["Paris"], after="A: ", end=None)], tokenizer, end_token_id=99999)
     with pytest.raises(ConstraintConfigError, match="needs tries"):
         TrieLogitsProcessor()
 
@@ -432,3 +434,75 @@ def test_a_trie_that_starts_before_the_space_but_lost_its_lone_space_form_is_ref
     spaced = [e for e, seq in enumerate(tries[0].sequences()) if vocab[int(seq[0])] != b" "]
     with pytest.raises(ConstraintConfigError, match="holds no value after that space alone"):
         FieldRules.build([Span(tries[0].subset(spaced), after="Final answer: ", end=None)], tokenizer)
+
+
+def test_span_rules_refuse_fields_that_are_not_field_rules(tokenizer):
+    """``SpanRules(fields=...)`` given the spans, or ``FieldRules.build``'s (tries, rules) pair, failed deep inside
+    the constraint (``AttributeError: 'list' object has no attribute 'max_token'``); it is refused where it is given,
+    naming what ``fields`` takes."""
+    spans = [Span(["Paris"], after='"city": "')]
+    built = FieldRules.build(spans, tokenizer)
+    for wrong in (spans, built, True):
+        with pytest.raises(ConstraintConfigError, match=r"fields must be the FieldRules of the spans .*got "
+                                                        + type(wrong).__name__):
+            SpanRules(end_token_id=tokenizer.eos_token_id, on_complete="release", fields=wrong)
+    SpanRules(end_token_id=tokenizer.eos_token_id, on_complete="release", fields=built[1])
+
+
+@pytest.mark.parametrize("end", ["2", 2.5, -3, True])
+def test_field_rules_name_a_bad_end_token_id(tokenizer, end):
+    """A span closed by the end token (``end=None``) read ``end_token_id`` with numpy: ``"2"`` and True closed the
+    value with token 2 or 1, 2.5 with token 2 (``"x"`` failed inside numpy, a bare ValueError), -3 was reported as a
+    token outside the vocabulary. The build names ``end_token_id`` and the value now."""
+    spans = [Span(["Berlin"], after="Final answer: ", end=None)]
+    with pytest.raises(ConstraintConfigError, match=r"end_token_id must be a non-negative token id, got "):
+        FieldRules.build(spans, tokenizer, end)
+    with pytest.raises(ConstraintConfigError, match=r"end_token_id must be a non-negative token id, got "):
+        FieldRules.from_tokens([TokenTrie.from_sequences([[5]], vocab_size=10)], ["x"], None, [b"x"] * 10, end)
+
+
+@pytest.mark.parametrize("spans", [None, 5, 2.5])
+def test_spans_that_are_not_a_list_are_named(tokenizer, spans):
+    """``FieldRules.build(None, tok)`` (and ``TrieLogitsProcessor(spans=None-like)``) failed with Python's bare
+    ``TypeError: 'NoneType' object is not iterable``."""
+    with pytest.raises(ConstraintConfigError, match=r"spans must be a list of Span, got "):
+        FieldRules.build(spans, tokenizer)
+
+
+# ------------------------------------------------------------------------------------------------ forms.check_prompt
+def test_check_prompt_names_a_trie_or_tokenizer_of_the_wrong_kind(tokenizer):
+    """``check_prompt(["France"], tok, ...)`` failed with ``AttributeError: 'list' object has no attribute 'names'``
+    and ``check_prompt(trie, None, ...)`` with ``TypeError: 'NoneType' object is not callable``."""
+    from trie_decode.forms import check_prompt
+
+    trie = TokenTrie.from_strings(["France", "Japan"], tokenizer, leading_space=True)
+    with pytest.raises(InvalidEntryError, match=r"check_prompt checks a TokenTrie, got list"):
+        check_prompt(["France"], tokenizer, "The answer is")
+    with pytest.raises(InvalidEntryError, match=r"check_prompt needs the model's tokenizer .*got NoneType"):
+        check_prompt(trie, None, "The answer is")
+    assert check_prompt(trie, tokenizer, "The answer is") == []
+
+
+def test_numpy_bools_are_bools_for_the_forms():
+    """``leading_space=np.True_`` (or a numpy array of bools) was refused with a message contradicting itself:
+    "leading_space must be a bool or a list of them, got bool"."""
+    import numpy as np
+
+    from trie_decode.forms import resolve_forms
+
+    assert resolve_forms(np.bool_(True)) == [("leading_space", True)]
+    assert resolve_forms(np.array([True, False])) == [("leading_space", True), ("leading_space", False)]
+    assert all(type(v) is bool for _, v in resolve_forms(np.array([True, False])))
+    with pytest.raises(InvalidEntryError, match=r"leading_space\[1\] is int 1, not a bool"):
+        resolve_forms([True, 1])
+
+
+def test_a_lone_surrogate_in_a_span_is_named(tokenizer):
+    """A lone surrogate (``json.loads('"\\\\ud800"')``) in a value or in ``after`` failed inside the tokenizer with
+    ``TypeError: TextEncodeInput must be Union[...]``, and in ``end`` with a bare UnicodeEncodeError."""
+    with pytest.raises(InvalidEntryError, match=r"Span after '\"x\": \"' value 1 'b\\ud800' holds the lone surrogate"):
+        FieldRules.build([Span(["a", "b\ud800"], after='"x": "')], tokenizer)
+    with pytest.raises(ConstraintConfigError, match=r"Span\.after 'x\\ud800: ' holds the lone surrogate '\\ud800'"):
+        FieldRules.build([Span(["a"], after="x\ud800: ")], tokenizer)
+    with pytest.raises(ConstraintConfigError, match=r"Span\.end '\\ud800' holds the lone surrogate"):
+        FieldRules.build([Span(["a"], after="x: ", end="\ud800")], tokenizer)

@@ -334,3 +334,39 @@ def test_fixed_text_banned_by_another_processor_keeps_its_token_at_the_floor(tok
     out = c.mask_(logits, c.start(1))
     kept = out[0].isfinite().nonzero().flatten().tolist()
     assert len(kept) == 1 and out[0, kept[0]] == ALL_MASKED_FLOOR
+
+
+@pytest.mark.parametrize("end", ["2", None, -5, 2.7, True])
+def test_a_bad_end_token_id_is_named_by_build_prebuilt_and_rules(tokenizer, end):
+    """``build`` read the end token with ``int()``: None failed inside Python's ``int`` (a bare TypeError; ``"x"`` a
+    bare ValueError), and ``"2"``, -5, 2.7 and True built a template whose end token was 2, -5, 2 or 1. Every entry
+    point names ``end_token_id`` and the value now."""
+    t = Template("A: {x}.", x=["b"])
+    for call in (lambda: t.build(tokenizer, end), lambda: t.prebuilt(end), lambda: t.rules(tokenizer, end)):
+        with pytest.raises(ConstraintConfigError, match=r"end_token_id must be a non-negative token id, got "):
+            call()
+    assert not t._built  # nothing was built for a bad end token
+
+
+def test_a_lone_surrogate_in_the_template_or_a_value_is_named(tokenizer):
+    """Text read with ``json.loads`` from half an escaped pair (``"\\ud800"``) holds a lone surrogate, which no UTF-8
+    text holds: the build failed inside the tokenizer with ``TypeError: TextEncodeInput must be Union[...]``, naming
+    neither the slot nor the value. The template and the value are named now."""
+    with pytest.raises(ConstraintConfigError, match=r"the template .* holds the lone surrogate '\\ud800' at index 1"):
+        Template("A\ud800: {x}.", x=["a"])
+    with pytest.raises(InvalidEntryError, match=r"slot 'x' value 1 'b\\ud800' holds the lone surrogate"):
+        Template("A: {x}.", x=["a", "b\ud800"]).build(tokenizer, tokenizer.eos_token_id)
+
+
+def test_an_end_token_outside_the_vocabulary_is_refused_before_the_vocabulary_is_padded_to_it(tokenizer):
+    """``build(tok, 10**7)`` padded the vocabulary with ten million empty entries (seconds and hundreds of MB; 10**9
+    exhausts memory) and returned rules whose logits had to be 10**7 wide, failing only at generation. Refused now,
+    naming the id and the vocabulary."""
+    from trie_decode.errors import InvalidTokenError
+
+    size = len(tokenizer)
+    with pytest.raises(InvalidTokenError, match=rf"end_token_id 10000000 is outside the vocabulary \[0, {size}\)"):
+        Template("A: {x}.", x=["b"]).build(tokenizer, 10**7)
+    ids = tokenizer("b", add_special_tokens=False)["input_ids"]
+    wide = TokenTrie.from_sequences([ids], vocab_size=size + 64, names=["b"])
+    Template("A: {x}.", x=wide).build(tokenizer, size + 10)  # an id of a slot trie's (padded) vocabulary

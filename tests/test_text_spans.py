@@ -480,3 +480,40 @@ def test_families_fire_once_at_the_right_token(family_tokenizers, family, backen
     pieces = [vocab[t] for t in ids]
     closing = next(p for p in pieces if b'"' in p and b")" in p)
     assert closing.startswith(b')"') and ids[pieces.index(closing)] not in set(ends.ids.tolist())
+
+
+def test_end_token_table_empties_the_special_ids_of_a_vocabulary_list():
+    """``special_ids`` was read only with a tokenizer: given the vocabulary as a list, the ids were ignored and a
+    special token whose text begins with ``end`` was listed as an end token. The caller's list is left as it is."""
+    vocab = [b'"', b'",', b'"}', b"x"]
+    assert end_token_table('"', vocab, special_ids=[0, 2]).ids.tolist() == [1]
+    assert end_token_table('"', vocab).ids.tolist() == [0, 1, 2]
+    assert vocab == [b'"', b'",', b'"}', b"x"]
+
+
+def test_step_and_seeding_name_arguments_of_the_wrong_type():
+    """``step`` (the batch-1 path), ``feed_token_ids`` and ``materialize`` failed inside Python or numpy on a float,
+    str or bool (``IndexError: only integers, slices ...``, ``TypeError: 'int' object is not iterable``)."""
+    tt = TokenTriggers(["ab"], [b"", b"a", b"b"])
+    for state, token in ((0, 1.0), (0.5, 1), ("0", 1), (0, True), (np.float64(0), 1)):
+        with pytest.raises(TriggerTypeError, match="state and token must be ints"):
+            tt.step(state, token)
+    with pytest.raises(TriggerTypeError, match="ids must be a sequence of token ids, got int"):
+        tt.feed_token_ids(0, 1)
+    with pytest.raises(TriggerTypeError, match="ids must be a sequence of token ids, got str"):
+        tt.feed_token_ids(0, "12")
+    with pytest.raises(TriggerTypeError, match="states must be a sequence of automaton states, got int"):
+        tt.materialize(0)
+    assert tt.step(np.int64(0), np.int64(1)) == (tt.step(0, 1)) and tt.feed_token_ids(0, [1, 2]) == tt.step(
+        tt.step(0, 1)[0], 2)[0]
+
+
+def test_a_lone_surrogate_in_a_pattern_or_an_end_is_named():
+    """``Trigger("a\\ud800")`` and ``end_token_table("\\ud800", ...)`` failed with a bare UnicodeEncodeError (the
+    pattern and the end are text a tokenizer never writes)."""
+    with pytest.raises(TriggerPatternError, match=r"Trigger text 'a\\ud800' holds the lone surrogate"):
+        Trigger("a\ud800")
+    with pytest.raises(TriggerPatternError, match=r"patterns|Trigger text"):
+        TextTriggers(["ok", "b\ud800"])
+    with pytest.raises(TriggerPatternError, match=r"end '\\ud800' holds the lone surrogate"):
+        end_token_table("\ud800", [b'"'])

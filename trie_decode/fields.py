@@ -51,8 +51,10 @@ import torch
 from .entries import Entry
 from .errors import ConstraintConfigError, EmptyTrieError, InvalidEntryError, InvalidTokenError
 from .filters import restricted_trie, spec_items
+from .options import token_id
 from .spans import FREE
-from .text_spans import EndTokens, TextTriggers, TokenTriggers, Trigger, end_token_table, vocabulary_bytes
+from .text_spans import (EndTokens, TextTriggers, TokenTriggers, Trigger, end_token_table, utf8_bytes,
+                         vocabulary_bytes)
 from .tokenizers import byte_piece_ids, spelling_ids, token_bytes, tokenize_in_context, tokenizer_vocab_size
 from .trie import TokenTrie
 
@@ -109,6 +111,9 @@ class Span:
             raise ConstraintConfigError(f"Span.after must be a non-empty str or a Trigger, got {self.after!r}")
         if self.end is not None and (not isinstance(self.end, str) or not self.end):
             raise ConstraintConfigError(f"Span.end must be a non-empty str or None (the end token), got {self.end!r}")
+        for name, text in (("after", self.after), ("end", self.end)):
+            if isinstance(text, str):
+                utf8_bytes(text, f"Span.{name}", ConstraintConfigError)
         escape = ("json" if self.end == '"' else None) if self.escape == "auto" else self.escape
         if escape not in ESCAPES:
             raise ConstraintConfigError(f"Span.escape must be one of {ESCAPES}, got {self.escape!r}")
@@ -236,6 +241,7 @@ def value_trie(values: Union[TokenTrie, Sequence[str]], tokenizer: Any, context:
     for i, text in enumerate(texts):
         if not isinstance(text, str) or not text:
             raise InvalidEntryError(f"{what} value {i} must be a non-empty string, got {names[i]!r:.60}")
+        utf8_bytes(names[i], f"{what} value {i}", InvalidEntryError)
         if _contains_end(text, end, escape):
             escaping_helps = escape != "json" and not _contains_end(_written(names[i], "json"), end, "json")
             fixes = ([escape_fix] if escape_fix and escaping_helps else []) + ([fix] if fix else [])
@@ -250,7 +256,7 @@ def value_trie(values: Union[TokenTrie, Sequence[str]], tokenizer: Any, context:
     else:
         seqs = _value_ids([lead + t for t in texts], tokenizer, context[:-len(lead)], vocab)
         if entered_after_lead:
-            space = spelling_ids(lead.encode("utf-8"), vocab, avoid=set(byte_piece_ids(tokenizer, range(len(vocab)))))
+            space = _longest_pieces(lead, tokenizer, vocab)
             if space is None or len(space) != 1:
                 raise InvalidEntryError(f"no single token of this vocabulary writes the space that ends {context!r:.60}")
             options = {"lead": lead, "lead_alone": any(seq[:1] == space for seq in seqs)}
@@ -309,11 +315,17 @@ def _spelled(ids: Sequence[int], vocab: Sequence[bytes]) -> bytes:
 def _spelled_exactly(text: str, tokenizer: Any, vocab: Sequence[bytes]) -> list[int]:
     """Ids writing exactly ``text``, for a value whose own ids open with SentencePiece's dummy-prefix space even
     after a newline (a value that starts with one): the longest tokens
-    (:func:`~trie_decode.tokenizers.spelling_ids`, byte-fallback pieces last)."""
-    ids = spelling_ids(text.encode("utf-8"), vocab, avoid=set(byte_piece_ids(tokenizer, range(len(vocab)))))
+    (:func:`_longest_pieces`)."""
+    ids = _longest_pieces(text, tokenizer, vocab)
     if ids is None:
         raise InvalidEntryError(f"no tokens of this vocabulary write the value {text!r:.60}")
     return ids
+
+
+def _longest_pieces(text: str, tokenizer: Any, vocab: Sequence[bytes]) -> Optional[list[int]]:
+    """Ids writing exactly ``text``, the longest tokens first (:func:`~trie_decode.tokenizers.spelling_ids`),
+    byte-fallback pieces only where no other token has their bytes; None where no tokens write it."""
+    return spelling_ids(text.encode("utf-8"), vocab, avoid=set(byte_piece_ids(tokenizer, range(len(vocab)))))
 
 
 def _contains_end(text: str, end: Optional[str], escape: Optional[str]) -> bool:
@@ -349,7 +361,13 @@ def _span_triggers(afters: Sequence[Union[str, Trigger]], vocab: list[bytes]) ->
 def _end_tables(ends: Sequence[Optional[str]], vocab: list[bytes], end_token_id: Optional[int] = None
                 ) -> list[EndTokens]:
     """Each span's end-token table; spans with one ``end`` share its table (and its dense row). ``end`` None: the end
-    token alone (it carries no text)."""
+    token alone (it carries no text).
+
+    Raises:
+        ConstraintConfigError: an ``end_token_id`` that is not a non-negative token id, or none where a span needs it.
+    """
+    if end_token_id is not None:
+        end_token_id = token_id(end_token_id, "end_token_id")
     tables: dict[Optional[str], EndTokens] = {}
     for end in ends:
         if end not in tables:
@@ -572,9 +590,11 @@ class FieldRules:
             end_token_id: the token that closes a span with ``end=None`` (default: the tokenizer's EOS).
 
         Raises:
-            ConstraintConfigError: no spans, an item that is not a :class:`Span`, or no end token for a span with
-                ``end=None``.
+            ConstraintConfigError: ``spans`` is not a list, no spans, an item that is not a :class:`Span`, or no
+                end token for a span with ``end=None`` (or one that is not a non-negative token id).
         """
+        if not isinstance(spans, Span) and not hasattr(spans, "__iter__"):
+            raise ConstraintConfigError(f"spans must be a list of Span, got {type(spans).__name__}: {spans!r:.60}")
         spans = list(spans) if not isinstance(spans, Span) else [spans]
         if not spans:
             raise ConstraintConfigError("spans is empty: give at least one Span")

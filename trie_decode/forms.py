@@ -33,6 +33,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
 
+import numpy as np
+
 from .errors import InvalidEntryError, InvalidTokenError
 from .options import check_on_unstable, check_on_unstable_context, check_positive
 from .tokenizers import (
@@ -64,17 +66,19 @@ FormSpec = tuple[str, Union[bool, str]]
 
 
 def _as_list(value: Any, what: str, kind: type) -> list[Any]:
-    if isinstance(value, kind):
-        return [value]
+    """``value``, one ``kind`` (bool or str) or a non-empty list of them, as a list of plain ``kind`` values (numpy's
+    bools, ``np.True_``, count as bools), or :class:`InvalidEntryError` naming ``what``."""
+    if isinstance(value, kind) or (kind is bool and isinstance(value, np.bool_)):
+        return [kind(value)]
     if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
         raise InvalidEntryError(f"{what} must be a {kind.__name__} or a list of them, got {type(value).__name__}")
     items = list(value)
     if not items:
         raise InvalidEntryError(f"{what} is an empty list: give at least one")
     for i, item in enumerate(items):
-        if not isinstance(item, kind) or (kind is int and isinstance(item, bool)):
+        if not (isinstance(item, kind) or (kind is bool and isinstance(item, np.bool_))):
             raise InvalidEntryError(f"{what}[{i}] is {type(item).__name__} {item!r:.40}, not a {kind.__name__}")
-    return items
+    return [kind(item) for item in items]
 
 
 def resolve_forms(leading_space: Any = None, context: Any = None) -> list[FormSpec]:
@@ -303,6 +307,10 @@ def check_prompt(trie: Any, tokenizer: Any, prompt: Any, *, sample: int = 200) -
     Returns:
         A list of :class:`Finding`, each with a message and the exact fix.
 
+    Raises:
+        InvalidEntryError: ``trie`` is not a :class:`~trie_decode.TokenTrie`, ``tokenizer`` not a tokenizer, or a
+            prompt that is neither text nor token ids. InvalidTokenError: a prompt id outside the vocabulary.
+
     Example:
         >>> from transformers import AutoTokenizer                                        # doctest: +SKIP
         >>> tok = AutoTokenizer.from_pretrained(smollm2_path())                            # doctest: +SKIP
@@ -313,6 +321,13 @@ def check_prompt(trie: Any, tokenizer: Any, prompt: Any, *, sample: int = 200) -
         >>> check_prompt(spaced, tok, "The answer is")                                     # doctest: +SKIP
         []
     """
+    from .trie import TokenTrie  # the trie module imports this one (TokenTrie.from_strings builds the forms)
+
+    if not isinstance(trie, TokenTrie):
+        raise InvalidEntryError(f"check_prompt checks a TokenTrie, got {type(trie).__name__}: {trie!r:.60}")
+    if not hasattr(tokenizer, "get_vocab"):
+        raise InvalidEntryError(f"check_prompt needs the model's tokenizer (a Hugging Face tokenizer), got "
+                                f"{type(tokenizer).__name__}")
     check_positive(sample, "sample", _ENTRY_OPTIONS)
     text = _prompt_text(tokenizer, prompt)
     findings: list[Finding] = []

@@ -58,6 +58,8 @@ class SpanRules:
         on_complete: ``"eos"`` (default), ``"release"`` or ``"repeat"`` (see the module docstring).
         separator: token ids between entries in ``"repeat"`` mode (e.g. the tokens of ``", "``).
         trigger: token ids after which the constraint starts; empty = it starts with generation.
+        fields: text spans (a :class:`~trie_decode.fields.FieldRules`, or a template's
+            :class:`~trie_decode.templates.TemplateRules`); needs ``on_complete="release"`` and no ``trigger``.
 
     Example:
         >>> rules = SpanRules(end_token_id=2, on_complete="repeat", separator=[5, 6])
@@ -85,6 +87,13 @@ class SpanRules:
             raise ConstraintConfigError(
                 f"the separator {list(self.separator)[:20]} holds the end token {self.end_token_id}, which ends the list: "
                 "a list would end inside its separator; choose a separator without it")
+        if self.fields is not None:
+            from .fields import FieldRules  # fields imports this module: its classes exist once a rule is built
+
+            if not isinstance(self.fields, FieldRules):
+                raise ConstraintConfigError(
+                    f"fields must be the FieldRules of the spans (FieldRules.build(spans, tokenizer)[1], or "
+                    f"Template.build(tokenizer, end_token_id)[1]), got {type(self.fields).__name__}")
         if self.fields is not None and (self.on_complete != "release" or self.trigger):
             raise ConstraintConfigError(
                 'spans (fields) end each value with their end text and release the row: on_complete="release" and '

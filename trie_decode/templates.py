@@ -32,11 +32,12 @@ from typing import Any, Collection, Mapping, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from .errors import ConstraintConfigError
+from .errors import ConstraintConfigError, InvalidTokenError
 from .fields import FieldRules, check_values, check_values_can_end, lead_space, value_trie
 from .kernels.rules import floor_rule, kept_alive
+from .options import token_id
 from .spans import FREE, SpanRules
-from .text_spans import EndTokens, vocabulary_bytes
+from .text_spans import EndTokens, utf8_bytes, vocabulary_bytes
 from .tokenizers import byte_piece_ids, spelling_ids, tokenize_in_context
 from .trie import TokenTrie
 
@@ -52,8 +53,8 @@ def template_slots(text: str) -> tuple[list[str], list[str]]:
     """A template text's fixed segments (one more than the slots) and its slot names, in order.
 
     Raises:
-        ConstraintConfigError: not a non-empty str, no slot, or two slots with no text between them (nothing would
-            end the first).
+        ConstraintConfigError: not a non-empty str (or one holding a lone surrogate), no slot, or two slots with no
+            text between them (nothing would end the first).
 
     Example:
         >>> template_slots("A: {x}, {{y}} {z}.")
@@ -61,6 +62,7 @@ def template_slots(text: str) -> tuple[list[str], list[str]]:
     """
     if not isinstance(text, str) or not text:
         raise ConstraintConfigError(f"a template must be a non-empty str, got {text!r:.60}")
+    utf8_bytes(text, "the template", ConstraintConfigError)
     segments, names, pos = [], [], 0
     piece = ""
     for m in SLOT.finditer(text):
@@ -166,12 +168,15 @@ class Template:
 
         Raises:
             InvalidEntryError: a value whose written text contains the text that ends its slot.
-            ConstraintConfigError: a text after a slot that no token begins (nothing could end the value).
+            ConstraintConfigError: a text after a slot that no token begins (nothing could end the value), or an
+                ``end_token_id`` that is not a non-negative token id.
+            InvalidTokenError: an ``end_token_id`` outside the vocabulary.
         """
-        key = (id(tokenizer), int(end_token_id))
+        end = token_id(end_token_id, "end_token_id")
+        key = (id(tokenizer), end)
         found = self._built.get(key)
         if found is None or found[0] is not tokenizer:
-            found = self._built[key] = (tokenizer, *self._build(tokenizer, int(end_token_id)))
+            found = self._built[key] = (tokenizer, *self._build(tokenizer, end))
         return found[1], found[2]
 
     def prebuilt(self, end_token_id: int, fix: str = "pass tokenizer=, or call template.build(tokenizer, "
@@ -183,9 +188,10 @@ class Template:
             fix: what the caller's own call can do, named in the error (``{end}``: the end token).
 
         Raises:
-            ConstraintConfigError: the template was not built for that end token, or for several tokenizers.
+            ConstraintConfigError: the template was not built for that end token, or for several tokenizers; an
+                ``end_token_id`` that is not a non-negative token id.
         """
-        end = int(end_token_id)
+        end = token_id(end_token_id, "end_token_id")
         found = [v for (_, built_end), v in self._built.items() if built_end == end]
         if len(found) != 1:
             what = (f"was built for {len(found)} tokenizers with end token {end} (which one is unknown)" if found
@@ -219,7 +225,10 @@ class Template:
             tries.append(value_trie(self.slots[name], tokenizer, after, end, self.slot_escape(k), f"slot {name!r}",
                                     end_name=f"the text after {{{name}}}", fix=fix, escape_fix=escape_fix,
                                     lead=after[len(fixed[k]):], entered_after_lead=False))
-        width = max([len(vocab), end_token_id + 1] + [t.vocab_size for t in tries])
+        width = max([len(vocab)] + [t.vocab_size for t in tries])
+        if end_token_id >= width:  # padding the vocabulary up to it would hold one entry per id below it
+            raise InvalidTokenError(f"end_token_id {end_token_id} is outside the vocabulary [0, {width}) of the "
+                                    "tokenizer and the slots' tries: give the model's end token (its EOS)")
         vocab += [b""] * (width - len(vocab))
         segments = [s.encode("utf-8") for s in fixed]
         # The output's first tokens: SentencePiece tokenizers open a text with a space ("▁{"), which is written too.

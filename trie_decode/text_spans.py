@@ -95,7 +95,8 @@ _STAR = -1  # element code of a whitespace run in a compiled pattern (other elem
 
 class TriggerPatternError(TrieDecodeError, ValueError):
     """A trigger pattern is empty, ends with whitespace where whitespace is tolerated, has an unknown whitespace
-    mode, or the patterns compile to more than :data:`MAX_STATES` automaton states."""
+    mode or a lone surrogate (no UTF-8 text), or the patterns compile to more than :data:`MAX_STATES` automaton
+    states."""
 
 
 class TriggerTypeError(TrieDecodeError, TypeError):
@@ -105,6 +106,22 @@ class TriggerTypeError(TrieDecodeError, TypeError):
 
 class TriggerStateError(TrieDecodeError, ValueError):
     """An automaton state is not one of the automaton's states (negative, or not below ``num_states``)."""
+
+
+def utf8_bytes(text: str, what: str, error: type = TriggerPatternError) -> bytes:
+    """``text``'s UTF-8 bytes, or ``error`` naming ``what`` where ``text`` holds a lone surrogate (``"\\ud800"``,
+    what ``json.loads`` makes of half an escaped pair), which no UTF-8 text and no tokenizer can hold.
+
+    Example:
+        >>> utf8_bytes("Zürich", "value")
+        b'Z\\xc3\\xbcrich'
+    """
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise error(f"{what} {text!r:.60} holds the lone surrogate {text[exc.start]!r} at index {exc.start}: "
+                    "it is not text (half of an escaped UTF-16 pair?); remove it or join it with its other half"
+                    ) from exc
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -136,8 +153,8 @@ class Trigger:
                 f"Trigger whitespace must be one of {WHITESPACE_MODES}, got {self.whitespace!r} (text {self.text!r})")
         if not self.text:
             raise TriggerPatternError("Trigger text must be non-empty, got ''")
+        data = utf8_bytes(self.text, "Trigger text")
         if self.whitespace == "any":
-            data = self.text.encode("utf-8")
             if all(b in _WS for b in data):
                 raise TriggerPatternError(
                     f"Trigger text {self.text!r} with whitespace='any' is only whitespace: it would match everywhere")
@@ -391,11 +408,15 @@ def vocabulary_bytes(tokenizer: Any, *, special_ids: Optional[Sequence[int]] = N
     if not hasattr(tokenizer, "get_vocab"):
         raise TriggerTypeError(f"tokenizer must be a Hugging Face-style tokenizer, got {type(tokenizer).__name__}")
     out = list(token_bytes(tokenizer))
-    specials = markup_ids(tokenizer) if special_ids is None else {int(i) for i in special_ids}
-    for i in specials:
-        if 0 <= i < len(out):
-            out[i] = b""
-    return out
+    return _emptied(out, markup_ids(tokenizer) if special_ids is None else special_ids)
+
+
+def _emptied(vocab: list[bytes], special_ids: Any) -> list[bytes]:
+    """``vocab`` (changed in place) with the tokens ``special_ids`` as ``b""`` (ids outside it are ignored)."""
+    for i in {int(i) for i in special_ids}:
+        if 0 <= i < len(vocab):
+            vocab[i] = b""
+    return vocab
 
 
 def _check_vocab(vocab: Any) -> list[bytes]:
@@ -530,7 +551,14 @@ class TokenTriggers:
         self._k += 1
 
     def materialize(self, states: Sequence[int]) -> None:
-        """Build the rows of ``states`` now (e.g. the start state and the states of a batch's prompts)."""
+        """Build the rows of ``states`` now (e.g. the start state and the states of a batch's prompts).
+
+        Raises:
+            TriggerTypeError: ``states`` is not a sequence of ints. TriggerStateError: a state out of range.
+        """
+        if not hasattr(states, "__iter__"):
+            raise TriggerTypeError(f"states must be a sequence of automaton states, got {type(states).__name__}: "
+                                   f"{states!r:.60}")
         for s in sorted({self.triggers.check_state(s, "states[i]") for s in states}):
             if self._slot_list[s] < 0:
                 self._build(s)
@@ -627,16 +655,25 @@ class TokenTriggers:
         return torch.from_numpy(nxt.astype(np.int64)), torch.from_numpy(pat), torch.from_numpy(past)
 
     def step(self, state: int, token: int) -> tuple[int, int, int]:
-        """:meth:`advance` for one row, on Python ints: (new state, pattern fired or -1, bytes past the trigger)."""
-        if not 0 <= state < self._S:
-            raise TriggerStateError(f"state must be in [0, {self._S}), got {state}")
-        if not 0 <= token < self.vocab_size:
-            raise InvalidTokenError(f"token must be in [0, {self.vocab_size}) (the vocabulary), got {token}")
-        slot = self._slot_list[state]
-        if slot < 0:
-            self._build(state)
+        """:meth:`advance` for one row, on Python ints: (new state, pattern fired or -1, bytes past the trigger).
+
+        Raises:
+            TriggerTypeError: ``state`` or ``token`` is not an int. TriggerStateError: a state out of range.
+            InvalidTokenError: a token id negative or not below the vocabulary size.
+        """
+        try:  # the types are checked where using them fails (no cost on the per-step path)
+            if not 0 <= state < self._S:
+                raise TriggerStateError(f"state must be in [0, {self._S}), got {state}")
+            if not 0 <= token < self.vocab_size:
+                raise InvalidTokenError(f"token must be in [0, {self.vocab_size}) (the vocabulary), got {token}")
             slot = self._slot_list[state]
-        code = int(self._codes[slot, token])
+            if slot < 0:
+                self._build(state)
+                slot = self._slot_list[state]
+            code = int(self._codes[slot, token])
+        except (TypeError, IndexError) as exc:
+            raise TriggerTypeError(f"state and token must be ints, got {type(state).__name__} {state!r:.40} and "
+                                   f"{type(token).__name__} {token!r:.40}") from exc
         if code < self._S:
             return code, -1, 0
         e = code - self._S
@@ -657,11 +694,13 @@ class TokenTriggers:
         """The state after the tokens ``ids`` (their bytes; special tokens are empty), from ``state``.
 
         Raises:
-            InvalidTokenError: an id that is not an int in [0, V).
+            InvalidTokenError: an id that is not an int in [0, V). TriggerTypeError: ``ids`` is not a sequence.
         """
         state = self.triggers.check_state(state)
         if isinstance(ids, torch.Tensor):
             ids = ids.reshape(-1).tolist()
+        if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+            raise TriggerTypeError(f"ids must be a sequence of token ids, got {type(ids).__name__}: {ids!r:.60}")
         data = []
         for i, t in enumerate(ids):
             if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= int(t) < self.vocab_size:
@@ -709,7 +748,8 @@ class EndTokens:
 def _vocab_of(tokenizer_or_vocab: Any, special_ids: Optional[Sequence[int]]) -> list[bytes]:
     if hasattr(tokenizer_or_vocab, "get_vocab"):
         return vocabulary_bytes(tokenizer_or_vocab, special_ids=special_ids)
-    return _check_vocab(tokenizer_or_vocab)
+    vocab = _check_vocab(tokenizer_or_vocab)  # a copy: emptying the special ids leaves the caller's list as it is
+    return vocab if special_ids is None else _emptied(vocab, special_ids)
 
 
 def end_token_table(end: str, tokenizer: Any, *, special_ids: Optional[Sequence[int]] = None) -> EndTokens:
@@ -718,10 +758,10 @@ def end_token_table(end: str, tokenizer: Any, *, special_ids: Optional[Sequence[
     Args:
         end: the text that ends a value (non-empty), compared as UTF-8 bytes with each token's bytes.
         tokenizer: a Hugging Face-style tokenizer, or the vocabulary's bytes by id (see :func:`vocabulary_bytes`).
-        special_ids: ids to treat as empty (default: the tokenizer's special tokens).
+        special_ids: ids to treat as empty (default: the tokenizer's special tokens; with a vocabulary, none).
 
     Raises:
-        TriggerTypeError: ``end`` is not a str. TriggerPatternError: ``end`` is empty.
+        TriggerTypeError: ``end`` is not a str. TriggerPatternError: ``end`` is empty or holds a lone surrogate.
 
     Example:
         >>> t = end_token_table('"}', [b'"', b'"}', b'"},', b'}', b'x"}'])
@@ -732,8 +772,8 @@ def end_token_table(end: str, tokenizer: Any, *, special_ids: Optional[Sequence[
         raise TriggerTypeError(f"end must be a str, got {type(end).__name__}: {end!r}")
     if not end:
         raise TriggerPatternError("end must be non-empty, got ''")
+    key = utf8_bytes(end, "end")
     vocab = _vocab_of(tokenizer, special_ids)
-    key = end.encode("utf-8")
     ids = [i for i, b in enumerate(vocab) if b.startswith(key)]
     partial = [i for i, b in enumerate(vocab) if b and len(b) < len(key) and key.startswith(b)]
     return EndTokens(end, np.asarray(ids, dtype=np.int32), tuple(vocab[i][len(key):] for i in ids),
