@@ -176,6 +176,45 @@ def test_a_span_that_an_earlier_span_always_preempts_is_refused(afters):
         assert fields.triggers.triggers.completed(state) == 0
 
 
+def test_a_span_whose_after_holds_another_spans_after_is_refused():
+    """An exact ``after`` that holds another span's ``after`` before its end never completes: the other span is
+    entered on the way. The name span of ``'"id": "1", "name": "'`` was silently unused (measured on SmolLM2, the
+    row wrote the id span's values instead). A whitespace-tolerant pattern may be written otherwise: left alone."""
+    vocab = [b"<eos>", b'{"', b"id", b'":', b' "', b"Paris", b"1", b'"', b", ", b"name"]
+    tries = [TokenTrie.from_sequences([[6]], vocab_size=len(vocab)), TokenTrie.from_sequences([[5]], vocab_size=len(vocab))]
+    afters = ['"id": "', '"id": "1", "name": "']
+    with pytest.raises(ConstraintConfigError, match=r"span 1 \(after '\"id\": \"1\", \"name\": \"'\) can never "
+                                                    r"start: its after text holds span 0's after text '\"id\": \"'"):
+        FieldRules.from_tokens(tries, afters, '"', vocab)
+    FieldRules.from_tokens(tries, [afters[0], Trigger(afters[1], whitespace="any")], '"', vocab)
+
+
+@pytest.mark.parametrize("after,end", [('"', '"'), ('"', '"}'), (": ", ", x: ")])
+def test_a_span_whose_end_completes_an_after_is_refused(after, end):
+    """A value's end text that completes an ``after`` opens another value at once: with ``after='"'``, ``end='"'``
+    SmolLM2 wrote ``Rome"Rome"Rome"...`` until max_new_tokens (the output could never end)."""
+    vocab = [b"<eos>", b'"', b"Rome", b'"}', b": ", b", x: ", b"x"]
+    tries = [TokenTrie.from_sequences([[2]], vocab_size=len(vocab))]
+    with pytest.raises(ConstraintConfigError, match=r"span 0's end .* completes span 0's after .*could never end"):
+        FieldRules.from_tokens(tries, [after], end, vocab)
+    FieldRules.from_tokens(tries, ['x"'], end, vocab)  # an after its end does not complete
+
+
+def test_the_tries_are_one_per_span():
+    """More tries than spans failed with an IndexError inside the device trie; fewer were taken, and a row entering
+    a span without a trie of its own masked with no catalog."""
+    from trie_decode.constraint import TrieConstraint
+
+    vocab = [b"<eos>", b'"', b"Rome", b"Oslo", b"a: ", b"b: "]
+    tries = [TokenTrie.from_sequences([[2]], vocab_size=len(vocab)), TokenTrie.from_sequences([[3]], vocab_size=len(vocab))]
+    fields = FieldRules.from_tokens(tries, ["a: ", "b: "], '"', vocab)
+    rules = SpanRules(end_token_id=0, on_complete="release", fields=fields)
+    for wrong in (tries[:1], tries + tries[:1]):
+        with pytest.raises(ConstraintConfigError, match=rf"fields have 2 spans .* {len(wrong)} tries were given"):
+            TrieConstraint(wrong, rules, "cpu")
+    TrieConstraint(tries, rules, "cpu")
+
+
 # ------------------------------------------------------------------------------------------------ the real model
 CITIES = ["Paris", "Rome", "Berlin", "Madrid", "Tokyo", "Lima", "Cairo", "Ottawa", "Canberra", "Lisbon", "Vienna",
           "Athens", "Dublin", "Oslo", "Nairobi", "Seoul", "Hanoi", "Bogotá", "Quito", "Kyiv", "São Paulo", "Zürich"]

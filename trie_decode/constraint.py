@@ -227,6 +227,10 @@ class TrieConstraint:
         self.device = torch.device(device)
         self.vocab_size = max(t.vocab_size for t in tries)
         rules.check_vocab(self.vocab_size)
+        if rules.fields is not None and len(tries) != len(rules.fields.ends):  # span k's values are tries[k]
+            raise ConstraintConfigError(f"the rules' fields have {len(rules.fields.ends)} spans (or slots), and "
+                                        f"{len(tries)} tries were given: give each span's trie, in the order of the "
+                                        "spans (FieldRules.build and Template.build return both)")
         # The narrowest logits this constraint can mask: every trie token and every rule token must fit.
         self.needed_width = 1 + max([t.max_token for t in tries] + [rules.end_token_id]
                                     + list(rules.separator) + list(rules.trigger)

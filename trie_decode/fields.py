@@ -339,22 +339,44 @@ def _written(value: str, escape: Optional[str]) -> str:
     return json.dumps(value, ensure_ascii=False)[1:-1] if escape == "json" else value
 
 
-def _span_triggers(afters: Sequence[Union[str, Trigger]], vocab: list[bytes]) -> TokenTriggers:
-    """The automaton over the spans' ``after`` patterns (pattern ``k`` is span ``k``), lifted to ``vocab``.
+def _span_triggers(afters: Sequence[Union[str, Trigger]], ends: Sequence[Optional[str]], vocab: list[bytes]
+                   ) -> TokenTriggers:
+    """The automaton over the spans' ``after`` patterns (pattern ``k`` is span ``k``), lifted to ``vocab``, once
+    every span can start and end (a completed ``after`` enters its span at once, whatever text was to follow).
 
     Raises:
-        ConstraintConfigError: a span that could never start: wherever its ``after`` completes, an earlier span's
-            completes too (the same text, or a text it ends with), and the earliest span is the one entered.
+        ConstraintConfigError: a span that could never start: its ``after`` text completes another span's on the
+            way (that span is entered there), or wherever it completes, an earlier span's completes too (the same
+            text, or a text it ends with; the earliest span is the one entered). A span whose ``end`` text
+            completes an ``after``: each value would open another, and the output could never end.
     """
     triggers = TextTriggers(list(afters))
+    texts = [p.text for p in triggers.patterns]
     reported = set(triggers.accept.tolist())
     for k, pattern in enumerate(triggers.patterns):
-        if k not in reported:
-            first = triggers.completed(triggers.start_state(pattern.text))
+        text = pattern.text
+        # An exact pattern is one text: a completion on its way is where every row that writes it is entered (a
+        # whitespace-tolerant one may be written with other whitespace, which the earlier pattern need not match).
+        first, at = triggers.find_all(text)[0] if pattern.whitespace == "exact" else (k, len(text.encode("utf-8")))
+        if at < len(text.encode("utf-8")):
             raise ConstraintConfigError(
-                f"span {k} (after {pattern.text!r}) can never start: wherever its after text completes, span "
-                f"{first}'s (after {triggers.patterns[first].text!r}) completes too, and the earlier span is "
+                f"span {k} (after {text!r}) can never start: its after text holds span {first}'s after text "
+                f"{texts[first]!r}, and that span is entered there; give span {first} a longer after text (one its "
+                f"text does not hold), or leave it out")
+        if k not in reported:
+            first = triggers.completed(triggers.start_state(text))
+            raise ConstraintConfigError(
+                f"span {k} (after {text!r}) can never start: wherever its after text completes, span "
+                f"{first}'s (after {texts[first]!r}) completes too, and the earlier span is "
                 f"entered; give each span its own after text, or put span {k} first")
+    for k, end in enumerate(ends):
+        reopened = triggers.find_all(end) if end is not None else []
+        if reopened:
+            j = reopened[0][0]
+            raise ConstraintConfigError(
+                f"span {k}'s end {end!r} completes span {j}'s after {texts[j]!r}: each value would open another "
+                f"value at once, and the output could never end; give span {j} an after text its end does not "
+                f"complete (e.g. one that starts with the key, '\"city\": \"')")
     return triggers.for_tokens(vocab)
 
 
@@ -577,8 +599,8 @@ class FieldRules:
         """From the spans' tries, their ``after`` patterns, their ``end`` (one for all, or one per span; None: the
         span is closed by ``end_token_id``) and a token byte table."""
         vocab = list(vocab)
-        triggers = _span_triggers(afters, vocab)
         ends = [end] * len(tries) if end is None or isinstance(end, str) else list(end)
+        triggers = _span_triggers(afters, ends, vocab)
         return cls(triggers, _end_tables(ends, vocab, end_token_id), vocab, tries)
 
     @classmethod
@@ -604,7 +626,7 @@ class FieldRules:
         tries = [s.build_trie(tokenizer) for s in spans]
         vocab = vocabulary_bytes(tokenizer)
         vocab += [b""] * max(0, max(t.vocab_size for t in tries) - len(vocab))
-        triggers = _span_triggers([s.after for s in spans], vocab)
+        triggers = _span_triggers([s.after for s in spans], [s.end for s in spans], vocab)
         if end_token_id is None and any(s.end is None for s in spans):
             end_token_id = getattr(tokenizer, "eos_token_id", None)
         ends = _end_tables([s.end for s in spans], vocab, end_token_id)
