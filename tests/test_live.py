@@ -1015,3 +1015,21 @@ def test_a_delta_file_with_an_empty_offsets_array_is_refused_by_name(tmp_path, t
     with pytest.raises(TrieFileError, match=f"the {table} (key )?table does not match"):
         fresh.load_delta(tmp_path / "bad.delta")
     assert fresh.version == 0
+
+
+def test_a_delta_file_of_a_trie_built_for_another_tokenizer_is_refused(tmp_path):
+    # The base identity covers the trie's structure, numbering, names and keys, not the tokenizer: the same entries
+    # built for another tokenizer took its delta file, whose token ids mean other text there.
+    from trie_decode.live import LiveCatalog
+
+    seqs, names = [[1, 2], [1, 3]], ["a", "b"]
+    mine = LiveCatalog(TokenTrie.from_sequences(seqs, vocab_size=10, names=names, fingerprint="tok-A"))
+    mine.add([[4, 5]], names=["c"])
+    mine.save_delta(tmp_path / "d.delta")
+    other = LiveCatalog(TokenTrie.from_sequences(seqs, vocab_size=10, names=names, fingerprint="tok-B"))
+    with pytest.raises(TrieFileError, match="written for a trie of another tokenizer"):
+        other.load_delta(tmp_path / "d.delta")
+    for fingerprint in ("tok-A", ""):  # the same tokenizer, or one not recorded: taken
+        same = LiveCatalog(TokenTrie.from_sequences(seqs, vocab_size=10, names=names, fingerprint=fingerprint))
+        same.load_delta(tmp_path / "d.delta")
+        assert same.num_added == 1

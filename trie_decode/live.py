@@ -1231,6 +1231,7 @@ class LiveCatalog:
             "base_entries": str(base.num_entries),
             "base_nodes": str(base.num_nodes),
             "vocab_size": str(base.vocab_size),
+            "base_fingerprint": base.fingerprint,  # the tokenizer its token ids are of ("": unknown)
             "catalog_version": str(snap.version),
         }
         write_arrays(path, arrays, metadata)
@@ -1260,6 +1261,11 @@ class LiveCatalog:
                 f"{meta.get('base_entries')} entries), not this catalog's base (identity {mine!r}, "
                 f"{base.num_entries} entries): a delta applies only to the trie it was saved with"
             )
+        theirs = meta.get("base_fingerprint", "")  # files written before it was recorded: unknown
+        if theirs and base.fingerprint and theirs != base.fingerprint:  # the same ids, another tokenizer's tokens
+            raise TrieFileError(f"{label} was written for a trie of another tokenizer (fingerprint {theirs[:16]}...), "
+                                f"not this catalog's base (fingerprint {base.fingerprint[:16]}...): its token ids "
+                                "would mean other text")
         expected = {"delta_tokens": np.int32, "delta_offsets": np.int64, "tombstones": np.int64}
         for t in ("names", "keys", "retired"):
             expected.update({f"{t}_blob": np.uint8, f"{t}_offsets": np.int64})
