@@ -321,9 +321,8 @@ def check_prompt(trie: Any, tokenizer: Any, prompt: Any, *, sample: int = 200) -
         >>> check_prompt(spaced, tok, "The answer is")                                     # doctest: +SKIP
         []
     """
-    from .trie import TokenTrie  # the trie module imports this one (TokenTrie.from_strings builds the forms)
-
-    if not isinstance(trie, TokenTrie):
+    # What it reads of a TokenTrie (the trie module imports this one: no isinstance without an import cycle).
+    if not all(hasattr(trie, name) for name in ("entry", "lookup", "names", "options")):
         raise InvalidEntryError(f"check_prompt checks a TokenTrie, got {type(trie).__name__}: {trie!r:.60}")
     if not hasattr(tokenizer, "get_vocab"):
         raise InvalidEntryError(f"check_prompt needs the model's tokenizer (a Hugging Face tokenizer), got "

@@ -48,6 +48,10 @@ START, COUNT, SLOT, ANCHOR, EXTRA0, EXTRA1, ON_TOKEN, ON_MATCH, OTHERWISE = rang
 TABLE_COLUMNS = 9
 
 
+#: What :class:`~trie_decode.constraint.TrieConstraint` reads of ``SpanRules.fields`` (a FieldRules or TemplateRules).
+_FIELD_RULES_READ = ("ends", "max_token", "start_state", "free_rows_", "entry_node", "text_moves")
+
+
 @dataclass(frozen=True)
 class SpanRules:
     """How a constrained span starts and ends.
@@ -87,13 +91,11 @@ class SpanRules:
             raise ConstraintConfigError(
                 f"the separator {list(self.separator)[:20]} holds the end token {self.end_token_id}, which ends the list: "
                 "a list would end inside its separator; choose a separator without it")
-        if self.fields is not None:
-            from .fields import FieldRules  # fields imports this module: its classes exist once a rule is built
-
-            if not isinstance(self.fields, FieldRules):
-                raise ConstraintConfigError(
-                    f"fields must be the FieldRules of the spans (FieldRules.build(spans, tokenizer)[1], or "
-                    f"Template.build(tokenizer, end_token_id)[1]), got {type(self.fields).__name__}")
+        # What the constraint reads of the fields (fields imports this module: no isinstance without an import cycle).
+        if self.fields is not None and not all(hasattr(self.fields, name) for name in _FIELD_RULES_READ):
+            raise ConstraintConfigError(
+                f"fields must be the FieldRules of the spans (FieldRules.build(spans, tokenizer)[1], or "
+                f"Template.build(tokenizer, end_token_id)[1]), got {type(self.fields).__name__}")
         if self.fields is not None and (self.on_complete != "release" or self.trigger):
             raise ConstraintConfigError(
                 'spans (fields) end each value with their end text and release the row: on_complete="release" and '
