@@ -517,3 +517,14 @@ def test_a_lone_surrogate_in_a_pattern_or_an_end_is_named():
         TextTriggers(["ok", "b\ud800"])
     with pytest.raises(TriggerPatternError, match=r"end '\\ud800' holds the lone surrogate"):
         end_token_table("\ud800", [b'"'])
+
+
+def test_too_many_states_names_a_fix_every_caller_has(monkeypatch):
+    # The message recommended splitting the patterns over several automata, which a Span user (one automaton per
+    # span list) cannot do; it names what every caller can change.
+    import trie_decode.text_spans as text_spans
+
+    monkeypatch.setattr(text_spans, "MAX_STATES", 20)
+    with pytest.raises(text_spans.TriggerPatternError, match=r"more than 20 automaton states; give fewer or shorter "
+                                                              r"patterns, or fewer of them whitespace-tolerant"):
+        text_spans.TextTriggers(["abcdefghijklmnopqrstuvwxyz"])

@@ -284,7 +284,7 @@ class TextTriggers:
                     if len(states) >= MAX_STATES:
                         raise TriggerPatternError(
                             f"the {len(self.patterns)} patterns compile to more than {MAX_STATES} automaton states; "
-                            "use fewer whitespace-tolerant patterns or split them over several automata")
+                            "give fewer or shorter patterns, or fewer of them whitespace-tolerant (whitespace='any')")
                     j = index[key] = len(states)
                     states.append(key)
                 row[b] = j
