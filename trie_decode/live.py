@@ -1265,7 +1265,8 @@ class LiveCatalog:
         if theirs and base.fingerprint and theirs != base.fingerprint:  # the same ids, another tokenizer's tokens
             raise TrieFileError(f"{label} was written for a trie of another tokenizer (fingerprint {theirs[:16]}...), "
                                 f"not this catalog's base (fingerprint {base.fingerprint[:16]}...): its token ids "
-                                "would mean other text")
+                                "would mean other text (a base saved by an older trie_decode records the older form "
+                                "of its tokenizer's fingerprint: then save the delta again from a catalog over it)")
         expected = {"delta_tokens": np.int32, "delta_offsets": np.int64, "tombstones": np.int64}
         for t in ("names", "keys", "retired"):
             expected.update({f"{t}_blob": np.uint8, f"{t}_offsets": np.int64})
