@@ -307,6 +307,7 @@ class _SlotTable:
         self.resolver = resolver
         self.device = torch.device(device)
         self.rows: dict[int, _Row] = {}
+        self.warned_no_prompt = False
         self.node = torch.full((64,), DONE, dtype=torch.long, device=self.device)  # state code per row index
         # The rest of each row's RowState, kept per row index like ``node``: ``tree`` (the span a spans row is in;
         # 0 otherwise) and ``text`` (a spans row's text-automaton state; 0 otherwise).
@@ -335,6 +336,10 @@ class _SlotTable:
             self.resolver.refused_in_engine(extra, exc)
             return _Row(group=None, started=True)
         t = group.trigger_len
+        if prompt is None and output is not None and t and not self.warned_no_prompt:  # V1 with prompt embeddings
+            self.warned_no_prompt = True
+            logger.warning("trie_decode: a request with spans or a trigger came without prompt token ids (prompt "
+                           "embeddings): a span the prompt's end opens is not constrained (logged once)")
         # V1's history head: the prompt's last len(trigger) tokens before the prefix (the output tokens a
         # fast-forward resubmission appended to the prompt), then the prefix.
         before = list(prompt)[: len(prompt) - len(req.prefix)] if prompt else [-1] * t

@@ -417,3 +417,33 @@ def test_an_entry_holding_a_stop_token_is_refused():
     keyed = TokenTrie.from_sequences([[4, 1, 6, 7], [4, 5]], vocab_size=10, keys=["k1", "k2"])
     with pytest.raises(ConstraintConfigError, match=r"entry 0 \('k1'\), tokens \[4, 1, 6, 7\], contains token 1"):
         check(keyed, [9, 1])
+
+
+@pytest.mark.parametrize("kernel", ["native", "numpy", "torch"])
+def test_a_hand_built_state_outside_the_tries_is_named(kernel):
+    """A RowState no start()/advance() made, with a node past the trie or a trie index past the tries, gets a named
+    error from every call that indexes with it (the kernels read it on an error path), not torch's IndexError."""
+    from trie_decode import RowState
+
+    c = TrieConstraint(TokenTrie.from_sequences([[5, 6, 7], [5, 8]], vocab_size=20), SpanRules(end_token_id=1), "cpu",
+                       kernel=kernel)
+    for node, tree, what in [([100, 0], [0, 0], "state.node holds node 100"), ([0, 0], [3, 0], "state.tree holds")]:
+        state = RowState(torch.tensor(node), torch.tensor(tree))
+        calls = [lambda: c.mask_(torch.zeros(2, 20), state), lambda: c.allowed(state),
+                 lambda: c.advance(state, torch.tensor([5, 5]))]
+        named = 0
+        for call in calls:
+            try:
+                call()  # the C kernel reads an unknown node as DONE and one trie's tree index is never read
+            except ConstraintConfigError as exc:
+                assert what in str(exc)
+                named += 1
+        assert named >= (1 if kernel == "torch" or node[0] == 100 else 0)  # allowed() indexes on every kernel
+
+
+def test_stop_at_forced_arguments_of_another_shape_are_named():
+    c = TrieConstraint(TokenTrie.from_sequences([[5, 6, 7], [5, 8]], vocab_size=20), SpanRules(end_token_id=1), "cpu")
+    with pytest.raises(ConstraintConfigError, match="one value per state row"):
+        c.stop_at_forced(c.start(3), torch.tensor([2]), torch.zeros(3, dtype=torch.bool))
+    with pytest.raises(ConstraintConfigError, match="one value per state row"):
+        c.stop_at_forced(c.start(3), torch.full((3,), 2), False)

@@ -451,3 +451,23 @@ def test_fast_forward_takes_a_trie_file_as_a_path_object(smollm2_dir, tokenizer,
     (got,) = generate(NoEngine(), ["The capital of France is"], [path])
     assert got.token_ids == tokenizer("Paris", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     assert got.text == "Paris" and got.rounds == 0
+
+
+def test_v1_trigger_request_without_prompt_ids_is_logged(smollm2_dir, tokenizer, caplog):
+    """V1 gives a request made of prompt embeddings no prompt token ids: a span its prompt's end opens cannot be
+    seen (a trigger's or a span's), which the processor says once in the log instead of running unconstrained in
+    silence."""
+    from vllm import SamplingParams
+    from vllm.v1.sample.logits_processor import BatchUpdate
+
+    proc = _proc(smollm2_dir, tokenizer)
+    spans = SamplingParams(extra_args={"trie": COLORS, "trigger": "Color:"})
+    with caplog.at_level("WARNING", logger="trie_decode.vllm"):
+        proc.update_state(BatchUpdate(batch_size=2, removed=[], moved=[],
+                                      added=[(0, spans, None, []), (1, spans, None, [])]))
+    said = [r for r in caplog.records if "without prompt token ids" in r.getMessage()]
+    assert len(said) == 1
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="trie_decode.vllm"):
+        proc.update_state(BatchUpdate(batch_size=3, removed=[], moved=[], added=[(2, spans, [1, 2], [])]))
+    assert not caplog.records

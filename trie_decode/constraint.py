@@ -406,7 +406,11 @@ class TrieConstraint:
         if filters is not None and self.kernel.supports_filters:
             flags = filters.list_flags(self.tries[0]) if filters.distinct else filters.built_node_flags(len(tokens))
         # A kernel that supports filters moves over the trie each row's filter leaves it, in the same call.
-        new = self.kernel.advance_rows(self._prepared, state.node, state.tree, tokens, flags)
+        try:
+            new = self.kernel.advance_rows(self._prepared, state.node, state.tree, tokens, flags)
+        except IndexError:
+            self._check_state(state)
+            raise
         if filters is not None and flags is None:
             new = self._off_excluded_children(state.node, tokens, new, filters)
         if filters is not None and filters.distinct and flags is None:
@@ -549,6 +553,7 @@ class TrieConstraint:
         except IndexError:
             if rows is not None:  # a kernel that reads no host (torch) indexed a row out of range: name it (an error
                 check_row_range(rows, logits.shape[0])  # path, where reading the rows is fine)
+            self._check_state(state)
             raise
         if flags is not None and not filters.distinct:
             return out
@@ -558,6 +563,18 @@ class TrieConstraint:
         if self.rules.fields is not None:
             self.rules.fields.free_rows_(out, state.node, state.text, rows)
         return out
+
+    def _check_state(self, state: RowState) -> None:
+        """Name a state no :meth:`start`/:meth:`advance` made (read on an error path: a kernel indexed out of range)."""
+        node, tree = state.node.cpu(), state.tree.cpu()
+        if len(tree) and (int(tree.min()) < 0 or int(tree.max()) >= len(self.tries)):
+            raise ConstraintConfigError(f"state.tree holds {tree.tolist()[:8]}: trie indices must lie in [0, "
+                                        f"{len(self.tries)}) (this constraint's tries); build states with start()")
+        for i, t in enumerate(self.tries):
+            mine = node[tree == i] if len(self.tries) > 1 else node
+            if len(mine) and int(mine.max()) >= t.num_nodes:
+                raise ConstraintConfigError(f"state.node holds node {int(mine.max())}, past the {t.num_nodes} nodes "
+                                            f"of trie {i}: build states with start() and advance()")
 
     def _plans(self, state: RowState, width: int) -> list:
         """The vectorized planner's mask plans of every trie's rows (see :mod:`trie_decode.kernels.vectorized`)."""
@@ -569,7 +586,11 @@ class TrieConstraint:
             rows = pos
             if planner.ops.name == "numpy":
                 nodes, rows = nodes.cpu().numpy(), None if pos is None else pos.cpu().numpy()
-            plan = planner.plan(self.tables[i], nodes, rows)
+            try:
+                plan = planner.plan(self.tables[i], nodes, rows)
+            except IndexError:
+                self._check_state(state)
+                raise
             if plan is not None:
                 plans.append(plan)
         return plans
@@ -692,6 +713,9 @@ class TrieConstraint:
             min_run: Shape: (R,), int64. tail_only: Shape: (R,), bool.
         """
         node = state.node
+        if getattr(min_run, "shape", None) != node.shape or getattr(tail_only, "shape", None) != node.shape:
+            raise ConstraintConfigError(f"min_run and tail_only must hold one value per state row ({len(state)},), "
+                                        f"got {described(min_run)} and {described(tail_only)}")
         at = node.clamp(min=0)
         stop = torch.zeros_like(node, dtype=torch.bool)
         for i, d in enumerate(self.dtries):  # T static: element-wise per trie, no grouping read on the host
