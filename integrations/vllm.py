@@ -190,9 +190,8 @@ def validate_trie_params(sampling_params: Any) -> None:
             # cost-bounded; the engine finds inline tries handed off
             stamp = _resolver_for(config).admit(req, stop_ids, model_stops)
         else:
-            for part in (req, *req.spans):  # no tokenizer at hand: check its files at least (same access policy)
-                if part.source == "file":
-                    load_allowed_file(part.payload)
+            for _, path, option in req.files():  # no tokenizer at hand: check its files at least (same policy)
+                load_allowed_file(path, option)
             stamp = make_stamp()
         sampling_params.extra_args = {**extra, STAMP_KEY: stamp}  # a new dict: the caller's stays as it was
     except TrieRequestError:

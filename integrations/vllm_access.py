@@ -189,7 +189,7 @@ def _env_number(name: str, default: float, kind: type = int, minimum: float = 0)
         value = kind(raw)
     except ValueError:
         raise _ConfigError(f"{name}={raw!r} is not a {'number' if kind is float else 'whole number'}") from None
-    if value < minimum:
+    if not value >= minimum:  # NaN too
         raise _ConfigError(f"{name}={raw!r} must be at least {minimum}")
     return value
 
@@ -395,7 +395,7 @@ class AccessPolicy:
                     f"{where}: {resolved.label} is registered but cannot be opened on the server "
                     "(the operator's configuration; details in the server log)"
                 ) from None
-            if "not found" in str(exc) and "directory" not in str(exc):
+            if isinstance(exc.__cause__, FileNotFoundError):  # by the cause: the path's own text may say anything
                 raise TrieAccessError(
                     f"{where}: no {noun} {resolved.label} in the allowed directories"
                 ) from None
@@ -501,7 +501,7 @@ class BuildBudget:
             self.events.popleft()
         return sum(d for _, d in self.events)
 
-    def check(self, what: str) -> None:
+    def check(self, what: str, option: str = "extra_args['trie']") -> None:
         with self.lock:
             spent = self._spent(time.monotonic())
             if spent < self.budget_s:
@@ -510,7 +510,7 @@ class BuildBudget:
         _log("budget", logging.WARNING, "trie_decode: build budget spent (%.2f s in the last %.0f s): refused %s",
              spent, self.window_s, what)
         raise TrieAccessError(
-            f"extra_args['trie']: the server is busy building tries ({self.budget_s:g} s of building per "
+            f"{option}: the server is busy building tries ({self.budget_s:g} s of building per "
             f"{self.window_s:g} s is used up); retry in a few seconds, reuse a list the server has already seen "
             "(cached lists are free), or use a named trie"
         )
@@ -521,13 +521,14 @@ class BuildBudget:
 
 
 @contextlib.contextmanager
-def charged(what: str, admit: bool, refusable: bool = True) -> Iterator[None]:
+def charged(what: str, admit: bool, refusable: bool = True, option: Optional[str] = None) -> Iterator[None]:
     """Charge the uncached work of the ``with`` block to the process's build budget when it admits a request
     (``admit``): refused before it starts when the budget is spent (unless not ``refusable``: the operator's named
-    tries always load), its time spent after it, even when it fails. The engine side (``admit=False``) is free."""
+    tries always load), its time spent after it, even when it fails. The engine side (``admit=False``) is free.
+    ``option``: the request option the refusal names (default ``extra_args['trie']``)."""
     budget = build_budget() if admit else None
     if budget is not None and refusable:
-        budget.check(what)
+        budget.check(what, option or "extra_args['trie']")
     start = time.perf_counter()
     try:
         yield
@@ -680,12 +681,12 @@ def handoff_store() -> HandoffStore:
     return _current("handoff", lambda: HandoffStore(_default_handoff_dir()))
 
 
-def load_allowed_file(value: str) -> TokenTrie:
+def load_allowed_file(value: str, option: Optional[str] = None) -> TokenTrie:
     """Resolve, open and load a request's trie string under the current policy, uncached (the check used when no
     tokenizer is at hand), with the changes of a live catalog delta file beside it (:meth:`AccessPolicy.open_delta`).
-    Raises :class:`TrieAccessError` with the client-safe messages."""
+    Raises :class:`TrieAccessError` with the client-safe messages (naming ``option``, as :meth:`AccessPolicy.resolve`)."""
     policy = current_policy()
-    resolved = policy.resolve(value)
+    resolved = policy.resolve(value, option=option)
     with policy.open(resolved) as handle, policy.open_delta(resolved) as delta:
         return policy.load(resolved, handle, delta)
 
@@ -727,12 +728,14 @@ def read_filter_file(value: str, what: str, cache: Any) -> tuple:
     try:
         if resolved.path.endswith(".npy"):
             arr = np.load(io.BytesIO(data), allow_pickle=False)
+            if not isinstance(arr, np.ndarray):  # a .npz archive (np.load reads its zip whatever the name)
+                raise ValueError(f"expected a .npy array, got a {type(arr).__name__}")
             if arr.ndim != 1 or arr.dtype.kind not in "iu":
                 raise ValueError(f"expected a 1-D integer array, got {arr.dtype} {arr.shape}")
             items = tuple(int(i) for i in arr)
         else:
             items = tuple(line for line in text_lines(data) if line)
-    except (ValueError, UnicodeDecodeError, OSError, EOFError) as exc:
+    except (ValueError, UnicodeDecodeError, OSError, EOFError, MemoryError, OverflowError) as exc:  # a lying shape
         _log("load", logging.WARNING, "trie_decode: filter file %s does not load: %s", resolved.path, exc)
         raise bad from None
     cache.put(identity, items)

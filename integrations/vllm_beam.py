@@ -91,7 +91,7 @@ from trie_decode.entries import Entry
 from trie_decode.filters import RowFilters
 
 from .vllm import TrieLogitsProcessor, _engine_constraint, _logits_rows, _resolver_for
-from .vllm_requests import TrieRequestError, parse_trie_request
+from .vllm_requests import TrieRequestError, parse_trie_request, prompt_trie_values
 
 try:
     from vllm.v1.sample.logits_processor.builtin import process_dict_updates
@@ -483,13 +483,7 @@ def _prepare(vllm_config: Any, prompts: Sequence[Union[str, Sequence[int]]], tri
         raise ValueError(f"beam_width={beam_width} needs logprobs={beam_width + 2} per beam, over the engine's "
                          f"max_logprobs={max_logprobs}: build the engine with max_logprobs >= {beam_width + 2}")
     n = len(prompts)
-    if isinstance(tries, (str, os.PathLike)):
-        specs: list = [os.fspath(tries)] * n
-    else:
-        specs = list(tries)
-        if len(specs) != n:
-            raise ValueError(f"tries has {len(specs)} items for {n} prompts: pass one trie spec per prompt "
-                             "(or one file path for all)")
+    specs = prompt_trie_values(tries, n)
     if extra_args is None or isinstance(extra_args, dict):
         extras = [dict(extra_args or {})] * n
     else:
@@ -508,8 +502,7 @@ def _prepare(vllm_config: Any, prompts: Sequence[Union[str, Sequence[int]]], tri
             if key in extra:
                 raise ValueError(f"extra_args[{i}] sets {key!r}: beam_search searches the entries of a trie (tries=), "
                                  "not spans or templates")
-        wire = os.fspath(spec) if isinstance(spec, os.PathLike) else (spec if isinstance(spec, str) else [list(s) if not isinstance(s, str) else s for s in spec])
-        extra = {**extra, "trie": wire}
+        extra = {**extra, "trie": spec}
         req = parse_trie_request(extra)
         if req is None or req.on_complete != "eos" or req.trigger is not None:
             raise ValueError(f"prompt {i}: beam search needs on_complete='eos' and no trigger")

@@ -52,7 +52,7 @@ from trie_decode.constraint import RowState, TrieConstraint
 from trie_decode.options import check_positive
 
 from .vllm import _SPAN_TAIL, _engine_constraint, _resolver_for
-from .vllm_requests import parse_trie_request, trie_args
+from .vllm_requests import parse_trie_request, prompt_trie_values, trie_args
 
 __all__ = ["generate", "FastForwardResult", "auto_resubmit", "round_seed", "AUTO_RESUBMIT_MIN_VOCAB",
            "AUTO_RESUBMIT_MAX_BLOCK"]
@@ -136,8 +136,9 @@ def generate(
     Args:
         llm: a ``vllm.LLM`` built with ``logits_processors=[TrieLogitsProcessor]`` (prefix caching on).
         prompts: text (tokenized without special tokens; apply the chat template first) or token ids.
-        tries: one trie spec per prompt: a trie file path (str or ``os.PathLike``), or an inline list of strings or
-            token-id lists (as in ``extra_args["trie"]``); options other than the defaults are not supported here.
+        tries: one trie spec per prompt (or one file path for all): a trie file path (str or ``os.PathLike``), or
+            an inline list of strings or token-id lists (as in ``extra_args["trie"]``); options other than the
+            defaults are not supported here.
         template, slots: instead of ``tries``, one template for every prompt (as in
             ``trie_args(template=, slots=)``, :class:`trie_decode.Template`): its fixed text is forced, so the
             driver appends it instead of decoding it (the text before the first slot always; the text between
@@ -198,11 +199,7 @@ def generate(
     else:
         if slots is not None:
             raise ValueError("slots= holds a template's slot values: it needs template=")
-        specs = list(tries)  # type: ignore[arg-type]
-        if len(specs) != n:
-            raise ValueError(f"tries has {len(specs)} items for {n} prompts: pass one trie spec per prompt")
-        # A path (str or os.PathLike, as beam_search takes it) goes on the wire as text; a list as a list.
-        wire = [{"trie": os.fspath(s) if isinstance(s, (str, os.PathLike)) else list(s)} for s in specs]
+        wire = [{"trie": value} for value in prompt_trie_values(tries, n)]
     tok = llm.get_tokenizer()
     model_config = llm.llm_engine.vllm_config.model_config
     resolver = _resolver_for(model_config)

@@ -59,21 +59,22 @@ import os
 import threading
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Collection, Hashable, MutableMapping, Optional, Sequence, Union
+from typing import (Any, Awaitable, Callable, Collection, Hashable, Iterable, Mapping, MutableMapping, Optional,
+                    Sequence, Union)
 
 import numpy as np
 import torch
 
 from trie_decode.constraint import SpanRules, TrieConstraint, check_stop_tokens_outside_entries
 from trie_decode.entries import filter_number_map
-from trie_decode.errors import ConstraintConfigError, TrieDecodeError, raised_as
+from trie_decode.errors import ConstraintConfigError, TrieDecodeError, UnknownEntryError, raised_as
 from trie_decode.fields import ESCAPES, FieldRules, Span
 from trie_decode.templates import Template, template_slots
 from trie_decode.filters import check_allow_leaves_entries, entry_indices, spec_items
 from trie_decode.options import (OptionNames, check_alone, check_filter_mode, check_normalize, check_on_complete,
                                   check_on_unstable, check_on_unstable_context, check_separator, first_eos,
                                   given_filters, rule_args, text_or_ids, token_tuple)
-from trie_decode.text_spans import WHITESPACE_MODES, Trigger
+from trie_decode.text_spans import WHITESPACE_MODES, Trigger, utf8_bytes
 from trie_decode.tokenizers import ContextError, fingerprint_matches, tokenizer_fingerprint, tokenizer_vocab_size
 from trie_decode.trie import TokenTrie
 
@@ -82,6 +83,7 @@ from .vllm_access import (
     INLINE_CACHE_SIZE,
     STAMP_KEY,
     TrieAccessError,
+    _log as _access_log,
     charged,
     current_limits,
     current_policy,
@@ -177,6 +179,14 @@ class TrieRequest:
     spans: tuple = ()  # of SpanRequest (source "spans", payload None; source "template", payload the text and
     #                    each span a slot: its ``after`` is the slot's name)
 
+    def files(self) -> list[tuple[int, str, Optional[str]]]:
+        """Each trie file the request names: ``(span index or -1, path, the option it was sent in)`` (None:
+        ``extra_args['trie']``)."""
+        if self.source == "file":
+            return [(-1, self.payload, None)]
+        return [(i, s.payload, f"extra_args['slots'][{s.after!r}]" if self.source == "template"
+                 else f"extra_args['spans'][{i}]['trie']") for i, s in enumerate(self.spans) if s.source == "file"]
+
     def trie_key(self) -> Hashable:
         """A key that identifies the trie (content hash for inline payloads; for spans, of the whole span list)."""
         if self.source in ("spans", "template"):
@@ -186,7 +196,8 @@ class TrieRequest:
         if self.source == "file":
             return ("file", self.payload)
         forms = [self.leading_space, self.context, self.normalize, self.on_unstable]
-        blob = json.dumps([self.source, forms, self.payload], ensure_ascii=False).encode("utf-8")
+        # surrogatepass: a lone surrogate (a JSON "\\ud800") is refused by the build, naming it
+        blob = json.dumps([self.source, forms, self.payload], ensure_ascii=False).encode("utf-8", "surrogatepass")
         return ("inline", hashlib.sha256(blob).hexdigest())
 
 
@@ -281,6 +292,8 @@ def _spans_option(value: Any, max_entries: int, max_bytes: int, key: str = "span
         value = _json_option(value, f"extra_args[{key!r}]", max_bytes)
     if not isinstance(value, (list, tuple)) or not value:
         _fail(f"extra_args[{key!r}] must be a non-empty list of span objects, got {value!r:.80}")
+    if len(value) > MAX_SPANS:
+        _fail(f"extra_args[{key!r}] has {len(value)} {'slots' if slots else 'spans'}, over the limit of {MAX_SPANS}")
     out, entries, size = [], 0, 0
     for i, item in enumerate(value):
         what = f"extra_args[{key!r}][{i}]"
@@ -354,6 +367,9 @@ def _template_request(extra_args: dict, max_entries: int, max_bytes: int) -> Tri
     text, slots = extra_args["template"], extra_args.get("slots")
     if not isinstance(text, str) or not text:
         _fail(f"extra_args['template'] must be a non-empty string, got {text!r:.60}")
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if size > max_bytes:  # its text is built (tokenized, its forced-text table) as an inline list's entries are
+        _fail(f"extra_args['template'] holds {size} bytes of text, over the limit of {max_bytes}")
     if isinstance(slots, str):
         slots = _json_option(slots, "extra_args['slots']", max_bytes)
     if not isinstance(slots, dict) or not slots:
@@ -390,20 +406,33 @@ def _fast_forward_options(extra_args: dict) -> tuple[tuple, int, bool]:
         _fail("extra_args['prefix'] must be token ids")
     prefix = token_tuple(prefix, "prefix", EXTRA_ARGS)
     stop_at = extra_args.get("stop_at_forced", 0)
-    if isinstance(stop_at, bool) or not isinstance(stop_at, int) or stop_at < 0:
-        _fail(f"extra_args['stop_at_forced'] must be a non-negative integer, got {stop_at!r:.40}")
-    tail_only = extra_args.get("forced_tail_only", False)
-    if not isinstance(tail_only, bool):
-        _fail(f"extra_args['forced_tail_only'] must be a boolean, got {tail_only!r:.40}")
+    # Bounded: the engine's step layout holds it as an int64 (a larger one stopped the engine core: OverflowError).
+    if isinstance(stop_at, bool) or not isinstance(stop_at, int) or not 0 <= stop_at < 2**31:
+        _fail(f"extra_args['stop_at_forced'] must be a non-negative integer below 2**31, got {stop_at!r:.40}")
+    tail_only = _flag(extra_args.get("forced_tail_only", False), "extra_args['forced_tail_only'] must be a boolean")
     return prefix, stop_at, tail_only
 
 
+def _flag(value: Any, must: str) -> bool:
+    """A boolean option, or ``must`` (what it must be) refused. 0 and 1 count: over HTTP vLLM reads JSON ``true`` in
+    ``vllm_xargs`` (values ``str | int | float | list``) as 1."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    _fail(f"{must}, got {value!r:.40}")
+
+
+#: The most spans (or template slots) one request may have: each is built on the front-end's event loop and again in
+#: the engine (1,000 slots of two values took 17.6 s; 50 took 0.7 s).
+MAX_SPANS = 64
 #: The most tokenizations (forms) one inline request may ask for.
 MAX_FORMS = 8
-#: The longest trigger or separator (token ids, or bytes of text) and span ``after`` or ``end`` (bytes) a request may
-#: send: the engine reads a row's last ``len(trigger)`` tokens at every step (a trigger of 50,000 ids cost 24 ms per
-#: step of the whole batch), and the span automaton's build grows faster than the length of its texts (an ``after``
-#: of 10,000 bytes took 8 s, of 40,000 over two minutes, on the front-end's event loop and again in the engine).
+#: The longest trigger or separator (token ids, or bytes of text), span ``after`` or ``end`` and ``context`` (bytes) a
+#: request may send: the engine reads a row's last ``len(trigger)`` tokens at every step (a trigger of 50,000 ids cost
+#: 24 ms per step of the whole batch), the span automaton's build grows faster than the length of its texts (an
+#: ``after`` of 10,000 bytes took 8 s, of 40,000 over two minutes, on the front-end's event loop and again in the
+#: engine), and every entry is tokenized after every context (7 contexts of 69 KB before 2,000 entries: 90 s).
 MAX_RULE_LENGTH = 256
 
 
@@ -412,11 +441,7 @@ def _string_forms(extra_args: dict) -> tuple[Any, Any, Optional[str], str]:
     ``normalize`` and ``on_unstable`` options, checked (the values themselves are checked again by
     ``TokenTrie.from_strings``)."""
     def flag(v: Any) -> bool:
-        if isinstance(v, bool):
-            return v
-        if v in (0, 1) and not isinstance(v, float):  # HTTP clients sometimes send 0/1
-            return bool(v)
-        _fail(f"extra_args['leading_space'] must be a boolean or a list of them, got {v!r:.40}")
+        return _flag(v, "extra_args['leading_space'] must be a boolean or a list of them")
 
     raw = extra_args.get("leading_space", False)
     leading_space: Any = tuple(flag(v) for v in raw) if isinstance(raw, (list, tuple)) else flag(raw)
@@ -426,6 +451,11 @@ def _string_forms(extra_args: dict) -> tuple[Any, Any, Optional[str], str]:
     items = context if isinstance(context, tuple) else (() if context is None else (context,))
     if any(not isinstance(c, str) or not c for c in items) or (isinstance(context, tuple) and not context):
         _fail(f"extra_args['context'] must be a non-empty string or a list of them, got {context!r:.60}")
+    for c in items:  # each entry is tokenized after each context: its length multiplies the build's cost
+        size = len(utf8_bytes(c, "extra_args['context']", TrieRequestError))
+        if size > MAX_RULE_LENGTH:
+            _fail(f"extra_args['context'] holds {size} bytes of text, over the limit of {MAX_RULE_LENGTH}: send the "
+                  "end of the prompt only (the last words before the entries)")
     n = (len(leading_space) if isinstance(leading_space, tuple) else 1) + len(items)
     if isinstance(leading_space, tuple) and not leading_space:
         _fail("extra_args['leading_space'] is an empty list")
@@ -517,7 +547,8 @@ def parse_trie_request(
     trigger = text_or_ids(extra_args.get("trigger"), "trigger", EXTRA_ARGS)
     separator = text_or_ids(extra_args.get("separator"), "separator", EXTRA_ARGS)
     for key, value in (("trigger", trigger), ("separator", separator)):
-        size = len(value.encode("utf-8", "surrogatepass")) if isinstance(value, str) else len(value or ())
+        size = len(utf8_bytes(value, f"extra_args[{key!r}]", TrieRequestError)) if isinstance(value, str) else len(
+            value or ())
         if size > MAX_RULE_LENGTH:  # text: at most one token per byte
             _fail(f"extra_args[{key!r}] holds {size} {'bytes of text' if isinstance(value, str) else 'token ids'}, "
                   f"over the limit of {MAX_RULE_LENGTH}: a {key} is a few tokens")
@@ -583,6 +614,34 @@ def _filter_option(value: Any, what: str, files: bool = True) -> Optional[Union[
         _fail(f"{what} names {len(value)} entries, over the limit of {cap}")
     items = value.tolist() if isinstance(value, np.ndarray) else value
     return tuple(v if isinstance(v, str) else int(v) for v in items)
+
+
+def prompt_trie_values(tries: Any, n: int) -> list:
+    """The ``extra_args["trie"]`` of each of ``n`` prompts from a driver's ``tries=`` (beam search, fast-forward):
+    one trie file path for all, or one spec per prompt, each a path or an inline list of strings or token-id lists.
+
+    Raises:
+        ValueError: a count that is not ``n``, or a spec that is no path or list (a dict, such as a
+            :func:`trie_args` result, would be read as the list of its keys).
+    """
+    if isinstance(tries, (str, os.PathLike)):
+        return [os.fspath(tries)] * n
+    if isinstance(tries, Mapping) or not isinstance(tries, Iterable):
+        raise ValueError(f"tries is a {type(tries).__name__}: pass one trie spec per prompt, or one file path for all")
+    specs = list(tries)
+    if len(specs) != n:
+        raise ValueError(f"tries has {len(specs)} items for {n} prompts: pass one trie spec per prompt (or one file "
+                         "path for all)")
+    out = []
+    for i, spec in enumerate(specs):
+        if isinstance(spec, (str, os.PathLike)):
+            out.append(os.fspath(spec))
+        elif isinstance(spec, Mapping) or not isinstance(spec, Iterable):
+            raise ValueError(f"tries[{i}] is a {type(spec).__name__}: pass a trie file path or an inline list of "
+                             "strings or token-id lists (not trie_args(...))")
+        else:  # JSON-able: a token-id tuple or array becomes a list
+            out.append([e if isinstance(e, str) or not isinstance(e, Iterable) else list(e) for e in spec])
+    return out
 
 
 def trie_args(
@@ -654,10 +713,11 @@ def trie_args(
             out["trigger"] = trigger if isinstance(trigger, (str, int)) else list(trigger)
         if separator is not None:
             out["separator"] = separator if isinstance(separator, (str, int)) else list(separator)
+        # Checked, not made truthy (bool("false") is True): numpy's bools become bools, the rest is parsed below.
         if isinstance(leading_space, (list, tuple)):
-            out["leading_space"] = [bool(v) for v in leading_space]
-        elif leading_space:
-            out["leading_space"] = True
+            out["leading_space"] = [bool(v) if isinstance(v, np.bool_) else v for v in leading_space]
+        elif leading_space is not False:
+            out["leading_space"] = bool(leading_space) if isinstance(leading_space, np.bool_) else leading_space
         if context is not None:
             out["context"] = context if isinstance(context, str) else list(context)
         if normalize is not None:
@@ -829,7 +889,7 @@ class TrieResolver:
             if found is not None:
                 return found, key
             # Named tries are the operator's: always loaded (their time is still spent).
-            with charged(f"loading {resolved.label}", admit, refusable=resolved.kind != "named"):
+            with charged(f"loading {resolved.label}", admit, refusable=resolved.kind != "named", option=option):
                 trie = policy.load(resolved, handle, delta)
         self._files.put(key, trie)
         return trie, key
@@ -920,33 +980,35 @@ class TrieResolver:
         """
         file_tries: dict[int, TokenTrie] = {}
         origins = []
-        for i, s in enumerate(req.spans):
-            if s.source == "file":
-                option = (f"extra_args['slots'][{s.after!r}]" if req.source == "template"
-                          else f"extra_args['spans'][{i}]['trie']")
-                trie, origin = self._trie(TrieRequest(source="file", payload=s.payload), admit, option)
-                file_tries[i] = trie
-                origins.append(origin)
+        for i, path, option in req.files():
+            trie, origin = self._trie(TrieRequest(source="file", payload=path), admit, option)
+            file_tries[i] = trie
+            origins.append(origin)
         key = (req.trie_key(), tuple(origins))
         found = self._spans.get(key)
         if found is not None:
             return found
-        with charged(f"the tries of {len(req.spans)} spans", admit):
-            try:
-                values = [file_tries[i] if s.source == "file" else list(s.payload) for i, s in enumerate(req.spans)]
-                if req.source == "template":  # each span is a slot, named by its ``after``
-                    template = _RequestTemplate.from_slots(req.payload, {s.after: v for s, v in zip(req.spans, values)})
-                    tries, fields = template.build(self.tokenizer, self.end_token_id)
-                else:
-                    spans = [_RequestSpan(v, after=s.after_pattern(), end=s.end, escape=s.escape, allow=s.allow,
-                                          deny=s.deny, option=f"extra_args['spans'][{i}]")
-                             for i, (s, v) in enumerate(zip(req.spans, values))]
-                    tries, fields = FieldRules.build(spans, self.tokenizer, self.end_token_id)
-                rules = SpanRules(end_token_id=self.end_token_id, on_complete="release", fields=fields)
-                rules.check_vocab(max(self.vocab_size, self.end_token_id + 1))
-            except TrieDecodeError as exc:
-                option = "slots" if req.source == "template" else "spans"
-                raise TrieRequestError(f"extra_args[{option!r}]: {exc}") from exc
+        option = "slots" if req.source == "template" else "spans"
+        try:
+            with charged(f"the tries of {len(req.spans)} spans", admit, option=f"extra_args[{option!r}]"):
+                try:
+                    values = [file_tries[i] if s.source == "file" else list(s.payload)
+                              for i, s in enumerate(req.spans)]
+                    if req.source == "template":  # each span is a slot, named by its ``after``
+                        template = _RequestTemplate.from_slots(req.payload,
+                                                               {s.after: v for s, v in zip(req.spans, values)})
+                        tries, fields = template.build(self.tokenizer, self.end_token_id)
+                    else:
+                        spans = [_RequestSpan(v, after=s.after_pattern(), end=s.end, escape=s.escape, allow=s.allow,
+                                              deny=s.deny, option=f"extra_args['spans'][{i}]")
+                                 for i, (s, v) in enumerate(zip(req.spans, values))]
+                        tries, fields = FieldRules.build(spans, self.tokenizer, self.end_token_id)
+                    rules = SpanRules(end_token_id=self.end_token_id, on_complete="release", fields=fields)
+                    rules.check_vocab(max(self.vocab_size, self.end_token_id + 1))
+                except TrieDecodeError as exc:
+                    raise TrieRequestError(f"extra_args[{option!r}]: {exc}") from exc
+        except TrieAccessError as exc:  # the build budget is spent
+            raise TrieRequestError(str(exc)) from None
         self._spans.put(key, (tries, rules))
         return tries, rules
 
@@ -1081,13 +1143,24 @@ class TrieResolver:
             return list(spec)
         return list(read_filter_file(spec.path, what, self._filter_files))
 
+    def _filter(self, trie: TokenTrie, spec: Union[None, tuple, FilterFile], what: str) -> Optional[np.ndarray]:
+        """One filter's entry indices; a file's keys or indices that are no entries are logged, never quoted to the
+        client (its lines are the file's bytes, and any text file in an allowed directory can be named)."""
+        if spec is None:
+            return None
+        try:
+            return entry_indices(trie, self._filter_items(spec, what), f"extra_args[{what!r}]")
+        except UnknownEntryError as exc:
+            if not isinstance(spec, FilterFile):
+                raise
+            _access_log("load", logging.WARNING, "trie_decode: filter file %s: %s", spec.path[:300], exc)
+            raise TrieAccessError(f"extra_args[{what!r}]: {spec.path[:200]!r} holds keys or entry indices that are not "
+                                  "entries of the trie (details in the server log)") from None
+
     def filters(self, req: TrieRequest, trie: TokenTrie) -> tuple[Optional[Any], Optional[Any]]:
         """The request's allow and deny filters as entry-index arrays of ``trie`` (None where not given)."""
         try:
-            allow = None if req.allow is None else entry_indices(trie, self._filter_items(req.allow, "allow"),
-                                                                 "extra_args['allow']")
-            deny = None if req.deny is None else entry_indices(trie, self._filter_items(req.deny, "deny"),
-                                                               "extra_args['deny']")
+            allow, deny = self._filter(trie, req.allow, "allow"), self._filter(trie, req.deny, "deny")
         except TrieAccessError as exc:
             raise TrieRequestError(str(exc)) from None
         except TrieDecodeError as exc:  # the filter rule's own class, and a request's

@@ -57,8 +57,9 @@ def _refusal(call, **options) -> Exception:
     (dict(deny=["Japan"], on_complete="release"), FilterModeError),
     (dict(allow=[]), EmptyFilterError),
     (dict(allow=["Japan"], deny=["Japan", 0]), EmptyFilterError),
+    (dict(deny=["Japan", 2**63]), UnknownEntryError),
 ], ids=["unknown-key", "index-out-of-range", "negative-index", "bool", "float", "none", "string", "number", "tensor",
-        "release", "empty-allow", "allow-all-denied"])
+        "release", "empty-allow", "allow-all-denied", "index-past-int64"])
 def test_a_bad_filter_gets_one_error_at_both_front_doors(doors, options, kind):
     transformers, vllm = doors
     here, there = _refusal(transformers, **options), _refusal(vllm, **options)
@@ -92,3 +93,11 @@ def test_keys_on_a_trie_without_keys_or_names_name_the_option():
     with pytest.raises(ConstraintConfigError, match=r"^deny: this trie has neither keys nor names: filter by entry"):
         TrieLogitsProcessor(trie, end_token_id=0, deny=["x"])
     TrieLogitsProcessor(trie, end_token_id=0, deny=[1])  # by index
+
+
+def test_a_uint64_index_past_int64_is_named_as_it_was_sent(tokenizer):
+    """A uint64 array's index of 2**63 or more wrapped to a negative one, which the error named instead."""
+    import numpy as np
+
+    with pytest.raises(UnknownEntryError, match=f"entry index {2**64 - 1} is outside"):
+        TrieLogitsProcessor(TokenTrie.from_strings(NAMES, tokenizer), tokenizer, deny=np.array([0, 2**64 - 1], np.uint64))

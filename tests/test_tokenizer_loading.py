@@ -21,8 +21,9 @@ from trie_decode.errors import TokenizerNotFoundError, TrieDecodeError
 ROOT = Path(__file__).resolve().parent.parent
 CLOSED_PORT = "http://127.0.0.1:9"  # discard: nothing listens, the connection is refused at once
 CACHED = "trie-decode-test/smol"
-#: A CLI run that loads torch and transformers takes ~5 s here; transformers' retries took 50 s and more.
-FAST_S = 25.0
+#: How much longer than the same build from a local folder, timed in the same test, a run may take: transformers'
+#: retries sleep 50 s and more, which machine load does not shorten (a fixed bound failed under load).
+SLACK_S = 20.0
 
 
 def _fake_cache(cache: Path, smollm2_dir: str) -> Path:
@@ -55,13 +56,22 @@ def names(tmp_path):
     return str(path)
 
 
-def test_a_name_found_nowhere_fails_at_once_when_the_hub_does_not_answer(tmp_path, names):
+def _fast(tmp_path, names, smollm2_dir) -> float:
+    """The time bound of a run: the same build from SmolLM2's local folder (torch, transformers loaded), plus
+    :data:`SLACK_S`."""
+    done, took = _cli(["build", names, "--tokenizer", smollm2_dir, "-o", str(tmp_path / "local.trie")])
+    assert done.returncode == 0, done.stderr
+    return took + SLACK_S
+
+
+def test_a_name_found_nowhere_fails_at_once_when_the_hub_does_not_answer(tmp_path, names, smollm2_dir):
+    bound = _fast(tmp_path, names, smollm2_dir)
     done, took = _cli(["build", names, "--tokenizer", "no-such-org/no-such-tokenizer", "-o", str(tmp_path / "o.trie")],
                       HF_ENDPOINT=CLOSED_PORT, HF_HUB_CACHE=str(tmp_path / "empty-cache"))
     assert done.returncode == 1, done.stderr
     assert ("--tokenizer no-such-org/no-such-tokenizer: neither a local folder nor a tokenizer in the Hugging Face "
             "cache, and the hub is not reachable (http://127.0.0.1:9 did not answer") in done.stderr, done.stderr
-    assert "Traceback" not in done.stderr and took < FAST_S, (took, done.stderr)
+    assert "Traceback" not in done.stderr and took < bound, (took, bound, done.stderr)
 
 
 def test_a_cached_name_loads_at_once_without_the_hub(tmp_path, names, smollm2_dir, tokenizer):
@@ -70,10 +80,11 @@ def test_a_cached_name_loads_at_once_without_the_hub(tmp_path, names, smollm2_di
 
     cache = _fake_cache(tmp_path / "cache", smollm2_dir)
     out = tmp_path / "o.trie.safetensors"
+    bound = _fast(tmp_path, names, smollm2_dir)
     done, took = _cli(["build", names, "--tokenizer", CACHED, "-o", str(out)],
                       HF_ENDPOINT=CLOSED_PORT, HF_HUB_CACHE=str(cache))
     assert done.returncode == 0, done.stderr
-    assert took < FAST_S, (took, done.stdout)
+    assert took < bound, (took, bound, done.stdout)
     assert TokenTrie.load(out).fingerprint == tokenizer_fingerprint(tokenizer)
 
 

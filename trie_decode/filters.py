@@ -476,13 +476,20 @@ def entry_indices(trie: TokenTrie, spec: Any, what: str) -> np.ndarray:
         return np.zeros(0, dtype=np.int64)
     numbers = filter_number_map(trie.extra) if trie.extra else None
     if isinstance(spec, np.ndarray) and spec.dtype.kind in "iu" and spec.ndim == 1:
+        if spec.dtype == np.uint64 and spec.size and spec.max() >= 1 << 63:  # would wrap to a negative index
+            raise UnknownEntryError(f"{what}: entry index {int(spec.max())} is outside the trie's {trie.num_entries} "
+                                    "entries")
         idx = spec.astype(np.int64, copy=False)  # the array itself where it can be (see EntryOrder.sorted_ranks)
         top = _MADE_HERE.get(idx)  # made here: no index below 0, its largest known (a batch's rows come back often)
         if top is not None and top < trie.num_entries:
             return idx
     else:  # a list, or an array of keys (or of anything else: spec_items checks each item)
         keys, nums = spec_items(spec, what)
-        idx = np.asarray(nums, dtype=np.int64)
+        try:
+            idx = np.asarray(nums, dtype=np.int64)
+        except OverflowError:  # past int64: outside any trie
+            bad = next(int(x) for x in nums if not -(1 << 63) <= int(x) < 1 << 63)
+            raise UnknownEntryError(f"{what}: entry index {bad} is outside the trie's {trie.num_entries} entries") from None
         if numbers is not None and idx.size:
             if idx.min() < 0 or idx.max() >= len(numbers):
                 bad = int(idx[(idx < 0) | (idx >= len(numbers))][0])
