@@ -66,7 +66,7 @@ import numpy as np
 import torch
 
 from trie_decode.constraint import SpanRules, TrieConstraint, check_stop_tokens_outside_entries
-from trie_decode.entries import filter_number_map
+from trie_decode.entries import filter_number_map, utf8_bytes
 from trie_decode.errors import ConstraintConfigError, TrieDecodeError, UnknownEntryError, raised_as
 from trie_decode.fields import ESCAPES, FieldRules, Span
 from trie_decode.templates import Template, template_slots
@@ -74,7 +74,7 @@ from trie_decode.filters import check_allow_leaves_entries, entry_indices, spec_
 from trie_decode.options import (OptionNames, check_alone, check_filter_mode, check_normalize, check_on_complete,
                                   check_on_unstable, check_on_unstable_context, check_separator, first_eos,
                                   given_filters, rule_args, text_or_ids, token_tuple)
-from trie_decode.text_spans import WHITESPACE_MODES, Trigger, utf8_bytes
+from trie_decode.text_spans import WHITESPACE_MODES, Trigger
 from trie_decode.tokenizers import ContextError, fingerprint_matches, tokenizer_fingerprint, tokenizer_vocab_size
 from trie_decode.trie import TokenTrie
 

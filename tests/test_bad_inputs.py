@@ -388,11 +388,11 @@ def test_a_name_that_is_not_a_string_or_a_none_key_is_refused(kwargs, pattern):
 
 
 @pytest.mark.parametrize("build, pattern", [
-    (lambda: TokenTrie.from_sequences([[1], [2]], 10, names=["a", "b\ud800"]), r"a name holds a lone surrogate"),
-    (lambda: TokenTrie.from_sequences([[1], [2]], 10, keys=["a", "\udc00b"]), r"a key holds a lone surrogate"),
-    (lambda: TokenTrie.from_strings(["France", "Fr\ud800ance"], _NeverCalled()), r"entry 1 holds a lone surrogate"),
+    (lambda: TokenTrie.from_sequences([[1], [2]], 10, names=["a", "b\ud800"]), r"a name .* holds the lone surrogate"),
+    (lambda: TokenTrie.from_sequences([[1], [2]], 10, keys=["a", "\udc00b"]), r"a key .* holds the lone surrogate"),
+    (lambda: TokenTrie.from_strings(["France", "Fr\ud800ance"], _NeverCalled()), r"entry 1 .* holds the lone surrogate"),
     (lambda: tries_from_token_tree_payload('{"descriptors": [{"path": "p", "leaves": [{"name": "\\ud800", '
-                                           '"tokens": [1]}]}]}', 10), r"descriptor 'p'.*a name holds a lone surrogate"),
+                                           '"tokens": [1]}]}]}', 10), r"descriptor 'p'.*a name .* holds the lone surrogate"),
 ], ids=["name", "key", "from_strings", "payload-leaf-name"])
 def test_a_lone_surrogate_is_named_not_a_unicode_error(build, pattern):
     # A JSON "\ud800" escape gives such a string: it is not UTF-8 text, so neither the string tables nor a tokenizer

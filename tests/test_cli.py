@@ -147,11 +147,13 @@ def test_a_path_stat_refuses_is_a_named_error_not_a_traceback(tmp_path, capsys, 
 
 
 def test_an_empty_source_path_is_that_source(tmp_path, capsys):
-    # An empty path is a path too: it was taken for no source at all (TypeError: Path(None), a traceback).
-    assert main(["build", "--codes", "", "--codebook-size", "2", "--vocab-size", "8", "-o", str(tmp_path / "o")]) == 1
-    assert "codes file . is a folder, not a file" in _error(capsys)
-    assert main(["build", "--prefix-dict", "", "--vocab-size", "8", "-o", str(tmp_path / "o")]) == 1
-    assert "prefix dict: no such file" in _error(capsys)
+    # An empty path is a path too: it was taken for no source at all (TypeError: Path(None), a traceback), then read
+    # as the current folder ("codes file . is a folder"): it is a usage error naming the empty path.
+    for flags in (["--codes", "", "--codebook-size", "2"], ["--prefix-dict", ""]):
+        with pytest.raises(SystemExit) as exc:
+            main(["build", *flags, "--vocab-size", "8", "-o", str(tmp_path / "o")])
+        assert exc.value.code == 2
+        assert f"error: the {flags[0]} file is an empty path: give a file" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------ options of another kind of source: status 2
@@ -196,8 +198,8 @@ def test_a_jsonl_id_that_is_not_a_string_or_a_number_is_refused(tmp_path, smollm
 
 
 @pytest.mark.parametrize("line, message", [
-    ('{"id": "\\ud800", "text": "blue"}', "a key holds a lone surrogate, not UTF-8 text: '\\ud800'"),
-    ('{"id": "B2", "text": "bl\\udc00ue"}', "entry 1 holds a lone surrogate, not UTF-8 text: 'bl\\udc00ue'"),
+    ('{"id": "\\ud800", "text": "blue"}', "a key '\\ud800' holds the lone surrogate '\\ud800' at index 0"),
+    ('{"id": "B2", "text": "bl\\udc00ue"}', "entry 1 'bl\\udc00ue' holds the lone surrogate '\\udc00' at index 2"),
 ])
 def test_a_jsonl_lone_surrogate_escape_is_a_named_error_not_a_traceback(tmp_path, smollm2_dir, capsys, line, message):
     # Valid JSON, but not UTF-8 text: the key table could not encode it, and the tokenizer failed deep inside.

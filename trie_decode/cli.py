@@ -66,6 +66,10 @@ def _check_file(path: Path, what: str) -> None:
     raise DescriptorError(f"{what} not found: {path}")
 
 
+class _NumberText(str):
+    """A JSON number with a fraction or an exponent, as written (``float`` would make the key of ``1e2`` "100.0")."""
+
+
 def read_entries(path: Path) -> tuple[list[str], Optional[list[str]]]:
     """Read entries: ``.jsonl`` lines with ``text`` (and optional ``id``), or plain text, one entry per line.
 
@@ -86,10 +90,10 @@ def read_entries(path: Path) -> tuple[list[str], Optional[list[str]]]:
             texts.append(line)
             continue
         try:
-            obj = json.loads(line)
+            obj = json.loads(line, parse_float=_NumberText)
         except json.JSONDecodeError as exc:
             raise DescriptorError(f"{path}:{lineno}: invalid JSON ({exc.msg})") from exc
-        if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+        if not isinstance(obj, dict) or not isinstance(obj.get("text"), str) or isinstance(obj["text"], _NumberText):
             raise DescriptorError(f"{path}:{lineno}: expected an object with a string field 'text'")
         texts.append(obj["text"])
         if "id" in obj:
@@ -301,6 +305,15 @@ def _check_output_is_no_input(build: argparse.ArgumentParser, args: argparse.Nam
         if same:
             build.error(f"-o {args.output} is the {what} {source}: the trie would overwrite it; give another "
                         "output file")
+    folder = args.tokenizer
+    if folder and os.path.isdir(folder) and os.path.lexists(args.output):  # its tokenizer.json, ...
+        try:
+            same = os.path.samefile(os.path.dirname(os.path.abspath(args.output)), folder)
+        except OSError:
+            same = False
+        if same:
+            build.error(f"-o {args.output} is a file of the --tokenizer folder {folder}: the trie would overwrite "
+                        "it; give another output file")
 
 
 def _check_build_args(build: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -309,6 +322,9 @@ def _check_build_args(build: argparse.ArgumentParser, args: argparse.Namespace) 
     if len(given) != 1:
         build.error("give exactly one of: an entries file, --prefix-dict FILE, --codes FILE")
     source = given[0]
+    for option, what in {**_INPUT_FILES, "output": "-o file"}.items():
+        if getattr(args, option) == "":  # as a path it is the current folder: "entries file . is a folder"
+            build.error(f"the {what} is an empty path: give a file")
     for option in dict.fromkeys(o for options in _SOURCE_OPTIONS.values() for o in options):
         value = getattr(args, option)
         if value is not None and value is not False and option not in _SOURCE_OPTIONS[source]:

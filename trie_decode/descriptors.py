@@ -61,6 +61,8 @@ def read_json(source: JsonSource, what: str) -> Any:
     if isinstance(source, os.PathLike) or (isinstance(source, str) and not source.lstrip().startswith(("{", "["))):
         path = Path(source)
         try:
+            if path.is_dir():
+                raise DescriptorError(f"{what}: {str(path)!r} is a folder, not a file")
             if not path.is_file():
                 raise DescriptorError(f"{what}: no such file {str(path)!r}")
             text = path.read_bytes()

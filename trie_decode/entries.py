@@ -7,6 +7,7 @@ strings live in one UTF-8 byte blob with offsets, decoded only when an entry is 
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
@@ -15,17 +16,46 @@ import numpy as np
 
 from .errors import InvalidEntryError
 
-__all__ = ["Entry", "StringTable", "entry_column", "check_names", "check_keys", "catalog_item_keys",
+__all__ = ["Entry", "StringTable", "utf8_bytes", "entry_strings", "entry_column", "check_names", "check_keys", "catalog_item_keys",
            "catalog_key_table", "catalog_problem", "filter_number_map", "retired_key_table", "filter_arrays_problem"]
 
 
-def _is_utf8(text: str) -> bool:
-    """Whether ``text`` can be written as UTF-8 (it holds no lone surrogate)."""
+def utf8_bytes(text: str, what: str, error: type = InvalidEntryError) -> bytes:
+    """``text``'s UTF-8 bytes, or ``error`` naming ``what`` where ``text`` holds a lone surrogate (``"\\ud800"``,
+    what ``json.loads`` makes of half an escaped pair, or ``os.fsdecode`` of a byte that is no UTF-8), which no UTF-8
+    text and no tokenizer can hold: the one rule of every text trie_decode is given.
+
+    Example:
+        >>> utf8_bytes("Zürich", "value")
+        b'Z\\xc3\\xbcrich'
+    """
     try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
+        return text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise error(f"{what} {text!r:.60} holds the lone surrogate {text[exc.start]!r} at index {exc.start}: "
+                    "it is not UTF-8 text (half of an escaped UTF-16 pair?); remove it or join it with its other half"
+                    ) from exc
+
+
+def entry_strings(strings: Any) -> list[str]:
+    """``strings``, the entries of ``TokenTrie.from_strings``, ``tokenize_strings`` or ``tokenize_in_context``, as a
+    list, each a non-empty string of UTF-8 text; else :class:`InvalidEntryError` naming the first that is not, a
+    single string (one entry per character) or a set or mapping (numbered in the per-process hash order)."""
+    if isinstance(strings, (str, bytes)):
+        raise InvalidEntryError(f"expected a collection of strings, got a single string {strings!r:.40}")
+    if isinstance(strings, (AbstractSet, Mapping)):
+        raise InvalidEntryError(f"strings is a {type(strings).__name__}, which has no order of its own (a set of "
+                                "strings iterates in another order in every process): give a list, e.g. "
+                                "sorted(strings)")
+    strings = list(strings)
+    for i, s in enumerate(strings):
+        if not isinstance(s, str):
+            raise InvalidEntryError(f"entry {i} is {type(s).__name__} {s!r:.60}, not a string")
+        if s == "":
+            raise InvalidEntryError(f"entry {i} is the empty string: every entry needs at least one token")
+        if not s.isascii():  # a tokenizer fails deep inside on a lone surrogate
+            utf8_bytes(s, f"entry {i}")
+    return strings
 
 
 def entry_column(values: Any, label: str, count: int, rows: str) -> list:
@@ -63,12 +93,13 @@ def check_names(names: Sequence[object]) -> None:
 
 
 def check_keys(keys: Sequence[object]) -> None:
-    """Raise :class:`InvalidEntryError` naming the first key that is None (a key is a string or a number, written
-    with ``str``; None would become the key ``"None"``)."""
-    bad = next((i for i, key in enumerate(keys) if key is None), None)
+    """Raise :class:`InvalidEntryError` naming the first key that is not a string or a number (a key is written with
+    ``str``: None would become the key ``"None"``, ``b"x"`` the key ``"b'x'"``)."""
+    bad = next((i for i, key in enumerate(keys) if isinstance(key, (bool, np.bool_))
+                or not isinstance(key, (str, numbers.Number))), None)
     if bad is not None:
-        raise InvalidEntryError(f"keys[{bad}] is None: a key is a string or a number (leave keys= out for entries "
-                                "without keys)")
+        raise InvalidEntryError(f"keys[{bad}] is {keys[bad]!r:.40}: a key is a string or a number (leave keys= out "
+                                "for entries without keys)")
 
 
 @dataclass(frozen=True)
@@ -115,9 +146,10 @@ class StringTable:
         """
         try:
             encoded = [s.encode("utf-8") for s in strings]
-        except UnicodeEncodeError as exc:
-            bad = next(s for s in strings if not _is_utf8(s))
-            raise InvalidEntryError(f"a {what} holds a lone surrogate, not UTF-8 text: {bad!r:.80}") from exc
+        except UnicodeEncodeError:
+            for s in strings:  # the rule's own error, naming the first
+                utf8_bytes(s, f"a {what}")
+            raise
         offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
         np.cumsum(np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded)), out=offsets[1:])
         blob = np.frombuffer(b"".join(encoded), dtype=np.uint8)

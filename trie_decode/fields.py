@@ -48,13 +48,12 @@ from typing import Any, Collection, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from .entries import Entry
+from .entries import Entry, utf8_bytes
 from .errors import ConstraintConfigError, EmptyTrieError, InvalidEntryError, InvalidTokenError
 from .filters import restricted_trie, spec_items
 from .options import token_id
 from .spans import FREE
-from .text_spans import (EndTokens, TextTriggers, TokenTriggers, Trigger, end_token_table, utf8_bytes,
-                         vocabulary_bytes)
+from .text_spans import EndTokens, TextTriggers, TokenTriggers, Trigger, end_token_table, vocabulary_bytes
 from .tokenizers import byte_piece_ids, spelling_ids, token_bytes, tokenize_in_context, tokenizer_vocab_size
 from .trie import TokenTrie
 

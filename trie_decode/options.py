@@ -81,6 +81,7 @@ from typing import Any, NoReturn, Optional, Sequence, Union
 import numpy as np
 import torch
 
+from .entries import utf8_bytes
 from .errors import ConstraintConfigError, FilterModeError, raised_as
 
 __all__ = [
@@ -273,6 +274,8 @@ def token_tuple(value: Any, key: str, names: OptionNames = KEYWORDS) -> tuple[in
         return ()
     if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
         value = (value,)
+    if isinstance(value, (bytes, bytearray)):  # its bytes would read as token ids (b", " as 44, 32)
+        names.fail(f"{what} is {type(value).__name__} {value!r:.40}: give text as a str, or token ids")
     try:
         out = tuple(value)
     except TypeError:
@@ -309,6 +312,7 @@ def text_or_ids(value: Any, key: str, names: OptionNames = KEYWORDS) -> Union[No
     if isinstance(value, str):
         if not value:
             names.fail(f"{names(key)} is the empty string")
+        utf8_bytes(value, names(key), names.error)  # a lone surrogate: the tokenizer would fail deep inside
         return value
     ids = token_tuple(value, key, names)
     if not ids:
@@ -318,7 +322,8 @@ def text_or_ids(value: Any, key: str, names: OptionNames = KEYWORDS) -> Union[No
 
 def tokens_arg(value: Any, tokenizer: Any, key: str, names: OptionNames = KEYWORDS) -> tuple[int, ...]:
     """A trigger or separator (:func:`text_or_ids`) as token ids, text tokenized now without special tokens;
-    ``()`` when not given."""
+    ``()`` when not given. A separator follows an entry's last token: its ids are those after a word (``"x"``), so
+    SentencePiece's dummy prefix adds no space (``","``, not ``" ,"``)."""
     value = text_or_ids(value, key, names)
     if value is None:
         return ()
@@ -327,6 +332,11 @@ def tokens_arg(value: Any, tokenizer: Any, key: str, names: OptionNames = KEYWOR
     if tokenizer is None:
         names.fail(f"{names(key)} given as text needs a tokenizer; pass tokenizer= or token ids")
     ids = tokenizer(value, add_special_tokens=False)["input_ids"]
+    if key == "separator":
+        head = list(tokenizer("x", add_special_tokens=False)["input_ids"])
+        after = list(tokenizer("x" + value, add_special_tokens=False)["input_ids"])
+        if after[:len(head)] == head and len(after) > len(head):  # else "x" merges with it: its own ids
+            ids = after[len(head):]
     if not ids:
         names.fail(f"{names(key)} {value!r} tokenizes to nothing")
     return tuple(int(i) for i in ids)

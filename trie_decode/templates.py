@@ -32,12 +32,13 @@ from typing import Any, Collection, Mapping, Optional, Sequence, Union
 import numpy as np
 import torch
 
+from .entries import utf8_bytes
 from .errors import ConstraintConfigError, InvalidTokenError
 from .fields import FieldRules, check_values, check_values_can_end, lead_space, value_trie
 from .kernels.rules import floor_rule, kept_alive
 from .options import token_id
 from .spans import FREE, SpanRules
-from .text_spans import EndTokens, utf8_bytes, vocabulary_bytes
+from .text_spans import EndTokens, vocabulary_bytes
 from .tokenizers import byte_piece_ids, spelling_ids, tokenize_in_context
 from .trie import TokenTrie
 

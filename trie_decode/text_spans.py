@@ -64,6 +64,7 @@ from typing import Any, Optional, Sequence, Union
 import numpy as np
 import torch
 
+from .entries import utf8_bytes
 from .errors import InvalidTokenError, TrieDecodeError
 from .tokenizers import markup_ids, token_bytes
 
@@ -108,22 +109,6 @@ class TriggerStateError(TrieDecodeError, ValueError):
     """An automaton state is not one of the automaton's states (negative, or not below ``num_states``)."""
 
 
-def utf8_bytes(text: str, what: str, error: type = TriggerPatternError) -> bytes:
-    """``text``'s UTF-8 bytes, or ``error`` naming ``what`` where ``text`` holds a lone surrogate (``"\\ud800"``,
-    what ``json.loads`` makes of half an escaped pair), which no UTF-8 text and no tokenizer can hold.
-
-    Example:
-        >>> utf8_bytes("Zürich", "value")
-        b'Z\\xc3\\xbcrich'
-    """
-    try:
-        return text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise error(f"{what} {text!r:.60} holds the lone surrogate {text[exc.start]!r} at index {exc.start}: "
-                    "it is not text (half of an escaped UTF-16 pair?); remove it or join it with its other half"
-                    ) from exc
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # Patterns and the byte automaton
 
@@ -153,7 +138,7 @@ class Trigger:
                 f"Trigger whitespace must be one of {WHITESPACE_MODES}, got {self.whitespace!r} (text {self.text!r})")
         if not self.text:
             raise TriggerPatternError("Trigger text must be non-empty, got ''")
-        data = utf8_bytes(self.text, "Trigger text")
+        data = utf8_bytes(self.text, "Trigger text", TriggerPatternError)
         if self.whitespace == "any":
             if all(b in _WS for b in data):
                 raise TriggerPatternError(
@@ -772,7 +757,7 @@ def end_token_table(end: str, tokenizer: Any, *, special_ids: Optional[Sequence[
         raise TriggerTypeError(f"end must be a str, got {type(end).__name__}: {end!r}")
     if not end:
         raise TriggerPatternError("end must be non-empty, got ''")
-    key = utf8_bytes(end, "end")
+    key = utf8_bytes(end, "end", TriggerPatternError)
     vocab = _vocab_of(tokenizer, special_ids)
     ids = [i for i, b in enumerate(vocab) if b.startswith(key)]
     partial = [i for i, b in enumerate(vocab) if b and len(b) < len(key) and key.startswith(b)]

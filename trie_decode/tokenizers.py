@@ -36,6 +36,7 @@ from typing import Any, Callable, Collection, Optional, Sequence
 
 import numpy as np
 
+from .entries import entry_strings, utf8_bytes
 from .errors import InvalidEntryError, TrieDecodeError
 from .options import (
     KEYWORDS,
@@ -444,11 +445,18 @@ def separator_after(context: str) -> str:
     phrase (``"The answer is"``, ``"Answer:"``, ``"[/INST]"``), ``""`` at the start of a text, after whitespace (a
     newline, a chat header ending with one) and after an opening quote or bracket (``'"'``, ``"("``).
 
+    Chinese and Japanese put no space between words: none after a wide letter, digit or punctuation mark
+    (``"答案是"``, ``"答え："``); Korean, which does, gets one after Hangul.
+
     Example:
-        >>> [separator_after(c) for c in ("The answer is", "Answer:", "\\n", '"', "")]
-        [' ', ' ', '', '', '']
+        >>> [separator_after(c) for c in ("The answer is", "Answer:", "\\n", '"', "", "答案是", "정답은")]
+        [' ', ' ', '', '', '', '', ' ']
     """
     if not context or context[-1].isspace() or context[-1] in _NO_SPACE_AFTER:
+        return ""
+    last = context[-1]
+    if (unicodedata.east_asian_width(last) in ("W", "F") and unicodedata.category(last)[0] in "LNP"
+            and "HANGUL" not in unicodedata.name(last, "")):
         return ""
     return " "
 
@@ -492,6 +500,7 @@ def tokenize_in_context(
         True
     """
     check_on_unstable(on_unstable, _ENTRY_OPTIONS)
+    strings = entry_strings(strings)
     texts, split, head = _split_after(strings, tokenizer, context, separator)
     out: list[list[int]] = []
     raw_needed: list[int] = []
@@ -603,6 +612,9 @@ def _split_after(
     """
     if not isinstance(context, str):
         raise InvalidEntryError(f"context must be a string (the text the entries follow), got {type(context).__name__}")
+    if not context.isascii():  # a lone surrogate (a non-UTF-8 byte of a command line) fails inside the tokenizer
+        utf8_bytes(context, "context")
+    _require_get_vocab(tokenizer)
     fresh = not context or ends_with_special_token(tokenizer, context)
     if separator is None:
         separator = "" if fresh else separator_after(context)
@@ -681,7 +693,8 @@ def tokenize_strings(
         >>> tokenize_strings(["Paris"], tok, leading_space=True) == [tok(" Paris")["input_ids"]]  # doctest: +SKIP
         True
     """
-    strings = list(strings)
+    if not isinstance(leading_space, (bool, np.bool_)):  # "no" would read as True
+        raise InvalidEntryError(f"leading_space must be True or False, got {leading_space!r:.40}")
     check_on_unstable(on_unstable, _ENTRY_OPTIONS)
     check_on_unstable_context(on_unstable, context is not None, _ENTRY_OPTIONS)
     if context is not None:

@@ -27,14 +27,13 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Set as AbstractSet
 from typing import Any, BinaryIO, Callable, Hashable, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
 from ._build import BuiltArrays, RaggedTokens, _is_integer, build_arrays, check_tokens, to_ragged, token_paths
-from .entries import (FILTER_DTYPES, ITEM_DTYPES, Entry, StringTable, _is_utf8, catalog_item_keys, catalog_problem,
-                      check_keys, check_names, entry_column, filter_arrays_problem)
+from .entries import (FILTER_DTYPES, ITEM_DTYPES, Entry, StringTable, catalog_item_keys, catalog_problem,
+                      check_keys, check_names, entry_column, entry_strings, filter_arrays_problem, utf8_bytes)
 from .errors import EmptyTrieError, InvalidEntryError, InvalidTokenError, TokenizerMismatchError, TrieFileError
 from .fileio import check_vectors, read_arrays, write_arrays
 from .forms import resolve_forms, tokenize_forms
@@ -107,10 +106,10 @@ def check_fingerprint(fingerprint: Any) -> str:
         InvalidEntryError: not a string (None included: ``""`` is an unknown tokenizer), or a lone surrogate (save()
             failed inside safetensors on either).
     """
-    if not isinstance(fingerprint, str) or not _is_utf8(fingerprint):
-        kind = "a lone surrogate" if isinstance(fingerprint, str) else type(fingerprint).__name__
-        raise InvalidEntryError(f"fingerprint must be UTF-8 text (the tokenizer's tokenizer_fingerprint, or \"\" when "
-                                f"unknown), got {kind} {fingerprint!r:.40}")
+    what = "fingerprint must be UTF-8 text (the tokenizer's tokenizer_fingerprint, or \"\" when unknown), got"
+    if not isinstance(fingerprint, str):
+        raise InvalidEntryError(f"{what} {type(fingerprint).__name__} {fingerprint!r:.40}")
+    utf8_bytes(fingerprint, what)
     return fingerprint
 
 
@@ -361,20 +360,7 @@ class TokenTrie:
         if not callable(tokenizer) or not hasattr(tokenizer, "get_vocab"):  # a plain function failed when called
             raise InvalidEntryError(f"from_strings needs the model's tokenizer (a Hugging Face tokenizer: callable, "
                                     f"with get_vocab()) to tokenize the strings, got {type(tokenizer).__name__}")
-        if isinstance(strings, (str, bytes)):
-            raise InvalidEntryError("expected a collection of strings, got a single string")
-        if isinstance(strings, (AbstractSet, Mapping)):  # entry numbers (and keys=) would follow the hash order
-            raise InvalidEntryError(f"strings is a {type(strings).__name__}, which has no order of its own (a set of "
-                                    "strings iterates in another order in every process): give a list, e.g. "
-                                    "sorted(strings)")
-        strings = list(strings)
-        for i, s in enumerate(strings):
-            if not isinstance(s, str):
-                raise InvalidEntryError(f"entry {i} is {type(s).__name__} {s!r:.60}, not a string")
-            if s == "":
-                raise InvalidEntryError(f"entry {i} is the empty string: every entry needs at least one token")
-            if not s.isascii() and not _is_utf8(s):  # a tokenizer fails deep inside on it
-                raise InvalidEntryError(f"entry {i} holds a lone surrogate, not UTF-8 text: {s!r:.60}")
+        strings = entry_strings(strings)
         if not strings:
             raise EmptyTrieError("the set of entries is empty: a trie needs at least one entry")
         if keys is not None:
