@@ -717,7 +717,8 @@ def fast_forward_generate(
         tokenizer (optional): checks the tries' fingerprints and tokenizes ``separator``/``trigger`` given as text.
             ``generate`` consumes its own ``tokenizer=`` argument before calling the hook, so through the hook
             pass token ids for ``separator``/``trigger``.
-        end_token_id (`int`, optional): ends an entry; defaults to the generation config's first EOS id.
+        end_token_id (`int`, optional): ends an entry; defaults to the tokenizer's EOS, else the generation
+            config's first EOS id.
             Generation stops at the EOS ids, as ``generate``'s does: to stop at another end token, pass it as
             ``eos_token_id=`` too (otherwise it is repeated to ``max_new_tokens``, as with the processor). No entry
             may hold an EOS id before its last token (refused before the prefill, as by the processor:
@@ -782,6 +783,8 @@ def fast_forward_generate(
     check_not_taken("fast_forward_generate", refused, ("tries",), "its trie is trie=", "pass trie=...")
     check_one_source("fast_forward_generate", {"trie": trie, "template": template},
                      hints={"trie": "a TokenTrie, or one per prompt"})
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        raise ConstraintConfigError("input_ids must be a 2-D tensor of token ids (batch, prompt length)")
     hooked = logits_processor is not None and stopping_criteria is not None and generation_config is not None
     if hooked and tokenizer is None:
         text = [name for name, value in (("separator", separator), ("trigger", trigger)) if isinstance(value, str)]
@@ -809,8 +812,6 @@ def fast_forward_generate(
                                  generator=generator)
         return model.generate(input_ids, generation_config=generation_config, logits_processor=logits_processor,
                               stopping_criteria=stopping_criteria, custom_generate=hook, **kwargs)
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-        raise ConstraintConfigError("input_ids must be a 2-D tensor of token ids (batch, prompt length)")
     # stop_strings as the criterion generate builds from them (none without stop strings)
     string_stops = [StopStringCriteria(tokenizer=tokenizer, stop_strings=stop_strings)] if stop_strings else []
     attention_mask = kwargs.pop("attention_mask", None)
@@ -832,7 +833,7 @@ def fast_forward_generate(
         raise ConstraintConfigError(
             f"fast_forward_generate does not do beam search (num_beams={config.num_beams}, given or from the model's "
             "generation_config): pass num_beams=1, or for beam search use model.generate(..., num_beams=..., "
-            "logits_processor=[TrieLogitsProcessor(trie)])"
+            "logits_processor=[TrieLogitsProcessor(trie, tokenizer)])"
         )
     eos_ids = eos_token_ids(config)
     end = end_token(end_token_id, tokenizer, eos_ids[0] if eos_ids else None)  # on both paths alike

@@ -362,7 +362,7 @@ class TrieLogitsProcessor(LogitsProcessor):
         # With spans every row may enter every span's trie: its tree is the span it is in, not its prompt's.
         self._groups = prompt_groups(batch, 1 if self.rules.fields is not None else len(self.tries), device)
         self._state = self._fresh(input_ids, device)
-        self._hashes = self._hasher.hash(self._groups, input_ids[:, :0]) if loop.reorders and loop.parents is None else None
+        self._hashes = self._hasher.hash(self._row_keys(input_ids), input_ids[:, :0]) if loop.reorders and loop.parents is None else None
         self._start = cur
         self._loop = loop
         self.steps = 0
@@ -460,8 +460,18 @@ class TrieLogitsProcessor(LogitsProcessor):
             if parents is None and loop.parents is not None and column == 0:
                 # This generation takes the prefix-hash lookup instead; its previous rows had empty prefixes.
                 loop.parents = None
-                self._hashes = self._hasher.hash(self._groups, torch.empty(batch, 0, dtype=torch.long, device=self._groups.device))
+                self._hashes = self._hasher.hash(self._row_keys(self._prompt), self._prompt[:, :0])
         return parents
+
+    def _row_keys(self, prompts: torch.Tensor) -> torch.Tensor:
+        """What a row's state depends on besides its generated tokens, hashed with them by the prefix lookup: its
+        trie, its prompt's filter and the prompt tail a trigger or spans read (rows of two prompts may generate the
+        same tokens). Shape: (B,), int64."""
+        keys, n = self._groups, self._filter_specs[3]
+        if n:
+            keys = keys * n + prompt_groups(len(keys), n, keys.device)
+        tails = self._trigger_tails(prompts, starting=True)
+        return keys if tails is None else self._hasher.hash(keys, tails.to(keys.device))
 
     def _follow(self, input_ids: torch.Tensor, device: torch.device, loop: "GenerateLoop") -> bool:
         """Advance every row from its parent row; False if the rows do not continue the previous call's rows.
@@ -507,7 +517,7 @@ class TrieLogitsProcessor(LogitsProcessor):
             # DONE, whatever its parent. So under beam search the lookup costs O(max depth), not O(tokens generated).
             self._state = RowState(torch.full_like(self._state.node, DONE), self._state.tree)
             return True
-        prev = self._hasher.hash(self._groups, ids[:, self._start : cur - 1])
+        prev = self._hasher.hash(self._row_keys(ids[:, : self._start]), ids[:, self._start : cur - 1])
         order = torch.argsort(self._hashes)
         sorted_hashes = self._hashes[order]
         pos = torch.searchsorted(sorted_hashes, prev).clamp(max=batch - 1)
@@ -574,10 +584,13 @@ class TrieLogitsProcessor(LogitsProcessor):
         if self._trail is not None:
             self._seen = generated.clone()  # the caller may write into its tensor later
         if self._hashes is not None:
-            self._hashes = self._hasher.hash(self._groups, generated)
+            self._hashes = self._hasher.hash(self._row_keys(ids[:, :start]), generated)
         return True
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        if input_ids.dim() != 2 or len(scores) != len(input_ids):  # a row without its tokens would go unmasked
+            raise ConstraintConfigError(f"input_ids (B, L) and scores (B, V) must have one row per sequence, got "
+                                        f"{tuple(input_ids.shape)} and {tuple(scores.shape)}")
         loop = GenerateLoop.of_caller(self._loop)
         fused = self._fused
         if fused is not None and loop.continues(self._loop):
@@ -761,6 +774,8 @@ def rank(
     # the generation's start, where a live catalog's view is taken).
     processor._stop_options = "end_token_id="
     processor.check_stop_ids([processor.rules.end_token_id], change=processor._stop_options)
+    if not isinstance(inputs.get("input_ids", torch.empty(0)), torch.Tensor):
+        raise ConstraintConfigError("rank's inputs must hold input_ids as a tensor: tokenize with return_tensors=\"pt\"")
     prompts = inputs["input_ids"].shape[0] if "input_ids" in inputs else None  # one trie per prompt, named as rank's
     if prompts is not None:
         check_prompts(prompts, 1, {"trie": len(processor.tries), "allow/deny": processor._filter_specs[3]})

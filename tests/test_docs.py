@@ -58,3 +58,19 @@ def test_doc_links_resolve():
     for page in PAGES:
         for target in re.findall(r"\]\(([^)#:]+(?:\.(?:md|py|ipynb)|/))(?:#[^)]*)?\)", page.read_text()):
             assert (page.parent / target).resolve().exists(), f"{page.name} links to missing {target}"
+
+
+def _section(page: str, title: str) -> str:
+    text = (DOCS / page).read_text()
+    return text.split(f"## {title}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def test_troubleshooting_one_trie_per_prompt_is_exact():
+    # Inside generate, 2 tries over 4 prompts (a multiple of 2 rows) is refused: one trie per prompt, exactly.
+    from trie_decode.errors import ConstraintConfigError
+    from trie_decode.options import check_prompts
+
+    with pytest.raises(ConstraintConfigError, match="one per prompt"):
+        check_prompts(4, 1, {"tries": 2})
+    assert "exactly one trie per prompt" in _section("troubleshooting.md", "One trie per prompt")
+

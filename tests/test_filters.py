@@ -1125,3 +1125,14 @@ def test_a_distinct_list_selection_keeps_its_rows_whatever_the_index_tensor_beco
     picked = f.select(index)
     index[:] = 0
     assert [4 in a or 3 not in a for a in _allowed(c, c.start(2), picked, 40)] == [False, False]
+
+
+@pytest.mark.parametrize("max_entries", [2**40, 10**30])
+def test_a_distinct_list_larger_than_the_trie_holds_every_entry_once(max_entries):
+    """A list's room is at most the trie's entries: max_entries=2**40 allocated 8 TB per row (RuntimeError inside
+    torch), 10**30 overflowed; both walk as a list that may hold every entry."""
+    trie = TokenTrie.from_sequences(LIST, vocab_size=20)
+    c = TrieConstraint(trie, SpanRules(end_token_id=END, on_complete="repeat", separator=SEP2), "cpu")
+    every = c.filters(2, deny=[None, [0]], distinct=True, max_entries=trie.num_entries)
+    huge = c.filters(2, deny=[None, [0]], distinct=True, max_entries=max_entries)
+    assert _walk_lists(c, huge, 2, seed=3) == _walk_lists(c, every, 2, seed=3)

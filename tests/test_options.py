@@ -181,3 +181,10 @@ def test_vllm_text_options_are_tokenized_with_the_request_names(tokenizer):
     assert req.separator == ", "
     rules = TrieResolver(tokenizer).rules(req)
     assert rules.separator == tuple(tokenizer(", ", add_special_tokens=False)["input_ids"])
+
+
+def test_no_end_token_names_only_what_every_caller_takes():
+    """The processor takes no model: the refusal named "a tokenizer (or a model)" to a call that cannot pass one."""
+    with pytest.raises(ConstraintConfigError) as info:
+        TrieLogitsProcessor(TokenTrie.from_sequences([[5]], vocab_size=10))
+    assert str(info.value) == "no end token: pass end_token_id=, or a tokenizer that has an eos_token_id"

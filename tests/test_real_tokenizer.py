@@ -225,3 +225,12 @@ def test_tokenize_strings_takes_the_fix_its_context_error_names_and_refuses_a_se
         tokenize_strings(["France"], tokenizer, on_unstable="raw")
     with pytest.raises(InvalidEntryError, match=r"leading_space=True .*context="):
         tokenize_strings(["Paris"], tokenizer, leading_space=True, context="\n")
+
+
+def test_a_trie_without_fingerprint_as_wide_as_padded_logits_fits_its_tokenizer(tokenizer):
+    """A trie built from ids with vocab_size the model's logits width (wider than the tokenizer: Qwen, 152,064 logits
+    for about 151,665 ids) fits the tokenizer; only a token id the tokenizer has not is a mismatch, named as it is."""
+    v = len(tokenizer)
+    TokenTrie.from_sequences([[5, 6]], vocab_size=v + 64).check_tokenizer(tokenizer)
+    with pytest.raises(TokenizerMismatchError, match=f"token ids up to {v + 3} but the tokenizer has only {v} tokens"):
+        TokenTrie.from_sequences([[5, v + 3]], vocab_size=v + 64).check_tokenizer(tokenizer)

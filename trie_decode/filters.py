@@ -757,7 +757,7 @@ class RowFilters:
         # An allow set holds only usable entries: the denied ones are taken out of it here.
         allow_r = [None if a is None else sorted_ranks(a, d) for a, d in zip(allow, deny_r)]
         a_cap = max((len(a) for a in allow_r if a is not None), default=0)
-        capacity = max(int(distinct_capacity), 0)
+        capacity = min(max(int(distinct_capacity), 0), order.num_entries)  # a list holds each entry once at most
         # Entries that share a key are one item (ItemGroups); only a distinct list reads that.
         self._same_item = same_item if capacity and same_item is not None and same_item.width > 1 else None
         room = capacity if self._same_item is None else self._same_item.room(capacity)  # ranks a full list denies

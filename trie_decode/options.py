@@ -367,8 +367,7 @@ def end_token(end_token_id: Any, tokenizer: Any = None, default_end: Optional[in
     if end_token_id is None:
         end_token_id = default_end
     if end_token_id is None:
-        raise ConstraintConfigError("no end token: pass end_token_id=, or a tokenizer (or a model) that has an "
-                                    "eos_token_id")
+        raise ConstraintConfigError("no end token: pass end_token_id=, or a tokenizer that has an eos_token_id")
     return token_id(end_token_id, "end_token_id")
 
 

@@ -682,9 +682,9 @@ class TokenTrie:
         """Raise :class:`TokenizerMismatchError` if ``tokenizer`` is not the one this trie was built for."""
         if not self.fingerprint:
             vocab = tokenizer_vocab_size(tokenizer)
-            if vocab < self.vocab_size:
+            if self.max_token >= vocab:  # not vocab_size: a trie as wide as a model's padded logits is fine
                 raise TokenizerMismatchError(
-                    f"the trie uses token ids up to {self.vocab_size - 1} but the tokenizer has only {vocab} tokens"
+                    f"the trie uses token ids up to {self.max_token} but the tokenizer has only {vocab} tokens"
                 )
             return
         if not fingerprint_matches(self.fingerprint, tokenizer):  # the current or the legacy (pre-0.2) fingerprint

@@ -1,0 +1,94 @@
+"""Inputs a user's own loop or a direct call gets wrong: named errors, never a silently unconstrained row."""
+
+import pytest
+import torch
+
+from trie_decode import TokenTrie
+from trie_decode.errors import ConstraintConfigError
+from trie_decode.integrations.fast_forward import fast_forward_generate
+from trie_decode.integrations.transformers import TrieLogitsProcessor
+
+
+@pytest.fixture(scope="module")
+def trie(tokenizer):
+    return TokenTrie.from_strings(["Paris", "Berlin", "Madrid"], tokenizer)
+
+
+def test_scores_with_more_rows_than_input_ids_are_refused(tokenizer, trie):
+    # The third row of scores had no state: it was returned unmasked (every token allowed).
+    ids = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    for scores in (torch.zeros(3, len(tokenizer)), torch.zeros(1, len(tokenizer))):
+        with pytest.raises(ConstraintConfigError, match=r"one row per sequence, got \(2, 3\) and \((3|1), 49152\)"):
+            TrieLogitsProcessor(trie, tokenizer)(ids, scores)
+    with pytest.raises(ConstraintConfigError, match=r"one row per sequence, got \(3,\)"):  # was "not enough values"
+        TrieLogitsProcessor(trie, tokenizer)(ids[0], torch.zeros(len(tokenizer)))
+
+
+def test_fast_forward_names_1d_input_ids(tiny_llama, tokenizer, trie):
+    # The plain call handed them to generate first, which failed with "IndexError: tuple index out of range".
+    with pytest.raises(ConstraintConfigError, match="input_ids must be a 2-D tensor"):
+        fast_forward_generate(tiny_llama, torch.tensor([1, 2, 3]), trie=trie, max_new_tokens=3)
+
+
+def test_fast_forwards_documented_end_token_default_is_the_one_used(tiny_llama, tokenizer, trie):
+    # The docs said "defaults to the generation config's first EOS id"; with tokenizer= it is the tokenizer's.
+    doc = " ".join(fast_forward_generate.__doc__.split())
+    assert "end_token_id (`int`, optional): ends an entry; defaults to the tokenizer's EOS, else the generation" in doc
+    other = tokenizer.eos_token_id + 1  # the config's EOS: generate stops there, not at the end token
+    inputs = tokenizer(["Capital of Spain?"], return_tensors="pt")
+    out = fast_forward_generate(tiny_llama, **inputs, trie=trie, tokenizer=tokenizer, eos_token_id=other,
+                                pad_token_id=other, max_new_tokens=6, do_sample=False)
+    generated = out[0, inputs["input_ids"].shape[1]:].tolist()
+    assert tokenizer.eos_token_id in generated and other not in generated
+
+
+def test_the_beam_search_fix_named_by_fast_forward_runs_as_written(tiny_llama, tokenizer, trie):
+    # It named TrieLogitsProcessor(trie), which fails as written: "no end token" (the tokenizer supplies it).
+    inputs = tokenizer(["Capital of Spain?"], return_tensors="pt")
+    with pytest.raises(ConstraintConfigError, match=r"logits_processor=\[TrieLogitsProcessor\(trie, tokenizer\)\]"):
+        fast_forward_generate(tiny_llama, **inputs, trie=trie, num_beams=2, max_new_tokens=3)
+    out = tiny_llama.generate(**inputs, num_beams=2, max_new_tokens=3, logits_processor=[TrieLogitsProcessor(trie, tokenizer)])
+    assert out.shape[0] == 1
+
+
+_END = 2
+_ENTRIES = [[100, 200, 300], [100, 250], [400], [400, 401], [500, 501, 502, 503], [500, 501, 600]]
+_BEAMS = dict(max_new_tokens=8, pad_token_id=_END, eos_token_id=_END, num_beams=3, num_return_sequences=3)
+
+
+@pytest.mark.parametrize("lookup", ["unverified", "unknown parents layout"])
+@pytest.mark.parametrize("options", [dict(deny=[[0], [2, 4]]), dict(on_complete="release", trigger=[9, 10]),
+                                     dict(on_complete="repeat", separator=[7], distinct=True, allow=[[0, 1, 4, 5], [2, 3, 4]])],
+                         ids=["per-prompt deny", "trigger in one prompt", "per-prompt distinct lists"])
+def test_the_prefix_hash_lookup_keeps_each_prompts_own_state(tiny_llama, monkeypatch, lookup, options):
+    """Beam rows found by prefix hash (a transformers outside the verified range, or a running_beam_indices of
+    another layout) took the state of another prompt's row with the same generated tokens: the hash held the trie,
+    not the prompt. Prompt 1 wrote entries its deny list excludes, or lost the trigger its prompt ends with."""
+    from trie_decode.integrations import transformers_internals as internals
+
+    trie = TokenTrie.from_sequences(_ENTRIES, vocab_size=tiny_llama.config.vocab_size)
+    inputs = {"input_ids": torch.tensor([[0, 5, 6, 7, 9], [8, 9, 10, 9, 10]]),
+              "attention_mask": torch.tensor([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]])}
+    ref = tiny_llama.generate(**inputs, logits_processor=[TrieLogitsProcessor(trie, end_token_id=_END, **options)],
+                              **_BEAMS)
+    if lookup == "unverified":
+        monkeypatch.setattr(internals, "_VERIFIED", False)
+        monkeypatch.setattr(internals, "_warned", {"TrieLogitsProcessor (caller detection)"})
+    else:
+        real = internals.beam_parents
+        monkeypatch.setattr(internals, "_parent_layout_warned", True)
+        monkeypatch.setattr("trie_decode.integrations.transformers.beam_parents",
+                            lambda parents, rows, column, check: real(parents % 3, rows, column, check))
+    processor = TrieLogitsProcessor(trie, end_token_id=_END, **options)
+    out = tiny_llama.generate(**inputs, logits_processor=[processor], **_BEAMS)
+    assert torch.equal(out, ref), (ref[:, 5:].tolist(), out[:, 5:].tolist())
+    if "deny" in options:
+        assert not {e.index for e in processor.match(out)[3:]} & {2, 4}
+
+
+def test_rank_names_untensored_inputs(tiny_llama, tokenizer, trie):
+    # tokenizer(prompts) without return_tensors: "AttributeError: 'list' object has no attribute 'shape'".
+    from trie_decode.integrations.transformers import rank
+
+    with pytest.raises(ConstraintConfigError, match='input_ids as a tensor: tokenize with return_tensors="pt"'):
+        rank(tiny_llama, tokenizer(["Capital of Spain?"]), trie, k=2, tokenizer=tokenizer)
