@@ -362,7 +362,8 @@ class TrieLogitsProcessor(LogitsProcessor):
         # With spans every row may enter every span's trie: its tree is the span it is in, not its prompt's.
         self._groups = prompt_groups(batch, 1 if self.rules.fields is not None else len(self.tries), device)
         self._state = self._fresh(input_ids, device)
-        self._hashes = self._hasher.hash(self._row_keys(input_ids), input_ids[:, :0]) if loop.reorders and loop.parents is None else None
+        self._hashes = (self._hasher.hash(self._row_keys(input_ids), input_ids[:, :0])
+                        if loop.reorders and loop.parents is None else None)
         self._start = cur
         self._loop = loop
         self.steps = 0
@@ -775,7 +776,8 @@ def rank(
     processor._stop_options = "end_token_id="
     processor.check_stop_ids([processor.rules.end_token_id], change=processor._stop_options)
     if not isinstance(inputs.get("input_ids", torch.empty(0)), torch.Tensor):
-        raise ConstraintConfigError("rank's inputs must hold input_ids as a tensor: tokenize with return_tensors=\"pt\"")
+        raise ConstraintConfigError("rank's inputs must hold input_ids as a tensor: tokenize with "
+                                    "return_tensors=\"pt\"")
     prompts = inputs["input_ids"].shape[0] if "input_ids" in inputs else None  # one trie per prompt, named as rank's
     if prompts is not None:
         check_prompts(prompts, 1, {"trie": len(processor.tries), "allow/deny": processor._filter_specs[3]})

@@ -684,7 +684,8 @@ def handoff_store() -> HandoffStore:
 def load_allowed_file(value: str, option: Optional[str] = None) -> TokenTrie:
     """Resolve, open and load a request's trie string under the current policy, uncached (the check used when no
     tokenizer is at hand), with the changes of a live catalog delta file beside it (:meth:`AccessPolicy.open_delta`).
-    Raises :class:`TrieAccessError` with the client-safe messages (naming ``option``, as :meth:`AccessPolicy.resolve`)."""
+    Raises :class:`TrieAccessError` with the client-safe messages (naming ``option``, as
+    :meth:`AccessPolicy.resolve`)."""
     policy = current_policy()
     resolved = policy.resolve(value, option=option)
     with policy.open(resolved) as handle, policy.open_delta(resolved) as delta:

@@ -16,8 +16,9 @@ import numpy as np
 
 from .errors import InvalidEntryError
 
-__all__ = ["Entry", "StringTable", "utf8_bytes", "entry_strings", "entry_column", "check_names", "check_keys", "catalog_item_keys",
-           "catalog_key_table", "catalog_problem", "filter_number_map", "retired_key_table", "filter_arrays_problem"]
+__all__ = ["Entry", "StringTable", "utf8_bytes", "entry_strings", "entry_column", "check_names", "check_keys",
+           "catalog_item_keys", "catalog_key_table", "catalog_problem", "filter_number_map", "retired_key_table",
+           "filter_arrays_problem"]
 
 
 def utf8_bytes(text: str, what: str, error: type = InvalidEntryError) -> bytes:

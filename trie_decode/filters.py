@@ -489,7 +489,8 @@ def entry_indices(trie: TokenTrie, spec: Any, what: str) -> np.ndarray:
             idx = np.asarray(nums, dtype=np.int64)
         except OverflowError:  # past int64: outside any trie
             bad = next(int(x) for x in nums if not -(1 << 63) <= int(x) < 1 << 63)
-            raise UnknownEntryError(f"{what}: entry index {bad} is outside the trie's {trie.num_entries} entries") from None
+            raise UnknownEntryError(f"{what}: entry index {bad} is outside the trie's {trie.num_entries} "
+                                    "entries") from None
         if numbers is not None and idx.size:
             if idx.min() < 0 or idx.max() >= len(numbers):
                 bad = int(idx[(idx < 0) | (idx >= len(numbers))][0])
