@@ -47,6 +47,14 @@ def test_an_empty_path_is_a_usage_error_naming_it(capsys, args, what):
     assert f"error: {what} is an empty path: give a file" in capsys.readouterr().err
 
 
+def test_info_of_an_empty_path_shows_the_path(capsys):
+    # "trie file not found: " ended with nothing where the name goes.
+    from trie_decode.cli import main
+
+    assert main(["info", ""]) == 1
+    assert capsys.readouterr().err == "trie-decode info: error: trie file not found: ''\n"
+
+
 @pytest.mark.parametrize("value", [b", ", bytearray(b"A:")])
 def test_bytes_are_neither_text_nor_token_ids(value):
     # separator=b", " was read as the token ids (44, 32): a separator of other text, silently.

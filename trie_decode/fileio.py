@@ -158,7 +158,8 @@ def open_regular_file(path: str | os.PathLike[str], *, follow_symlinks: bool = T
     try:
         fd = os.open(path, flags)
     except FileNotFoundError as exc:
-        raise TrieFileError(f"trie file not found: {path}") from exc
+        raise TrieFileError(f"trie file not found: {path!r}" if not os.fsdecode(path) else
+                            f"trie file not found: {path}") from exc
     except ValueError as exc:  # what open() says of a name holding a NUL byte ("embedded null byte")
         raise TrieFileError(f"cannot open trie file {path!r}: a file name holds no NUL byte") from exc
     except IsADirectoryError as exc:  # pragma: no cover - Linux opens directories read-only; the fstat below catches it
