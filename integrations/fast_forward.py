@@ -853,7 +853,9 @@ def fast_forward_generate(
     _check_one_token_per_call(processors)
     unknown = set(model_kwargs) - _KNOWN_MODEL_KWARGS
     if unknown:
-        raise ConstraintConfigError(f"fast_forward_generate does not handle these model inputs: {sorted(unknown)}")
+        raise ConstraintConfigError(f"fast_forward_generate does not handle these model inputs or output options: "
+                                    f"{sorted(unknown)}; for them use model.generate(..., logits_processor="
+                                    "[TrieLogitsProcessor(trie, tokenizer)])")
     if getattr(model.config, "is_encoder_decoder", False):
         raise ConstraintConfigError("fast_forward_generate supports decoder-only models, not encoder-decoders")
 

@@ -603,6 +603,10 @@ def test_bad_arguments_are_named(tiny_llama, tokenizer, small_tries):
         fast_forward_generate(tiny_llama, **inputs, trie=small_tries[0], max_new_tokens=4, stop_strings=["."])
     with pytest.raises(ConstraintConfigError, match="streams one prompt.*without streamer"):
         fast_forward_generate(tiny_llama, **inputs, trie=small_tries[0], max_new_tokens=4, streamer=_Collect())
+    # Output options are no "model inputs"; the message names what takes them.
+    with pytest.raises(ConstraintConfigError, match=r"model inputs or output options: \['output_hidden_states'\]; "
+                                                    r"for them use model.generate"):
+        fast_forward_generate(tiny_llama, **inputs, trie=small_tries[0], max_new_tokens=4, output_hidden_states=True)
 
 
 @pytest.mark.parametrize("option", ["tries", "spans", "check_prompt", "distinct", "max_entries"])
