@@ -3,6 +3,8 @@ each text option holds the ids the model writes."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from trie_decode.options import tokens_arg
@@ -100,6 +102,11 @@ def test_a_folder_as_a_prefix_dict_is_named_a_folder(tmp_path, capsys):
     assert main(["build", "--prefix-dict", str(tmp_path), "--vocab-size", "9", "-o", str(tmp_path / "o.trie")]) == 1
     err = capsys.readouterr().err
     assert err == f"trie-decode build: error: prefix dict: {str(tmp_path)!r} is a folder, not a file\n"
+    fifo = tmp_path / "pipe.json"  # "no such file" too, of a pipe that exists (reading it would block)
+    os.mkfifo(fifo)
+    assert main(["build", "--prefix-dict", str(fifo), "--vocab-size", "9", "-o", str(tmp_path / "o.trie")]) == 1
+    assert capsys.readouterr().err == (f"trie-decode build: error: prefix dict: {str(fifo)!r} is not a regular file "
+                                       "(a pipe or a device)\n")
 
 
 def test_text_that_is_not_utf8_is_named_not_a_tokenizer_crash(tmp_path, capsys):

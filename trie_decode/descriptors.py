@@ -63,6 +63,8 @@ def read_json(source: JsonSource, what: str) -> Any:
         try:
             if path.is_dir():
                 raise DescriptorError(f"{what}: {str(path)!r} is a folder, not a file")
+            if path.exists() and not path.is_file():  # reading a FIFO would block
+                raise DescriptorError(f"{what}: {str(path)!r} is not a regular file (a pipe or a device)")
             if not path.is_file():
                 raise DescriptorError(f"{what}: no such file {str(path)!r}")
             text = path.read_bytes()
