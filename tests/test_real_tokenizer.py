@@ -149,7 +149,7 @@ def test_trie_without_fingerprint_checks_the_vocabulary_size(tokenizer):
     n = len(tokenizer)
     TokenTrie.from_sequences([[n - 1]], n).check_tokenizer(tokenizer)
     with pytest.raises(TokenizerMismatchError, match=f"token ids up to {n + 9} but the tokenizer has only {n}"):
-        TokenTrie.from_sequences([[1]], n + 10).check_tokenizer(tokenizer)
+        TokenTrie.from_sequences([[1, n + 9]], n + 10).check_tokenizer(tokenizer)
 
 
 def test_a_tokenizer_name_instead_of_a_tokenizer_is_named(tokenizer, tmp_path):
