@@ -60,7 +60,7 @@ def test_the_engine_steps_with_the_largest_admitted_stop_at_forced(resolver):
 
 
 @pytest.mark.parametrize("extra, where", [
-    ({"trie": ["red", "\ud800"]}, r"extra_args\['trie'\]: entry 1 holds a lone surrogate"),
+    ({"trie": ["red", "\ud800"]}, r"extra_args\['trie'\]: entry 1 '\\ud800' holds the lone surrogate"),
     ({"trie": COLORS, "context": "The answer\ud800"}, r"extra_args\['context'\] .* holds the lone surrogate"),
     ({"trie": COLORS, "trigger": "\udc00:"}, r"extra_args\['trigger'\] .* holds the lone surrogate"),
     ({"trie": COLORS, "on_complete": "repeat", "separator": ",\ud800"},
