@@ -120,7 +120,7 @@ _STATIC_FILTERS_KEPT = 4
 #: What one generation of a processor holds (``_switch`` keeps it aside while another generation calls), and how
 #: many generations it keeps aside at most.
 _GENERATION = ("_state", "_hashes", "_groups", "_start", "_last_len", "_loop", "_parents_checked", "_filters",
-               "_prompt", "_trail", "_seen", "steps", "_view", "tries", "_max_depth")
+               "_prompt", "_keys", "_trail", "_seen", "steps", "_view", "tries", "_max_depth")
 _GENERATIONS_KEPT = 4
 
 
@@ -362,7 +362,9 @@ class TrieLogitsProcessor(LogitsProcessor):
         # With spans every row may enter every span's trie: its tree is the span it is in, not its prompt's.
         self._groups = prompt_groups(batch, 1 if self.rules.fields is not None else len(self.tries), device)
         self._state = self._fresh(input_ids, device)
-        self._hashes = (self._hasher.hash(self._row_keys(input_ids), input_ids[:, :0])
+        # Each row's prompt key, once per generation (the prompt rows never change; beams reorder within a prompt).
+        self._keys = self._row_keys(input_ids) if loop.reorders else None
+        self._hashes = (self._hasher.hash(self._keys, input_ids[:, :0])
                         if loop.reorders and loop.parents is None else None)
         self._start = cur
         self._loop = loop
@@ -461,7 +463,7 @@ class TrieLogitsProcessor(LogitsProcessor):
             if parents is None and loop.parents is not None and column == 0:
                 # This generation takes the prefix-hash lookup instead; its previous rows had empty prefixes.
                 loop.parents = None
-                self._hashes = self._hasher.hash(self._row_keys(self._prompt), self._prompt[:, :0])
+                self._hashes = self._hasher.hash(self._keys, self._prompt[:, :0])
         return parents
 
     def _row_keys(self, prompts: torch.Tensor) -> torch.Tensor:
@@ -518,7 +520,7 @@ class TrieLogitsProcessor(LogitsProcessor):
             # DONE, whatever its parent. So under beam search the lookup costs O(max depth), not O(tokens generated).
             self._state = RowState(torch.full_like(self._state.node, DONE), self._state.tree)
             return True
-        prev = self._hasher.hash(self._row_keys(ids[:, : self._start]), ids[:, self._start : cur - 1])
+        prev = self._hasher.hash(self._keys, ids[:, self._start : cur - 1])
         order = torch.argsort(self._hashes)
         sorted_hashes = self._hashes[order]
         pos = torch.searchsorted(sorted_hashes, prev).clamp(max=batch - 1)
@@ -585,7 +587,7 @@ class TrieLogitsProcessor(LogitsProcessor):
         if self._trail is not None:
             self._seen = generated.clone()  # the caller may write into its tensor later
         if self._hashes is not None:
-            self._hashes = self._hasher.hash(self._row_keys(ids[:, :start]), generated)
+            self._hashes = self._hasher.hash(self._keys, generated)
         return True
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
