@@ -343,9 +343,10 @@ def run_load(base: str, spec: dict, duration: float, *, concurrency: int = 8, se
         n = 0
         while time.time() < stop_at:
             kind, xargs, members = _request_plan(spec, rng)
+            started = time.time() - t_start
             status, body, latency = complete(base, PROMPTS.get(kind, "Hi"), xargs, max_tokens=16, seed=rng.randrange(1 << 30),
                                              timeout=timeout)
-            rec: dict[str, Any] = {"kind": kind, "status": status, "latency": latency}
+            rec: dict[str, Any] = {"kind": kind, "status": status, "latency": latency, "start": started}
             if status == 200:
                 choice = body["choices"][0]
                 rec["finish"] = choice.get("finish_reason")
@@ -359,9 +360,9 @@ def run_load(base: str, spec: dict, duration: float, *, concurrency: int = 8, se
                 results.append(rec)
             n += 1
 
+    t_start = time.time()
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    t_start = time.time()
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
         list(pool.map(client, range(concurrency)))
     elapsed = time.time() - t_start
@@ -407,7 +408,7 @@ def summarize(results: list[dict], rss: dict, rss_series: list, elapsed: float, 
         if rec.get("member") is False:
             failures.append(f"{rec['kind']}: output {rec.get('text')!r} is not a member")
         if rec["latency"] > max_latency:
-            failures.append(f"{rec['kind']}: took {rec['latency']:.1f} s > {max_latency} s")
+            failures.append(f"{rec['kind']}: took {rec['latency']:.1f} s > {max_latency} s ({_overlap(rec, results)})")
     # Refusals must not depend on the path: one message per refused request, once the path is taken out.
     refused_msgs = set()
     for rec in results:
@@ -431,6 +432,8 @@ def summarize(results: list[dict], rss: dict, rss_series: list, elapsed: float, 
         "truncated": sum(1 for r in results if r.get("finish") == "length" and r["kind"] not in ("plain",)),
         "budget_refusals": sum(1 for r in results if r["kind"] == "inline_fresh" and r["status"] == 400),
         "max_latency_s": round(max((r["latency"] for r in results), default=0.0), 3),
+        "slowest": [{"kind": r["kind"], "status": r["status"], "start_s": round(r["start"], 1),
+                     "latency_s": round(r["latency"], 3)} for r in sorted(results, key=lambda r: -r["latency"])[:3]],
         "latency_s": latency_stats([r["latency"] for r in results]),
         "constrained_latency_s": latency_stats([r["latency"] for r in results if r["kind"] in
                                                 ("file", "named", "inline", "inline_fresh", "tokens") and r["status"] == 200]),
@@ -442,6 +445,18 @@ def summarize(results: list[dict], rss: dict, rss_series: list, elapsed: float, 
         "ok": not failures,
     }
     return report
+
+
+def _overlap(slow: dict, results: list[dict]) -> str:
+    """What the requests running beside a slow one saw: a server that stalls slows them all, a request that
+    blocks on its own (a file open, a lock) slows only itself."""
+    end = slow["start"] + slow["latency"]
+    beside = [r for r in results if r is not slow and r["start"] < end and r["start"] + r["latency"] > slow["start"]]
+    if not beside:
+        return f"started at {slow['start']:.1f} s; no request overlapped it"
+    worst = max(beside, key=lambda r: r["latency"])
+    return (f"started at {slow['start']:.1f} s; {len(beside)} requests overlapped it, the slowest "
+            f"({worst['kind']}, started at {worst['start']:.1f} s) took {worst['latency']:.1f} s")
 
 
 def latency_stats(values: list[float]) -> dict:

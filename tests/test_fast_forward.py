@@ -741,10 +741,13 @@ def test_outside_the_verified_transformers_it_decodes_token_by_token_with_the_sa
     kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=end, eos_token_id=end)
     ref = tiny_llama.generate(**inputs, logits_processor=[TrieLogitsProcessor(trie, end_token_id=end)], **kwargs)
     monkeypatch.setattr(internals, "_VERIFIED", False)
+    monkeypatch.setattr(internals, "VERIFIED", ("0.0.1", "0.0.2"))  # so the warning's text agrees with the flag
     monkeypatch.setattr(internals, "_warned", set())
-    with pytest.warns(internals.UnverifiedTransformersWarning, match="fast_forward_generate"):
+    with pytest.warns(internals.UnverifiedTransformersWarning) as caught:
         hooked = tiny_llama.generate(**inputs, custom_generate=fast_forward_generate, trie=trie, end_token_id=end,
                                      **kwargs)
+    said = " ".join(str(w.message) for w in caught)
+    assert "fast_forward_generate" in said and "TrieLogitsProcessor" in said and "(0.0.1 to 0.0.2)" in said, said
     plain = fast_forward_generate(tiny_llama, **inputs, trie=trie, end_token_id=end, **kwargs)
     assert torch.equal(hooked, ref) and torch.equal(plain, ref)
     # filters too, per prompt over per-prompt tries, as the verified path decodes them
