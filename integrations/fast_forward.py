@@ -241,7 +241,7 @@ class _Run:
         self.do_sample = bool(config.do_sample)
         self.want_scores = bool(config.return_dict_in_generate and config.output_scores)
         self.want_logits = bool(config.return_dict_in_generate and config.output_logits)
-        self.trig = len(constraint.rules.trigger)
+        self.trig = constraint.rules.trigger_len
         # (B, t) last tokens, for triggers; a prompt shorter than the trigger padded with -1 (a copy: _tails writes it)
         self.hist = tails.clone() if self.trig else None
         self.state = constraint.start(b, groups, self.hist)

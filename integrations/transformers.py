@@ -339,7 +339,7 @@ class TrieLogitsProcessor(LogitsProcessor):
     def _trigger_tails(self, input_ids: torch.Tensor, starting: bool = False) -> Optional[torch.Tensor]:
         """The rows' last tokens the constraint reads: a token trigger's length at every step; with spans, the
         prompt's tail at a generation's start only (``starting``; later steps feed the automaton token by token)."""
-        t = _SPAN_TAIL if starting and self.rules.fields is not None else len(self.rules.trigger)
+        t = _SPAN_TAIL if starting and self.rules.fields is not None else self.rules.trigger_len
         if not t:
             return None
         tails = input_ids[:, -t:]

@@ -262,7 +262,7 @@ class _Group:
         fanout = default_dense_min_fanout(max(t.vocab_size for t in tries))
         self.constraint = TrieConstraint(tries, rules, device, dense_min_fanout=fanout)
         self.fields = rules.fields is not None
-        self.trigger_len = _SPAN_TAIL if self.fields else len(rules.trigger)
+        self.trigger_len = _SPAN_TAIL if self.fields else rules.trigger_len
         self._filters: tuple[tuple, Any] = ((), None)
         self._trie_bytes = sum(_trie_nbytes(t) for t in tries)
 

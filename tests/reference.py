@@ -13,7 +13,7 @@ __all__ = ["SpanReference", "TrieReference", "allowed_after", "first_refused", "
 
 
 #: The span rules every state-machine test runs (with END = 1 and tokens 3..7 for separators and triggers): each
-#: end of an entry, multi-token separators, triggers in each mode.
+#: end of an entry, multi-token separators, triggers in each mode, a trigger of several forms.
 SPAN_RULE_CASES = [
     dict(on_complete="eos"),
     dict(on_complete="release"),
@@ -22,6 +22,7 @@ SPAN_RULE_CASES = [
     dict(on_complete="eos", trigger=(5, 6)),
     dict(on_complete="release", trigger=(7,)),
     dict(on_complete="repeat", separator=(3,), trigger=(5,)),
+    dict(on_complete="release", trigger=(5, 6), trigger_forms=((7,), (4, 5, 6))),  # a text trigger's other ids
 ]
 
 
@@ -37,9 +38,8 @@ class SpanReference:
                  distinct: bool = False, same_item: dict | None = None):
         self.entries, self.rules, self.distinct = set(entries), rules, distinct
         self.same_item = same_item or {}
-        trig = rules.trigger
         self.history = list(prompt_tail)
-        self.state = ("entry", ()) if not trig or tuple(prompt_tail[-len(trig):]) == trig else ("free",)
+        self.state = ("entry", ()) if not rules.trigger or self._ends_with_trigger() else ("free",)
         self.completed: list[tuple[int, ...]] = []
 
     def item(self, p) -> set:
@@ -94,9 +94,12 @@ class SpanReference:
             else:
                 self.state = ("entry", ()) if k + 1 == len(r.separator) else ("sep", k + 1)
         self.history.append(tok)
-        trig = r.trigger
-        if trig and self.state == ("free",) and tuple(self.history[-len(trig):]) == trig:
+        if r.trigger and self.state == ("free",) and self._ends_with_trigger():
             self.state = ("entry", ())
+
+    def _ends_with_trigger(self) -> bool:
+        """Whether the history ends with any form of the trigger."""
+        return any(len(self.history) >= len(f) and tuple(self.history[-len(f):]) == f for f in self.rules.triggers)
 
 
     def finish(self) -> list[tuple[int, ...]]:

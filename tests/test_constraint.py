@@ -76,7 +76,7 @@ def test_state_machine_matches_reference(tries, mode, seed, dense, backend):
         for r, allowed in zip(refs, expected):
             pool = sorted(allowed) if allowed is not None else list(range(2, V))
             if allowed is None and rules.trigger and rng.random() < 0.5:
-                pool = list(rules.trigger)
+                pool = [t for form in rules.triggers for t in form]
             tok = rng.choice(pool) if rng.random() < 0.9 else rng.randrange(V)
             toks.append(tok)
             r.step(tok)

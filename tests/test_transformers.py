@@ -384,17 +384,15 @@ def test_release_repeat_and_trigger_modes(tiny_llama, tokenizer):
 
 def test_trigger_span_real_model(model, left_tok, countries):
     """Free text, then a constrained country after the trigger, then free text again."""
-    trigger = " Country:"
     prompt = chat(left_tok, "Describe the country whose capital is Paris in one line, starting with 'Country:'.", prefill="")
     inputs = left_tok([prompt], return_tensors="pt")
-    processor = TrieLogitsProcessor(countries, left_tok, trigger=trigger, on_complete="release")
     forced_prefix = left_tok("Country:", add_special_tokens=False, return_tensors="pt")["input_ids"]
     inputs = {
         "input_ids": torch.cat([inputs["input_ids"], forced_prefix], dim=1),
         "attention_mask": torch.ones(1, inputs["input_ids"].shape[1] + forced_prefix.shape[1], dtype=torch.long),
     }
-    # The prompt already ends with the trigger's tokens only if they tokenize alike; use the token form instead.
-    processor = TrieLogitsProcessor(countries, left_tok, trigger=forced_prefix[0].tolist(), on_complete="release")
+    # The text fires at a line's start and after a space alike (tests/test_trigger_forms.py).
+    processor = TrieLogitsProcessor(countries, left_tok, trigger="Country:", on_complete="release")
     out = model.generate(**inputs, logits_processor=[processor], max_new_tokens=12, do_sample=False)
     entry = processor.match(out)[0]
     assert entry is not None and entry.name == "France"

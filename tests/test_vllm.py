@@ -239,6 +239,18 @@ def test_options_trigger_and_repeat(llm, tokenizer):
     assert got.text in COLORS, got.text
     rules = SpanRules(eos, trigger=word("Answer:"))
     assert first_refused(colors, rules, got.token_ids, prompt_tail=prompt) is None
+    # The same text trigger written after a space (byte-level BPE: "ĠAnswer :", not the trigger's own "Answer :")
+    # starts the constraint too (tests/test_trigger_forms.py): it used to leave the row free.
+    prompt = tokenizer("Which color is the sky on a clear day? Answer:", add_special_tokens=False)["input_ids"]
+    assert tuple(prompt[-2:]) != word("Answer:")
+    got = llm.generate(
+        [TokensPrompt(prompt_token_ids=prompt)],
+        SamplingParams(max_tokens=12, temperature=0, extra_args=trie_args(COLORS, trigger="Answer:")),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert got.text in COLORS and got.finish_reason == "stop", got.text
+    rules = SpanRules(eos, trigger=word("Answer:"), trigger_forms=[prompt[-2:]])
+    assert first_refused(colors, rules, got.token_ids, prompt_tail=prompt) is None
 
 
 def test_repeat_list_with_a_denied_entry_behind_the_separator_matches_transformers(llm, model, tokenizer):

@@ -40,6 +40,10 @@ from .trie import TokenTrie
 
 __all__ = ["SpanRules", "RowState", "TrieConstraint", "DONE", "FREE", "ON_COMPLETE_MODES"]
 
+#: In the trigger table, a place before a shorter form's first token: it matches any token, and the -1 that pads a
+#: short history.
+_ANY_TOKEN = -2
+
 
 def _count(value: Any, what: str) -> int:
     """``value`` as a count (an int >= 0: a Python or numpy int, or a 0-d integer tensor; not a bool), or a
@@ -233,7 +237,7 @@ class TrieConstraint:
                                         "spans (FieldRules.build and Template.build return both)")
         # The narrowest logits this constraint can mask: every trie token and every rule token must fit.
         self.needed_width = 1 + max([t.max_token for t in tries] + [rules.end_token_id]
-                                    + list(rules.separator) + list(rules.trigger)
+                                    + list(rules.separator) + [t for form in rules.triggers for t in form]
                                     + ([rules.fields.max_token] if rules.fields is not None else []))
         if dense_min_fanout is None:
             self.dtries = [DeviceTrie.get(t, self.device) for t in tries]
@@ -244,7 +248,14 @@ class TrieConstraint:
         self._prepared = self.kernel.prepare(self.tables)
         # Plans (allowed sets, bitmasks) come from the vectorized kernel of the device's array backend.
         self._planner = kernels.planner(self.device)
-        self._trigger = torch.tensor(rules.trigger, dtype=torch.long, device=self.device)
+        # Every trigger form right-aligned in one (forms, longest) table; a shorter form's head matches any token.
+        forms = np.full((len(rules.triggers), rules.trigger_len), _ANY_TOKEN, dtype=np.int64)
+        for k, form in enumerate(rules.triggers):
+            forms[k, forms.shape[1] - len(form):] = form
+        self._trigger = torch.from_numpy(forms).to(self.device)
+        self._trigger_any = self._trigger == _ANY_TOKEN
+        self._trigger_len = forms.shape[1]  # read at every step: not the rules' property
+        self._one_trigger = self._trigger[0] if len(forms) == 1 else None  # ids as given: the cheaper compare
         # Read from the step tables: a FREE row (text spans: outside every value) is unconstrained by the trie and
         # stays FREE on any token, so the batch-1 loop of text spans skips the kernel for it.
         free_rows = [t.tensor[FREE].tolist() for t in self.tables]
@@ -349,7 +360,7 @@ class TrieConstraint:
         """With a trigger: ConstraintConfigError unless ``tails`` holds each row's last tokens, Shape: (R, T) (T below
         ``len(trigger)`` only for a history that short: it cannot end with the trigger yet). Without them the
         trigger would never fire; ``start`` may go without: no prompt then ends with the trigger."""
-        t = len(self.rules.trigger)
+        t = self._trigger_len
         if tails is None:
             if where == "start":
                 return
@@ -359,15 +370,20 @@ class TrieConstraint:
         got = _misfit_tails(tails, num_rows)
         if got is not None:
             raise ConstraintConfigError(
-                f"tails must hold each row's last tokens, {t} (the trigger's length) or more, or all of a shorter "
+                f"tails must hold each row's last tokens, {t} (the longest trigger form) or more, or all of a shorter "
                 f"history: ({num_rows}, T), got {got}")
 
     def _tail_is_trigger(self, tails: Optional[torch.Tensor], num_rows: int) -> torch.Tensor:
-        """Rows whose ``tails`` (checked: :meth:`_check_tails`) end with the trigger. Shape: (R,), bool."""
-        t = len(self.rules.trigger)
-        if tails is None or tails.shape[1] < t:  # a history shorter than the trigger cannot end with it
+        """Rows whose ``tails`` (checked: :meth:`_check_tails`) end with a form of the trigger. Shape: (R,), bool."""
+        if tails is None:
             return torch.zeros(num_rows, dtype=torch.bool, device=self.device)
-        return (tails[:, -t:].to(self.device) == self._trigger).all(dim=1)
+        t = self._trigger_len
+        tail = tails[:, -t:].to(self.device)
+        if tail.shape[1] < t:  # a history shorter than the longest form may still end with a shorter one
+            tail = torch.nn.functional.pad(tail, (t - tail.shape[1], 0), value=-1)
+        if self._one_trigger is not None:
+            return (tail == self._one_trigger).all(dim=1)
+        return ((tail[:, None, :] == self._trigger) | self._trigger_any).all(dim=2).any(dim=1)
 
     def _groups(self, tree: torch.Tensor) -> list[tuple[int, Optional[torch.Tensor]]]:
         return row_groups(tree, len(self.tries))
@@ -785,7 +801,7 @@ class TrieConstraint:
         if r == 0:
             return found
         width = max((len(x) for x in rows), default=0)
-        t = len(self.rules.trigger)
+        t = self.rules.trigger_len
         tails = np.full((r, t), -1, dtype=np.int64)
         if t and prompt_tails is not None:
             for i, tail in enumerate(prompt_tails):

@@ -23,7 +23,8 @@ The rules, and who calls them:
     vocabulary size  :func:`is_vocab_size`, :func:`check_vocab_size` (an integer in ``[1, 2**31]``): the trie
                      builders, the CLI's ``--vocab-size``.
     token arguments  :func:`token_tuple` (token ids), :func:`token_id` (one id), :func:`text_or_ids` (a trigger or
-                     separator as text or ids), :func:`tokens_arg` (text tokenized now), :func:`end_token` and
+                     separator as text or ids), :func:`tokens_arg` (text tokenized now), :func:`trigger_forms`
+                     (the other ids of a text trigger), :func:`end_token` and
                      :func:`first_eos` (the end token and its defaults), gathered by :func:`rule_args`:
                      ``SpanRules``, transformers, fast-forward, vLLM request parsing (``trigger``, ``separator``,
                      ``prefix``) and resolving.
@@ -104,6 +105,7 @@ __all__ = [
     "token_id",
     "text_or_ids",
     "tokens_arg",
+    "trigger_forms",
     "first_eos",
     "end_token",
     "rule_args",
@@ -342,6 +344,27 @@ def tokens_arg(value: Any, tokenizer: Any, key: str, names: OptionNames = KEYWOR
     return tuple(int(i) for i in ids)
 
 
+def trigger_forms(value: Any, tokenizer: Any) -> tuple[tuple[int, ...], ...]:
+    """The ids a trigger given as text is also written with: after a newline and after a word and a space
+    (:func:`~trie_decode.tokenizers.tokenize_in_context`), beside its own ids (:func:`tokens_arg`). Text means
+    text wherever the model writes it: SentencePiece writes ``"Answer:"`` as ``▁Answer :`` alone or after a space
+    and ``Answer :`` at a line's start; byte-level BPE as ``Answer :`` alone and ``ĠAnswer :`` after a space.
+    A text that starts with whitespace keeps it (``" Answer:"`` is not written at a line's start). ``()`` for token
+    ids or no trigger (ids are compared as given); ``SpanRules`` drops a repeated form.
+
+    Example:
+        >>> trigger_forms([5, 6], None)
+        ()
+    """
+    if not isinstance(value, str) or tokenizer is None:
+        return ()
+    from .tokenizers import LINE_ANCHOR, tokenize_in_context  # tokenizers imports this module
+
+    line = tokenize_in_context([value], tokenizer, LINE_ANCHOR, separator="", on_unstable="raw")[0]
+    spaced = tokenize_in_context([value], tokenizer, "x", separator=" ", on_unstable="raw")[0]
+    return tuple(tuple(int(i) for i in ids) for ids in (line, spaced) if ids)
+
+
 def first_eos(value: Any) -> Optional[int]:
     """The first id of an EOS setting (an int, a list of ints, a tensor, or None)."""
     if isinstance(value, torch.Tensor):
@@ -395,10 +418,10 @@ def rule_args(
     """
     mode = check_on_complete(on_complete, names)
     separator = tokens_arg(separator, tokenizer, "separator", names)
-    trigger = tokens_arg(trigger, tokenizer, "trigger", names)
+    trigger_ids = tokens_arg(trigger, tokenizer, "trigger", names)  # checks the text too
     check_separator(mode, bool(separator), names)
     return dict(end_token_id=end_token(end_token_id, tokenizer, default_end), on_complete=mode, separator=separator,
-                trigger=trigger)
+                trigger=trigger_ids, trigger_forms=trigger_forms(trigger, tokenizer))
 
 
 # ------------------------------------------------------------------------------------------------- filter modes

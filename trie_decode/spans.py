@@ -62,6 +62,10 @@ class SpanRules:
         on_complete: ``"eos"`` (default), ``"release"`` or ``"repeat"`` (see the module docstring).
         separator: token ids between entries in ``"repeat"`` mode (e.g. the tokens of ``", "``).
         trigger: token ids after which the constraint starts; empty = it starts with generation.
+        trigger_forms: other token ids of the same trigger; a row starts after any form. A trigger given as text
+            gets the ids the model writes it with at a line's start and after a space
+            (:func:`~trie_decode.options.trigger_forms`): SentencePiece writes ``"Answer:"`` as ``▁Answer :`` after
+            a space but ``Answer :`` after a newline, byte-level BPE as ``Answer :`` and ``ĠAnswer :``.
         fields: text spans (a :class:`~trie_decode.fields.FieldRules`, or a template's
             :class:`~trie_decode.templates.TemplateRules`); needs ``on_complete="release"`` and no ``trigger``.
 
@@ -69,6 +73,8 @@ class SpanRules:
         >>> rules = SpanRules(end_token_id=2, on_complete="repeat", separator=[5, 6])
         >>> rules.separator, rules.plain, rules.num_codes   # DONE, FREE, and one code for the separator's 2nd token
         ((5, 6), False, 3)
+        >>> SpanRules(end_token_id=2, trigger=[7, 8], trigger_forms=[[9, 8], [7, 8]]).triggers  # the same form once
+        ((7, 8), (9, 8))
         >>> SpanRules(end_token_id=2, on_complete="stop")
         Traceback (most recent call last):
         ...
@@ -80,12 +86,14 @@ class SpanRules:
     separator: tuple[int, ...] = ()
     trigger: tuple[int, ...] = ()
     fields: Any = None
+    trigger_forms: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "end_token_id", token_id(self.end_token_id, "end_token_id"))
         check_on_complete(self.on_complete)
         object.__setattr__(self, "separator", token_tuple(self.separator, "separator"))
         object.__setattr__(self, "trigger", token_tuple(self.trigger, "trigger"))
+        object.__setattr__(self, "trigger_forms", _other_forms(self.trigger, self.trigger_forms))
         check_separator(self.on_complete, bool(self.separator))
         if self.end_token_id in self.separator:
             raise ConstraintConfigError(
@@ -104,10 +112,21 @@ class SpanRules:
 
     def check_vocab(self, width: int) -> None:
         """Raise :class:`InvalidTokenError` if a configured token is outside ``[0, width)``."""
-        for what, toks in (("end_token_id", (self.end_token_id,)), ("separator", self.separator), ("trigger", self.trigger)):
+        triggers = [t for form in self.triggers for t in form]
+        for what, toks in (("end_token_id", (self.end_token_id,)), ("separator", self.separator), ("trigger", triggers)):
             for tok in toks:
                 if tok >= width:
                     raise InvalidTokenError(f"{what} token {tok} is outside the vocabulary [0, {width})")
+
+    @property
+    def triggers(self) -> tuple[tuple[int, ...], ...]:
+        """Every form of the trigger, ``trigger`` first; ``()`` without a trigger."""
+        return (self.trigger,) + self.trigger_forms if self.trigger else ()
+
+    @property
+    def trigger_len(self) -> int:
+        """The longest trigger form: how many of a row's last tokens the trigger check reads (0 without one)."""
+        return max([len(form) for form in self.triggers] + [0])
 
     @property
     def plain(self) -> bool:
@@ -123,6 +142,25 @@ class SpanRules:
     def num_codes(self) -> int:
         """K: the negative state codes these rules use (DONE, FREE and one per separator token after the first)."""
         return 2 + max(len(self.separator) - 1, 0)
+
+
+def _other_forms(trigger: tuple[int, ...], forms: Any) -> tuple[tuple[int, ...], ...]:
+    """``trigger_forms`` checked: each a non-empty token sequence, none repeated nor equal to ``trigger``, and
+    only beside a trigger."""
+    if forms is None or isinstance(forms, (str, bytes, bytearray)) or not hasattr(forms, "__iter__"):
+        raise ConstraintConfigError(f"trigger_forms must be a list of token-id lists, got {forms!r:.80}")
+    out: list[tuple[int, ...]] = []
+    for form in forms:
+        if isinstance(form, (int, np.integer)):
+            raise ConstraintConfigError(f"trigger_forms must be a list of token-id lists, got the id {form!r} in it")
+        ids = token_tuple(form, "trigger_forms")
+        if not ids:
+            raise ConstraintConfigError("trigger_forms holds an empty form: each form is the token ids of the trigger")
+        if ids != trigger and ids not in out:
+            out.append(ids)
+    if out and not trigger:
+        raise ConstraintConfigError("trigger_forms are other forms of a trigger: give trigger= too")
+    return tuple(out)
 
 
 def step_table(trie: TokenTrie, rules: SpanRules, dense_slot: np.ndarray, end_slot: int = -1, span: int = 0) -> np.ndarray:
