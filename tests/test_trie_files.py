@@ -349,6 +349,19 @@ def test_saving_where_no_file_can_be_written_is_named(trie, tmp_path):
         trie.save(tmp_path / ("x" * 300) / "t.trie")
 
 
+def test_a_write_the_os_refuses_names_the_target_and_the_os_reason_only(trie, tmp_path):
+    """safetensors wraps the OS error with its own temporary file's path ("... (os error 2) at path
+    "/proc/.tmpXXXX""): the message names the file the user gave and what the OS said."""
+    with pytest.raises(TrieFileError) as caught:
+        trie.save("/proc/x.trie")  # a folder that exists, where no file can be made
+    assert str(caught.value) == "cannot write /proc/x.trie: No such file or directory", str(caught.value)
+    from trie_decode.fileio import _write_failure
+
+    assert _write_failure(RuntimeError("I/O error: Permission denied (os error 13) at path \"/a/.tmpX\"")) == \
+        "Permission denied"
+    assert _write_failure(RuntimeError("something else")) == "something else"
+
+
 def test_a_name_ending_with_a_slash_is_a_folder(trie, tmp_path):
     # Was: safetensors' "I/O error: No such file or directory ... at path .../missing/.tmpXXXX".
     with pytest.raises(TrieFileError, match=r"cannot write .*missing/: a name ending with a slash is a folder, and "

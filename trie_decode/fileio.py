@@ -96,6 +96,15 @@ def check_writable(path: str | bytes | os.PathLike[str]) -> str:
     return text
 
 
+def _write_failure(exc: BaseException) -> str:
+    """What the OS said: safetensors wraps it (``... I/O error: Permission denied (os error 13) at path
+    "<its own temporary file>"``), a name the user never gave."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    found = re.search(r"\(os error (\d+)\)", str(exc))
+    return os.strerror(int(found.group(1))) if found else str(exc)
+
+
 def write_arrays(path: str | os.PathLike[str], arrays: Mapping[str, np.ndarray], metadata: Mapping[str, str]) -> None:
     """Write ``arrays`` and ``metadata`` as a safetensors file, adding the format tag and per-array CRC-32s.
 
@@ -127,7 +136,7 @@ def write_arrays(path: str | os.PathLike[str], arrays: Mapping[str, np.ndarray],
         os.replace(tmp, path)
     except (OSError, SafetensorError) as exc:  # safetensors reports an I/O failure as a SafetensorError
         tmp.unlink(missing_ok=True)
-        raise TrieFileError(f"cannot write {os.fspath(path)}: {getattr(exc, 'strerror', None) or exc}") from exc
+        raise TrieFileError(f"cannot write {os.fspath(path)}: {_write_failure(exc)}") from exc
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
