@@ -335,18 +335,24 @@ def tokens_arg(value: Any, tokenizer: Any, key: str, names: OptionNames = KEYWOR
         names.fail(f"{names(key)} given as text needs a tokenizer; pass tokenizer= or token ids")
     ids = tokenizer(value, add_special_tokens=False)["input_ids"]
     if key == "separator":
-        head = list(tokenizer("x", add_special_tokens=False)["input_ids"])
-        after = list(tokenizer("x" + value, add_special_tokens=False)["input_ids"])
-        if after[:len(head)] == head and len(after) > len(head):  # else "x" merges with it: its own ids
-            ids = after[len(head):]
+        ids = _ids_after(tokenizer, "x", value) or ids  # where "x" merges with it: its own ids
     if not ids:
         names.fail(f"{names(key)} {value!r} tokenizes to nothing")
     return tuple(int(i) for i in ids)
 
 
+def _ids_after(tokenizer: Any, context: str, text: str) -> Optional[list[int]]:
+    """The ids the tokenizer gives ``text`` right after ``context`` (``context + text`` tokenized, the context's
+    own ids cut off), or None where the two share a token. (:func:`~trie_decode.tokenizers.tokenize_in_context`
+    does this for entries, with their options; it imports this module.)"""
+    head = list(tokenizer(context, add_special_tokens=False)["input_ids"])
+    after = list(tokenizer(context + text, add_special_tokens=False)["input_ids"])
+    return after[len(head):] if after[:len(head)] == head and len(after) > len(head) else None
+
+
 def trigger_forms(value: Any, tokenizer: Any) -> tuple[tuple[int, ...], ...]:
-    """The ids a trigger given as text is also written with: after a newline and after a word and a space
-    (:func:`~trie_decode.tokenizers.tokenize_in_context`), beside its own ids (:func:`tokens_arg`). Text means
+    """The ids a trigger given as text is also written with: after a newline and after a word and a space,
+    beside its own ids (:func:`tokens_arg`). Text means
     text wherever the model writes it: SentencePiece writes ``"Answer:"`` as ``▁Answer :`` alone or after a space
     and ``Answer :`` at a line's start; byte-level BPE as ``Answer :`` alone and ``ĠAnswer :`` after a space.
     A text that starts with whitespace keeps it (``" Answer:"`` is not written at a line's start). ``()`` for token
@@ -358,10 +364,8 @@ def trigger_forms(value: Any, tokenizer: Any) -> tuple[tuple[int, ...], ...]:
     """
     if not isinstance(value, str) or tokenizer is None:
         return ()
-    from .tokenizers import LINE_ANCHOR, tokenize_in_context  # tokenizers imports this module
-
-    line = tokenize_in_context([value], tokenizer, LINE_ANCHOR, separator="", on_unstable="raw")[0]
-    spaced = tokenize_in_context([value], tokenizer, "x", separator=" ", on_unstable="raw")[0]
+    line = _ids_after(tokenizer, "\n", value)
+    spaced = _ids_after(tokenizer, "x", value if value[:1].isspace() else " " + value)
     return tuple(tuple(int(i) for i in ids) for ids in (line, spaced) if ids)
 
 
