@@ -243,7 +243,7 @@ class TrieBeamLogitsProcessor(TrieLogitsProcessor):
             row = table.rows.get(s)
             if row is not None and row.group is not None:
                 c = table.groups[row.group].constraint
-                cols += list(c.rules.separator) + [t for form in c.rules.triggers for t in form]
+                cols += list(c.rules.separator) + c.rules.trigger_tokens
                 node, tree = state[s]
                 if node >= 0:
                     cols += c.tries[tree].children(node)[0].tolist()

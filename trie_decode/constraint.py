@@ -237,7 +237,7 @@ class TrieConstraint:
                                         "spans (FieldRules.build and Template.build return both)")
         # The narrowest logits this constraint can mask: every trie token and every rule token must fit.
         self.needed_width = 1 + max([t.max_token for t in tries] + [rules.end_token_id]
-                                    + list(rules.separator) + [t for form in rules.triggers for t in form]
+                                    + list(rules.separator) + rules.trigger_tokens
                                     + ([rules.fields.max_token] if rules.fields is not None else []))
         if dense_min_fanout is None:
             self.dtries = [DeviceTrie.get(t, self.device) for t in tries]

@@ -112,8 +112,8 @@ class SpanRules:
 
     def check_vocab(self, width: int) -> None:
         """Raise :class:`InvalidTokenError` if a configured token is outside ``[0, width)``."""
-        triggers = [t for form in self.triggers for t in form]
-        for what, toks in (("end_token_id", (self.end_token_id,)), ("separator", self.separator), ("trigger", triggers)):
+        for what, toks in (("end_token_id", (self.end_token_id,)), ("separator", self.separator),
+                           ("trigger", self.trigger_tokens)):
             for tok in toks:
                 if tok >= width:
                     raise InvalidTokenError(f"{what} token {tok} is outside the vocabulary [0, {width})")
@@ -127,6 +127,11 @@ class SpanRules:
     def trigger_len(self) -> int:
         """The longest trigger form: how many of a row's last tokens the trigger check reads (0 without one)."""
         return max([len(form) for form in self.triggers] + [0])
+
+    @property
+    def trigger_tokens(self) -> list[int]:
+        """Every token of every trigger form (the vocabulary must hold them)."""
+        return [t for form in self.triggers for t in form]
 
     @property
     def plain(self) -> bool:
