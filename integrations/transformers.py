@@ -24,6 +24,7 @@ else can still see.
 from __future__ import annotations
 
 import inspect
+import numbers
 import weakref
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -634,7 +635,7 @@ class TrieLogitsProcessor(LogitsProcessor):
         if self.rules.fields is not None:
             raise ConstraintConfigError("match/match_all read trie entries; with spans, parse the generated text")
         start = self._start if prompt_length is None else prompt_length
-        rows = sequences.tolist()
+        rows = _token_rows(sequences, "sequences", "out.sequences (the prompt included)")
         tree = prompt_groups(len(rows), len(self.tries)).tolist()
         replayer = self.constraint(torch.device("cpu"))
         found = replayer.replay([r[start:] for r in rows], tree, [r[:start] for r in rows])
@@ -660,10 +661,30 @@ def match_all(trie: TokenTrie | CatalogSnapshot | LiveCatalog, generated: torch.
     """Every entry each row generated under ``rules`` (generated tokens only, no prompt); a live catalog's as its
     snapshot now holds them, read over a trie of exactly its entries (:meth:`CatalogSnapshot.view` ``whole=True``:
     may compact the snapshot, about 1 s per million entries, once)."""
+    generated = _token_rows(generated, "generated", "the generated tokens, out.sequences[:, prompt_length:]")
     if isinstance(trie, (LiveCatalog, CatalogSnapshot)):
         view = trie.snapshot().view(rules, whole=True)
         return view.source_entries(view.constraint(rules, "cpu").replay(generated))
     return constraint_for(trie, rules, "cpu").replay(generated)
+
+
+def _token_rows(sequences: Any, what: str, output: str) -> list[list[int]]:
+    """The token rows of ``sequences``: a (B, L) tensor or array, or a list of rows; anything else (``generate``'s
+    dict output, one row alone, 3-D logits, float ids) is a named error, not a replay of what is no row of tokens.
+    ``output``: what to pass instead of ``generate``'s dict output."""
+    if hasattr(sequences, "sequences"):  # generate(..., return_dict_in_generate=True)'s output
+        raise ConstraintConfigError(f"{what} must be rows of token ids, got generate's {type(sequences).__name__}: "
+                                    f"pass {output}")
+    rows = sequences.tolist() if hasattr(sequences, "tolist") else sequences
+    if isinstance(rows, (list, tuple)):
+        rows = [row.tolist() if hasattr(row, "tolist") else row for row in rows]
+        if all(isinstance(row, (list, tuple)) and all(isinstance(t, numbers.Integral) and not isinstance(t, bool)
+                                                      for t in row) for row in rows):
+            return [[int(t) for t in row] for row in rows]
+    got = (f"{tuple(sequences.shape)} {sequences.dtype}" if hasattr(sequences, "shape") and hasattr(sequences, "dtype")
+           else type(sequences).__name__)
+    raise ConstraintConfigError(f"{what} must be rows of token ids, Shape (B, L) with integer ids, got {got} (one row "
+                                f"alone is {what}[None])")
 
 
 class RankedEntry(tuple):

@@ -92,3 +92,31 @@ def test_rank_names_untensored_inputs(tiny_llama, tokenizer, trie):
 
     with pytest.raises(ConstraintConfigError, match='input_ids as a tensor: tokenize with return_tensors="pt"'):
         rank(tiny_llama, tokenizer(["Capital of Spain?"]), trie, k=2, tokenizer=tokenizer)
+
+
+def test_match_names_what_is_no_rows_of_tokens(tiny_llama, tokenizer, trie):
+    # generate's dict output: "AttributeError: 'GenerateDecoderOnlyOutput' object has no attribute 'tolist'" from the
+    # processor's match, and from the module's match a replay of its keys' characters ("invalid literal for int()");
+    # one row alone: "TypeError: 'int' object is not subscriptable"; 3-D: a numpy "setting an array element" error.
+    from trie_decode.integrations.transformers import match
+
+    processor = TrieLogitsProcessor(trie, tokenizer)
+    ids = torch.tensor([[1, 2, 3]])
+    out = tiny_llama.generate(input_ids=ids, attention_mask=torch.ones_like(ids), logits_processor=[processor],
+                              max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
+    with pytest.raises(ConstraintConfigError, match=r"got generate's GenerateDecoderOnlyOutput: pass out\.sequences"):
+        processor.match(out)
+    with pytest.raises(ConstraintConfigError, match=r"pass the generated tokens, out\.sequences\[:, prompt_length:\]"):
+        match(trie, out, end_token_id=tokenizer.eos_token_id)
+    with pytest.raises(ConstraintConfigError, match=r"Shape \(B, L\) with integer ids, got \(\d+,\) torch.int64 \(one row "
+                                                    r"alone is sequences\[None\]\)"):
+        processor.match(out.sequences[0])
+    with pytest.raises(ConstraintConfigError, match=r"got \(1, 1, \d+\) torch.int64"):
+        match(trie, out.sequences[None, :, 3:], end_token_id=tokenizer.eos_token_id)
+    with pytest.raises(ConstraintConfigError, match=r"got \(1, \d+\) torch.float32"):
+        processor.match(out.sequences.float())
+    # What it read before still reads alike: a tensor, a list of rows, numpy rows.
+    expected = processor.match(out.sequences)
+    assert expected[0] is not None
+    assert processor.match(out.sequences.tolist()) == processor.match([out.sequences[0].numpy()]) == expected
+    assert match(trie, out.sequences[:, 3:], end_token_id=tokenizer.eos_token_id) == expected
