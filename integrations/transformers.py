@@ -35,7 +35,7 @@ from trie_decode.constraint import DONE, RowState, SpanRules, TrieConstraint, ch
 from trie_decode.entries import Entry
 from trie_decode.fields import FieldRules, Span
 from trie_decode.templates import Template
-from trie_decode.errors import ConstraintConfigError
+from trie_decode.errors import ConstraintConfigError, InvalidTokenError
 from trie_decode.filters import entry_indices, filtered_restrictions
 from trie_decode.forms import entry_identity, warn_prompt
 from trie_decode.kernels.rules import ALL_MASKED_FLOOR
@@ -45,7 +45,7 @@ from trie_decode.options import (TrieArg, as_tries, check_alone, check_distinct,
                                   filter_rows, first_eos, prompt_filters, prompt_groups, rule_args)
 from trie_decode.trie import TokenTrie
 
-from .transformers_internals import GenerateLoop, beam_parents, prefix_processor_start, reusable_buffer
+from .transformers_internals import GenerateLoop, beam_parents, prefix_processor_call, reusable_buffer
 
 try:
     from transformers import LogitsProcessor, LogitsProcessorList, PrefixConstrainedLogitsProcessor
@@ -934,6 +934,11 @@ def prefix_allowed_tokens_fn(
             calling frame); a direct call without ``prompt_length`` is an error, since a row alone does not say
             where its prompt ends.
 
+    Raises:
+        InvalidTokenError: at a ``generate`` call's first step, a trie (or end token) wider than its scores.
+        ConstraintConfigError: at a ``generate`` call's first step, an entry that holds one of its stop ids before
+            its last token (a row would stop inside it), as :meth:`TrieLogitsProcessor.check_stop_ids` refuses it.
+
     Example:
         >>> trie = TokenTrie.from_sequences([[5, 6], [7]], vocab_size=10)
         >>> fn = prefix_allowed_tokens_fn(trie, end_token_id=0, prompt_length=2)
@@ -947,22 +952,26 @@ def prefix_allowed_tokens_fn(
     starts: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
 
     def start_of(batch_id: int) -> int:
+        call = prefix_processor_call(depth=2, read_loop=False)
+        if call is not None and call.owner not in starts:  # a generate call's first: check what it will mask
+            call = prefix_processor_call(depth=2)
+            # The allowed ids index its scores, and generate stops at its stop ids (the processor's checks).
+            InvalidTokenError.check_logits_width(call.width, constraint.needed_width)
+            if call.stop_ids is not None:
+                check_stop_tokens_outside_entries(trie, call.stop_ids, change=_END_TOKEN_OPTIONS)
+            starts[call.owner] = call.length
         if isinstance(prompt_length, int):
             return prompt_length
         if prompt_length is not None:
             if not 0 <= batch_id < len(prompt_length):
                 raise ConstraintConfigError(f"batch_id {batch_id} has no prompt_length (got {len(prompt_length)})")
             return prompt_length[batch_id]
-        seen = prefix_processor_start(depth=2)
-        if seen is None:
+        if call is None:
             raise ConstraintConfigError(
                 "prefix_allowed_tokens_fn without prompt_length must be called by generate() "
                 "(transformers' PrefixConstrainedLogitsProcessor); pass prompt_length=... to call it directly"
             )
-        owner, length = seen
-        if owner not in starts:
-            starts[owner] = length
-        return starts[owner]
+        return starts[call.owner]
 
     def allowed(batch_id: int, input_ids: torch.Tensor) -> list[int]:
         row = input_ids.tolist()

@@ -29,7 +29,10 @@ prompt, :func:`rows_per_prompt`)              prompt unknown: per-prompt tries a
 (batch, beams, new tokens), int, flat parent  (batch, beams, n), values in each row's own prompt, the
 rows of each step                             next column unwritten; else the prefix-hash lookup
 ``PrefixConstrainedLogitsProcessor.__call__`` type-checked on any version; when they do not match,
-locals (``self``, ``input_ids``)              ``prefix_allowed_tokens_fn`` asks for ``prompt_length=``
+locals (``self``, ``input_ids``, ``scores``)  ``prefix_allowed_tokens_fn`` asks for ``prompt_length=`` and
+and its loop's ``generation_config`` (two     checks nothing; without the loop's config no entry holding
+frames up: ``_sample``, ``_beam_search``,     a stop id is refused
+``_assisted_decoding``)
 ``torch._C._storage_Use_Count``               output buffers are never reused (a new tensor per step)
 the cache model input: ``cache`` (5.24) or    read from ``model.forward``'s signature; both names are
 ``past_key_values`` (5.19)                    accepted from ``generate``
@@ -61,7 +64,7 @@ import inspect
 import sys
 import warnings
 import weakref
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 from packaging.version import Version
@@ -84,7 +87,8 @@ __all__ = [
     "GenerateLoop",
     "beam_parents",
     "reusable_buffer",
-    "prefix_processor_start",
+    "prefix_processor_call",
+    "PrefixCall",
     "cache_input_name",
     "CACHE_INPUT_NAMES",
     "output_cache",
@@ -332,16 +336,47 @@ def reusable_buffer(buf: torch.Tensor, references: int) -> bool:
             and torch._C._storage_Use_Count(buf.untyped_storage()._cdata) == 2)
 
 
-def prefix_processor_start(depth: int) -> Optional[tuple[Any, int]]:
-    """The length of ``input_ids`` seen by the ``PrefixConstrainedLogitsProcessor`` calling a prefix function
-    ``depth`` frames up, as (that processor, length); None when the caller is not one. Every read is type-checked,
-    so this holds on any version whose processor keeps ``self`` and ``input_ids`` as names."""
+class PrefixCall(NamedTuple):
+    """A ``PrefixConstrainedLogitsProcessor`` call seen from the prefix function it calls (:func:`prefix_processor_call`).
+
+    Attributes:
+        owner: that processor (``generate`` makes a new one per call).
+        length: the length of its ``input_ids``.
+        width: the width of its ``scores`` (the columns it will index with the allowed tokens).
+        stop_ids: the stop tokens of the ``generate`` loop calling it (:func:`eos_token_ids` of its
+            ``generation_config``), or None (another caller, or a transformers outside :data:`VERIFIED`).
+    """
+
+    owner: Any
+    length: int
+    width: int
+    stop_ids: Optional[list[int]]
+
+
+#: The loops of ``generate`` that call a ``PrefixConstrainedLogitsProcessor`` (through their ``LogitsProcessorList``).
+_PREFIX_LOOPS = ("_sample", "_beam_search", "_assisted_decoding")
+
+
+def prefix_processor_call(depth: int, read_loop: bool = True) -> Optional[PrefixCall]:
+    """The ``PrefixConstrainedLogitsProcessor`` calling a prefix function ``depth`` frames up, or None when the caller
+    is not one. Its own reads (``self``, ``input_ids``, ``scores``) are type-checked, so they hold on any version whose
+    processor keeps those names; with ``read_loop`` (once per ``generate`` call: it reads the loop's many locals) the
+    stop ids of the loop two frames above it are read too, on the verified versions only."""
     caller = sys._getframe(depth + 1)
-    owner = caller.f_locals.get("self") if caller.f_code.co_name == "__call__" else None
-    if not isinstance(owner, PrefixConstrainedLogitsProcessor):
+    local = caller.f_locals if caller.f_code.co_name == "__call__" else {}
+    owner, ids, scores = local.get("self"), local.get("input_ids"), local.get("scores")
+    if not (isinstance(owner, PrefixConstrainedLogitsProcessor) and isinstance(ids, torch.Tensor)
+            and isinstance(scores, torch.Tensor)):
         return None
-    ids = caller.f_locals.get("input_ids")
-    return (owner, int(ids.shape[-1])) if isinstance(ids, torch.Tensor) else None
+    stop_ids = None
+    frame = caller.f_back
+    for _ in range(2 if read_loop and _VERIFIED else 0):  # its LogitsProcessorList, then the loop
+        frame = frame.f_back if frame is not None else None
+        if frame is not None and frame.f_code.co_name in _PREFIX_LOOPS:
+            config = frame.f_locals.get("generation_config")
+            stop_ids = eos_token_ids(config) if config is not None else None
+            break
+    return PrefixCall(owner, int(ids.shape[-1]), int(scores.shape[-1]), stop_ids)
 
 
 # ------------------------------------------------------------------------------------------ fast-forward's model use

@@ -120,3 +120,29 @@ def test_match_names_what_is_no_rows_of_tokens(tiny_llama, tokenizer, trie):
     assert expected[0] is not None
     assert processor.match(out.sequences.tolist()) == processor.match([out.sequences[0].numpy()]) == expected
     assert match(trie, out.sequences[:, 3:], end_token_id=tokenizer.eos_token_id) == expected
+
+
+def test_prefix_allowed_tokens_fn_checks_what_generate_will_do_with_its_ids(tiny_llama, tokenizer):
+    # A trie wider than the logits: "IndexError: index 60000 is out of bounds" inside PrefixConstrainedLogitsProcessor.
+    # An entry holding a stop id: generate stopped inside it ([100, END]), no entry and no error, where the processor
+    # refuses the same trie at its first step.
+    from trie_decode.errors import InvalidTokenError
+    from trie_decode.integrations.transformers import prefix_allowed_tokens_fn
+
+    end = tokenizer.eos_token_id
+    ids = torch.tensor([[5, 6, 7]])
+    run = dict(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, pad_token_id=end, eos_token_id=end)
+    wide = TokenTrie.from_sequences([[60000, 5], [400]], vocab_size=60001)
+    for length in (None, 3):
+        with pytest.raises(InvalidTokenError, match="logits have 49152 columns but the trie uses token ids up to 60000"):
+            tiny_llama.generate(**run, prefix_allowed_tokens_fn=prefix_allowed_tokens_fn(wide, end_token_id=end,
+                                                                                         prompt_length=length))
+    inside = TokenTrie.from_sequences([[100, end, 300], [100]], vocab_size=len(tokenizer))
+    fn = prefix_allowed_tokens_fn(inside, end_token_id=end)
+    for kwargs in (dict(do_sample=False), dict(num_beams=2)):
+        with pytest.raises(ConstraintConfigError, match=rf"tokens \[100, {end}, 300\], contains token {end}, at which "
+                                                        r"generation stops.*\(end_token_id= and generate's eos_token_id="):
+            tiny_llama.generate(**run, prefix_allowed_tokens_fn=fn, **kwargs)
+    # The stop ids are generate's: an end token it does not stop at may sit inside an entry, as for the processor.
+    out = tiny_llama.generate(**{**run, "eos_token_id": 3}, prefix_allowed_tokens_fn=fn, do_sample=False)
+    assert out[0, 3:].tolist()[:1] == [100]
