@@ -54,7 +54,7 @@ from trie_decode.errors import ConstraintConfigError, InvalidTokenError
 from trie_decode.filters import filtered_tries
 from trie_decode.live import CatalogSnapshot, LiveCatalog
 from trie_decode.options import (TrieArg, as_tries, check_no_distinct, check_not_taken, check_one_source, check_prompts,
-                                  end_token, first_eos, prompt_filters, prompt_groups)
+                                  end_token, first_eos, prompt_filters, prompt_groups, tokens_arg)
 from trie_decode.templates import Template
 from trie_decode.trie import TokenTrie
 
@@ -803,6 +803,8 @@ def fast_forward_generate(
     _check_stop_strings(stop_strings or (base.stop_strings if config_stops else None), tokenizer, hooked,
                         "stop_strings" if stop_strings else "the generation config's stop_strings")
     if not hooked and verified() and not config_stops:
+        if tokenizer is None:  # text needs the tokenizer: refused as given to this call, before generate keeps it
+            tokens_arg(separator, None, "separator"), tokens_arg(trigger, None, "trigger")
         # The plain call is the hook's: generate prepares the processors (repetition penalty, min_new_tokens,
         # renormalize_logits, the warpers ...), the stopping criteria and the cache from the options as for any
         # call, then calls back with them; the options it does not know ride in the bound hook.

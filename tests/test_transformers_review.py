@@ -146,3 +146,14 @@ def test_prefix_allowed_tokens_fn_checks_what_generate_will_do_with_its_ids(tiny
     # The stop ids are generate's: an end token it does not stop at may sit inside an entry, as for the processor.
     out = tiny_llama.generate(**{**run, "eos_token_id": 3}, prefix_allowed_tokens_fn=fn, do_sample=False)
     assert out[0, 3:].tolist()[:1] == [100]
+
+
+def test_fast_forward_called_directly_names_its_own_fix_for_text_without_a_tokenizer(tiny_llama, trie):
+    # The direct call goes through generate's hook, whose error spoke of generate(custom_generate=...,
+    # tokenizer=...), which this call does not make.
+    ids = torch.tensor([[1, 2, 3]])
+    for option in (dict(on_complete="repeat", separator=", "), dict(trigger="Answer:")):
+        key = next(k for k in ("separator", "trigger") if k in option)
+        with pytest.raises(ConstraintConfigError, match=rf"^{key} given as text needs a tokenizer; pass tokenizer= or "
+                                                        "token ids$"):
+            fast_forward_generate(tiny_llama, ids, trie=trie, max_new_tokens=3, **option)
