@@ -783,8 +783,7 @@ def rank(
     check_not_taken("rank", generate_kwargs, _RANK_REFUSES, "it ranks whole entries, each closed by the end token",
                     "rank(model, inputs, trie, k, tokenizer=..., end_token_id=..., allow=..., deny=...) takes a trie "
                     "and its filters; other modes are model.generate(..., logits_processor=[TrieLogitsProcessor(...)])")
-    check_not_taken("rank", generate_kwargs, ("min_new_tokens", "min_length"), "they ban the end token that closes "
-                    "each entry, which the trie then emits at the floor: no entry could be ranked", "leave them out")
+    check_not_taken("rank", generate_kwargs, _RANK_BANS_END, _BANS_END_WHY, "leave them out")
     own = sorted(set(generate_kwargs) & _RANK_SETS)
     if own:
         raise ConstraintConfigError(f"rank sets {own} itself: use its own options (k, num_beams, length_normalize, "
@@ -801,6 +800,14 @@ def rank(
     if not isinstance(inputs.get("input_ids", torch.empty(0)), torch.Tensor):
         raise ConstraintConfigError("rank's inputs must hold input_ids as a tensor: tokenize with "
                                     "return_tensors=\"pt\"")
+    # The same options set by the generation config generate reads (given, else the model's): refused alike (they
+    # emptied the ranking silently). min_length counts the prompt: it bans the end token only past the prompt.
+    config = generate_kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    width = inputs["input_ids"].shape[-1] if "input_ids" in inputs else 0
+    check_not_taken("rank", {"min_new_tokens": getattr(config, "min_new_tokens", None) or None,
+                             "min_length": (getattr(config, "min_length", None) or 0) > width or None},
+                    _RANK_BANS_END, _BANS_END_WHY, "the generation config generate reads (generation_config=, else "
+                    "model.generation_config) sets them: set them to None there")
     prompts = inputs["input_ids"].shape[0] if "input_ids" in inputs else None  # one trie per prompt, named as rank's
     if prompts is not None:
         check_prompts(prompts, 1, {"trie": len(processor.tries), "allow/deny": processor._filter_specs[3]})
@@ -860,6 +867,11 @@ def rank(
 #: The generate options rank sets itself.
 _RANK_SETS = frozenset(("num_beams", "num_return_sequences", "do_sample", "length_penalty", "output_scores",
                         "return_dict_in_generate", "eos_token_id", "logits_processor"))
+
+#: The generate options rank refuses because they ban its end token at first (given, or set by the generation config).
+_RANK_BANS_END = ("min_new_tokens", "min_length")
+_BANS_END_WHY = ("they ban the end token that closes each entry, which the trie then emits at the floor: no entry "
+                 "could be ranked")
 
 #: TrieLogitsProcessor's options rank does not take (distinct lists aside: check_no_distinct).
 _RANK_REFUSES = ("on_complete", "separator", "trigger", "spans", "template", "check_prompt", "tries")

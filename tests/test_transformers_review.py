@@ -157,3 +157,34 @@ def test_fast_forward_called_directly_names_its_own_fix_for_text_without_a_token
         with pytest.raises(ConstraintConfigError, match=rf"^{key} given as text needs a tokenizer; pass tokenizer= or "
                                                         "token ids$"):
             fast_forward_generate(tiny_llama, ids, trie=trie, max_new_tokens=3, **option)
+
+
+def test_rank_refuses_what_bans_its_end_token_from_the_generation_config_too(tiny_llama, tokenizer):
+    # Given as keywords they were refused; set by generation_config= or by the model's own config they emptied the
+    # ranking with no error ([[]]: every beam took the end token at the floor).
+    import copy
+
+    from transformers import GenerationConfig
+
+    from trie_decode.integrations.transformers import rank
+
+    trie = TokenTrie.from_sequences([[100, 250], [400], [500, 501]], vocab_size=len(tokenizer))
+    ids = torch.tensor([[5, 6, 7]])
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    assert len(rank(tiny_llama, inputs, trie, k=3, end_token_id=2)[0]) == 3
+    own = copy.deepcopy(tiny_llama.generation_config)
+    own.min_new_tokens = 4
+    fix = r"sets them: set them to None there"
+    with pytest.raises(ConstraintConfigError, match=r"rank does not take min_new_tokens= \(they ban the end token.*" + fix):
+        rank(tiny_llama, inputs, trie, k=3, end_token_id=2, generation_config=own)
+    with pytest.raises(ConstraintConfigError, match=r"rank does not take min_length= .*" + fix):
+        rank(tiny_llama, inputs, trie, k=3, end_token_id=2, generation_config=GenerationConfig(min_length=5))
+    saved = tiny_llama.generation_config
+    tiny_llama.generation_config = own  # the shared model: restored below
+    try:
+        with pytest.raises(ConstraintConfigError, match=fix):
+            rank(tiny_llama, inputs, trie, k=3, end_token_id=2)
+    finally:
+        tiny_llama.generation_config = saved
+    # A min_length the prompt already reaches bans nothing: ranked as without it.
+    assert len(rank(tiny_llama, inputs, trie, k=3, end_token_id=2, generation_config=GenerationConfig(min_length=3))[0]) == 3
