@@ -745,7 +745,8 @@ def rank(
             trie allowed), by rescoring the results in one forward pass: the probability of the entry among the
             trie's entries, summing to 1 over all of them.
         allow, deny: per-prompt or shared entry filters (see :class:`TrieLogitsProcessor`).
-        generate_kwargs: passed to ``generate`` (``max_new_tokens`` defaults to the deepest trie + 1). The search
+        generate_kwargs: passed to ``generate`` (``max_new_tokens`` defaults to the deepest trie + 1, unless
+            ``max_length`` or a ``generation_config`` with ``max_new_tokens`` is given). The search
             does not stop early (``early_stopping="never"``: it runs while a longer entry could still outrank the
             finished ones);
             what ``rank`` sets itself (``num_beams``, ``num_return_sequences``, ``do_sample``, ``length_penalty``,
@@ -812,7 +813,9 @@ def rank(
     if prompts is not None:
         check_prompts(prompts, 1, {"trie": len(processor.tries), "allow/deny": processor._filter_specs[3]})
     depth = processor._max_depth
-    generate_kwargs.setdefault("max_new_tokens", depth + 1)
+    given = generate_kwargs.get("generation_config")
+    if generate_kwargs.get("max_length") is None and getattr(given, "max_new_tokens", None) is None:
+        generate_kwargs.setdefault("max_new_tokens", depth + 1)  # a given length is the user's (not overridden)
     out = model.generate(
         **inputs,
         logits_processor=[processor],

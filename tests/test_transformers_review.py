@@ -188,3 +188,19 @@ def test_rank_refuses_what_bans_its_end_token_from_the_generation_config_too(tin
         tiny_llama.generation_config = saved
     # A min_length the prompt already reaches bans nothing: ranked as without it.
     assert len(rank(tiny_llama, inputs, trie, k=3, end_token_id=2, generation_config=GenerationConfig(min_length=3))[0]) == 3
+
+
+def test_rank_keeps_the_length_its_caller_gives(tiny_llama, tokenizer):
+    # rank set max_new_tokens (deepest entry + 1) beside a given max_length, or over a given generation config's
+    # max_new_tokens: generate took rank's, and ranked entries the caller's length had cut.
+    from transformers import GenerationConfig
+
+    from trie_decode.integrations.transformers import rank
+
+    trie = TokenTrie.from_sequences([[100, 250, 300], [400], [500, 501]], vocab_size=len(tokenizer))
+    ids = torch.tensor([[5, 6, 7]])
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    assert len(rank(tiny_llama, inputs, trie, k=3, end_token_id=2)[0]) == 3  # room for all by default
+    for length in (dict(max_length=5), dict(generation_config=GenerationConfig(max_new_tokens=2, pad_token_id=2))):
+        ranked = rank(tiny_llama, inputs, trie, k=3, end_token_id=2, **length)[0]  # two new tokens: [400] + end only
+        assert [r.entry.tokens for r in ranked] == [(400,)], length
