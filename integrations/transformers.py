@@ -42,7 +42,7 @@ from trie_decode.kernels.rules import ALL_MASKED_FLOOR
 from trie_decode.live import CatalogSnapshot, LiveCatalog, constraint_for
 from trie_decode.options import (TrieArg, as_tries, check_alone, check_distinct, check_instance, check_no_distinct,
                                   check_not_taken, check_one_source, check_positive, check_prompts, end_token,
-                                  filter_rows, first_eos, prompt_filters, prompt_groups, rule_args)
+                                  filter_rows, first_eos, is_per_row, prompt_filters, prompt_groups, rule_args)
 from trie_decode.trie import TokenTrie
 
 from .transformers_internals import GenerateLoop, beam_parents, prefix_processor_call, reusable_buffer
@@ -280,7 +280,7 @@ class TrieLogitsProcessor(LogitsProcessor):
             def resolve(spec: Any, what: str) -> Any:
                 if spec is None or self._live is not None:  # a live catalog's keys are resolved per view (_begin)
                     return spec
-                if n:
+                if is_per_row(spec):  # one per prompt (the other may be one for every prompt: filter_rows)
                     return [None if s is None else entry_indices(self.tries[0], s, f"{what}[{i}]")
                             for i, s in enumerate(spec)]
                 return entry_indices(self.tries[0], spec, what)

@@ -204,3 +204,33 @@ def test_rank_keeps_the_length_its_caller_gives(tiny_llama, tokenizer):
     for length in (dict(max_length=5), dict(generation_config=GenerationConfig(max_new_tokens=2, pad_token_id=2))):
         ranked = rank(tiny_llama, inputs, trie, k=3, end_token_id=2, **length)[0]  # two new tokens: [400] + end only
         assert [r.entry.tokens for r in ranked] == [(400,)], length
+
+
+@pytest.mark.parametrize("filters, usable", [
+    (dict(allow=["b", "c", "d"], deny=[["b"], ["c"]]), [{"c", "d"}, {"b", "d"}]),
+    (dict(allow=[["b", "c"], ["c", "d"]], deny=["c"]), [{"b"}, {"d"}]),
+])
+def test_one_filter_for_every_prompt_beside_one_per_prompt(tiny_llama, tokenizer, filters, usable):
+    # Over one shared trie the shared filter was read as one per prompt: "FilterSpecError: allow[0] must be a list of
+    # entry keys or entry indices, got the string 'b'", while fast_forward_generate and one trie per prompt took it.
+    from reference import allowed_after
+
+    entries = {"a": (100, 200), "b": (400,), "c": (500, 501), "d": (600,)}
+    trie = TokenTrie.from_sequences(list(entries.values()), vocab_size=len(tokenizer), keys=list(entries))
+    ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    for kwargs in (dict(do_sample=False), dict(num_beams=3, num_return_sequences=2)):
+        processor = TrieLogitsProcessor(trie, end_token_id=2, **filters)
+        seen = []
+
+        def record(input_ids, scores):
+            seen.append((input_ids.clone(), scores.isfinite().clone()))
+            return scores
+
+        tiny_llama.generate(input_ids=ids, attention_mask=torch.ones_like(ids), logits_processor=[processor, record],
+                            max_new_tokens=4, pad_token_id=2, eos_token_id=2, **kwargs)
+        per = kwargs.get("num_return_sequences", 1) if "num_beams" not in kwargs else kwargs["num_beams"]
+        for input_ids, allowed in seen:
+            for row, tokens in enumerate(input_ids[:, 3:].tolist()):
+                if 2 not in tokens:
+                    expected = allowed_after({entries[k] for k in usable[row // per]}, processor.rules, tokens)
+                    assert set(allowed[row].nonzero().flatten().tolist()) == expected, (kwargs, row, tokens)
