@@ -195,3 +195,43 @@ def test_no_space_is_put_after_a_chinese_or_japanese_context():
             full = tok(context + sep + name, add_special_tokens=False)["input_ids"]
             assert full[:len(head)] == head and list(trie.entry(i).tokens) == full[len(head):]
         assert check_prompt(trie, tok, context) == []
+
+
+def _trie_file(tmp_path, n):
+    from trie_decode import TokenTrie
+
+    path = tmp_path / "t.trie"
+    TokenTrie.from_sequences([[i % 7, i] for i in range(10, 10 + n)], vocab_size=10 + n,
+                             names=[f"name number {i}" for i in range(n)], keys=[f"k{i}" for i in range(n)]).save(path)
+    return path
+
+
+def test_info_json_with_show_holds_the_entries_and_show_is_a_count(tmp_path, capsys):
+    # --json dropped --show's entries silently; --show -1 printed none without a word.
+    import json
+
+    from trie_decode.cli import main
+
+    path = _trie_file(tmp_path, 3)
+    assert main(["info", str(path), "--json", "--show", "2"]) == 0
+    shown = json.loads(capsys.readouterr().out)["first_entries"]
+    assert shown == [{"index": 0, "name": "name number 0", "key": "k0", "tokens": [3, 10]},
+                     {"index": 1, "name": "name number 1", "key": "k1", "tokens": [4, 11]}]
+    with pytest.raises(SystemExit) as exc:
+        main(["info", str(path), "--show", "-1"])
+    assert exc.value.code == 2 and "argument --show: expected an integer >= 0, got '-1'" in capsys.readouterr().err
+
+
+def test_info_into_a_reader_that_leaves_is_no_traceback(tmp_path):
+    # `trie-decode info FILE --show 5000 | head -2` ended in a BrokenPipeError traceback.
+    import subprocess
+    import sys
+
+    path = _trie_file(tmp_path, 5000)  # ~250 kB of output: more than a pipe holds, so the writer meets the close
+    proc = subprocess.Popen([sys.executable, "-m", "trie_decode.cli", "info", str(path), "--show", "5000"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout.readline().decode().strip() == str(path)
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 1
+    assert err == "", err

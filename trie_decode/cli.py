@@ -232,7 +232,11 @@ def _cmd_info(args: argparse.Namespace) -> int:
     stats = trie.stats()
     stats["file_bytes"] = Path(args.file).stat().st_size
     stats["options"] = trie.options
+    shown = [trie.entry(i) for i in range(min(args.show, trie.num_entries))]
     if args.json:
+        if args.show:
+            stats["first_entries"] = [{"index": e.index, "name": e.name, "key": e.key, "tokens": list(e.tokens)}
+                                      for e in shown]
         print(json.dumps(stats, indent=2))
         return 0
     print(f"{args.file}")
@@ -241,10 +245,8 @@ def _cmd_info(args: argparse.Namespace) -> int:
         print(f"  {key:<20} {stats[key]}")
     print("  fanout histogram     " + ", ".join(f"{k}: {v:,}" for k, v in stats["fanout_histogram"].items()))
     print(f"  options              {json.dumps(trie.options)}")
-    if args.show:
-        for i in range(min(args.show, trie.num_entries)):
-            e = trie.entry(i)
-            print(f"  [{i}] {e.name!r} key={e.key!r} tokens={list(e.tokens)}")
+    for e in shown:
+        print(f"  [{e.index}] {e.name!r} key={e.key!r} tokens={list(e.tokens)}")
     return 0
 
 
@@ -350,6 +352,17 @@ def _check_build_args(build: argparse.ArgumentParser, args: argparse.Namespace) 
         build.error(str(exc))
 
 
+def _count(text: str) -> int:
+    """An integer >= 0 (``info --show``), else argparse's usage error naming the flag."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "bench":
@@ -389,7 +402,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     info = sub.add_parser("info", help="describe a trie file")
     info.add_argument("file")
     info.add_argument("--json", action="store_true", help="print the statistics as JSON")
-    info.add_argument("--show", type=int, default=0, metavar="N", help="also print the first N entries")
+    info.add_argument("--show", type=_count, default=0, metavar="N",
+                      help="also print the first N entries (with --json: as its first_entries list)")
     info.add_argument("--no-verify", action="store_true", help="skip the checksum and structure checks")
     sub.add_parser("bench", help="run the benchmark suites, from a source checkout (trie-decode bench --help)")
     args = parser.parse_args(argv)
@@ -398,11 +412,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         if args.command == "build":
             check_writable(args.output)  # before the work, not after it
-        return {"build": _cmd_build, "info": _cmd_info}[args.command](args)
+        code = {"build": _cmd_build, "info": _cmd_info}[args.command](args)
+        sys.stdout.flush()  # a reader that left fails the flush here, in the except below, not at exit
+        return code
     except TrieDecodeError as exc:
         # An error whose fix names an option names it as a flag here (--context, not context=).
         message = exc.message_for(FLAGS) if isinstance(exc, ContextError) else str(exc)
         print(f"trie-decode {args.command}: error: {message}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:
+        # The reader of the output left (`trie-decode info FILE --show 1000 | head`): stop quietly, as Python's
+        # documentation advises, with no traceback (nor one more when the interpreter flushes stdout at exit).
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
         return 1
 
 
