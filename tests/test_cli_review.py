@@ -235,3 +235,37 @@ def test_info_into_a_reader_that_leaves_is_no_traceback(tmp_path):
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == 1
     assert err == "", err
+
+
+def _help_of_options(capsys, monkeypatch, argv):
+    """{flag: its help text} of ``trie-decode ARGV -h`` (one line each: a wide terminal)."""
+    import re
+
+    from trie_decode.cli import main
+
+    monkeypatch.setenv("COLUMNS", "1000")
+    with pytest.raises(SystemExit):
+        main([*argv, "-h"])
+    helps, flag = {}, None
+    for line in capsys.readouterr().out.splitlines():
+        m = re.match(r" {2,4}(?:-\w, )?(--[\w-]+|[a-z]+)(?=\s|$)", line)
+        if m:
+            flag = m.group(1)
+        if flag:
+            helps[flag] = helps.get(flag, "") + line
+    return helps
+
+
+def test_the_help_names_every_source_and_the_sources_each_option_applies_to(capsys, monkeypatch):
+    # `trie-decode -h` described build without --codes; --tokenizer's help named only entries, --vocab-size's
+    # left out the default --prefix-dict takes from --tokenizer.
+    from trie_decode.cli import _SOURCE_NAMES, _SOURCE_OPTIONS
+    from trie_decode.options import FLAGS
+
+    top = _help_of_options(capsys, monkeypatch, [])["build"]
+    assert all(_SOURCE_NAMES[s] in top for s in ("prefix_dict", "codes")), top
+    helps = _help_of_options(capsys, monkeypatch, ["build"])
+    for option in dict.fromkeys(o for options in _SOURCE_OPTIONS.values() for o in options):
+        takers = [s for s, options in _SOURCE_OPTIONS.items() if option in options and s != "entries"]
+        assert all(_SOURCE_NAMES[s] in helps[FLAGS(option)] for s in takers), helps[FLAGS(option)]
+    assert "--tokenizer" in helps["--vocab-size"]

@@ -370,12 +370,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="trie-decode", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     build = sub.add_parser(
-        "build", help="build a trie file from entries (txt: one per line; jsonl: id/text) or an RTP-LLM prefix dict"
+        "build", help="build a trie file from entries (txt: one per line; jsonl: id/text), an RTP-LLM prefix dict "
+                      "(--prefix-dict) or a semantic-id catalog (--codes)"
     )
     build.add_argument(
-        "entries", nargs="?", help="a .txt file (one entry per line) or a .jsonl file ({'id':..., 'text':...})"
+        "entries", nargs="?", help="a .jsonl (or .ndjson) file ({'id':..., 'text':...}), or any other file: plain "
+                                   "text, one entry per line"
     )
-    build.add_argument("--tokenizer", help="a Hugging Face tokenizer folder or name (required with entries)")
+    build.add_argument("--tokenizer", help="a Hugging Face tokenizer folder or name (required with entries; with "
+                                            "--prefix-dict: the width and fingerprint)")
     build.add_argument("-o", "--output", required=True, help="the trie file to write (.safetensors)")
     build.add_argument("--leading-space", action="store_true", help='tokenize " " + entry (the form after a space)')
     build.add_argument("--both-spaces", action="store_true",
@@ -391,7 +394,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     build.add_argument(
         "--prefix-dict", metavar="FILE", help="build from an RTP-LLM prefix dict (tree_decode_config JSON)"
     )
-    build.add_argument("--vocab-size", type=int, help="with --prefix-dict or --codes: the model's logits width")
+    build.add_argument("--vocab-size", type=int, help="with --prefix-dict (default: the --tokenizer's vocabulary) or --codes: "
+                                                         "the model's logits width")
     build.add_argument("--codes", metavar="FILE", help="build a semantic-id catalog from an .npy array (items x levels)")
     build.add_argument("--codebook-size", type=int, help="with --codes: codes per level")
     build.add_argument("--token-offset", type=int, help="with --codes: the token of level 0's code 0 (default 0)")
