@@ -269,3 +269,17 @@ def test_the_help_names_every_source_and_the_sources_each_option_applies_to(caps
         takers = [s for s, options in _SOURCE_OPTIONS.items() if option in options and s != "entries"]
         assert all(_SOURCE_NAMES[s] in helps[FLAGS(option)] for s in takers), helps[FLAGS(option)]
     assert "--tokenizer" in helps["--vocab-size"]
+
+
+def test_info_of_a_delta_file_says_what_it_is(tmp_path, capsys):
+    # Was "base.delta is missing arrays ['child_ptr', 'token', ...]".
+    from trie_decode import LiveCatalog, TokenTrie
+    from trie_decode.cli import main
+
+    catalog = LiveCatalog(TokenTrie.from_sequences([[1, 2], [3]], vocab_size=9, keys=["a", "b"]))
+    catalog.add([[4, 5]], keys=["c"])
+    catalog.save_delta(tmp_path / "base.delta")
+    assert main(["info", str(tmp_path / "base.delta")]) == 1
+    err = capsys.readouterr().err
+    assert "is a live catalog's delta file (LiveCatalog.save_delta), not a trie" in err, err
+    assert "LiveCatalog.open(trie_path, delta_path)" in err and err.count("\n") == 1

@@ -805,6 +805,11 @@ class TokenTrie:
         arrays, meta = read_arrays(path, verify=verify)
         missing = [name for name in ARRAYS if name not in arrays]
         if missing:
+            from .live import DELTA_KIND  # live imports this module
+
+            if meta.get("kind") == DELTA_KIND:  # "missing arrays ['child_ptr', ...]" did not say what it is
+                raise TrieFileError(f"{label} is a live catalog's delta file (LiveCatalog.save_delta), not a trie: "
+                                    "open it with its base, LiveCatalog.open(trie_path, delta_path)")
             raise TrieFileError(f"{label} is missing arrays {missing}")
         table_dtypes = {f"{t}_{part}": dt for t in TABLES for part, dt in (("blob", np.uint8), ("offsets", np.int64))}
         check_vectors(arrays, {**ARRAYS, **table_dtypes, **ITEM_DTYPES, **FILTER_DTYPES}, label)
