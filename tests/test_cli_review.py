@@ -283,3 +283,17 @@ def test_info_of_a_delta_file_says_what_it_is(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "is a live catalog's delta file (LiveCatalog.save_delta), not a trie" in err, err
     assert "LiveCatalog.open(trie_path, delta_path)" in err and err.count("\n") == 1
+
+
+def test_a_tokenizer_without_transformers_installed_is_a_named_error(tmp_path, monkeypatch, capsys):
+    # The core install (numpy, torch, safetensors) has the command but not transformers: ModuleNotFoundError traceback.
+    import sys
+
+    from trie_decode.cli import main
+
+    (tmp_path / "names.txt").write_text("France\n")
+    monkeypatch.setitem(sys.modules, "transformers", None)  # what `import transformers` meets when it is absent
+    assert main(["build", str(tmp_path / "names.txt"), "--tokenizer", str(tmp_path), "-o", str(tmp_path / "t")]) == 1
+    err = capsys.readouterr().err
+    assert "loading a tokenizer needs transformers, which is not installed (pip install 'trie-decode[transformers]')" \
+        in err and err.count("\n") == 1, err

@@ -113,6 +113,11 @@ def _load_tokenizer(name: str) -> Any:
     from .hub import load_tokenizer
 
     try:
+        import transformers  # noqa: F401  an optional dependency: the core install has no tokenizer to load
+    except ImportError as exc:
+        raise DescriptorError(f"--tokenizer {name}: loading a tokenizer needs transformers, which is not installed "
+                              "(pip install 'trie-decode[transformers]')") from exc
+    try:
         return load_tokenizer(name, what="--tokenizer")
     except TokenizerNotFoundError:
         raise
