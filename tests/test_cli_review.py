@@ -297,3 +297,26 @@ def test_a_tokenizer_without_transformers_installed_is_a_named_error(tmp_path, m
     err = capsys.readouterr().err
     assert "loading a tokenizer needs transformers, which is not installed (pip install 'trie-decode[transformers]')" \
         in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("array, byte, shown", [("names_blob", 0xFF, "UnicodeDecodeError"),
+                                                 ("child_ptr", 0xFF, "IndexError")])  # child_ptr[0] = -1
+def test_info_no_verify_of_a_corrupt_file_is_a_named_error(tmp_path, capsys, array, byte, shown):
+    # --no-verify skips the checks; a corrupt array then ended in a traceback from numpy or the UTF-8 decoder.
+    import json
+    import struct
+
+    from trie_decode.cli import main
+
+    path = _trie_file(tmp_path, 50)
+    data = bytearray(path.read_bytes())
+    header = struct.unpack("<Q", data[:8])[0]
+    start = json.loads(data[8:8 + header])[array]["data_offsets"][0]
+    data[8 + header + start:8 + header + start + 4] = bytes([byte] * 4)
+    path.write_bytes(bytes(data))
+    assert main(["info", str(path), "--no-verify", "--show", "1"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"trie-decode info: error: {path} cannot be described: {shown}: "), err
+    assert err.endswith("run without --no-verify to check it\n") and err.count("\n") == 1, err
+    assert main(["info", str(path), "--show", "1"]) == 1  # checked: the CRC names the array
+    assert f"array '{array}' fails its CRC-32 check" in capsys.readouterr().err

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from .errors import ConstraintConfigError, DescriptorError, TokenizerNotFoundError, TrieDecodeError
+from .errors import ConstraintConfigError, DescriptorError, TokenizerNotFoundError, TrieDecodeError, TrieFileError
 from .fileio import check_writable, text_lines
 from .options import (FLAGS, NORMAL_FORMS, ON_UNSTABLE_MODES, check_on_unstable_context, check_positive,
                       check_vocab_size, token_id)
@@ -234,6 +234,17 @@ def _cmd_info(args: argparse.Namespace) -> int:
     from .trie import TokenTrie
 
     trie = TokenTrie.load(args.file, verify=not args.no_verify)
+    try:
+        return _print_info(args, trie)
+    except (ValueError, IndexError) as exc:  # only unchecked arrays (--no-verify) get this far broken
+        if not args.no_verify or isinstance(exc, TrieDecodeError):
+            raise
+        first = (str(exc).strip().splitlines() or [""])[0].rstrip(".")
+        raise TrieFileError(f"{args.file} cannot be described: {type(exc).__name__}: {first[:200]}; it is corrupt, "
+                              "or not what its header says: run without --no-verify to check it") from exc
+
+
+def _print_info(args: argparse.Namespace, trie: Any) -> int:
     stats = trie.stats()
     stats["file_bytes"] = Path(args.file).stat().st_size
     stats["options"] = trie.options
