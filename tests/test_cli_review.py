@@ -195,3 +195,128 @@ def test_no_space_is_put_after_a_chinese_or_japanese_context():
             full = tok(context + sep + name, add_special_tokens=False)["input_ids"]
             assert full[:len(head)] == head and list(trie.entry(i).tokens) == full[len(head):]
         assert check_prompt(trie, tok, context) == []
+
+
+def _trie_file(tmp_path, n):
+    from trie_decode import TokenTrie
+
+    path = tmp_path / "t.trie"
+    TokenTrie.from_sequences([[i % 7, i] for i in range(10, 10 + n)], vocab_size=10 + n,
+                             names=[f"name number {i}" for i in range(n)], keys=[f"k{i}" for i in range(n)]).save(path)
+    return path
+
+
+def test_info_json_with_show_holds_the_entries_and_show_is_a_count(tmp_path, capsys):
+    # --json dropped --show's entries silently; --show -1 printed none without a word.
+    import json
+
+    from trie_decode.cli import main
+
+    path = _trie_file(tmp_path, 3)
+    assert main(["info", str(path), "--json", "--show", "2"]) == 0
+    shown = json.loads(capsys.readouterr().out)["first_entries"]
+    assert shown == [{"index": 0, "name": "name number 0", "key": "k0", "tokens": [3, 10]},
+                     {"index": 1, "name": "name number 1", "key": "k1", "tokens": [4, 11]}]
+    with pytest.raises(SystemExit) as exc:
+        main(["info", str(path), "--show", "-1"])
+    assert exc.value.code == 2 and "argument --show: expected an integer >= 0, got '-1'" in capsys.readouterr().err
+
+
+def test_info_into_a_reader_that_leaves_is_no_traceback(tmp_path):
+    # `trie-decode info FILE --show 5000 | head -2` ended in a BrokenPipeError traceback.
+    import subprocess
+    import sys
+
+    path = _trie_file(tmp_path, 5000)  # ~250 kB of output: more than a pipe holds, so the writer meets the close
+    proc = subprocess.Popen([sys.executable, "-m", "trie_decode.cli", "info", str(path), "--show", "5000"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout.readline().decode().strip() == str(path)
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 1
+    assert err == "", err
+
+
+def _help_of_options(capsys, monkeypatch, argv):
+    """{flag: its help text} of ``trie-decode ARGV -h`` (one line each: a wide terminal)."""
+    import re
+
+    from trie_decode.cli import main
+
+    monkeypatch.setenv("COLUMNS", "1000")
+    with pytest.raises(SystemExit):
+        main([*argv, "-h"])
+    helps, flag = {}, None
+    for line in capsys.readouterr().out.splitlines():
+        m = re.match(r" {2,4}(?:-\w, )?(--[\w-]+|[a-z]+)(?=\s|$)", line)
+        if m:
+            flag = m.group(1)
+        if flag:
+            helps[flag] = helps.get(flag, "") + line
+    return helps
+
+
+def test_the_help_names_every_source_and_the_sources_each_option_applies_to(capsys, monkeypatch):
+    # `trie-decode -h` described build without --codes; --tokenizer's help named only entries, --vocab-size's
+    # left out the default --prefix-dict takes from --tokenizer.
+    from trie_decode.cli import _SOURCE_NAMES, _SOURCE_OPTIONS
+    from trie_decode.options import FLAGS
+
+    top = _help_of_options(capsys, monkeypatch, [])["build"]
+    assert all(_SOURCE_NAMES[s] in top for s in ("prefix_dict", "codes")), top
+    helps = _help_of_options(capsys, monkeypatch, ["build"])
+    for option in dict.fromkeys(o for options in _SOURCE_OPTIONS.values() for o in options):
+        takers = [s for s, options in _SOURCE_OPTIONS.items() if option in options and s != "entries"]
+        assert all(_SOURCE_NAMES[s] in helps[FLAGS(option)] for s in takers), helps[FLAGS(option)]
+    assert "--tokenizer" in helps["--vocab-size"]
+
+
+def test_info_of_a_delta_file_says_what_it_is(tmp_path, capsys):
+    # Was "base.delta is missing arrays ['child_ptr', 'token', ...]".
+    from trie_decode import LiveCatalog, TokenTrie
+    from trie_decode.cli import main
+
+    catalog = LiveCatalog(TokenTrie.from_sequences([[1, 2], [3]], vocab_size=9, keys=["a", "b"]))
+    catalog.add([[4, 5]], keys=["c"])
+    catalog.save_delta(tmp_path / "base.delta")
+    assert main(["info", str(tmp_path / "base.delta")]) == 1
+    err = capsys.readouterr().err
+    assert "is a live catalog's delta file (LiveCatalog.save_delta), not a trie" in err, err
+    assert "LiveCatalog.open(trie_path, delta_path)" in err and err.count("\n") == 1
+
+
+def test_a_tokenizer_without_transformers_installed_is_a_named_error(tmp_path, monkeypatch, capsys):
+    # The core install (numpy, torch, safetensors) has the command but not transformers: ModuleNotFoundError traceback.
+    import sys
+
+    from trie_decode.cli import main
+
+    (tmp_path / "names.txt").write_text("France\n")
+    monkeypatch.setitem(sys.modules, "transformers", None)  # what `import transformers` meets when it is absent
+    assert main(["build", str(tmp_path / "names.txt"), "--tokenizer", str(tmp_path), "-o", str(tmp_path / "t")]) == 1
+    err = capsys.readouterr().err
+    assert "loading a tokenizer needs transformers, which is not installed (pip install 'trie-decode[transformers]')" \
+        in err and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("array, byte, shown", [("names_blob", 0xFF, "UnicodeDecodeError"),
+                                                 ("child_ptr", 0xFF, "IndexError")])  # child_ptr[0] = -1
+def test_info_no_verify_of_a_corrupt_file_is_a_named_error(tmp_path, capsys, array, byte, shown):
+    # --no-verify skips the checks; a corrupt array then ended in a traceback from numpy or the UTF-8 decoder.
+    import json
+    import struct
+
+    from trie_decode.cli import main
+
+    path = _trie_file(tmp_path, 50)
+    data = bytearray(path.read_bytes())
+    header = struct.unpack("<Q", data[:8])[0]
+    start = json.loads(data[8:8 + header])[array]["data_offsets"][0]
+    data[8 + header + start:8 + header + start + 4] = bytes([byte] * 4)
+    path.write_bytes(bytes(data))
+    assert main(["info", str(path), "--no-verify", "--show", "1"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"trie-decode info: error: {path} cannot be described: {shown}: "), err
+    assert err.endswith("run without --no-verify to check it\n") and err.count("\n") == 1, err
+    assert main(["info", str(path), "--show", "1"]) == 1  # checked: the CRC names the array
+    assert f"array '{array}' fails its CRC-32 check" in capsys.readouterr().err

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from .errors import ConstraintConfigError, DescriptorError, TokenizerNotFoundError, TrieDecodeError
+from .errors import ConstraintConfigError, DescriptorError, TokenizerNotFoundError, TrieDecodeError, TrieFileError
 from .fileio import check_writable, text_lines
 from .options import (FLAGS, NORMAL_FORMS, ON_UNSTABLE_MODES, check_on_unstable_context, check_positive,
                       check_vocab_size, token_id)
@@ -112,6 +112,11 @@ def _load_tokenizer(name: str) -> Any:
     fails at once, as :class:`TokenizerNotFoundError`), or :class:`DescriptorError` naming it."""
     from .hub import load_tokenizer
 
+    try:
+        import transformers  # noqa: F401  an optional dependency: the core install has no tokenizer to load
+    except ImportError as exc:
+        raise DescriptorError(f"--tokenizer {name}: loading a tokenizer needs transformers, which is not installed "
+                              "(pip install 'trie-decode[transformers]')") from exc
     try:
         return load_tokenizer(name, what="--tokenizer")
     except TokenizerNotFoundError:
@@ -229,10 +234,25 @@ def _cmd_info(args: argparse.Namespace) -> int:
     from .trie import TokenTrie
 
     trie = TokenTrie.load(args.file, verify=not args.no_verify)
+    try:
+        return _print_info(args, trie)
+    except (ValueError, IndexError) as exc:  # only unchecked arrays (--no-verify) get this far broken
+        if not args.no_verify or isinstance(exc, TrieDecodeError):
+            raise
+        first = (str(exc).strip().splitlines() or [""])[0].rstrip(".")
+        raise TrieFileError(f"{args.file} cannot be described: {type(exc).__name__}: {first[:200]}; it is corrupt, "
+                              "or not what its header says: run without --no-verify to check it") from exc
+
+
+def _print_info(args: argparse.Namespace, trie: Any) -> int:
     stats = trie.stats()
     stats["file_bytes"] = Path(args.file).stat().st_size
     stats["options"] = trie.options
+    shown = [trie.entry(i) for i in range(min(args.show, trie.num_entries))]
     if args.json:
+        if args.show:
+            stats["first_entries"] = [{"index": e.index, "name": e.name, "key": e.key, "tokens": list(e.tokens)}
+                                      for e in shown]
         print(json.dumps(stats, indent=2))
         return 0
     print(f"{args.file}")
@@ -241,10 +261,8 @@ def _cmd_info(args: argparse.Namespace) -> int:
         print(f"  {key:<20} {stats[key]}")
     print("  fanout histogram     " + ", ".join(f"{k}: {v:,}" for k, v in stats["fanout_histogram"].items()))
     print(f"  options              {json.dumps(trie.options)}")
-    if args.show:
-        for i in range(min(args.show, trie.num_entries)):
-            e = trie.entry(i)
-            print(f"  [{i}] {e.name!r} key={e.key!r} tokens={list(e.tokens)}")
+    for e in shown:
+        print(f"  [{e.index}] {e.name!r} key={e.key!r} tokens={list(e.tokens)}")
     return 0
 
 
@@ -350,6 +368,17 @@ def _check_build_args(build: argparse.ArgumentParser, args: argparse.Namespace) 
         build.error(str(exc))
 
 
+def _count(text: str) -> int:
+    """An integer >= 0 (``info --show``), else argparse's usage error naming the flag."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "bench":
@@ -357,12 +386,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="trie-decode", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     build = sub.add_parser(
-        "build", help="build a trie file from entries (txt: one per line; jsonl: id/text) or an RTP-LLM prefix dict"
+        "build", help="build a trie file from entries (txt: one per line; jsonl: id/text), an RTP-LLM prefix dict "
+                      "(--prefix-dict) or a semantic-id catalog (--codes)"
     )
     build.add_argument(
-        "entries", nargs="?", help="a .txt file (one entry per line) or a .jsonl file ({'id':..., 'text':...})"
+        "entries", nargs="?", help="a .jsonl (or .ndjson) file ({'id':..., 'text':...}), or any other file: plain "
+                                   "text, one entry per line"
     )
-    build.add_argument("--tokenizer", help="a Hugging Face tokenizer folder or name (required with entries)")
+    build.add_argument("--tokenizer", help="a Hugging Face tokenizer folder or name (required with entries; with "
+                                            "--prefix-dict: the width and fingerprint)")
     build.add_argument("-o", "--output", required=True, help="the trie file to write (.safetensors)")
     build.add_argument("--leading-space", action="store_true", help='tokenize " " + entry (the form after a space)')
     build.add_argument("--both-spaces", action="store_true",
@@ -378,7 +410,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     build.add_argument(
         "--prefix-dict", metavar="FILE", help="build from an RTP-LLM prefix dict (tree_decode_config JSON)"
     )
-    build.add_argument("--vocab-size", type=int, help="with --prefix-dict or --codes: the model's logits width")
+    build.add_argument("--vocab-size", type=int, help="with --prefix-dict (default: the --tokenizer's vocabulary) or --codes: "
+                                                         "the model's logits width")
     build.add_argument("--codes", metavar="FILE", help="build a semantic-id catalog from an .npy array (items x levels)")
     build.add_argument("--codebook-size", type=int, help="with --codes: codes per level")
     build.add_argument("--token-offset", type=int, help="with --codes: the token of level 0's code 0 (default 0)")
@@ -389,7 +422,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     info = sub.add_parser("info", help="describe a trie file")
     info.add_argument("file")
     info.add_argument("--json", action="store_true", help="print the statistics as JSON")
-    info.add_argument("--show", type=int, default=0, metavar="N", help="also print the first N entries")
+    info.add_argument("--show", type=_count, default=0, metavar="N",
+                      help="also print the first N entries (with --json: as its first_entries list)")
     info.add_argument("--no-verify", action="store_true", help="skip the checksum and structure checks")
     sub.add_parser("bench", help="run the benchmark suites, from a source checkout (trie-decode bench --help)")
     args = parser.parse_args(argv)
@@ -398,11 +432,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         if args.command == "build":
             check_writable(args.output)  # before the work, not after it
-        return {"build": _cmd_build, "info": _cmd_info}[args.command](args)
+        code = {"build": _cmd_build, "info": _cmd_info}[args.command](args)
+        sys.stdout.flush()  # a reader that left fails the flush here, in the except below, not at exit
+        return code
     except TrieDecodeError as exc:
         # An error whose fix names an option names it as a flag here (--context, not context=).
         message = exc.message_for(FLAGS) if isinstance(exc, ContextError) else str(exc)
         print(f"trie-decode {args.command}: error: {message}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:
+        # The reader of the output left (`trie-decode info FILE --show 1000 | head`): stop quietly, as Python's
+        # documentation advises, with no traceback (nor one more when the interpreter flushes stdout at exit).
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
         return 1
 
 

@@ -38,6 +38,8 @@ __all__ = [
 
 FORMAT_NAME = "trie_decode.TokenTrie"
 FORMAT_VERSION = 1
+#: The ``kind`` of a live catalog's delta file (:mod:`trie_decode.live`), which ``TokenTrie.load`` names as such.
+DELTA_KIND = "trie_decode.live_delta"
 _MAX_HEADER = 100 * 1024 * 1024
 _DTYPES = {"I32": np.int32, "I64": np.int64, "U8": np.uint8, "F32": np.float32, "BOOL": np.bool_}
 _READABLE = tuple(np.dtype(d) for d in _DTYPES.values())  # what write_arrays may write (little-endian)

@@ -59,7 +59,7 @@ from .entries import (NUMBER_ENTRY, RETIRED_KEYS_BLOB, RETIRED_KEYS_OFFSETS, Ent
                       check_keys, check_names, entry_column, retired_key_table)
 from .errors import (CatalogUpdateError, ConstraintConfigError, EmptyFilterError, EmptyTrieError, FilterModeError,
                      InvalidEntryError, TrieFileError, UnknownEntryError, raised_as)
-from .fileio import check_vectors, read_arrays, write_arrays
+from .fileio import DELTA_KIND, check_vectors, read_arrays, write_arrays
 from .filters import LIVE_ALLOW_HINT, EntryOrder, KeyIndex, RowFilters, spec_items
 from .kernels.vectorized import NUMPY_KERNEL
 from .options import row_specs
@@ -75,7 +75,6 @@ __all__ = [
     "base_identity",
 ]
 
-DELTA_KIND = "trie_decode.live_delta"
 #: 2: the base identity covers the base's ``extra`` arrays. A version 1 file's identity leaves them out: it is read
 #: only for a base without any (whose identity is the same in both versions).
 DELTA_VERSION = 2

@@ -35,7 +35,7 @@ from ._build import BuiltArrays, RaggedTokens, _is_integer, build_arrays, check_
 from .entries import (FILTER_DTYPES, ITEM_DTYPES, Entry, StringTable, catalog_item_keys, catalog_problem,
                       check_keys, check_names, entry_column, entry_strings, filter_arrays_problem, utf8_bytes)
 from .errors import EmptyTrieError, InvalidEntryError, InvalidTokenError, TokenizerMismatchError, TrieFileError
-from .fileio import check_vectors, read_arrays, write_arrays
+from .fileio import DELTA_KIND, check_vectors, read_arrays, write_arrays
 from .forms import resolve_forms, tokenize_forms
 from .options import OptionNames, check_vocab_size, is_vocab_size
 from .tokenizers import fingerprint_matches, tokenizer_fingerprint, tokenizer_vocab_size
@@ -805,6 +805,9 @@ class TokenTrie:
         arrays, meta = read_arrays(path, verify=verify)
         missing = [name for name in ARRAYS if name not in arrays]
         if missing:
+            if meta.get("kind") == DELTA_KIND:  # "missing arrays ['child_ptr', ...]" did not say what it is
+                raise TrieFileError(f"{label} is a live catalog's delta file (LiveCatalog.save_delta), not a trie: "
+                                    "open it with its base, LiveCatalog.open(trie_path, delta_path)")
             raise TrieFileError(f"{label} is missing arrays {missing}")
         table_dtypes = {f"{t}_{part}": dt for t in TABLES for part, dt in (("blob", np.uint8), ("offsets", np.int64))}
         check_vectors(arrays, {**ARRAYS, **table_dtypes, **ITEM_DTYPES, **FILTER_DTYPES}, label)
