@@ -129,8 +129,9 @@ def test_load_accepts_str_paths(saved):
 def test_missing_file(tmp_path):
     with pytest.raises(TrieFileError, match="not found"):
         TokenTrie.load(tmp_path / "nope.safetensors")
-    with pytest.raises(TrieFileError, match="not found"):
-        TokenTrie.load(tmp_path)  # a folder is not a file
+    with pytest.raises(TrieFileError) as caught:
+        TokenTrie.load(tmp_path)  # a folder is not a file: said as such, not "not found"
+    assert str(caught.value) == f"{tmp_path} is a directory, not a trie file"
 
 
 def test_truncated_file_at_many_points(saved, tmp_path):

@@ -174,7 +174,7 @@ def open_regular_file(path: str | os.PathLike[str], *, follow_symlinks: bool = T
     except ValueError as exc:  # what open() says of a name holding a NUL byte ("embedded null byte")
         raise TrieFileError(f"cannot open trie file {path!r}: a file name holds no NUL byte") from exc
     except IsADirectoryError as exc:  # pragma: no cover - Linux opens directories read-only; the fstat below catches it
-        raise TrieFileError(f"trie file not found: {path} is a directory, not a file") from exc
+        raise TrieFileError(f"{path} is a directory, not a trie file") from exc
     except OSError as exc:
         if exc.errno == errno.ELOOP and not follow_symlinks:
             raise TrieFileError(f"{path} is a symbolic link, not a regular trie file") from exc
@@ -182,7 +182,7 @@ def open_regular_file(path: str | os.PathLike[str], *, follow_symlinks: bool = T
     try:
         st = os.fstat(fd)
         if stat.S_ISDIR(st.st_mode):
-            raise TrieFileError(f"trie file not found: {path} is a directory, not a file")
+            raise TrieFileError(f"{path} is a directory, not a trie file")
         if not stat.S_ISREG(st.st_mode):
             raise TrieFileError(f"{path} is not a regular file (a FIFO, device or socket): not a trie file")
         handle = os.fdopen(fd, "rb")
