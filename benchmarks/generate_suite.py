@@ -23,7 +23,7 @@ import json
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 __all__ = ["run_generate_suite"]
 
@@ -80,7 +80,9 @@ class _GenreRepeat:
         return allowed
 
 
-def run_generate_suite(quick: bool, out_dir: Path) -> dict:
+def run_generate_suite(quick: bool, out_dir: Path, *, repeats: Optional[int] = None) -> dict:
+    """Time ``model.generate`` with each processor (``trie-decode bench --suite generate``); ``repeats``: timed runs
+    per (processor, batch) (default 3 with ``quick``, else 7: ``--repeats``)."""
     import pycountry
     import torch
 
@@ -105,7 +107,7 @@ def run_generate_suite(quick: bool, out_dir: Path) -> dict:
     # "restart after the last separator" is the same constraint as on_complete="repeat".
     sep = tok(";", add_special_tokens=False)["input_ids"]
     new_tokens = 16 if quick else 32
-    repeats = 3 if quick else 7
+    repeats = repeats or (3 if quick else 7)
     records = []
     for batch in (1, 8):
         prompts = [
@@ -163,6 +165,7 @@ def run_generate_suite(quick: bool, out_dir: Path) -> dict:
             "status": "ok",
             "batch": batch,
             "new_tokens": new_tokens,
+            "repeats": repeats,
             "entries": trie.num_entries,
             "plain_s": med["plain"],
             "trie_decode_s": med["trie_decode"],

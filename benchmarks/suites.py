@@ -11,8 +11,9 @@ Suites:
   (peer, size) so that memory readings start clean.
 - ``step``: per-step masking cost against the ``fill_(-inf)`` floor (protocol in :mod:`.worker`).
 - ``generate``, ``fastforward``, ``vllm``, ``spans``, ``json-peers``: hooks. Each is a function named in
-  :data:`SUITE_HOOKS`, called as ``fn(quick, out_dir)``; it writes its own JSON. Until its module exists the
-  suite is reported as unavailable.
+  :data:`SUITE_HOOKS`, called as ``fn(quick, out_dir)`` plus the flags given that it takes as keywords
+  (:data:`HOOK_OPTIONS`: ``--sizes``, ``--repeats``); it writes its own JSON. Until its module exists the suite is
+  reported as unavailable.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
+import inspect
 import json
 import os
 import queue
@@ -50,7 +52,7 @@ SUITE_HOOKS: dict[str, str] = {
     "json-peers": "benchmarks.json_peers:run_json_peers_suite",
 }
 """Suites implemented in their own modules: name -> ``"module:function"``. The function takes
-``(quick: bool, out_dir: Path)``, writes its own JSON into ``out_dir`` and returns a dict, ideally with a
+``(quick: bool, out_dir: Path)`` and, as keywords, any of :data:`HOOK_OPTIONS` it reads; it writes its own JSON into ``out_dir`` and returns a dict, ideally with a
 ``"records"`` list (printed as a table); a module that does not exist yet makes the suite "unavailable"."""
 
 FULL_SIZES = [1_000, 10_000, 100_000, 1_000_000]
@@ -541,20 +543,61 @@ def _build_target(n: int, vocab: int) -> dict[str, Any]:
     return rec
 
 
-def _run_hook(suite: str, cfg: BenchConfig) -> list[dict[str, Any]]:
-    target = SUITE_HOOKS[suite]
-    module_name, _, fn_name = target.partition(":")
+#: The command-line options that tune a suite (``BenchConfig`` field -> flag). ``step`` reads every one, ``build`` those
+#: in :data:`SUITE_READS`, a hooked suite those of :data:`HOOK_OPTIONS` its function takes as keywords
+#: (:func:`suite_reads`); a flag given that no chosen suite reads is a usage error, never silently ignored.
+TUNING_FLAGS = {"sizes": "--sizes", "batches": "--batches", "peers": "--peers", "steps": "--steps",
+                "repeats": "--repeats", "measure_budget_s": "--budget", "setup_limit_s": "--setup-limit",
+                "mem_limit_gib": "--mem-limit", "tokenizer": "--tokenizer", "isolate": "--isolate"}
+SUITE_READS = {"step": frozenset(TUNING_FLAGS), "build": frozenset({"sizes", "peers", "setup_limit_s", "mem_limit_gib",
+                                                                 "tokenizer"})}
+HOOK_OPTIONS = ("sizes", "repeats")
+
+
+def _hook_function(suite: str) -> Callable[..., Any]:
+    """The function of a hooked suite (:data:`SUITE_HOOKS`); ImportError or AttributeError when it is missing."""
+    module_name, _, fn_name = SUITE_HOOKS[suite].partition(":")
+    if importlib.util.find_spec(module_name) is None:
+        raise ImportError(f"module {module_name} not found")
+    return getattr(importlib.import_module(module_name), fn_name)
+
+
+def suite_reads(suite: str) -> frozenset[str]:
+    """The :data:`TUNING_FLAGS` fields ``suite`` reads (none for a hooked suite whose module is missing)."""
+    if suite in SUITE_READS:
+        return SUITE_READS[suite]
     try:
-        if importlib.util.find_spec(module_name) is None:
-            raise ImportError(f"module {module_name} not found")
-        fn = getattr(importlib.import_module(module_name), fn_name)
+        params = inspect.signature(_hook_function(suite)).parameters
+    except (ImportError, AttributeError):
+        return frozenset()
+    return frozenset(name for name in HOOK_OPTIONS if name in params)
+
+
+def given_flags(cfg: BenchConfig) -> frozenset[str]:
+    """The :data:`TUNING_FLAGS` fields ``cfg`` sets (before :meth:`BenchConfig.resolved` fills the defaults); a
+    ValueError naming a flag that none of its suites reads."""
+    given = frozenset(name for name in TUNING_FLAGS if getattr(cfg, name) is not None)
+    for name in sorted(given, key=list(TUNING_FLAGS).index):
+        if not any(name in suite_reads(suite) for suite in cfg.suites):
+            what = ", ".join(f"the {suite} suite reads " + (", ".join(TUNING_FLAGS[n] for n in TUNING_FLAGS
+                                                                      if n in suite_reads(suite)) or "none of them")
+                             for suite in cfg.suites)
+            raise ValueError(f"{TUNING_FLAGS[name]} is not read by --suite {','.join(cfg.suites)} ({what}): leave it "
+                             "out, or choose a suite that reads it")
+    return given
+
+
+def _run_hook(suite: str, cfg: BenchConfig, given: frozenset[str] = frozenset()) -> list[dict[str, Any]]:
+    try:
+        fn = _hook_function(suite)
     except (ImportError, AttributeError) as exc:
         why = f"unavailable: suite {suite!r} is not implemented yet ({exc})"
         _say(f"  {why}")
         return [{"suite": suite, "status": "unavailable", "error": why}]
+    options = {name: getattr(cfg, name) for name in suite_reads(suite) & given}  # the flags given, as the hook's keywords
     t0 = time.perf_counter()
     try:
-        result = fn(cfg.quick, cfg.out_dir)
+        result = fn(cfg.quick, cfg.out_dir, **options)
     except Exception as exc:  # one suite failing must not lose the others' results
         import traceback
 
@@ -568,6 +611,7 @@ def _run_hook(suite: str, cfg: BenchConfig) -> list[dict[str, Any]]:
 
 def run(cfg: BenchConfig) -> dict[str, list[dict[str, Any]]]:
     """Run the configured suites; print their tables, write their JSON (and plots). Returns records by suite."""
+    given = given_flags(cfg)  # before anything runs: a flag no chosen suite reads is a usage error
     cfg = cfg.resolved()
     if cfg.device == "auto":
         import torch
@@ -589,7 +633,7 @@ def run(cfg: BenchConfig) -> dict[str, list[dict[str, Any]]]:
             runner = run_step if suite == "step" else run_build
             records = runner(cfg, tokenizer, tok_path)
         else:
-            records = _run_hook(suite, cfg)
+            records = _run_hook(suite, cfg, given)
         elapsed = time.perf_counter() - t0
         results[suite] = records
         print(report.table(suite, records), flush=True)

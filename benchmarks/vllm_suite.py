@@ -73,14 +73,16 @@ def _run_worker(spec: dict, out_dir: Path, timeout: float) -> dict:
     return json.loads(result_path.read_text())
 
 
-def run_vllm_suite(quick: bool, out_dir: Any, *, sizes: Optional[Sequence[int]] = None) -> dict:
+def run_vllm_suite(quick: bool, out_dir: Any, *, sizes: Optional[Sequence[int]] = None,
+                   repeats: Optional[int] = None) -> dict:
     """Run the vLLM throughput suite and return (and write to ``out_dir/vllm_suite.json``) its results.
 
     Args:
         quick: 1,000 names, 64 requests, ``max_tokens=24`` (about 4 minutes on 2 CPU cores, mostly engine
             start-up); otherwise 10,000 and 100,000 names, 128 requests, ``max_tokens=32``.
         out_dir: folder for the results, the trie files and the workers' logs.
-        sizes: name counts to run instead of the defaults.
+        sizes: name counts to run instead of the defaults (``--sizes``).
+        repeats: timed runs per configuration, the fastest kept (default 2 with ``quick``, else 3: ``--repeats``).
 
     Returns:
         ``{"config": ..., "runs": {name_count: {config: {"seconds", "requests", "tokens", "tokens_per_s",
@@ -109,7 +111,7 @@ def run_vllm_suite(quick: bool, out_dir: Any, *, sizes: Optional[Sequence[int]] 
         TokenTrie.from_strings(names, tok).save(trie_file)
         sets.append({"n": len(names), "names": str(names_file), "trie": str(trie_file), "build_s": time.perf_counter() - t})
     common = {"model": model, "sets": sets, "requests": requests, "max_tokens": max_tokens, "batch": BATCH,
-              "reps": 2 if quick else 3}
+              "reps": repeats or (2 if quick else 3)}
     timeout = 1800 if quick else 7200
     base = _run_worker(dict(common, engine="plain"), out_dir, timeout)
     proc = _run_worker(dict(common, engine="trie"), out_dir, timeout)

@@ -134,12 +134,13 @@ def test_build_suite_quick(tmp_path):
 @pytest.mark.slow
 @pytest.mark.model
 def test_generate_and_fastforward_suites_quick(tmp_path):
-    gen = _bench("generate", tmp_path)["records"]
-    assert {r["batch"] for r in gen} == {1, 8}
+    # --repeats reaches the hooked suites (it was read by the step suite only: silently ignored here).
+    gen = _bench("generate", tmp_path, "--repeats", "1")["records"]
+    assert {r["batch"] for r in gen} == {1, 8} and {r["repeats"] for r in gen} == {1}
     assert all(r["outputs_valid"] and r["plain_s"] > 0 for r in gen)
-    ff = _bench("fastforward", tmp_path)
+    ff = _bench("fastforward", tmp_path, "--repeats", "1")
     recs = ff["records"] if "records" in ff else ff
-    assert recs and all(r["identical"] for r in recs)
+    assert recs and all(r["identical"] for r in recs) and ff["environment"]["repeats"] == 1
 
 
 @pytest.mark.slow
@@ -181,8 +182,8 @@ def test_retrieval_suite_quick_takes_the_processors_beam_fast_path(tmp_path):
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_vllm_suite_quick(tmp_path):
-    data = _bench("vllm", tmp_path)
-    assert data["runs"], data
+    data = _bench("vllm", tmp_path, "--repeats", "1")
+    assert data["runs"] and data["config"]["reps"] == 1, data
     for n, runs in data["runs"].items():
         assert "error" not in runs, runs
         assert {"unconstrained/fixed", "trie/fixed", "choice/natural_cold"} <= set(runs)
@@ -210,6 +211,22 @@ def test_bad_numbers_are_usage_errors(flags, message, capsys):
     assert exc.value.code == 2 and message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--suite", "vllm", "--steps", "4"], "--steps is not read by --suite vllm (the vllm suite reads --sizes, "
+                                          "--repeats): leave it out, or choose a suite that reads it"),
+    (["--suite", "retrieval", "--repeats", "1"], "--repeats is not read by --suite retrieval (the retrieval suite "
+                                                 "reads none of them)"),
+    (["--suite", "build", "--batches", "1,8"], "--batches is not read by --suite build (the build suite reads --sizes, "
+                                               "--peers, --setup-limit, --mem-limit, --tokenizer)"),
+])
+def test_a_flag_the_chosen_suite_does_not_read_is_a_usage_error(argv, message, tmp_path, capsys):
+    # Were ignored without a word: --repeats 5 with the vllm suite ran 2 repeats, --tokenizer with generate SmolLM2.
+    import benchmarks
+
+    assert benchmarks.main([*argv, "--quick", "--out", str(tmp_path)]) == 2
+    assert message in capsys.readouterr().out
+
+
 def test_a_tokenizer_found_nowhere_is_a_usage_error_at_once(tmp_path, monkeypatch, capsys):
     # Was AutoTokenizer.from_pretrained: the hub's retries (55 s without network), then an OSError traceback.
     import benchmarks
@@ -219,3 +236,25 @@ def test_a_tokenizer_found_nowhere_is_a_usage_error_at_once(tmp_path, monkeypatc
     assert benchmarks.main(argv) == 2
     out = capsys.readouterr().out
     assert "error: --tokenizer no-such-org/no-such-tokenizer: neither a local folder nor" in out, out
+
+
+def test_every_documented_bench_command_passes_the_flag_check():
+    # The flags each documented command gives are read by its suites (a flag no chosen suite reads is refused).
+    import re
+    import shlex
+
+    from benchmarks import build_parser
+    from benchmarks.suites import SUITES, BenchConfig, given_flags
+
+    root = Path(__file__).resolve().parents[1]
+    flag = r"--[a-z-]+(?: [^\s`|#)-][^\s`|#)]*)? ?"  # a flag and its value (a command may wrap a line)
+    commands = [m.group(1) for doc in [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+                for m in re.finditer(rf"trie-decode bench ((?:{flag})+)", doc.read_text().replace("\n", " "))]
+    commands = [c for c in commands if "--help" not in c]
+    assert len(commands) >= 15 and any("--tokenizer gemma3" in c for c in commands), commands
+    for command in commands:
+        args = build_parser().parse_args(shlex.split(command))
+        given_flags(BenchConfig(suites=list(SUITES) if args.suite == "all" else [args.suite], sizes=args.sizes,
+                                batches=args.batches, peers=args.peers, steps=args.steps, repeats=args.repeats,
+                                measure_budget_s=args.budget, setup_limit_s=args.setup_limit,
+                                mem_limit_gib=args.mem_limit, tokenizer=args.tokenizer, isolate=args.isolate))
