@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -150,6 +151,6 @@ def main(argv: Sequence[str] | None = None, prog: str = "trie-decode bench") -> 
         with workers_stop_with_us():  # Ctrl-C or SIGTERM stops the worker processes too
             run(cfg)
     except ValueError as exc:
-        print(f"{prog}: error: {exc}")
+        print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
     return 0

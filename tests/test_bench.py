@@ -52,7 +52,7 @@ def test_an_out_folder_that_cannot_be_made_is_a_usage_error(tmp_path, capsys):
 
     (tmp_path / "plain").write_text("x")  # was: a FileExistsError traceback from pathlib
     assert benchmarks.main(["--suite", "build", "--quick", "--out", str(tmp_path / "plain" / "out")]) == 2
-    assert "error: cannot write the results to --out" in capsys.readouterr().out
+    assert "error: cannot write the results to --out" in capsys.readouterr().err  # stderr, as argparse's errors
 
 
 def _alive(pid: int) -> bool:
@@ -224,7 +224,7 @@ def test_a_flag_the_chosen_suite_does_not_read_is_a_usage_error(argv, message, t
     import benchmarks
 
     assert benchmarks.main([*argv, "--quick", "--out", str(tmp_path)]) == 2
-    assert message in capsys.readouterr().out
+    assert message in capsys.readouterr().err
 
 
 def test_a_tokenizer_found_nowhere_is_a_usage_error_at_once(tmp_path, monkeypatch, capsys):
@@ -234,8 +234,8 @@ def test_a_tokenizer_found_nowhere_is_a_usage_error_at_once(tmp_path, monkeypatc
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     argv = ["--suite", "build", "--quick", "--tokenizer", "no-such-org/no-such-tokenizer", "--out", str(tmp_path)]
     assert benchmarks.main(argv) == 2
-    out = capsys.readouterr().out
-    assert "error: --tokenizer no-such-org/no-such-tokenizer: neither a local folder nor" in out, out
+    err = capsys.readouterr().err
+    assert "error: --tokenizer no-such-org/no-such-tokenizer: neither a local folder nor" in err, err
 
 
 def test_every_documented_bench_command_passes_the_flag_check():

@@ -83,7 +83,7 @@ def test_file_and_cli_round_trip(tmp_path, capsys):
     out = tmp_path / "items.trie"
     assert main(["build", "--codes", str(tmp_path / "ids.npy"), "--codebook-size", "8", "--token-offset", "100",
                  "--vocab-size", "200", "--keys", str(tmp_path / "keys.txt"), "-o", str(out)]) == 0
-    assert "3 distinct ids (1 items share an id)" in capsys.readouterr().out
+    assert "3 distinct ids (1 item shares an id)" in capsys.readouterr().out
     trie = TokenTrie.load(out)
     e = trie.lookup([103, 109]).index
     assert items_of(trie, e).tolist() == [0, 2] and item_keys_of(trie, e) == ["a", "c"]

@@ -177,7 +177,10 @@ def test_an_empty_source_path_is_that_source(tmp_path, capsys):
     (["--prefix-dict", "d.json", "--vocab-size", "-1"], "--vocab-size must be an integer in [1, 2**31], got -1"),
     (["--codes", "c.npy", "--codebook-size", "0", "--vocab-size", "8"], "--codebook-size must be a positive integer"),
     (["--codes", "c.npy", "--codebook-size", "2", "--vocab-size", "8", "--token-offset", "-1"],
-     "--token-offset must be a non-negative token id"),
+     "--token-offset must be a token id in [0, 8), got -1"),
+    # Past the vocabulary it was refused by catalog_from_codes, under its Python name: "token_offset must be ...".
+    (["--codes", "c.npy", "--codebook-size", "2", "--vocab-size", "8", "--token-offset", "8"],
+     "--token-offset must be a token id in [0, 8), got 8"),
 ])
 def test_options_of_another_source_and_bad_values_are_usage_errors(tmp_path, flags, message, capsys):
     with pytest.raises(SystemExit) as exc:

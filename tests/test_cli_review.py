@@ -320,3 +320,34 @@ def test_info_no_verify_of_a_corrupt_file_is_a_named_error(tmp_path, capsys, arr
     assert err.endswith("run without --no-verify to check it\n") and err.count("\n") == 1, err
     assert main(["info", str(path), "--show", "1"]) == 1  # checked: the CRC names the array
     assert f"array '{array}' fails its CRC-32 check" in capsys.readouterr().err
+
+
+def test_tokenizer_and_keys_files_are_named_as_what_they_are(tmp_path, capsys):
+    # A file given as --tokenizer was "no such folder"; a --keys file of the wrong length was refused under the
+    # Python name ("keys has 3 items but there are 2 rows of codes").
+    import numpy as np
+
+    from trie_decode.cli import main
+
+    (tmp_path / "names.txt").write_text("France\n")
+    out = str(tmp_path / "o.trie")
+    assert main(["build", str(tmp_path / "names.txt"), "--tokenizer", str(tmp_path / "names.txt"), "-o", out]) == 1
+    assert f"--tokenizer {tmp_path / 'names.txt'}: a file, not a tokenizer folder" in capsys.readouterr().err
+    np.save(tmp_path / "c.npy", np.array([[0, 1], [1, 0]]))
+    (tmp_path / "keys.txt").write_text("a\nb\nc\n")
+    assert main(["build", "--codes", str(tmp_path / "c.npy"), "--vocab-size", "9", "--codebook-size", "2", "--keys",
+                 str(tmp_path / "keys.txt"), "-o", out]) == 1
+    assert f"--keys {tmp_path / 'keys.txt'} has 3 lines for 2 rows of codes" in capsys.readouterr().err
+
+
+def test_a_missing_prefix_dict_is_named_before_the_tokenizer_loads(tmp_path, monkeypatch, capsys):
+    # It loaded the tokenizer first (about 6 s), then said the file was missing.
+    import trie_decode.cli as cli
+
+    def no_load(name):
+        raise AssertionError("the tokenizer was loaded before the prefix dict was read")
+
+    monkeypatch.setattr(cli, "_load_tokenizer", no_load)
+    missing = str(tmp_path / "missing.json")
+    assert cli.main(["build", "--prefix-dict", missing, "--tokenizer", str(tmp_path), "-o", str(tmp_path / "o")]) == 1
+    assert f"prefix dict: no such file {missing!r}" in capsys.readouterr().err

@@ -33,10 +33,10 @@ import numpy as np
 from .entries import (ITEM_IDS, ITEM_KEYS_BLOB, ITEM_KEYS_OFFSETS, ITEM_PTR, StringTable, catalog_key_table, check_keys,
                       entry_column)
 from .errors import InvalidEntryError, InvalidTokenError
+from .options import token_id
 from .trie import VOCAB_SIZE, TokenTrie, check_fingerprint, check_vocab_size
 
 __all__ = ["catalog_from_codes", "items_of", "item_keys_of", "item_entries", "item_key_table", "compacted_items"]
-
 
 def _level_ints(value: Any, name: str, levels: int) -> np.ndarray:
     """``value`` (one integer, or one per level) as an int64 array of one per level, or a named error: not integers
@@ -106,10 +106,7 @@ def catalog_from_codes(
         raise InvalidEntryError(f"level {int(np.flatnonzero(_per_level(codes, np.min) < 0)[0])} holds a negative code")
     highest = int(codes.max())
     # Checked first, in both forms: beside level_offsets, an array compared with 0 failed inside numpy.
-    if isinstance(token_offset, (bool, np.bool_)) or not isinstance(token_offset, (int, np.integer)) or not (
-        0 <= token_offset < vocab_size
-    ):
-        raise InvalidTokenError(f"token_offset must be a token id in [0, {vocab_size}), got {token_offset!r:.40}")
+    token_id(token_offset, "token_offset", VOCAB_SIZE, below=vocab_size)  # InvalidTokenError
     if level_offsets is None:
         if codebook_size is None:
             raise InvalidEntryError("give codebook_size (codes per level) or level_offsets (token of code 0 per level)")

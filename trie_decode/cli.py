@@ -128,9 +128,10 @@ def _load_tokenizer(name: str) -> Any:
 
 def _cmd_build_prefix_dict(args: argparse.Namespace) -> int:
     """``build --prefix-dict``: an RTP-LLM prefix dict (tree_decode_config JSON) to a trie file."""
-    from .descriptors import trie_from_prefix_dict
+    from .descriptors import read_json, trie_from_prefix_dict
 
     path = Path(args.prefix_dict)
+    payload = read_json(path, "prefix dict")  # a missing or bad file is named before the tokenizer loads (~6 s)
     t0 = time.perf_counter()
     vocab_size, fingerprint = args.vocab_size, ""
     if args.tokenizer:
@@ -140,7 +141,7 @@ def _cmd_build_prefix_dict(args: argparse.Namespace) -> int:
         fingerprint = tokenizer_fingerprint(tokenizer)
         vocab_size = vocab_size or tokenizer_vocab_size(tokenizer)
     t1 = time.perf_counter()
-    trie = trie_from_prefix_dict(path, vocab_size, strict=args.strict, fingerprint=fingerprint)
+    trie = trie_from_prefix_dict(payload, vocab_size, strict=args.strict, fingerprint=fingerprint)
     t2 = time.perf_counter()
     trie.save(args.output)
     t3 = time.perf_counter()
@@ -182,6 +183,9 @@ def _cmd_build_codes(args: argparse.Namespace) -> int:
     keys = None
     if args.keys:
         keys = text_lines(_read_text(Path(args.keys), "keys file"))
+        if len(keys) != len(codes):
+            raise DescriptorError(f"--keys {args.keys} has {len(keys):,} lines for {len(codes):,} rows of codes: give "
+                                  "one key per item, in the codes' order")
     t0 = time.perf_counter()
     offset = 0 if args.token_offset is None else args.token_offset
     trie = catalog_from_codes(np.asarray(codes), vocab_size=args.vocab_size, codebook_size=args.codebook_size,
@@ -189,8 +193,9 @@ def _cmd_build_codes(args: argparse.Namespace) -> int:
     t1 = time.perf_counter()
     trie.save(args.output)
     t2 = time.perf_counter()
+    dup = trie.num_duplicates
     print(f"built {args.output} from {len(codes):,} items x {codes.shape[1]} levels: {trie.num_entries:,} distinct ids "
-          f"({trie.num_duplicates:,} items share an id), {trie.num_nodes:,} nodes")
+          f"({dup:,} item{' shares' if dup == 1 else 's share'} an id), {trie.num_nodes:,} nodes")
     print(f"time: build {t1 - t0:.2f}s, save {t2 - t1:.2f}s")
     return 0
 
@@ -361,7 +366,7 @@ def _check_build_args(build: argparse.ArgumentParser, args: argparse.Namespace) 
         if args.codebook_size is not None:
             check_positive(args.codebook_size, "codebook_size", FLAGS)
         if args.token_offset is not None:
-            token_id(args.token_offset, "token_offset", FLAGS)
+            token_id(args.token_offset, "token_offset", FLAGS, below=args.vocab_size)
         if args.on_unstable is not None:
             check_on_unstable_context(args.on_unstable, bool(args.context), FLAGS)
     except ConstraintConfigError as exc:

@@ -7,7 +7,8 @@ error that does not say the name was never a folder. :func:`load_tokenizer` is t
 tokenizer by name (the CLI's ``--tokenizer``, the vLLM processor's ``model_config.tokenizer``):
 
 1. an existing folder loads as before;
-2. a name written as a path (``./x``, ``/x``, ``~/x``, ``x\\y``) that is not a folder is "no such folder";
+2. a file is "a file, not a tokenizer folder"; a name written as a path (``./x``, ``/x``, ``~/x``, ``x\\y``) that is
+   not a folder is "no such folder";
 3. with the hub off (``HF_HUB_OFFLINE`` or ``TRANSFORMERS_OFFLINE``, or ``online=False``) only the cache is read;
 4. otherwise one request (:data:`PROBE_TIMEOUT_S`, through the hub's own HTTP session: ``HF_ENDPOINT``, proxies)
    tells whether the hub answers: if it does, ``from_pretrained`` runs exactly as it would without trie_decode (an
@@ -85,6 +86,9 @@ def load_tokenizer(name: str, *, revision: Optional[str] = None, trust_remote_co
     options: dict[str, Any] = {"revision": revision, "trust_remote_code": trust_remote_code}
     if Path(name).expanduser().is_dir():
         return AutoTokenizer.from_pretrained(str(Path(name).expanduser()), **options)
+    if Path(name).expanduser().is_file():
+        raise TokenizerNotFoundError(f"{what} {name}: a file, not a tokenizer folder (give the folder that holds "
+                                     "tokenizer.json or the tokenizer's other files)")
     if _looks_like_a_path(name):
         raise TokenizerNotFoundError(f"{what} {name}: no such folder")
     off = "online=False" if not online else hub_offline()

@@ -290,10 +290,14 @@ def token_tuple(value: Any, key: str, names: OptionNames = KEYWORDS) -> tuple[in
     return tuple(int(t) for t in out)
 
 
-def token_id(value: Any, key: str, names: OptionNames = KEYWORDS) -> int:
-    """``value`` as one non-negative token id (an int or numpy integer, not a bool), or ``names``' error."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-        names.fail(f"{names(key)} must be a non-negative token id, got {value!r:.40}")
+def token_id(value: Any, key: str, names: OptionNames = KEYWORDS, below: Optional[int] = None) -> int:
+    """``value`` as one non-negative token id (an int or numpy integer, not a bool), below ``below`` when given (the
+    vocabulary size), or ``names``' error."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0 or (
+        below is not None and value >= below
+    ):
+        kind = "a non-negative token id" if below is None else f"a token id in [0, {below})"
+        names.fail(f"{names(key)} must be {kind}, got {value!r:.40}")
     return int(value)
 
 
