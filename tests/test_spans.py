@@ -19,6 +19,7 @@ from trie_decode import TokenTrie
 from trie_decode.constraint import SpanRules, TrieConstraint
 from trie_decode.errors import ConstraintConfigError, EmptyTrieError, InvalidEntryError, InvalidTokenError
 from trie_decode.fields import FieldRules, Span
+from trie_decode.spans import FREE
 from trie_decode.text_spans import Trigger, end_token_table, vocabulary_bytes
 
 from reference import FieldReference
@@ -75,6 +76,57 @@ def test_every_kernel_follows_the_reference_on_random_walks(case):
         tok = want if want in options else rng.choice(options)
         rstate = ref.step(rstate, tok)
         states = [c.advance(s, torch.tensor([tok])) for c, s in zip(constraints, states)]
+
+
+@settings(max_examples=30, deadline=None)
+@given(cases(), st.data())
+def test_a_prompt_that_ends_inside_a_value_starts_where_its_tokens_lead(case, data):
+    """A prompt ending with ``after`` and the first tokens of a value (``'"city": "Rey'``) starts at their node, as
+    if the row had written them: every kernel masks as the reference does from there; one that closes the value, or
+    whose tokens are no path of the trie, starts in free text (the latter with a warning)."""
+    seed, vocab, spans, afters, ends = case
+    k = data.draw(st.integers(0, len(spans) - 1))
+    value = data.draw(st.sampled_from(spans[k]))
+    cut = data.draw(st.integers(1, len(value)))
+    opening = [1, 2, 4, 5] if k == 0 else [1, 3, 4, 5]  # '{"' 'city'/'country' '":' ' "': ends with after k
+    ref = FieldReference(spans, afters, ends, vocab)
+    for kernel in KERNELS:
+        c = _constraint(vocab, spans, afters, kernel, ends)
+        s = c.start(1, tails=torch.tensor([opening + list(value[:cut])]))
+        assert (int(s.tree[0]), int(s.node[0])) == (k, c.tries[k].walk(value[:cut])), kernel
+        want = ref.allowed(("in", k, tuple(value[:cut])))
+        assert set(c.mask_(torch.zeros(1, len(vocab)), s)[0].isfinite().nonzero().flatten().tolist()) == want
+    if cut == len(value):  # a closed value, then more text: free, no warning
+        closed = opening + list(value) + [int(c.rules.fields.ends[k].ids[0]), 9]
+        assert int(c.start(1, tails=torch.tensor([closed])).node[0]) == FREE
+    off = [t for t in range(13, len(vocab)) if c.tries[k].step(0, t) < 0]
+    if off:  # a value the trie does not hold: free, and said
+        with pytest.warns(UserWarning, match=f"the prompt ends inside a value of span {k}"):
+            assert int(c.start(1, tails=torch.tensor([opening + off[:1]])).node[0]) == FREE
+
+
+@pytest.mark.model
+def test_a_prompt_into_a_value_with_the_real_tokenizer(model, tokenizer):
+    """SmolLM2: ``'{"city": "Rey'`` ('R', 'ey': the first tokens of Reykjavik in the span's trie) is finished by the
+    model as that entry; an instruction that quotes the ``after`` before the chat template's turn ends starts free,
+    without a warning; ``'{"city": "Reykj'`` (whose 'j' the trie spells 'jav') starts free, with one."""
+    import warnings
+
+    from trie_decode.integrations.transformers import TrieLogitsProcessor
+
+    spans = [Span(["Paris", "Reykjavik", "Oslo"], after='"city": "')]
+    base = tokenizer.apply_chat_template([{"role": "user", "content": 'Name a city in Iceland, as {"city": "'}],
+                                         tokenize=False, add_generation_prompt=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        proc = TrieLogitsProcessor(tokenizer=tokenizer, spans=spans)
+        enc = tokenizer(base + '{"city": "Rey', return_tensors="pt")
+        out = model.generate(**enc, logits_processor=[proc], max_new_tokens=6, do_sample=False)
+        assert tokenizer.decode(out[0, enc["input_ids"].shape[1]:]).startswith('kjavik"')
+        fields = proc.constraint("cpu").rules.fields
+        assert fields.start_state(tokenizer(base)["input_ids"])[2] == FREE  # the quote, then <|im_end|>: free
+    with pytest.warns(UserWarning, match="'Reykj' after its after text"):
+        assert fields.start_state(tokenizer(base + '{"city": "Reykj')["input_ids"])[2] == FREE
 
 
 def test_a_value_can_only_end_where_an_entry_is_complete_and_then_any_end_token_closes_it():

@@ -301,19 +301,19 @@ class TrieConstraint:
         return RowState(node, tree)
 
     def _start_fields(self, num_rows: int, tails: Optional[torch.Tensor]) -> RowState:
-        """Text spans: every row FREE, its automaton fed the prompt's tail (``tails``: token ids, Shape: (R, T));
-        a prompt that already ends with a span's ``after`` starts in that span (:meth:`FieldRules.start_state`)."""
+        """Text spans: each row where its prompt's tail leaves it (``tails``: token ids, Shape: (R, T)): FREE with its
+        automaton fed the tail, or in the span whose ``after`` (and the start of a value) the prompt ends with
+        (:meth:`FieldRules.start_state`)."""
         f = self.rules.fields
         got = None if tails is None else _misfit_tails(tails, num_rows)
         if got is not None:
             raise ConstraintConfigError(f"tails must hold each row's last prompt tokens (the span automaton reads "
                                         f"them): ({num_rows}, T) for {num_rows} rows, got {got}")
         starts = [f.start_state(ids) for ids in (tails.tolist() if tails is not None else [[]] * num_rows)]
-        text = [s for s, _ in starts]
-        node = torch.tensor([f.start_node(k) if k >= 0 else FREE for _, k in starts], dtype=torch.long)
-        tree = torch.tensor([max(k, 0) for _, k in starts], dtype=torch.long)
-        text_t = torch.tensor(text, dtype=torch.long)
-        return RowState(node.to(self.device), tree.to(self.device), text_t.to(self.device))
+        text = [state for state, _, _ in starts]
+        tree = [max(span, 0) for _, span, _ in starts]
+        node = [node for _, _, node in starts]
+        return RowState(*(torch.tensor(v, dtype=torch.long, device=self.device) for v in (node, tree, text)))
 
     def _fields_move(self, state: RowState, tokens: torch.Tensor, new: torch.Tensor) -> RowState:
         """Text spans after the trie move: FREE rows feed the token to their automaton (a row that just closed a

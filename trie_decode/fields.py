@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from dataclasses import dataclass
 from typing import Any, Collection, Optional, Sequence, Union
 
@@ -475,6 +476,8 @@ class FieldRules:
                     f"span {k}'s trie starts before the space that ends its after text (options['lead']) but holds "
                     "no value after that space alone: build it with Span(values=[...strings]), not a subset of one")
         self._vocab = vocab
+        self.tries = list(tries)
+        self._end_sets = [frozenset(e.ids.tolist()) for e in ends]  # per span: the tokens that close its value
         self._dead: dict[int, np.ndarray] = {}
         self._dead_flag = np.full(triggers.num_states, -1, dtype=np.int8)  # per state: has dead tokens (-1: unknown)
 
@@ -488,11 +491,38 @@ class FieldRules:
         """Span 0's bare end token (see :attr:`bare_ends`)."""
         return self.bare_ends[0]
 
-    def start_state(self, ids: Sequence[int]) -> tuple[int, int]:
-        """A row's automaton state after its prompt's tail ``ids``, and the span a completed ``after`` enters
-        (-1: none): a prompt that already ends with a span's ``after`` starts in that span."""
-        state = self.triggers.feed_token_ids(0, [t for t in ids if 0 <= t < self.vocab_size])
-        return state, self.triggers.triggers.completed(state)
+    def start_state(self, ids: Sequence[int]) -> tuple[int, int, int]:
+        """Where a row whose prompt ends with the tokens ``ids`` starts: its automaton state, the span it is in (-1:
+        none) and its node in that span's trie (FREE: none).
+
+        The prompt is read as the row's own text: a prompt that ends with a span's ``after`` starts at that span's
+        root; one that goes on into a value (``'"city": "Par'``) starts where the value's tokens lead in the trie,
+        so the row writes the rest of an entry. A value the prompt closes (a few-shot example's ``"Paris"``) or
+        leaves through a special token (the chat template's end of turn after an instruction that quotes the
+        ``after``) leaves the row in free text. Tokens after the ``after`` that are no path of the trie start the
+        row in free text too, with a warning for a span that an end text closes (its value is then not
+        constrained: end the prompt with the ``after`` text)."""
+        ids = [t for t in ids if 0 <= t < self.vocab_size]
+        state, fired, span, past = 0, -1, -1, 0
+        for i, token in enumerate(ids):
+            state, k, p = self.text_move(state, token)
+            if k >= 0:
+                fired, span, past = i, k, p
+        if span < 0:
+            return state, -1, FREE
+        node = self.start_node(span, self.carried(ids[fired], past))
+        for token in ids[fired + 1:]:
+            if not self._vocab[token] or token in self._end_sets[span]:
+                return state, -1, FREE  # closed, or left through a special token: the prompt is in free text
+            node = self.tries[span].step(node, token) if node >= 0 else -1
+        if node < 0:  # the value's text is not a path of the trie: no value can follow
+            if self.ends[span].end:
+                value = b"".join(self._vocab[t] for t in ids[fired + 1:]).decode("utf-8", "replace")
+                warnings.warn(f"the prompt ends inside a value of span {span} ({value!r:.60} after its after text), "
+                              "which is no path of the span's trie: that value is not constrained; end the prompt "
+                              "with the after text", stacklevel=3)
+            return state, -1, FREE
+        return state, span, node
 
     def free_rows_(self, logits: Any, node: Any, text: Any, rows: Any = None) -> None:
         """The span rule for rows outside every value (in place): see :meth:`block_dead_triggers_`."""

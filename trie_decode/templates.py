@@ -408,10 +408,10 @@ class TemplateRules(FieldRules):
         self._keep = {torch.device("cpu"): torch.from_numpy(text.keep)}  # by device: copied once, not per step
         self._runs: Optional[tuple[np.ndarray, np.ndarray]] = None
 
-    def start_state(self, ids: Sequence[int]) -> tuple[int, int]:
-        """Every row starts at the template's start, whatever its prompt (in slot 0 when the template opens with
-        it)."""
-        return 0, (0 if not self.text.segments[0] else -1)
+    def start_state(self, ids: Sequence[int]) -> tuple[int, int, int]:
+        """Every row starts at the template's start, whatever its prompt (at slot 0's root when the template opens
+        with it)."""
+        return (0, -1, FREE) if self.text.segments[0] else (0, 0, self.start_node(0))
 
     def free_rows_(self, logits: Any, node: Any, text: Any, rows: Any = None) -> None:
         """FREE rows keep only their position's next fixed token (the end token at the template's end)."""
