@@ -45,7 +45,7 @@ from trie_decode.options import (TrieArg, as_tries, check_alone, check_distinct,
                                   filter_rows, first_eos, is_per_row, prompt_filters, prompt_groups, rule_args)
 from trie_decode.trie import TokenTrie
 
-from .transformers_internals import GenerateLoop, beam_parents, prefix_processor_call, reusable_buffer
+from .transformers_internals import GenerateLoop, PrefixCall, beam_parents, prefix_processor_call, reusable_buffer
 
 try:
     from transformers import LogitsProcessor, LogitsProcessorList, PrefixConstrainedLogitsProcessor
@@ -929,6 +929,12 @@ def _model_eos(model: Any) -> Optional[int]:
     return first_eos(eos)
 
 
+#: How many rows and nodes a prefix_allowed_tokens_fn remembers before it forgets them all.
+_PREFIX_CACHE = 1 << 14
+#: The dtypes whose rows it caches: their tolist() gives ints (a float or bool row would hit an int row's key).
+_TOKEN_DTYPES = {torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8}
+
+
 def prefix_allowed_tokens_fn(
     trie: TokenTrie, *, end_token_id: int, prompt_length: Optional[Union[int, Sequence[int]]] = None
 ) -> Callable[[int, torch.Tensor], list[int]]:
@@ -936,9 +942,11 @@ def prefix_allowed_tokens_fn(
 
     The returned function maps ``(batch_id, input_ids_row)`` to the allowed token ids of that row: the trie's
     step table in ``"eos"`` mode (children, plus the end token where an entry ends; only the end token once the row
-    left the trie). It walks the row's generated tokens from the root at every call (as GENRE does), so prefer
-    :class:`TrieLogitsProcessor` for speed. It is stateless: reuse it across ``generate`` calls, prompt lengths,
-    batch sizes, sampling and beam search.
+    left the trie), as a new list. It remembers the node of each row's generated tokens (a row one token longer than
+    one it saw takes one trie step, whichever beam it came from) and each node's allowed tokens (read for all the
+    rows of a ``generate`` step at once), yet :class:`TrieLogitsProcessor` stays faster (no list per row). What it
+    remembers changes no answer: reuse it across ``generate`` calls, prompt lengths, batch sizes, sampling and beam
+    search.
 
     Args:
         trie: the trie.
@@ -966,8 +974,7 @@ def prefix_allowed_tokens_fn(
     # The start of each generate call, keyed by that call's PrefixConstrainedLogitsProcessor (a new one per call).
     starts: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
 
-    def start_of(batch_id: int) -> int:
-        call = prefix_processor_call(depth=2, read_loop=False)
+    def start_of(batch_id: int, call: Optional[PrefixCall]) -> int:
         if call is not None and call.owner not in starts:  # a generate call's first: check what it will mask
             call = prefix_processor_call(depth=2)
             # The allowed ids index its scores, and generate stops at its stop ids (the processor's checks).
@@ -988,10 +995,35 @@ def prefix_allowed_tokens_fn(
             )
         return starts[call.owner]
 
+    # Caches (emptied together past _PREFIX_CACHE entries): a row's generated tokens -> its node (-1: it left the
+    # trie), and a node -> its allowed tokens, which depend on the node alone here (no filter, a fixed width).
+    nodes: dict[tuple, int] = {}
+    lists: dict[int, list[int]] = {}
+
+    def node_of(gen: tuple) -> int:
+        node = nodes.get(gen)
+        if node is None:  # one step from the row one token shorter when it was seen, else a walk from the root
+            parent = nodes.get(gen[:-1]) if gen else None
+            node = trie.walk(gen) if parent is None else -1 if parent < 0 else trie.walk(gen[-1:], parent)
+            if len(nodes) + len(lists) >= _PREFIX_CACHE:
+                nodes.clear(), lists.clear()
+            nodes[gen] = node
+        return node
+
     def allowed(batch_id: int, input_ids: torch.Tensor) -> list[int]:
-        row = input_ids.tolist()
-        node = trie.walk(row[start_of(int(batch_id)) :])
-        state = RowState(torch.tensor([DONE if node < 0 else node]), torch.zeros(1, dtype=torch.long))
-        return constraint.allowed_tokens(state)[0]
+        # A row of token ids is cached; anything else is walked as a list, so it fails as before (a float or bool
+        # row would equal an int row as a key).
+        cached = isinstance(input_ids, torch.Tensor) and input_ids.dim() == 1 and input_ids.dtype in _TOKEN_DTYPES
+        row = None if cached else input_ids.tolist()
+        call = prefix_processor_call(depth=1, read_loop=False)
+        start = start_of(int(batch_id), call)
+        node = node_of(tuple(input_ids[start:].tolist())) if cached else trie.walk(row[start:])
+        if node not in lists:  # one engine call for this row and the step's others (when all rows start where it does)
+            shared = cached and call is not None and not isinstance(prompt_length, list)
+            rows = call.ids[:, start:].tolist() if shared else []
+            todo = sorted({node, *(node_of(tuple(r)) for r in rows)} - lists.keys())
+            at = torch.tensor([DONE if n < 0 else n for n in todo])
+            lists.update(zip(todo, constraint.allowed_tokens(RowState(at, torch.zeros_like(at)))))
+        return list(lists[node])  # a copy: the caller may change it
 
     return allowed

@@ -345,12 +345,14 @@ class PrefixCall(NamedTuple):
         width: the width of its ``scores`` (the columns it will index with the allowed tokens).
         stop_ids: the stop tokens of the ``generate`` loop calling it (:func:`eos_token_ids` of its
             ``generation_config``), or None (another caller, or a transformers outside :data:`VERIFIED`).
+        ids: its ``input_ids``, every row of the step. Shape: (B, length).
     """
 
     owner: Any
     length: int
     width: int
     stop_ids: Optional[list[int]]
+    ids: torch.Tensor
 
 
 #: The loops of ``generate`` that call a ``PrefixConstrainedLogitsProcessor`` (through their ``LogitsProcessorList``).
@@ -376,7 +378,7 @@ def prefix_processor_call(depth: int, read_loop: bool = True) -> Optional[Prefix
             config = frame.f_locals.get("generation_config")
             stop_ids = eos_token_ids(config) if config is not None else None
             break
-    return PrefixCall(owner, int(ids.shape[-1]), int(scores.shape[-1]), stop_ids)
+    return PrefixCall(owner, int(ids.shape[-1]), int(scores.shape[-1]), stop_ids, ids)
 
 
 # ------------------------------------------------------------------------------------------ fast-forward's model use

@@ -444,6 +444,54 @@ def test_prefix_allowed_tokens_fn_is_reusable(tiny_llama, kwargs):
         previous = results[0]
 
 
+@pytest.mark.parametrize("kwargs", [
+    dict(do_sample=False),
+    dict(do_sample=True, num_return_sequences=3),
+    dict(num_beams=5, num_return_sequences=5, do_sample=False),
+    dict(num_beams=10, num_return_sequences=3, do_sample=False),
+])
+def test_prefix_allowed_tokens_fn_answers_every_row_as_a_fresh_walk(tiny_llama, kwargs):
+    """The function remembers each row's node by its generated tokens and steps from the row one token shorter;
+    at every step of every generate call, each row's allowed set (the finite scores after it masked them) equals a
+    fresh function's answer from the whole row and the reference's, though beams are reordered between steps (a
+    row's prefix is another row's of the step before plus a token), and a second call with the same function (its
+    caches warm) writes the same."""
+    from transformers import LogitsProcessor
+
+    rng = np.random.default_rng(3)  # few tokens at many depths: a wrong node gives another set
+    entries = sorted({tuple(rng.integers(100, 106, size=rng.integers(1, 6)).tolist()) for _ in range(60)})
+    trie = TokenTrie.from_sequences(entries, vocab_size=tiny_llama.config.vocab_size)
+    ids = torch.tensor([[5, 6, 7], [0, 8, 9]])
+    fn = prefix_allowed_tokens_fn(trie, end_token_id=2)
+
+    class Seen(LogitsProcessor):  # runs after generate's PrefixConstrainedLogitsProcessor
+        def __call__(self, input_ids, scores):
+            steps.append((input_ids[:, 3:].tolist(), [row.isfinite().nonzero().flatten().tolist() for row in scores]))
+            return scores
+
+    def fresh(row: tuple) -> list[int]:  # a new function (no cache) walking the whole row
+        return prefix_allowed_tokens_fn(trie, end_token_id=2, prompt_length=3)(0, torch.tensor([5, 6, 7, *row]))
+
+    outs, answers = [], {}
+    for _ in range(2):
+        steps: list = []
+        torch.manual_seed(0)
+        outs.append(tiny_llama.generate(input_ids=ids, attention_mask=(ids > 0).long(), prefix_allowed_tokens_fn=fn,
+                                        logits_processor=[Seen()], max_new_tokens=7, pad_token_id=2, eos_token_id=2,
+                                        **kwargs).tolist())
+        assert len(steps) > 3
+        for rows, finite in steps:
+            for row, kept in zip(map(tuple, rows), finite):
+                if row not in answers:
+                    answers[row] = fresh(row)
+                    assert answers[row] == sorted(allowed_after(entries, SpanRules(end_token_id=2), row)), row
+                assert kept == answers[row], row
+        if "num_beams" in kwargs:
+            assert any(now[:-1] != before for (was, _), (rows, _) in zip(steps, steps[1:])
+                       for before, now in zip(was, rows)), "no beam was reordered"
+    assert outs[0] == outs[1]
+
+
 def test_match_helpers():
     trie = TokenTrie.from_sequences([[5, 6], [5, 6, 7], [9]], vocab_size=12, names=["a", "b", "c"])
     assert [e.name if e else None for e in match(trie, [[5, 6, 1, 1], [5, 6, 7, 1], [9, 1, 0], [4, 1]])] == ["a", "b", "c", None]
