@@ -914,18 +914,16 @@ class TrieResolver:
             return found
         handoff = handoff_store()
         handoff_key = f"{self.fingerprint[:16]}-{key[1]}"
-        if not admit:  # the engine core: the frontend that admitted the request has usually built it already
-            found = handoff.get(handoff_key, self.fingerprint)
-            if found is not None:
-                self._inline.put(key, found)
-                return found
-        with charged(f"an inline list of {len(req.payload)} entries", admit):
-            try:
-                trie = self._build(req)
-            except TrieDecodeError as exc:
-                raise TrieRequestError(f"extra_args['trie']: {exc}") from exc
-        if admit:
-            handoff.put(handoff_key, trie)
+        # The engine core (not admit): the frontend that admitted the request has usually built it already.
+        trie = None if admit else handoff.get(handoff_key, self.fingerprint)
+        if trie is None:
+            with charged(f"an inline list of {len(req.payload)} entries", admit):
+                try:
+                    trie = self._build(req)
+                except TrieDecodeError as exc:
+                    raise TrieRequestError(f"extra_args['trie']: {exc}") from exc
+            if admit:
+                handoff.put(handoff_key, trie)
         self._inline.put(key, trie)
         return trie
 
