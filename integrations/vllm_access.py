@@ -389,19 +389,15 @@ class AccessPolicy:
             handle = open_regular_file(resolved.path, follow_symlinks=resolved.kind == "named")
         except TrieFileError as exc:
             _log("load", logging.WARNING, "trie_decode: cannot open %s (%s): %s", resolved.label, resolved.path, exc)
-            where, noun = resolved.key, "trie file" if resolved.what == "trie" else "file"
+            noun = "trie file" if resolved.what == "trie" else "file"
             if resolved.kind == "named":
-                raise TrieAccessError(
-                    f"{where}: {resolved.label} is registered but cannot be opened on the server "
-                    "(the operator's configuration; details in the server log)"
-                ) from None
-            if isinstance(exc.__cause__, FileNotFoundError):  # by the cause: the path's own text may say anything
-                raise TrieAccessError(
-                    f"{where}: no {noun} {resolved.label} in the allowed directories"
-                ) from None
-            raise TrieAccessError(
-                f"{where}: {resolved.label} cannot be opened as a {noun} (not a regular readable file)"
-            ) from None
+                why = (f"{resolved.label} is registered but cannot be opened on the server (the operator's "
+                       "configuration; details in the server log)")
+            elif isinstance(exc.__cause__, FileNotFoundError):  # by the cause: the path's own text may say anything
+                why = f"no {noun} {resolved.label} in the allowed directories"
+            else:
+                why = f"{resolved.label} cannot be opened as a {noun} (not a regular readable file)"
+            raise TrieAccessError(f"{resolved.key}: {why}") from None
         self._check_opened(handle, resolved)
         return handle
 
@@ -451,35 +447,26 @@ class AccessPolicy:
 
     def load(self, resolved: Resolved, handle: BinaryIO, delta: Optional[BinaryIO]) -> TokenTrie:
         """The trie of a file opened by :meth:`open`, verified, with the changes of its delta file (opened by
-        :meth:`open_delta`, or None) folded in. Raises :class:`TrieAccessError` with the client-safe message of
-        the one that does not load (:meth:`load_failed`, :meth:`delta_failed`)."""
-        failed = self.load_failed
+        :meth:`open_delta`, or None) folded in. Raises :class:`TrieAccessError` with a client-safe message that
+        names the one that does not load (the trie file, or its delta file): its bytes never reach the client, the
+        reason goes to the server log."""
+        in_delta = False
         try:
             trie = TokenTrie.load(handle, verify=True)
             if delta is not None:
-                failed = self.delta_failed
+                in_delta = True
                 trie = apply_delta_file(trie, delta)
             return trie
         except (TrieDecodeError, OSError, ValueError, KeyError, TypeError, IndexError, MemoryError) as exc:
-            raise failed(resolved, exc) from None
-
-    def delta_failed(self, resolved: Resolved, exc: BaseException) -> TrieAccessError:
-        """The client's message for a delta file that opened but does not apply to its trie file."""
-        _log("load", logging.WARNING, "trie_decode: the delta file of %s (%s) does not load: %s: %s", resolved.label,
-             resolved.path, type(exc).__name__, exc)
-        return TrieAccessError(
-            f"{resolved.key}: {resolved.label} has a live catalog delta file beside it that is not a "
-            "valid delta for it (corrupted, or written for another trie; details in the server log)"
-        )
-
-    def load_failed(self, resolved: Resolved, exc: BaseException) -> TrieAccessError:
-        """The client's message for a file that opened but does not load (its bytes never reach the client)."""
-        _log("load", logging.WARNING, "trie_decode: %s (%s) does not load: %s: %s", resolved.label, resolved.path,
-             type(exc).__name__, exc)
-        return TrieAccessError(
-            f"{resolved.key}: {resolved.label} is not a valid trie file (truncated, corrupted, or not written by "
-            "TokenTrie.save / trie-decode build; details in the server log)"
-        )
+            _log("load", logging.WARNING, "trie_decode: %s%s (%s) does not load: %s: %s",
+                 "the delta file of " if in_delta else "", resolved.label, resolved.path, type(exc).__name__, exc)
+            if in_delta:
+                why = ("has a live catalog delta file beside it that is not a valid delta for it (corrupted, or "
+                       "written for another trie; details in the server log)")
+            else:
+                why = ("is not a valid trie file (truncated, corrupted, or not written by TokenTrie.save / "
+                       "trie-decode build; details in the server log)")
+            raise TrieAccessError(f"{resolved.key}: {resolved.label} {why}") from None
 
 
 # ---------------------------------------------------------------------------------------------- budget
@@ -560,10 +547,8 @@ class HandoffStore:
         try:
             parent = os.path.dirname(directory.rstrip(os.sep))
             for d in (parent, directory):
-                try:
+                with contextlib.suppress(FileExistsError):
                     os.mkdir(d, 0o700)
-                except FileExistsError:
-                    pass
             for d in (parent, directory):
                 st = os.lstat(d)
                 if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
@@ -576,12 +561,10 @@ class HandoffStore:
         # Leftovers of servers that did not exit cleanly (files are content-addressed: removing one only means an
         # engine builds that list itself).
         cutoff = time.time() - STALE_HANDOFF_S
-        try:
+        with contextlib.suppress(OSError):
             for entry in os.scandir(directory):
                 if entry.name.endswith((".trie", ".tmp")) and entry.stat(follow_symlinks=False).st_mtime < cutoff:
                     os.unlink(entry.path)
-        except OSError:
-            pass
         return directory
 
     def _path(self, key: str) -> str:
@@ -602,11 +585,8 @@ class HandoffStore:
         with self.lock:
             self.written.append(path)
             while len(self.written) > self.max_files:
-                old = self.written.popleft()
-                try:
-                    os.unlink(old)
-                except OSError:
-                    pass
+                with contextlib.suppress(OSError):
+                    os.unlink(self.written.popleft())
 
     def get(self, key: str, fingerprint: str) -> Optional[TokenTrie]:
         if not self.directory:
@@ -624,10 +604,8 @@ class HandoffStore:
 
     def _cleanup(self) -> None:
         for path in list(self.written):
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(path)
-            except OSError:
-                pass
 
 
 def _default_handoff_dir() -> Optional[str]:

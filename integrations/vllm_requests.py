@@ -189,16 +189,17 @@ class TrieRequest:
 
     def trie_key(self) -> Hashable:
         """A key that identifies the trie (content hash for inline payloads; for spans, of the whole span list)."""
-        if self.source in ("spans", "template"):
-            blob = json.dumps([self.payload] + [[s.after, s.end, s.escape, s.whitespace, s.source, s.payload, s.allow,
-                                                 s.deny] for s in self.spans], ensure_ascii=False)
-            return (self.source, hashlib.sha256(blob.encode("utf-8", "surrogatepass")).hexdigest())
         if self.source == "file":
             return ("file", self.payload)
-        forms = [self.leading_space, self.context, self.normalize, self.on_unstable]
+        if self.source in ("spans", "template"):
+            kind, content = self.source, [self.payload] + [
+                [s.after, s.end, s.escape, s.whitespace, s.source, s.payload, s.allow, s.deny] for s in self.spans]
+        else:
+            forms = [self.leading_space, self.context, self.normalize, self.on_unstable]
+            kind, content = "inline", [self.source, forms, self.payload]
         # surrogatepass: a lone surrogate (a JSON "\\ud800") is refused by the build, naming it
-        blob = json.dumps([self.source, forms, self.payload], ensure_ascii=False).encode("utf-8", "surrogatepass")
-        return ("inline", hashlib.sha256(blob).hexdigest())
+        blob = json.dumps(content, ensure_ascii=False).encode("utf-8", "surrogatepass")
+        return (kind, hashlib.sha256(blob).hexdigest())
 
 
 #: Every refusal of a request's options (a :class:`TrieRequestError`).
@@ -326,20 +327,19 @@ def _spans_option(value: Any, max_entries: int, max_bytes: int, key: str = "span
             _fail(f"{what}['after']: {exc}")
         if ("values" in item) == ("trie" in item):
             _fail(f"{what} needs exactly one of 'values' (a list of strings) and 'trie' (a trie name or file path)")
-        filters = {}
-        for name in ("allow", "deny"):
-            filters[name] = _filter_option(item.get(name), f"{what}[{name!r}]", files=False)
-        sent = f"extra_args[{key!r}][{after!r}]" if slots else None  # where a slot's values or trie were sent
-        if "trie" in item:
+        filters = {name: _filter_option(item.get(name), f"{what}[{name!r}]", files=False) for name in ("allow", "deny")}
+        given = "trie" if "trie" in item else "values"
+        # Where the values or trie were sent: a slot's under its name.
+        sent = f"extra_args[{key!r}][{after!r}]" if slots else f"{what}[{given!r}]"
+        if given == "trie":
             path = item["trie"]
             if not isinstance(path, str) or not path.strip():
-                _fail(f"{sent or what + '[' + repr('trie') + ']'} must be a registered trie name or a trie file path, "
-                      f"got {path!r:.60}")
+                _fail(f"{sent} must be a registered trie name or a trie file path, got {path!r:.60}")
             out.append(SpanRequest(after, "file", path, end, escape, whitespace, **filters))
             continue
         values = item["values"]
         if not isinstance(values, (list, tuple)) or not values or not all(isinstance(v, str) and v for v in values):
-            _fail(f"{sent or what + '[' + repr('values') + ']'} must be a non-empty list of non-empty strings"
+            _fail(f"{sent} must be a non-empty list of non-empty strings"
                   + (" (or a registered trie name or trie file path)" if slots else ""))
         entries += len(values)
         size += sum(len(v.encode("utf-8", "surrogatepass")) for v in values)
@@ -742,8 +742,8 @@ class _LRU:
     def __init__(
         self,
         size: int,
-        max_bytes: Optional[int] = None,
-        sizeof: Callable[[Any], int] = lambda v: 0,
+        max_bytes: int,
+        sizeof: Callable[[Any], int],
         in_use: Optional[Callable[[], Collection[Hashable]]] = None,
         live_sizes: bool = False,
     ) -> None:
@@ -788,7 +788,7 @@ class _LRU:
                 self.nbytes -= self.items.pop(old_key)[1]
 
     def _over(self) -> bool:
-        return len(self.items) > self.size or (self.max_bytes is not None and self.nbytes > self.max_bytes)
+        return len(self.items) > self.size or self.nbytes > self.max_bytes
 
     def __len__(self) -> int:
         return len(self.items)
@@ -914,18 +914,16 @@ class TrieResolver:
             return found
         handoff = handoff_store()
         handoff_key = f"{self.fingerprint[:16]}-{key[1]}"
-        if not admit:  # the engine core: the frontend that admitted the request has usually built it already
-            found = handoff.get(handoff_key, self.fingerprint)
-            if found is not None:
-                self._inline.put(key, found)
-                return found
-        with charged(f"an inline list of {len(req.payload)} entries", admit):
-            try:
-                trie = self._build(req)
-            except TrieDecodeError as exc:
-                raise TrieRequestError(f"extra_args['trie']: {exc}") from exc
-        if admit:
-            handoff.put(handoff_key, trie)
+        # The engine core (not admit): the frontend that admitted the request has usually built it already.
+        trie = None if admit else handoff.get(handoff_key, self.fingerprint)
+        if trie is None:
+            with charged(f"an inline list of {len(req.payload)} entries", admit):
+                try:
+                    trie = self._build(req)
+                except TrieDecodeError as exc:
+                    raise TrieRequestError(f"extra_args['trie']: {exc}") from exc
+            if admit:
+                handoff.put(handoff_key, trie)
         self._inline.put(key, trie)
         return trie
 
@@ -1136,20 +1134,16 @@ class TrieResolver:
             logger.debug("trie_decode: engine refusal #%d (%s): %s", count, cause, exc)
         return cause
 
-    def _filter_items(self, spec: Union[tuple, FilterFile], what: str) -> list:
-        """A filter's keys or indices: as sent, or read from its file (cached by the file's identity, so a replaced
-        file is read again)."""
-        if not isinstance(spec, FilterFile):
-            return list(spec)
-        return list(read_filter_file(spec.path, what, self._filter_files))
-
     def _filter(self, trie: TokenTrie, spec: Union[None, tuple, FilterFile], what: str) -> Optional[np.ndarray]:
-        """One filter's entry indices; a file's keys or indices that are no entries are logged, never quoted to the
-        client (its lines are the file's bytes, and any text file in an allowed directory can be named)."""
+        """One filter's entry indices, of its keys or indices as sent or read from its file (cached by the file's
+        identity, so a replaced file is read again); a file's keys or indices that are no entries are logged, never
+        quoted to the client (its lines are the file's bytes, and any text file in an allowed directory can be
+        named)."""
         if spec is None:
             return None
+        items = read_filter_file(spec.path, what, self._filter_files) if isinstance(spec, FilterFile) else spec
         try:
-            return entry_indices(trie, self._filter_items(spec, what), f"extra_args[{what!r}]")
+            return entry_indices(trie, list(items), f"extra_args[{what!r}]")
         except UnknownEntryError as exc:
             if not isinstance(spec, FilterFile):
                 raise
