@@ -107,14 +107,14 @@ def test_a_prompt_that_ends_inside_a_value_starts_where_its_tokens_lead(case, da
 
 @pytest.mark.model
 def test_a_prompt_into_a_value_with_the_real_tokenizer(model, tokenizer):
-    """SmolLM2: ``'{"city": "Rey'`` ('R', 'ey': the first tokens of Reykjavik in the span's trie) is finished by the
-    model as that entry; an instruction that quotes the ``after`` before the chat template's turn ends starts free,
-    without a warning; ``'{"city": "Reykj'`` (whose 'j' the trie spells 'jav') starts free, with one."""
+    """SmolLM2: ``'{"city": "Rey'`` ('R', 'ey': the first tokens of Reyburn in the span's trie) is finished as that
+    entry (unconstrained, the model writes Reykjavik); an instruction that quotes the ``after`` before the chat
+    template's turn ends starts free, without a warning; ``'{"city": "Reykj'`` (no value goes on with 'k') starts free, with one."""
     import warnings
 
     from trie_decode.integrations.transformers import TrieLogitsProcessor
 
-    spans = [Span(["Paris", "Reykjavik", "Oslo"], after='"city": "')]
+    spans = [Span(["Paris", "Reyburn", "Oslo"], after='"city": "')]
     base = tokenizer.apply_chat_template([{"role": "user", "content": 'Name a city in Iceland, as {"city": "'}],
                                          tokenize=False, add_generation_prompt=True)
     with warnings.catch_warnings():
@@ -122,7 +122,7 @@ def test_a_prompt_into_a_value_with_the_real_tokenizer(model, tokenizer):
         proc = TrieLogitsProcessor(tokenizer=tokenizer, spans=spans)
         enc = tokenizer(base + '{"city": "Rey', return_tensors="pt")
         out = model.generate(**enc, logits_processor=[proc], max_new_tokens=6, do_sample=False)
-        assert tokenizer.decode(out[0, enc["input_ids"].shape[1]:]).startswith('kjavik"')
+        assert tokenizer.decode(out[0, enc["input_ids"].shape[1]:]).startswith('burn"')
         fields = proc.constraint("cpu").rules.fields
         assert fields.start_state(tokenizer(base)["input_ids"])[2] == FREE  # the quote, then <|im_end|>: free
     with pytest.warns(UserWarning, match="'Reykj' after its after text"):

@@ -395,6 +395,19 @@ def test_a_final_answer_span_ends_the_request(llm, tokenizer):
     assert entered, "no prompt ending with 'Final answer:' went on with a value"
 
 
+@pytest.mark.model
+def test_a_prompt_into_a_value_is_finished_as_an_entry_on_the_engine(llm, tokenizer):
+    """The engine's requests start where their prompt's tail leaves them, as in the core: ``'{"city": "Rey'`` ('R',
+    'ey' in the span's trie) is finished as the catalog's Reyburn (unconstrained, the model writes Reykjavik)."""
+    from vllm import SamplingParams
+
+    extra = trie_args(spans=[{"after": '"city": "', "values": ["Paris", "Reyburn", "Oslo"]}])
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Name a city in Iceland."}], tokenize=False,
+                                           add_generation_prompt=True) + '{"city": "Rey'
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, extra_args=extra), use_tqdm=False)
+    assert out[0].outputs[0].text.startswith('burn"'), out[0].outputs[0].text
+
+
 # ------------------------------------------------------------------------------------------------ V2 slots, no engine
 def test_v2_slots_carry_the_text_state_like_the_core(monkeypatch, smollm2_dir, tokenizer, country_names):
     """Model Runner V2's interface through vLLM's classes (no engine): two spans requests whose rows move between
