@@ -38,6 +38,7 @@ from .trie import VOCAB_SIZE, TokenTrie, check_fingerprint, check_vocab_size
 
 __all__ = ["catalog_from_codes", "items_of", "item_keys_of", "item_entries", "item_key_table", "compacted_items"]
 
+
 def _level_ints(value: Any, name: str, levels: int) -> np.ndarray:
     """``value`` (one integer, or one per level) as an int64 array of one per level, or a named error: not integers
     (a float, a bool, an int too large for int64), or a length other than ``levels``. Shape: (L,), int64."""
