@@ -33,19 +33,9 @@ TRANSFORMERS_SIDE := $(shell grep -v '^\s*\(#\|$$\)' tests/transformers_side.txt
 
 # Without PYTEST_ARGS this is `pytest -q tests`; with them, they replace the default path, so both
 # `PYTEST_ARGS=tests/test_packaging.py` and `PYTEST_ARGS='-x -k trie'` (pyproject's testpaths) do what you mean.
-# On a fresh machine $(VENV_LATEST) is built in the background while the first stage runs (about 2 of make test's
-# minutes; its output goes to $(LATEST_LOG), printed if it fails); the second stage waits for it.
-LATEST_LOG := $(VENV_LATEST).setup.log
-test: venv
-ifeq ($(PYTEST_ARGS),)
-	@$(MAKE) --no-print-directory venv-latest > '$(LATEST_LOG)' 2>&1 & latest=$$!; \
-	TOKENIZERS_PARALLELISM=false $(VPY) -m pytest -q tests; rc=$$?; \
-	wait $$latest || { echo "== make venv-latest failed:"; cat '$(LATEST_LOG)'; exit 1; }; \
-	[ $$rc -eq 0 ] || exit $$rc
-	$(MAKE) --no-print-directory test-latest
-else
-	TOKENIZERS_PARALLELISM=false $(VPY) -m pytest -q $(PYTEST_ARGS)
-endif
+test: venv $(if $(PYTEST_ARGS),,venv-latest)
+	TOKENIZERS_PARALLELISM=false $(VPY) -m pytest -q $(if $(PYTEST_ARGS),$(PYTEST_ARGS),tests)
+	$(if $(PYTEST_ARGS),,$(MAKE) --no-print-directory test-latest)
 
 # vLLM's tests need vLLM, which this environment has not: -m 'not vllm' (tests/test_examples.py marks them). The
 # examples run as scripts here; their notebooks (the same code, tests/test_examples.py checks) run in .venv.
