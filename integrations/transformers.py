@@ -33,7 +33,7 @@ import torch
 
 from trie_decode.constraint import DONE, RowState, SpanRules, TrieConstraint, check_stop_tokens_outside_entries
 from trie_decode.entries import Entry
-from trie_decode.fields import FieldRules, Span
+from trie_decode.fields import SPAN_PROMPT_TAIL, FieldRules, Span
 from trie_decode.templates import Template
 from trie_decode.errors import ConstraintConfigError, InvalidTokenError
 from trie_decode.filters import entry_indices, filtered_restrictions
@@ -104,11 +104,6 @@ class _OutputBuffers:
         buf = torch.empty(like.shape, dtype=like.dtype, device=like.device)
         self._bufs = (self._bufs + [buf])[-self._keep :]
         return buf
-
-
-#: Prompt tokens fed to the span automaton at a generation's start (an ``after`` longer than this many tokens that
-#: starts in the prompt is not seen).
-_SPAN_TAIL = 64
 
 
 #: How a user of the processor (or of ``fast_forward_generate``) picks the stop tokens: named in the error of an entry
@@ -340,7 +335,7 @@ class TrieLogitsProcessor(LogitsProcessor):
     def _trigger_tails(self, input_ids: torch.Tensor, starting: bool = False) -> Optional[torch.Tensor]:
         """The rows' last tokens the constraint reads: a token trigger's length at every step; with spans, the
         prompt's tail at a generation's start only (``starting``; later steps feed the automaton token by token)."""
-        t = _SPAN_TAIL if starting and self.rules.fields is not None else self.rules.trigger_len
+        t = SPAN_PROMPT_TAIL if starting and self.rules.fields is not None else self.rules.trigger_len
         if not t:
             return None
         tails = input_ids[:, -t:]

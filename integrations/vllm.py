@@ -31,8 +31,9 @@ or, for catalog-valued fields inside free text (JSON under vLLM's structured out
     {"spans": [{"after": '"city": "', "values": ["Paris", "Rome"], "end": '"'},
                {"after": '"country": "', "trie": "countries", "whitespace": "exact" | "any"}]}
 
-(a spans request's rows start in free text, the prompt's last ``_SPAN_TAIL`` tokens fed to the span automaton; its
-group constraint has one trie per span, and the slot table keeps each row's ``RowState`` node, tree and text).
+(a spans request's rows start where the prompt's last ``SPAN_PROMPT_TAIL`` tokens leave them, in free text or in a
+value: ``FieldRules.start_state``; its group constraint has one trie per span, and the slot table keeps each row's
+``RowState`` node, tree and text).
 
 Requests without ``"trie"`` are untouched and cost one dict lookup at admission. Everything else is checked in
 ``validate_params`` before the request reaches the batch (offline: an exception from ``LLM.generate``; over HTTP:
@@ -64,6 +65,7 @@ import torch
 from trie_decode.constraint import DONE, RowState, TrieConstraint
 from trie_decode.kernels import mask_end_only_
 from trie_decode.device import default_dense_min_fanout
+from trie_decode.fields import SPAN_PROMPT_TAIL
 from trie_decode.trie import TokenTrie
 from trie_decode.hub import load_tokenizer
 
@@ -219,9 +221,6 @@ def _engine_constraint(resolver: TrieResolver, req: TrieRequest) -> tuple[Any, A
 
 # ---------------------------------------------------------------------------------------------- per-slot state
 _ROW_SERIAL = itertools.count()
-#: Prompt tokens fed to a spans request's text automaton when it starts (as the transformers processor's
-#: ``_SPAN_TAIL``): an ``after`` longer than this many tokens that starts in the prompt is not seen.
-_SPAN_TAIL = 64
 
 
 @dataclass
@@ -253,7 +252,7 @@ class _Group:
     """The constraint of one distinct (trie, rules) on the logits' device, which both advances and masks its rows.
     ``nbytes``: what the group keeps alive, counted generously (the trie, its arrays built so far and its step
     tables). A spans request's group has one trie per span (a row's tree is the span it is in) and reads
-    ``_SPAN_TAIL`` prompt tokens at start."""
+    ``SPAN_PROMPT_TAIL`` prompt tokens at start."""
 
     def __init__(self, trie: Any, rules: Any, device: torch.device) -> None:
         tries = [trie] if isinstance(trie, TokenTrie) else list(trie)
@@ -262,7 +261,7 @@ class _Group:
         fanout = default_dense_min_fanout(max(t.vocab_size for t in tries))
         self.constraint = TrieConstraint(tries, rules, device, dense_min_fanout=fanout)
         self.fields = rules.fields is not None
-        self.trigger_len = _SPAN_TAIL if self.fields else rules.trigger_len
+        self.trigger_len = SPAN_PROMPT_TAIL if self.fields else rules.trigger_len
         self._filters: tuple[tuple, Any] = ((), None)
         self._trie_bytes = sum(_trie_nbytes(t) for t in tries)
 

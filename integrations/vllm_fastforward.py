@@ -49,9 +49,10 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import torch
 
 from trie_decode.constraint import RowState, TrieConstraint
+from trie_decode.fields import SPAN_PROMPT_TAIL
 from trie_decode.options import check_positive
 
-from .vllm import _SPAN_TAIL, _engine_constraint, _resolver_for
+from .vllm import _engine_constraint, _resolver_for
 from .vllm_requests import parse_trie_request, prompt_trie_values, trie_args
 
 __all__ = ["generate", "FastForwardResult", "auto_resubmit", "round_seed", "AUTO_RESUBMIT_MIN_VOCAB",
@@ -226,7 +227,7 @@ def generate(
 
     def state_after(i: int, tokens: list[int]) -> RowState:
         c = host[keys[i]]
-        state = c.start(1, None, torch.tensor([ids[i][-_SPAN_TAIL:]]) if c.rules.fields is not None else None)
+        state = c.start(1, None, torch.tensor([ids[i][-SPAN_PROMPT_TAIL:]]) if c.rules.fields is not None else None)
         for t in tokens:
             state = c.advance(state, torch.tensor([t]))
         return state

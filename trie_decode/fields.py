@@ -60,6 +60,11 @@ from .trie import TokenTrie
 
 __all__ = ["Span", "FieldRules", "ESCAPES"]
 
+#: Prompt tokens every front door feeds :meth:`FieldRules.start_state` when a row starts (the transformers processor,
+#: the vLLM processors, the vLLM fast-forward driver): an ``after``, with the start of a value after it, longer than
+#: this many tokens that starts in the prompt is not seen.
+SPAN_PROMPT_TAIL = 64
+
 #: How a span's values may be written: ``None`` as given, ``"json"`` JSON-escaped (inside a JSON string).
 ESCAPES = (None, "json")
 
